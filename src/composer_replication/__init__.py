@@ -1,0 +1,2 @@
+"""composer-replication."""
+__version__ = "0.1.0"
