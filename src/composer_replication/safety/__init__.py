@@ -1,0 +1,25 @@
+"""Run-level safety: the kill switch on held-out collapse and the train / held-out split.
+
+See `kill_switch` (`HeldOutGuard`, the latching tripwire fed once per evaluation round) and
+`holdout` (`HeldoutSplit`, which decides which tasks can ever be trained on). Pure Python:
+importing this package never imports torch.
+"""
+
+from __future__ import annotations
+
+from composer_replication.safety.holdout import HeldoutLeakError, HeldoutSplit
+from composer_replication.safety.kill_switch import (
+    CollapseStopError,
+    HeldOutGuard,
+    TripwireStatus,
+    kl_token_trust_filter,
+)
+
+__all__ = [
+    "CollapseStopError",
+    "HeldOutGuard",
+    "HeldoutLeakError",
+    "HeldoutSplit",
+    "TripwireStatus",
+    "kl_token_trust_filter",
+]

@@ -1,0 +1,141 @@
+"""Deterministic train / held-out split of task ids, and the guard that keeps them apart.
+
+The held-out score that feeds `HeldOutGuard` is only meaningful if held-out tasks are never
+trained on and never fed to the task generator: recursive self-training loses the tails
+first, then collapses, so the held-out pool must stay anchored to real tasks that are never
+fed back (Shumailov et al., Nature 2024). Held-out tests alone help only a little (EvilGenie,
+arXiv 2511.21654); this split is one layer of defence in depth.
+
+Membership is a pure function of `(salt, task_id, heldout_fraction)`: the first 8 bytes of
+`sha256(salt + "\\x00" + task_id)` read as a big-endian integer, divided by 2**64, give a
+uniform number u in [0, 1); the task is held out iff u < heldout_fraction. Unlike Python's
+`hash()` this is the same in every process, on every machine and Python version. Raising the
+fraction only moves tasks from train to held-out, never back.
+
+Training-batch builders and task generators call `check_trainable` / `assert_trainable`
+(or `filter_trainable`) at their boundary, so a held-out id cannot reach them through the
+public API. Pure Python (no torch import).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["HeldoutLeakError", "HeldoutSplit"]
+
+# How many offending ids a HeldoutLeakError message lists before summarising the rest.
+_MAX_IDS_IN_MESSAGE = 10
+
+
+class HeldoutLeakError(ValueError):
+    """A held-out task id reached a training or task-generation path.
+
+    Attributes:
+        task_ids: The offending held-out ids, in the order they were passed.
+    """
+
+    def __init__(self, task_ids: list[str]) -> None:
+        self.task_ids = list(task_ids)
+        shown = ", ".join(repr(t) for t in self.task_ids[:_MAX_IDS_IN_MESSAGE])
+        more = len(self.task_ids) - _MAX_IDS_IN_MESSAGE
+        if more > 0:
+            shown += f" and {more} more"
+        noun = "id" if len(self.task_ids) == 1 else "ids"
+        super().__init__(
+            f"held-out task {noun} {shown} passed to a training or task-generation path; "
+            "held-out tasks may only be used for evaluation. Filter the ids with "
+            "HeldoutSplit.filter_trainable() / train_ids() before building batches or "
+            "generating tasks."
+        )
+
+    def __reduce__(self) -> tuple[type[HeldoutLeakError], tuple[list[str]]]:
+        return (type(self), (self.task_ids,))
+
+
+def _require_ids(task_ids: Iterable[str]) -> list[str]:
+    # A bare str is iterable (its characters); that is always a caller bug here.
+    if isinstance(task_ids, str):
+        raise TypeError(
+            f"expected an iterable of task ids, got the single string {task_ids!r}; "
+            "wrap it in a list or use the single-id method"
+        )
+    ids = list(task_ids)
+    for t in ids:
+        _require_id(t)
+    return ids
+
+
+def _require_id(task_id: object) -> str:
+    if not isinstance(task_id, str):
+        raise TypeError(f"task ids must be str, got {task_id!r} ({type(task_id).__name__})")
+    return task_id
+
+
+@dataclass(frozen=True)
+class HeldoutSplit:
+    """Deterministic, disjoint split of task ids into train and held-out.
+
+    Args:
+        heldout_fraction: Expected fraction of ids held out, strictly between 0 and 1.
+        salt: Mixed into the hash; a different salt gives an independent split. Keep it fixed
+            for the life of a project, or previously held-out tasks leak into training.
+    """
+
+    heldout_fraction: float = 0.2
+    salt: str = "composer-replication"
+
+    def __post_init__(self) -> None:
+        f = self.heldout_fraction
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0.0 < float(f) < 1.0:
+            raise ValueError(f"heldout_fraction must be a number with 0 < fraction < 1, got {f!r}")
+        if not isinstance(self.salt, str):
+            raise TypeError(f"salt must be a str, got {self.salt!r}")
+        object.__setattr__(self, "heldout_fraction", float(f))
+
+    def bucket(self, task_id: str) -> float:
+        """The id's stable pseudo-random position u in [0, 1); held out iff u < fraction."""
+        digest = hashlib.sha256(f"{self.salt}\x00{_require_id(task_id)}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64
+
+    def is_heldout(self, task_id: str) -> bool:
+        """True when `task_id` belongs to the held-out (evaluation-only) pool."""
+        return self.bucket(task_id) < self.heldout_fraction
+
+    def split(self, task_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Return `(train, heldout)`, each in input order (duplicates kept)."""
+        train: list[str] = []
+        heldout: list[str] = []
+        for t in _require_ids(task_ids):
+            (heldout if self.is_heldout(t) else train).append(t)
+        return train, heldout
+
+    def train_ids(self, task_ids: Iterable[str]) -> list[str]:
+        """The ids that may be trained on, in input order."""
+        return self.split(task_ids)[0]
+
+    def heldout_ids(self, task_ids: Iterable[str]) -> list[str]:
+        """The evaluation-only ids, in input order."""
+        return self.split(task_ids)[1]
+
+    def filter_trainable(self, task_ids: Iterable[str]) -> list[str]:
+        """Drop held-out ids silently (for samplers that draw from a mixed pool)."""
+        return self.train_ids(task_ids)
+
+    def check_trainable(self, task_ids: Iterable[str]) -> list[str]:
+        """Return the ids as a list if none is held out; else raise `HeldoutLeakError`.
+
+        Call at the boundary of every path that builds training batches or generates tasks.
+        """
+        ids = _require_ids(task_ids)
+        leaked = [t for t in ids if self.is_heldout(t)]
+        if leaked:
+            raise HeldoutLeakError(leaked)
+        return ids
+
+    def assert_trainable(self, task_id: str) -> None:
+        """Raise `HeldoutLeakError` if the single `task_id` is held out."""
+        if self.is_heldout(task_id):
+            raise HeldoutLeakError([task_id])
