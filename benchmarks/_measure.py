@@ -1,0 +1,78 @@
+"""Shared helpers for the benchmarks: run a case in a fresh process, read its peak memory.
+
+Peak extra memory is measured as the process's peak resident set size (``ru_maxrss``) during
+the measured call minus its resident size right before it, in a fresh interpreter per case,
+so that allocations of earlier cases (and allocator caches) cannot hide or inflate it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(fn: Callable[[], dict[str, Any]], *, cold: bool = True) -> dict[str, Any]:
+    """Run ``fn`` once; return its result plus seconds and peak extra bytes.
+
+    ``cold=False`` for repeated timing calls, whose memory reading is meaningless.
+    """
+    import gc
+
+    gc.collect()
+    before = current_rss_bytes()
+    if cold and peak_rss_bytes() > before + (64 << 20):
+        # The set-up itself peaked above the current size: the reading would be hidden.
+        raise RuntimeError("set-up left a higher peak RSS than the baseline; restructure it")
+    start = time.perf_counter()
+    result = fn()
+    result["seconds"] = time.perf_counter() - start
+    result["peak_extra_bytes"] = max(0, peak_rss_bytes() - before)
+    return result
+
+
+def run_case(script: str, case: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run ``script --worker CASE --args JSON`` in a fresh interpreter, parse its JSON line."""
+    cmd = [sys.executable, script, "--worker", case, "--args", json.dumps(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {case} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / (1 << 30):.2f} GiB"
+
+
+def machine_line() -> str:
+    import platform
+
+    import torch
+
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
+    )

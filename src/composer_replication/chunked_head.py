@@ -1,0 +1,347 @@
+"""LM-head losses computed from hidden states in token chunks, never materialising logits.
+
+A causal LM's last step is ``logits = hidden @ W.T`` with (B, T, V) logits: for SmolLM2 at
+B=8, T=512 that is 800 MB of fp32, and the naive ``log_softmax -> gather`` path keeps
+several such buffers alive for the backward pass. The functions here take the final hidden
+states (..., H) and the head weight (V, H) instead, and process ``chunk_size`` rows at a
+time: the forward pass keeps only per-token scalars (log-sum-exp), the backward pass
+recomputes each chunk's logits and writes the gradient analytically (the fused
+linear-cross-entropy idea of Liger-Kernel / Cut Cross-Entropy, arXiv 2411.09009). Peak
+extra memory is O(chunk_size * V) plus the head's weight gradient.
+
+Public functions:
+- ``token_logprobs_from_hidden``: per-token log-probabilities of given targets (+ entropy).
+- ``cross_entropy_from_hidden``: next-token CE with ignore_index and reductions.
+- ``jsd_from_hidden``: per-token generalized JSD between a student and a (no-grad) teacher.
+- ``last_hidden_states`` / ``lm_head_weight``: pull the pieces out of a Hugging Face model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from composer_replication.opsd import default_chunk_rows, jsd_rows, jsd_rows_with_grads
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+def _logits_chunk(hidden_chunk: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    logits = hidden_chunk @ weight.T
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # low-precision heads: softmax statistics in fp32
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log p(target) (M,) and entropy (M,) from hidden rows (M, H) and head weight (V, H)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk: int
+    ) -> tuple[Tensor, Tensor]:
+        n_rows = hidden.shape[0]
+        out_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        logprobs = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
+        entropy = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
+        lse = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
+        for start in range(0, n_rows, chunk):
+            stop = min(start + chunk, n_rows)
+            logits = _logits_chunk(hidden[start:stop], weight, temperature)
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            lse[start:stop] = chunk_lse
+            logprobs[start:stop] = logits.gather(-1, targets[start:stop, None]).squeeze(-1) - chunk_lse
+            # H = lse - sum_v p_v z_v, reusing the logits buffer for p * z.
+            probs = (logits - chunk_lse[:, None]).exp_()
+            entropy[start:stop] = chunk_lse - (probs.mul_(logits)).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.settings = (temperature, chunk)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):  # type: ignore[override]
+        hidden, weight, targets, lse = ctx.saved_tensors
+        temperature, chunk = ctx.settings
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        for start in range(0, hidden.shape[0], chunk):
+            stop = min(start + chunk, hidden.shape[0])
+            h = hidden[start:stop]
+            g = grad_logprobs[start:stop]
+            # d lp / d z = onehot(target) - softmax(z), scaled by 1/temperature.
+            grad_logits = _logits_chunk(h, weight, temperature)
+            grad_logits.sub_(lse[start:stop, None]).exp_().mul_(-g[:, None])
+            rows = torch.arange(stop - start, device=h.device)
+            grad_logits[rows, targets[start:stop]] += g
+            if temperature != 1.0:
+                grad_logits.div_(temperature)
+            grad_logits = grad_logits.to(weight.dtype)
+            if need_h:
+                grad_h[start:stop] = grad_logits @ weight
+            if need_w:
+                grad_w.addmm_(grad_logits.T, h)
+        return grad_h, grad_w, None, None, None
+
+
+class _ChunkedHiddenJSD(torch.autograd.Function):
+    """Per-token JSD (M,) between student rows (grad) and teacher rows (no grad)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        student_hidden: Tensor,
+        weight: Tensor,
+        teacher_hidden: Tensor,
+        teacher_weight: Tensor,
+        beta: float,
+        temperature: float,
+        chunk: int,
+    ) -> Tensor:
+        n_rows = student_hidden.shape[0]
+        out_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        out = torch.empty(n_rows, dtype=out_dtype, device=student_hidden.device)
+        for start in range(0, n_rows, chunk):
+            stop = min(start + chunk, n_rows)
+            s_logp, t_logp = _jsd_chunk_logps(
+                student_hidden[start:stop], weight, teacher_hidden[start:stop], teacher_weight,
+                temperature,
+            )
+            out[start:stop] = jsd_rows(s_logp, t_logp, beta)
+        ctx.save_for_backward(student_hidden, weight, teacher_hidden, teacher_weight)
+        ctx.settings = (beta, temperature, chunk)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        student_hidden, weight, teacher_hidden, teacher_weight = ctx.saved_tensors
+        beta, temperature, chunk = ctx.settings
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(student_hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        for start in range(0, student_hidden.shape[0], chunk):
+            stop = min(start + chunk, student_hidden.shape[0])
+            h = student_hidden[start:stop]
+            s_logp, t_logp = _jsd_chunk_logps(
+                h, weight, teacher_hidden[start:stop], teacher_weight, temperature
+            )
+            _, grad_logits, _ = jsd_rows_with_grads(s_logp, t_logp, beta)
+            grad_logits.mul_((grad_out[start:stop] / temperature)[:, None])
+            grad_logits = grad_logits.to(weight.dtype)
+            if need_h:
+                grad_h[start:stop] = grad_logits @ weight
+            if need_w:
+                grad_w.addmm_(grad_logits.T, h)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _jsd_chunk_logps(
+    student_h: Tensor, weight: Tensor, teacher_h: Tensor, teacher_weight: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
+    s_logits = _logits_chunk(student_h, weight, temperature)
+    t_logits = _logits_chunk(teacher_h, teacher_weight, temperature)
+    return torch.log_softmax(s_logits, dim=-1), torch.log_softmax(t_logits, dim=-1)
+
+
+def _check_head(hidden: Tensor, weight: Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"lm head weight must be (V, H), got {tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size {hidden.shape[-1]} does not match the head weight {tuple(weight.shape)}"
+        )
+
+
+def _check_temperature(temperature: float) -> None:
+    if not float(temperature) > 0.0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+
+
+def token_logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probabilities of ``targets`` under ``softmax(hidden @ weight.T / temperature)``.
+
+    Args:
+        hidden: (..., H) final hidden states (after the last norm).
+        weight: (V, H) LM-head weight.
+        targets: (...) token ids; positions equal to ``ignore_index`` give 0 and no gradient.
+        temperature: logits are divided by it (the sampling temperature for RL ratios).
+        chunk_size: rows per chunk (default: about 16 MiB of fp32 logits per chunk).
+        return_entropy: also return the per-token entropy (nats, detached).
+
+    Returns:
+        (...) log-probs, and (...) entropies when ``return_entropy``.
+    """
+    _check_head(hidden, weight)
+    _check_temperature(temperature)
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must match hidden's leading shape "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    keep = flat_targets != ignore_index
+    all_kept = bool(keep.all())
+    rows = None if all_kept else keep.nonzero().squeeze(-1)
+    sel_hidden = flat_hidden if all_kept else flat_hidden.index_select(0, rows)
+    sel_targets = flat_targets if all_kept else flat_targets.index_select(0, rows)
+    if sel_targets.numel() and (
+        int(sel_targets.min()) < 0 or int(sel_targets.max()) >= weight.shape[0]
+    ):
+        raise ValueError(
+            f"targets must be token ids in [0, {weight.shape[0]}) or {ignore_index}, got values "
+            f"in [{int(sel_targets.min())}, {int(sel_targets.max())}]"
+        )
+    chunk = chunk_size or default_chunk_rows(weight.shape[0])
+    lp, ent = _ChunkedTokenLogprobs.apply(
+        sel_hidden, weight, sel_targets, float(temperature), int(chunk)
+    )
+    if not all_kept:
+        lp = lp.new_zeros(flat_targets.shape).index_put((rows,), lp)
+        ent = ent.new_zeros(flat_targets.shape).index_put((rows,), ent)
+    lp = lp.reshape(targets.shape)
+    if return_entropy:
+        return lp, ent.reshape(targets.shape)
+    return lp
+
+
+def cross_entropy_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Cross-entropy of ``targets`` (already shifted) from hidden states.
+
+    ``reduction``: ``mean`` over non-ignored tokens (0 with grad when there are none),
+    ``sum``, or ``none`` -> per-token (...) with 0 at ignored positions.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} is not one of ('mean', 'sum', 'none')")
+    logprobs = token_logprobs_from_hidden(
+        hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+        ignore_index=ignore_index,
+    )
+    nll = -logprobs
+    if reduction == "none":
+        return nll
+    if reduction == "sum":
+        return nll.sum()
+    n_tokens = (targets != ignore_index).sum().clamp_min(1)
+    return nll.sum() / n_tokens
+
+
+def jsd_from_hidden(
+    student_hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    *,
+    teacher_weight: Tensor | None = None,
+    mask: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Per-token generalized JSD (...) between student and teacher heads (GKD conventions).
+
+    The teacher side (``teacher_hidden``, ``teacher_weight``, default ``weight``) never
+    receives gradient: it is the stop-gradient target of self-distillation. Positions where
+    ``mask`` is False give 0. ``beta`` and ``temperature`` as in
+    :func:`composer_replication.opsd.generalized_jsd_loss`.
+    """
+    _check_head(student_hidden, weight)
+    _check_temperature(temperature)
+    if not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta={beta} must be in [0, 1]")
+    if teacher_hidden.shape != student_hidden.shape:
+        raise ValueError(
+            f"teacher_hidden {tuple(teacher_hidden.shape)} must match student_hidden "
+            f"{tuple(student_hidden.shape)} (align the response positions first)"
+        )
+    t_weight = (weight if teacher_weight is None else teacher_weight).detach()
+    if t_weight.shape != weight.shape:
+        raise ValueError(
+            f"teacher_weight {tuple(t_weight.shape)} must match weight {tuple(weight.shape)}"
+        )
+    lead = student_hidden.shape[:-1]
+    flat_s = student_hidden.reshape(-1, student_hidden.shape[-1])
+    flat_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+    rows = None
+    if mask is not None:
+        if mask.shape != lead:
+            raise ValueError(f"mask {tuple(mask.shape)} must have shape {tuple(lead)}")
+        rows = mask.reshape(-1).bool().nonzero().squeeze(-1)
+        flat_s = flat_s.index_select(0, rows)
+        flat_t = flat_t.index_select(0, rows)
+    chunk = chunk_size or default_chunk_rows(weight.shape[0])
+    values = _ChunkedHiddenJSD.apply(
+        flat_s, weight, flat_t, t_weight, float(beta), float(temperature), int(chunk)
+    )
+    if rows is not None:
+        values = values.new_zeros(mask.numel()).index_put((rows,), values)
+    return values.reshape(lead)
+
+
+def lm_head_weight(model: Any) -> Tensor:
+    """The (V, H) output-projection weight of a Hugging Face causal LM (PEFT-wrapped or not).
+
+    Raises ``ValueError`` for heads that are not a plain bias-free linear map of the final
+    hidden state (logit soft-capping, logit scaling, a bias), for which the hidden-state
+    path would compute something else than the model does.
+    """
+    base = _unwrap_peft(model)
+    head = base.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(base).__name__} has no output embeddings (not a causal LM?)")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(base).__name__}'s LM head has a bias: use the logits path")
+    config = getattr(base, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, attr, None) not in (None, 1.0):
+            raise ValueError(
+                f"{type(base).__name__} applies {attr}={getattr(config, attr)} to its logits: "
+                "the hidden-state path does not support it, use the logits path"
+            )
+    # A LoRA adapter on the head itself would change the projection.
+    if hasattr(head, "base_layer"):
+        raise ValueError("LoRA on the LM head is not supported by the hidden-state path")
+    return head.weight
+
+
+def last_hidden_states(
+    model: Any, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs: Any
+) -> Tensor:
+    """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits."""
+    base = _unwrap_peft(model)
+    body = getattr(base, base.base_model_prefix, None) if hasattr(base, "base_model_prefix") else None
+    if body is None:
+        raise ValueError(f"cannot find the transformer body of {type(base).__name__}")
+    out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    return out.last_hidden_state
+
+
+def _unwrap_peft(model: Any) -> Any:
+    # PeftModel -> LoraModel -> the transformers model (whose layers carry the adapters).
+    if hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model

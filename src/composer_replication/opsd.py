@@ -1,0 +1,339 @@
+"""Generalized Jensen-Shannon divergence for on-policy self-distillation (OPSD / SDPO).
+
+The student is the policy on the plain context, the teacher the same (or a frozen) policy on
+the hint-augmented context; both produce a distribution over the vocabulary at every aligned
+response position. This module computes the generalized JSD of Agarwal et al. (GKD,
+arXiv 2306.13649, Eq. 1) between them, with the exact conventions of trl's
+``GKDTrainer.generalized_jsd_loss`` (beta=0 is forward KL(teacher||student), beta=1 is reverse
+KL(student||teacher), logits divided by the temperature, the same reductions).
+
+Unlike the reference formulation, which materialises several (B, T, V) buffers at once and
+lets autograd keep them for the backward pass, the divergence here is computed in chunks of
+tokens by a custom autograd function whose gradient is written analytically:
+
+    m = beta * p_t + (1 - beta) * p_s
+    dJ/dz_s = (1 - beta) / tau * p_s * (log p_s - log m - KL(p_s || m))
+    dJ/dz_t = beta / tau * p_t * (log p_t - log m - KL(p_t || m))
+
+so peak extra memory is O(chunk * V) in the forward pass and one (B, T, V) gradient buffer
+in the backward pass (the gradient autograd hands back must exist anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+REDUCTIONS = ("batchmean", "sum", "mean", "none")
+IGNORE_INDEX = -100
+
+# Rows of the vocabulary-sized matrices processed at once. 2**22 fp32 elements (16 MiB)
+# per temporary keeps every intermediate of a chunk in the last-level cache's neighbourhood.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk so that one (chunk, V) fp32 temporary is about 16 MiB."""
+    return max(8, _CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+# ---------------------------------------------------------------------------------------
+# Row math: pure functions over log-probabilities of shape (C, V), already temperature-scaled.
+# ---------------------------------------------------------------------------------------
+
+
+def jsd_rows(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """Per-row generalized JSD (C,) from student/teacher log-probabilities (C, V)."""
+    if beta == 0.0:
+        # Forward KL(teacher || student), trl's beta=0 convention.
+        return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+    if beta == 1.0:
+        # Reverse KL(student || teacher), trl's beta=1 convention.
+        return (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
+    mix_logp = _mixture_logp(student_logp, teacher_logp, beta)
+    kl_student = (student_logp.exp() * (student_logp - mix_logp)).sum(-1)
+    kl_teacher = (teacher_logp.exp() * (teacher_logp - mix_logp)).sum(-1)
+    return beta * kl_teacher + (1.0 - beta) * kl_student
+
+
+def jsd_rows_with_grads(
+    student_logp: Tensor,
+    teacher_logp: Tensor,
+    beta: float,
+    *,
+    student_grad: bool = True,
+    teacher_grad: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Per-row JSD (C,) and its gradients w.r.t. the temperature-scaled logits (C, V).
+
+    The gradients are those of ``sum(jsd_rows(...))``; multiply by the upstream per-row
+    gradient and divide by the temperature to get gradients w.r.t. raw logits.
+    """
+    p_s = student_logp.exp()
+    p_t = teacher_logp.exp()
+    grad_s = grad_t = None
+    if beta == 0.0:
+        log_ratio = teacher_logp - student_logp
+        jsd = (p_t * log_ratio).sum(-1)
+        if student_grad:
+            grad_s = p_s - p_t
+        if teacher_grad:
+            grad_t = p_t * (log_ratio - jsd.unsqueeze(-1))
+        return jsd, grad_s, grad_t
+    if beta == 1.0:
+        log_ratio = student_logp - teacher_logp
+        jsd = (p_s * log_ratio).sum(-1)
+        if student_grad:
+            grad_s = p_s * (log_ratio - jsd.unsqueeze(-1))
+        if teacher_grad:
+            grad_t = p_t - p_s
+        return jsd, grad_s, grad_t
+    mix_logp = _mixture_logp(student_logp, teacher_logp, beta)
+    s_ratio = student_logp - mix_logp
+    t_ratio = teacher_logp - mix_logp
+    kl_student = (p_s * s_ratio).sum(-1)
+    kl_teacher = (p_t * t_ratio).sum(-1)
+    jsd = beta * kl_teacher + (1.0 - beta) * kl_student
+    if student_grad:
+        grad_s = (1.0 - beta) * p_s * (s_ratio - kl_student.unsqueeze(-1))
+    if teacher_grad:
+        grad_t = beta * p_t * (t_ratio - kl_teacher.unsqueeze(-1))
+    return jsd, grad_s, grad_t
+
+
+def _mixture_logp(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    # log(beta * p_t + (1 - beta) * p_s), stable even where both probabilities underflow.
+    return torch.logaddexp(student_logp + math.log1p(-beta), teacher_logp + math.log(beta))
+
+
+# ---------------------------------------------------------------------------------------
+# Chunked per-token JSD over rows of logits, with an analytic backward pass.
+# ---------------------------------------------------------------------------------------
+
+
+class _ChunkedTokenJSD(torch.autograd.Function):
+    """Per-token JSD (M,) over selected rows of (N, V) logits, recomputed chunk by chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        student_rows: Tensor,
+        teacher_rows: Tensor,
+        row_index: Tensor,
+        beta: float,
+        temperature: float,
+        chunk_rows: int,
+        from_probs: bool,
+    ) -> Tensor:
+        out = torch.empty(row_index.numel(), dtype=_compute_dtype(student_rows),
+                          device=student_rows.device)
+        for start in range(0, row_index.numel(), chunk_rows):
+            idx = row_index[start : start + chunk_rows]
+            s_logp, t_logp = _chunk_logps(student_rows, teacher_rows, idx, temperature,
+                                          from_probs)
+            out[start : start + idx.numel()] = jsd_rows(s_logp, t_logp, beta)
+        ctx.save_for_backward(student_rows, teacher_rows, row_index)
+        ctx.settings = (beta, temperature, chunk_rows, from_probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        student_rows, teacher_rows, row_index = ctx.saved_tensors
+        beta, temperature, chunk_rows, from_probs = ctx.settings
+        need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_s_rows = torch.zeros_like(student_rows) if need_s else None
+        grad_t_rows = torch.zeros_like(teacher_rows) if need_t else None
+        for start in range(0, row_index.numel(), chunk_rows):
+            idx = row_index[start : start + chunk_rows]
+            s_logp, t_logp = _chunk_logps(student_rows, teacher_rows, idx, temperature,
+                                          from_probs)
+            _, g_s, g_t = jsd_rows_with_grads(s_logp, t_logp, beta, student_grad=need_s,
+                                              teacher_grad=need_t)
+            scale = (grad_out[start : start + idx.numel()] / temperature).unsqueeze(-1)
+            if need_s:
+                g_s = g_s * scale
+                if from_probs:  # d log(p) / dp = 1 / p
+                    g_s = g_s / student_rows.index_select(0, idx).to(g_s.dtype).clamp_min(_TINY)
+                grad_s_rows.index_copy_(0, idx, g_s.to(grad_s_rows.dtype))
+            if need_t:
+                g_t = g_t * scale
+                if from_probs:
+                    g_t = g_t / teacher_rows.index_select(0, idx).to(g_t.dtype).clamp_min(_TINY)
+                grad_t_rows.index_copy_(0, idx, g_t.to(grad_t_rows.dtype))
+        return grad_s_rows, grad_t_rows, None, None, None, None, None
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _chunk_logps(
+    student_rows: Tensor, teacher_rows: Tensor, idx: Tensor, temperature: float, from_probs: bool
+) -> tuple[Tensor, Tensor]:
+    dtype = _compute_dtype(student_rows)
+    s = student_rows.index_select(0, idx).to(dtype)
+    t = teacher_rows.index_select(0, idx).to(dtype)
+    if from_probs:
+        s = s.clamp_min(_TINY).log()
+        t = t.clamp_min(_TINY).log()
+    if temperature != 1.0:
+        s = s / temperature
+        t = t / temperature
+    return torch.log_softmax(s, dim=-1), torch.log_softmax(t, dim=-1)
+
+
+def per_token_jsd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    logits_are_probs: bool = False,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Per-token generalized JSD (...,) of (..., V) logits, 0 where ``mask`` is False.
+
+    Computed chunk by chunk with an analytic backward pass; never holds more than one
+    (..., V) buffer (the gradient) beyond O(chunk_size * V) temporaries.
+    """
+    _check_beta_temperature(beta, temperature)
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+            f"{tuple(teacher_logits.shape)} must have the same shape"
+        )
+    lead_shape = student_logits.shape[:-1]
+    vocab = student_logits.shape[-1]
+    s_rows = student_logits.reshape(-1, vocab)
+    t_rows = teacher_logits.reshape(-1, vocab)
+    if mask is None:
+        row_index = torch.arange(s_rows.shape[0], device=s_rows.device)
+    else:
+        if mask.shape != lead_shape:
+            raise ValueError(f"mask {tuple(mask.shape)} must have shape {tuple(lead_shape)}")
+        row_index = mask.reshape(-1).nonzero().squeeze(-1)
+    chunk = chunk_size or default_chunk_rows(vocab)
+    values = _ChunkedTokenJSD.apply(
+        s_rows, t_rows, row_index, float(beta), float(temperature), int(chunk),
+        bool(logits_are_probs),
+    )
+    full = values.new_zeros(s_rows.shape[0])
+    full = full.index_put((row_index,), values)
+    return full.reshape(lead_shape)
+
+
+def _check_beta_temperature(beta: float, temperature: float) -> None:
+    if not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta={beta} must be in [0, 1] (0: KL(teacher||student), 1: reverse)")
+    if not float(temperature) > 0.0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+
+
+def generalized_jsd_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    logits_are_probs: bool = False,
+    top_k: int | None = None,
+    token_clip: float | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Generalized JSD between student and teacher distributions (GKD, arXiv 2306.13649).
+
+    Args:
+        student_logits: (B, T, V) student logits (gradients flow here).
+        teacher_logits: (B, T, V) teacher logits (gradients flow too if they require grad).
+        labels: (B, T); positions equal to -100 are ignored. None keeps every position.
+        beta: mixture weight in [0, 1]; ``m = beta*p_teacher + (1-beta)*p_student`` and
+            ``JSD = beta*KL(teacher||m) + (1-beta)*KL(student||m)``; 0 is KL(teacher||student)
+            and 1 is KL(student||teacher), as in trl's GKD.
+        temperature: both logits are divided by it before the softmax.
+        reduction: ``batchmean`` (sum / unmasked tokens with labels, sum / B without),
+            ``sum``, ``mean`` (over all token x vocabulary terms), ``none`` -> (B, T).
+        logits_are_probs: inputs are probabilities (rows summing to 1) instead of logits.
+        top_k: restrict both distributions to the teacher's top-k tokens, renormalised.
+        token_clip: clamp each token's divergence to at most this value (its gradient is
+            then zero), which bounds the pull of outlier positions.
+        chunk_size: tokens per chunk (default: about 16 MiB of fp32 per temporary).
+
+    Returns:
+        A scalar, or (B, T) for ``reduction="none"`` (0 at ignored positions).
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+            f"{tuple(teacher_logits.shape)} must have the same shape"
+        )
+    if student_logits.dim() < 2:
+        raise ValueError(f"logits must be (B, T, V) or (N, V), got {tuple(student_logits.shape)}")
+    lead_shape = student_logits.shape[:-1]
+    mask = None
+    if labels is not None:
+        if labels.shape != lead_shape:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must match the logits' leading shape "
+                f"{tuple(lead_shape)}"
+            )
+        mask = labels != IGNORE_INDEX
+    if token_clip is not None and not token_clip > 0:
+        raise ValueError(f"token_clip={token_clip} must be > 0 (or None to disable)")
+
+    if top_k is not None:
+        student_logits, teacher_logits = _restrict_to_teacher_top_k(
+            student_logits, teacher_logits, top_k, logits_are_probs
+        )
+        logits_are_probs = False
+    vocab_terms = student_logits.shape[-1]
+
+    per_token = per_token_jsd(
+        student_logits, teacher_logits, mask, beta=beta, temperature=temperature,
+        logits_are_probs=logits_are_probs, chunk_size=chunk_size,
+    )
+    if token_clip is not None:
+        per_token = per_token.clamp(max=float(token_clip))
+
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    n_tokens = per_token.numel() if mask is None else mask.sum()
+    if reduction == "mean":
+        if mask is None:
+            return total / (n_tokens * vocab_terms)
+        # trl: jsd[mask].mean() averages over every unmasked (token, vocab) term.
+        return total / (n_tokens * vocab_terms)
+    # batchmean
+    if mask is None:
+        return total / max(student_logits.shape[0], 1)
+    return total / n_tokens.clamp_min(1)
+
+
+def _restrict_to_teacher_top_k(
+    student_logits: Tensor, teacher_logits: Tensor, top_k: int, logits_are_probs: bool
+) -> tuple[Tensor, Tensor]:
+    vocab = student_logits.shape[-1]
+    if not 1 <= int(top_k) <= vocab:
+        raise ValueError(f"top_k={top_k} must be in [1, V={vocab}]")
+    top_idx = teacher_logits.detach().topk(int(top_k), dim=-1).indices
+    s = student_logits.gather(-1, top_idx)
+    t = teacher_logits.gather(-1, top_idx)
+    if logits_are_probs:
+        # log of the kept probabilities; the log_softmax downstream renormalises them.
+        s = s.clamp_min(_TINY).log()
+        t = t.clamp_min(_TINY).log()
+    return s, t
