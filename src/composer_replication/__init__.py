@@ -1,2 +1,44 @@
-"""composer-replication."""
+"""composer-replication: post-train coding agents with the Composer recipe.
+
+Top-level names load lazily (PEP 562), so ``import composer_replication`` stays cheap and
+imports neither torch nor any optional dependency until a name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# name -> module that defines it
+_LAZY: dict[str, str] = {
+    "compose_loss": "composer_replication.loss",
+    "LossComponents": "composer_replication.loss",
+    "build_batch": "composer_replication.batch",
+    "generalized_jsd_loss": "composer_replication.opsd",
+}
+
+# True when the optional torchft dependency (DiLoCo) is importable.
+_DILOCO_AVAILABLE: bool = importlib.util.find_spec("torchft") is not None
+
+__all__ = ["_DILOCO_AVAILABLE", "__version__", *_LAZY]
+
+if TYPE_CHECKING:
+    from composer_replication.batch import build_batch
+    from composer_replication.loss import LossComponents, compose_loss
+    from composer_replication.opsd import generalized_jsd_loss
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'composer_replication' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: the next access is a plain attribute lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
