@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import gib, machine_line, measure, run_case  # noqa: E402
+from _measure import gib, machine_line, measure, run_case
 
 FULL = {"B": 4, "T": 1024, "V": 49152, "H": 576}
 QUICK = {"B": 2, "T": 256, "V": 49152, "H": 576}
@@ -82,8 +82,9 @@ def worker_jsd(impl: str, B: int, T: int, V: int, **_: int) -> dict:
     return out
 
 
-def worker_hidden(impl: str, op: str, head_grad: bool, B: int, T: int, V: int, H: int,
-                  repeats: int = 2) -> dict:
+def worker_hidden(
+    impl: str, op: str, head_grad: bool, B: int, T: int, V: int, H: int, repeats: int = 2
+) -> dict:
     import torch
 
     from composer_replication.chunked_head import (
@@ -110,7 +111,9 @@ def worker_hidden(impl: str, op: str, head_grad: bool, B: int, T: int, V: int, H
         with torch.no_grad():
             t_logp = torch.log_softmax(teacher_hidden @ weight.T, dim=-1)
         mix = torch.logaddexp(logp + math.log(0.5), t_logp + math.log(0.5))
-        jsd = 0.5 * (t_logp.exp() * (t_logp - mix)).sum(-1) + 0.5 * (logp.exp() * (logp - mix)).sum(-1)
+        jsd = 0.5 * (t_logp.exp() * (t_logp - mix)).sum(-1) + 0.5 * (logp.exp() * (logp - mix)).sum(
+            -1
+        )
         return (jsd * upstream).sum()
 
     def ours() -> torch.Tensor:
@@ -149,7 +152,9 @@ def _rel(a: float, b: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--skip-trl", action="store_true", help="skip part (a)'s trl run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -168,19 +173,27 @@ def main() -> None:
 
     print("(a) generalized_jsd_loss, beta=0.5, temperature=0.9, forward + backward")
     ours = run_case(script, "jsd", {"impl": "ours", **sizes})
-    print(f"  ours: fwd {ours['forward_s']:.2f} s  bwd {ours['backward_s']:.2f} s  "
-          f"peak extra {gib(ours['peak_extra_bytes'])}")
+    print(
+        f"  ours: fwd {ours['forward_s']:.2f} s  bwd {ours['backward_s']:.2f} s  "
+        f"peak extra {gib(ours['peak_extra_bytes'])}"
+    )
     if not ns.skip_trl:
         trl = run_case(script, "jsd", {"impl": "trl", **sizes})
-        print(f"  trl : fwd {trl['forward_s']:.2f} s  bwd {trl['backward_s']:.2f} s  "
-              f"peak extra {gib(trl['peak_extra_bytes'])}")
+        print(
+            f"  trl : fwd {trl['forward_s']:.2f} s  bwd {trl['backward_s']:.2f} s  "
+            f"peak extra {gib(trl['peak_extra_bytes'])}"
+        )
         time_ratio = ours["seconds"] / trl["seconds"]
         mem_ratio = ours["peak_extra_bytes"] / max(trl["peak_extra_bytes"], 1)
-        print(f"  ratio ours/trl: time {time_ratio:.3f}x (goal <= 0.30x)  "
-              f"peak extra memory {mem_ratio:.3f}x (goal <= 0.15x)")
-        print(f"  value |diff| {abs(ours['value'] - trl['value']):.2e}  "
-              f"grad-sum rel diff {_rel(ours['grad_sum'], trl['grad_sum']):.1e}  "
-              f"grad-norm rel diff {_rel(ours['grad_norm'], trl['grad_norm']):.1e}")
+        print(
+            f"  ratio ours/trl: time {time_ratio:.3f}x (goal <= 0.30x)  "
+            f"peak extra memory {mem_ratio:.3f}x (goal <= 0.15x)"
+        )
+        print(
+            f"  value |diff| {abs(ours['value'] - trl['value']):.2e}  "
+            f"grad-sum rel diff {_rel(ours['grad_sum'], trl['grad_sum']):.1e}  "
+            f"grad-norm rel diff {_rel(ours['grad_norm'], trl['grad_norm']):.1e}"
+        )
 
     print("\n(b) from hidden states + LM head: chunked (ours) vs naive full logits")
     for head_grad in (True, False):

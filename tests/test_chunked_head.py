@@ -41,8 +41,9 @@ def test_token_logprobs_equal_naive(temperature, chunk, head_grad):
     hidden, weight, targets = _setup()
     weight.requires_grad_(head_grad)
     upstream = torch.randn(targets.shape, dtype=torch.float64)
-    lp, ent = token_logprobs_from_hidden(hidden, weight, targets, temperature=temperature,
-                                         chunk_size=chunk, return_entropy=True)
+    lp, ent = token_logprobs_from_hidden(
+        hidden, weight, targets, temperature=temperature, chunk_size=chunk, return_entropy=True
+    )
     ref_lp, ref_ent = _naive_logprobs(hidden, weight, targets, temperature)
     torch.testing.assert_close(lp, ref_lp, atol=1e-11, rtol=1e-10)
     torch.testing.assert_close(ent, ref_ent, atol=1e-11, rtol=1e-10)
@@ -64,8 +65,9 @@ def test_token_logprobs_float32_close_to_naive():
 def test_cross_entropy_equals_torch():
     hidden, weight, targets = _setup()
     ours = cross_entropy_from_hidden(hidden, weight, targets, chunk_size=5)
-    ref = torch.nn.functional.cross_entropy((hidden @ weight.T).reshape(-1, weight.shape[0]),
-                                            targets.reshape(-1))
+    ref = torch.nn.functional.cross_entropy(
+        (hidden @ weight.T).reshape(-1, weight.shape[0]), targets.reshape(-1)
+    )
     torch.testing.assert_close(ours, ref, atol=1e-12, rtol=1e-10)
     for a, b in zip(_grads(ours, hidden, weight), _grads(ref, hidden, weight)):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
@@ -94,14 +96,29 @@ def test_jsd_from_hidden_equals_logits_path(beta, head_grad):
     t_weight = torch.randn(weight.shape, generator=gen, dtype=torch.float64)
     mask = targets != -100
     upstream = torch.randn(targets.shape, dtype=torch.float64)
-    ours = jsd_from_hidden(hidden, weight, t_hidden, teacher_weight=t_weight, mask=mask,
-                           beta=beta, temperature=0.8, chunk_size=3)
-    ref = generalized_jsd_loss(hidden @ weight.T, t_hidden @ t_weight.T, targets, beta=beta,
-                               temperature=0.8, reduction="none")
+    ours = jsd_from_hidden(
+        hidden,
+        weight,
+        t_hidden,
+        teacher_weight=t_weight,
+        mask=mask,
+        beta=beta,
+        temperature=0.8,
+        chunk_size=3,
+    )
+    ref = generalized_jsd_loss(
+        hidden @ weight.T,
+        t_hidden @ t_weight.T,
+        targets,
+        beta=beta,
+        temperature=0.8,
+        reduction="none",
+    )
     torch.testing.assert_close(ours, ref, atol=1e-11, rtol=1e-10)
     inputs = (hidden, weight) if head_grad else (hidden,)
-    for a, b in zip(_grads((ours * upstream).sum(), *inputs),
-                    _grads((ref * upstream).sum(), *inputs)):
+    for a, b in zip(
+        _grads((ours * upstream).sum(), *inputs), _grads((ref * upstream).sum(), *inputs)
+    ):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-10)
 
 
@@ -136,7 +153,9 @@ def test_tiny_model_hidden_path_equals_model_logits():
     from composer_replication.models import tiny_model
 
     model = tiny_model(seed=1).double()
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
+    )
     attn = torch.ones_like(ids)
     logits = model(input_ids=ids, attention_mask=attn).logits
     hidden = last_hidden_states(model, ids, attn)

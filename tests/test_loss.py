@@ -28,12 +28,15 @@ def _naive_components(model, ref_model, batch, alpha, beta_r, jsd_beta, temperat
     ids, resp = batch["input_ids"], batch["response_mask"]
     logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
     targets = ids[:, 1:].masked_fill(resp[:, 1:] == 0, -100)
-    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                           targets.reshape(-1))
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    )
     # SDPO: response tokens are right-aligned in both contexts (build_batch right-pads).
     with torch.no_grad():
-        t_logits = model(input_ids=batch["ctx_teacher_input_ids"],
-                         attention_mask=batch["ctx_teacher_attention_mask"]).logits
+        t_logits = model(
+            input_ids=batch["ctx_teacher_input_ids"],
+            attention_mask=batch["ctx_teacher_attention_mask"],
+        ).logits
     s_sel, t_sel = [], []
     for b in range(ids.shape[0]):
         s_pos = resp[b].nonzero().squeeze(-1)
@@ -42,8 +45,10 @@ def _naive_components(model, ref_model, batch, alpha, beta_r, jsd_beta, temperat
         s_sel.append(logits[b, s_pos[keep] - 1])
         t_sel.append(t_logits[b, t_pos[keep] - 1])
     s_sel, t_sel = torch.cat(s_sel)[None], torch.cat(t_sel)[None]
-    sdpo = generalized_jsd_loss(s_sel, t_sel, beta=jsd_beta, temperature=temperature,
-                                reduction="sum") / s_sel.shape[1]
+    sdpo = (
+        generalized_jsd_loss(s_sel, t_sel, beta=jsd_beta, temperature=temperature, reduction="sum")
+        / s_sel.shape[1]
+    )
 
     def seq_logps(m, side):
         ids_s = batch[f"dpo_{side}_input_ids"]
@@ -53,8 +58,9 @@ def _naive_components(model, ref_model, batch, alpha, beta_r, jsd_beta, temperat
 
     with torch.no_grad():
         ref_c, ref_r = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
-    dpo = dpo_loss(seq_logps(model, "chosen"), seq_logps(model, "rejected"), ref_c, ref_r,
-                   beta=dpo_beta)
+    dpo = dpo_loss(
+        seq_logps(model, "chosen"), seq_logps(model, "rejected"), ref_c, ref_r, beta=dpo_beta
+    )
     return ce, sdpo, dpo, ce + alpha * sdpo + beta_r * dpo
 
 
@@ -66,12 +72,24 @@ def test_channels_equal_naive_full_logits_path(tiny):
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
     batch = build_batch(tokenizer)
-    comps = compose_loss(model, batch, alpha_sdpo=0.3, beta_replay=0.2, sdpo_jsd_beta=0.4,
-                         sdpo_temperature=0.9, replay_dpo_beta=0.15, ref_model=ref_model,
-                         chunk_size=7)
+    comps = compose_loss(
+        model,
+        batch,
+        alpha_sdpo=0.3,
+        beta_replay=0.2,
+        sdpo_jsd_beta=0.4,
+        sdpo_temperature=0.9,
+        replay_dpo_beta=0.15,
+        ref_model=ref_model,
+        chunk_size=7,
+    )
     ce, sdpo, dpo, total = _naive_components(model, ref_model, batch, 0.3, 0.2, 0.4, 0.9, 0.15)
-    for ours, ref in ((comps.lm_ce, ce), (comps.sdpo_jsd, sdpo),
-                      (comps.trace_replay_dpo, dpo), (comps.total, total)):
+    for ours, ref in (
+        (comps.lm_ce, ce),
+        (comps.sdpo_jsd, sdpo),
+        (comps.trace_replay_dpo, dpo),
+        (comps.total, total),
+    ):
         torch.testing.assert_close(ours, ref.to(ours.dtype), atol=1e-9, rtol=1e-8)
     params = list(model.parameters())
     ours_g = torch.autograd.grad(comps.total, params)
@@ -91,7 +109,8 @@ def test_every_channel_finite_and_total_is_weighted_sum(tiny):
     # reference == policy: every DPO log-ratio is 0, so the loss is exactly log 2
     assert vals["trace_replay_dpo"] == pytest.approx(math.log(2), abs=1e-6)
     assert vals["total"] == pytest.approx(
-        vals["lm_ce"] + 0.1 * vals["sdpo_jsd"] + 0.05 * vals["trace_replay_dpo"], rel=1e-6)
+        vals["lm_ce"] + 0.1 * vals["sdpo_jsd"] + 0.05 * vals["trace_replay_dpo"], rel=1e-6
+    )
 
 
 def test_missing_channels_are_exact_zero_with_grad(tiny):
@@ -141,14 +160,23 @@ def test_bad_inputs_raise(tiny):
 def test_build_batch_keys_and_alignment(tiny):
     _, tokenizer = tiny
     examples = [Example("p1", "r one", hint="h"), Example("a much longer prompt two", "r2")]
-    batch = build_batch(tokenizer, examples=examples,
-                        pairs=[PreferencePair("q", "good", "bad answer")])
+    batch = build_batch(
+        tokenizer, examples=examples, pairs=[PreferencePair("q", "good", "bad answer")]
+    )
     assert set(batch) == {
-        "input_ids", "attention_mask", "response_mask",
-        "ctx_teacher_input_ids", "ctx_teacher_attention_mask", "ctx_teacher_response_mask",
+        "input_ids",
+        "attention_mask",
+        "response_mask",
+        "ctx_teacher_input_ids",
+        "ctx_teacher_attention_mask",
+        "ctx_teacher_response_mask",
         "sdpo_loss_mask",
-        "dpo_chosen_input_ids", "dpo_chosen_attention_mask", "dpo_chosen_response_mask",
-        "dpo_rejected_input_ids", "dpo_rejected_attention_mask", "dpo_rejected_response_mask",
+        "dpo_chosen_input_ids",
+        "dpo_chosen_attention_mask",
+        "dpo_chosen_response_mask",
+        "dpo_rejected_input_ids",
+        "dpo_rejected_attention_mask",
+        "dpo_rejected_response_mask",
     }
     for b in range(2):
         s = batch["input_ids"][b][batch["response_mask"][b] == 1]
@@ -176,5 +204,6 @@ def test_compose_loss_on_embedded_smollm2():
     assert vals["sdpo_jsd"] > 0
     assert vals["trace_replay_dpo"] == pytest.approx(math.log(2), abs=1e-5)
     assert vals["total"] == pytest.approx(
-        vals["lm_ce"] + 0.1 * vals["sdpo_jsd"] + 0.05 * vals["trace_replay_dpo"], rel=1e-5)
+        vals["lm_ce"] + 0.1 * vals["sdpo_jsd"] + 0.05 * vals["trace_replay_dpo"], rel=1e-5
+    )
     assert isinstance(comps, LossComponents)

@@ -41,7 +41,12 @@ def test_matches_trl_values_and_grads(trl_jsd, beta, temperature, reduction, wit
     s_our, t_our = student.clone().requires_grad_(), teacher.clone().requires_grad_()
     ref = trl_jsd(s_ref, t_ref, labels, beta=beta, temperature=temperature, reduction=reduction)
     ours = generalized_jsd_loss(
-        s_our, t_our, labels, beta=beta, temperature=temperature, reduction=reduction,
+        s_our,
+        t_our,
+        labels,
+        beta=beta,
+        temperature=temperature,
+        reduction=reduction,
         chunk_size=4,
     )
     torch.testing.assert_close(ours, ref, atol=1e-10, rtol=1e-9)
@@ -55,8 +60,9 @@ def test_matches_trl_values_and_grads(trl_jsd, beta, temperature, reduction, wit
 def test_reduction_none_is_per_token_sum_of_trl(trl_jsd, beta):
     student, teacher, labels = _inputs(seed=11)
     ref = trl_jsd(student, teacher, None, beta=beta, temperature=1.3, reduction="none")
-    ours = generalized_jsd_loss(student, teacher, labels, beta=beta, temperature=1.3,
-                                reduction="none")
+    ours = generalized_jsd_loss(
+        student, teacher, labels, beta=beta, temperature=1.3, reduction="none"
+    )
     assert ours.shape == labels.shape
     mask = labels != -100
     torch.testing.assert_close(ours[mask], ref.sum(-1)[mask], atol=1e-10, rtol=1e-9)
@@ -73,9 +79,7 @@ def test_float32_matches_trl_to_1e5(trl_jsd):
 
 def test_chunk_size_does_not_change_the_result():
     student, teacher, labels = _inputs(seed=2)
-    values = [
-        generalized_jsd_loss(student, teacher, labels, chunk_size=c) for c in (1, 3, 7, 1000)
-    ]
+    values = [generalized_jsd_loss(student, teacher, labels, chunk_size=c) for c in (1, 3, 7, 1000)]
     for v in values[1:]:
         torch.testing.assert_close(v, values[0], atol=1e-12, rtol=0)
 
@@ -106,8 +110,9 @@ def test_top_k_against_hand_formula():
 
 
 def test_token_clip_against_hand_formula():
-    student = torch.tensor([[[4.0, 0.0, 0.0], [0.1, 0.0, 0.0]]], dtype=torch.float64,
-                           requires_grad=True)
+    student = torch.tensor(
+        [[[4.0, 0.0, 0.0], [0.1, 0.0, 0.0]]], dtype=torch.float64, requires_grad=True
+    )
     teacher = torch.tensor([[[0.0, 0.0, 4.0], [0.0, 0.1, 0.0]]], dtype=torch.float64)
     raw = [
         _hand_jsd(_softmax([4.0, 0.0, 0.0]), _softmax([0.0, 0.0, 4.0]), 0.5),
@@ -127,8 +132,9 @@ def test_logits_are_probs_equals_logits_path():
     p_s, p_t = torch.softmax(student, -1), torch.softmax(teacher, -1)
     for beta in (0.0, 0.5, 1.0):
         from_logits = generalized_jsd_loss(student, teacher, labels, beta=beta, temperature=1.5)
-        from_probs = generalized_jsd_loss(p_s, p_t, labels, beta=beta, temperature=1.5,
-                                          logits_are_probs=True)
+        from_probs = generalized_jsd_loss(
+            p_s, p_t, labels, beta=beta, temperature=1.5, logits_are_probs=True
+        )
         torch.testing.assert_close(from_probs, from_logits, atol=1e-10, rtol=1e-9)
 
 
@@ -141,8 +147,9 @@ def test_logits_are_probs_gradient_matches_autograd():
     p_s2 = p_s.detach().clone().requires_grad_()
     log_s, log_t = torch.log_softmax(p_s2.log(), -1), torch.log_softmax(p_t.log(), -1)
     mix = torch.logaddexp(log_s + math.log(0.7), log_t + math.log(0.3))
-    ref = (0.3 * (log_t.exp() * (log_t - mix)).sum(-1)
-           + 0.7 * (log_s.exp() * (log_s - mix)).sum(-1)).sum() / p_s.shape[0]
+    ref = (
+        0.3 * (log_t.exp() * (log_t - mix)).sum(-1) + 0.7 * (log_s.exp() * (log_s - mix)).sum(-1)
+    ).sum() / p_s.shape[0]
     ref.backward()
     torch.testing.assert_close(p_s.grad, p_s2.grad, atol=1e-9, rtol=1e-7)
 
@@ -160,8 +167,9 @@ def test_all_masked_batchmean_is_zero_with_grad():
 def test_identical_distributions_give_zero():
     student, _, labels = _inputs(seed=3)
     for beta in (0.0, 0.5, 1.0):
-        assert float(generalized_jsd_loss(student, student.clone(), labels, beta=beta)) == \
-            pytest.approx(0.0, abs=1e-12)
+        assert float(
+            generalized_jsd_loss(student, student.clone(), labels, beta=beta)
+        ) == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -196,6 +204,23 @@ def test_bfloat16_inputs_computed_in_float32():
     s16 = student.bfloat16().requires_grad_()
     got = generalized_jsd_loss(s16, teacher.bfloat16(), labels)
     assert got.dtype == torch.float32
-    assert float(got) == pytest.approx(float(ref), rel=1e-6)
+    assert float(got.detach()) == pytest.approx(float(ref), rel=1e-6)
     got.backward()
     assert s16.grad.dtype == torch.bfloat16
+
+
+def test_second_backward_with_retain_graph_gives_the_same_gradient():
+    student, teacher, labels = _inputs(seed=8)
+    student.requires_grad_()
+    loss = generalized_jsd_loss(student, teacher, labels, beta=0.4, temperature=0.9)
+    (first,) = torch.autograd.grad(loss, student, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, student)
+    torch.testing.assert_close(second, first, atol=1e-12, rtol=0)
+
+
+def test_no_grad_forward_equals_grad_forward():
+    student, teacher, labels = _inputs(seed=10)
+    with torch.no_grad():
+        plain = generalized_jsd_loss(student, teacher, labels)
+    tracked = generalized_jsd_loss(student.clone().requires_grad_(), teacher, labels)
+    torch.testing.assert_close(tracked.detach(), plain, atol=0, rtol=0)

@@ -23,7 +23,14 @@ _LAZY: dict[str, str] = {
 # True when the optional torchft dependency (DiLoCo) is importable.
 _DILOCO_AVAILABLE: bool = importlib.util.find_spec("torchft") is not None
 
-__all__ = ["_DILOCO_AVAILABLE", "__version__", *_LAZY]
+__all__ = [
+    "_DILOCO_AVAILABLE",
+    "LossComponents",
+    "__version__",
+    "build_batch",
+    "compose_loss",
+    "generalized_jsd_loss",
+]
 
 if TYPE_CHECKING:
     from composer_replication.batch import build_batch

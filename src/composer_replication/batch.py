@@ -109,13 +109,14 @@ def build_batch(
     pad_id = _pad_id(tokenizer)
 
     batch: dict[str, torch.Tensor] = {}
-    student = [_encode(tokenizer, system_prompt, ex.prompt, ex.response, max_length)
-               for ex in examples]
+    student = [
+        _encode(tokenizer, system_prompt, ex.prompt, ex.response, max_length) for ex in examples
+    ]
     batch.update(_pad_rows(student, pad_id, "", device))
 
     if any(ex.hint for ex in examples):
         teacher = []
-        for ex, (prompt_ids, response_ids) in zip(examples, student):
+        for ex, (_, response_ids) in zip(examples, student):
             hinted = f"{ex.prompt}\n\nHint: {ex.hint}" if ex.hint else ex.prompt
             teacher_prompt = _encode_prompt(tokenizer, system_prompt, hinted)
             teacher.append((_fit_prompt(teacher_prompt, response_ids, max_length), response_ids))
@@ -127,8 +128,9 @@ def build_batch(
 
     if pairs:
         chosen = [_encode(tokenizer, system_prompt, p.prompt, p.chosen, max_length) for p in pairs]
-        rejected = [_encode(tokenizer, system_prompt, p.prompt, p.rejected, max_length)
-                    for p in pairs]
+        rejected = [
+            _encode(tokenizer, system_prompt, p.prompt, p.rejected, max_length) for p in pairs
+        ]
         batch.update(_pad_rows(chosen, pad_id, "dpo_chosen_", device))
         batch.update(_pad_rows(rejected, pad_id, "dpo_rejected_", device))
     return batch
@@ -178,8 +180,9 @@ def _encode(
     # Prompt and response are tokenised apart and concatenated as ids, so the response
     # ids are identical in the student and the hinted teacher context.
     response_ids = _encode_response(tokenizer, response)
-    prompt_ids = _fit_prompt(_encode_prompt(tokenizer, system_prompt, prompt), response_ids,
-                             max_length)
+    prompt_ids = _fit_prompt(
+        _encode_prompt(tokenizer, system_prompt, prompt), response_ids, max_length
+    )
     return prompt_ids, response_ids
 
 

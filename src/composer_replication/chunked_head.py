@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.opsd import default_chunk_rows, jsd_rows, jsd_rows_with_grads
+from composer_replication.opsd import jsd_rows, jsd_rows_with_grads
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -30,69 +30,114 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 
 
-def _logits_chunk(hidden_chunk: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    logits = hidden_chunk @ weight.T
-    if logits.dtype not in (torch.float32, torch.float64):
-        logits = logits.float()  # low-precision heads: softmax statistics in fp32
+# Rows per chunk on this path: the chunk's (C, V) logits come from a matmul, which needs a
+# few hundred rows to run at full speed on a CPU; 2**23 elements (32 MiB of fp32) per chunk.
+_HEAD_CHUNK_ELEMENTS = 1 << 23
+
+
+def default_head_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk for the hidden-state path (about 32 MiB of fp32 logits)."""
+    return max(16, _HEAD_CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+def _logits_into(buf: Tensor, hidden_chunk: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """(C, V) logits / temperature written into ``buf`` (re-used across chunks)."""
+    if weight.dtype == buf.dtype:
+        torch.mm(hidden_chunk, weight.T, out=buf)
+    else:  # low-precision heads: softmax statistics in fp32
+        buf.copy_(hidden_chunk @ weight.T)
     if temperature != 1.0:
-        logits = logits / temperature
-    return logits
+        buf.div_(temperature)
+    return buf
+
+
+def _workspace(n_rows: int, chunk: int, weight: Tensor) -> Tensor:
+    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return torch.empty(
+        min(chunk, max(n_rows, 1)), weight.shape[0], dtype=dtype, device=weight.device
+    )
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """log p(target) (M,) and entropy (M,) from hidden rows (M, H) and head weight (V, H)."""
+    """log p(target) (M,) and entropy (M,) from hidden rows (M, H) and head weight (V, H).
+
+    With g the upstream gradient and p the softmax, d lp_i / d z_i = (e_t - p_i) / T, so
+    d/dh_i = g_i / T * (W[t_i] - p_i @ W): the (M, H) factor ``W[t] - P @ W`` is formed in
+    the forward pass while the chunk's probabilities are at hand, and the backward pass for
+    the hidden states is a row scaling. Only the head's own gradient (sum over rows of
+    outer products weighted by g) needs the probabilities again: they are recomputed.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk: int
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
+        need_h = ctx.needs_input_grad[0]
         n_rows = hidden.shape[0]
-        out_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        logprobs = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
-        entropy = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
-        lse = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
+        buf = _workspace(n_rows, chunk, weight)
+        logprobs = torch.empty(n_rows, dtype=buf.dtype, device=hidden.device)
+        entropy = torch.zeros(n_rows, dtype=buf.dtype, device=hidden.device)
+        lse = torch.empty(n_rows, dtype=buf.dtype, device=hidden.device)
+        hidden_factor = torch.empty_like(hidden) if need_h else None
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
-            logits = _logits_chunk(hidden[start:stop], weight, temperature)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
+            z = _logits_into(buf[: stop - start], hidden[start:stop], weight, temperature)
+            target_logit = z.gather(1, targets[start:stop, None]).squeeze(1)
+            row_max = z.amax(dim=1, keepdim=True)
+            z.sub_(row_max).exp_()  # z now holds exp(z - max)
+            denom = z.sum(dim=1, keepdim=True)
+            chunk_lse = (row_max + denom.log()).squeeze(1)
             lse[start:stop] = chunk_lse
-            logprobs[start:stop] = logits.gather(-1, targets[start:stop, None]).squeeze(-1) - chunk_lse
-            # H = lse - sum_v p_v z_v, reusing the logits buffer for p * z.
-            probs = (logits - chunk_lse[:, None]).exp_()
-            entropy[start:stop] = chunk_lse - (probs.mul_(logits)).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            logprobs[start:stop] = target_logit - chunk_lse
+            probs = z.div_(denom)
+            if with_entropy:
+                entropy[start:stop] = torch.special.entr(probs).sum(dim=1)
+            if need_h:
+                factor = weight.index_select(0, targets[start:stop]) - (
+                    probs.to(weight.dtype) @ weight
+                )
+                hidden_factor[start:stop] = factor
+        ctx.save_for_backward(hidden, weight, targets, lse, hidden_factor)
         ctx.settings = (temperature, chunk)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):  # type: ignore[override]
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, hidden_factor = ctx.saved_tensors
         temperature, chunk = ctx.settings
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        for start in range(0, hidden.shape[0], chunk):
-            stop = min(start + chunk, hidden.shape[0])
-            h = hidden[start:stop]
-            g = grad_logprobs[start:stop]
-            # d lp / d z = onehot(target) - softmax(z), scaled by 1/temperature.
-            grad_logits = _logits_chunk(h, weight, temperature)
-            grad_logits.sub_(lse[start:stop, None]).exp_().mul_(-g[:, None])
-            rows = torch.arange(stop - start, device=h.device)
-            grad_logits[rows, targets[start:stop]] += g
-            if temperature != 1.0:
-                grad_logits.div_(temperature)
-            grad_logits = grad_logits.to(weight.dtype)
-            if need_h:
-                grad_h[start:stop] = grad_logits @ weight
-            if need_w:
-                grad_w.addmm_(grad_logits.T, h)
-        return grad_h, grad_w, None, None, None
+        scaled = grad_logprobs / temperature
+        grad_h = hidden_factor * scaled[:, None].to(hidden_factor.dtype) if need_h else None
+        grad_w = None
+        if need_w:
+            grad_w = torch.zeros_like(weight)
+            buf = _workspace(hidden.shape[0], chunk, weight)
+            for start in range(0, hidden.shape[0], chunk):
+                stop = min(start + chunk, hidden.shape[0])
+                h = hidden[start:stop]
+                g = scaled[start:stop].to(buf.dtype)
+                # G = g * (onehot(target) - softmax(z)), built in the workspace.
+                grad_logits = _logits_into(buf[: stop - start], h, weight, temperature)
+                grad_logits.sub_(lse[start:stop, None]).exp_().mul_(-g[:, None])
+                rows = torch.arange(stop - start, device=h.device)
+                grad_logits[rows, targets[start:stop]] += g
+                grad_w.addmm_(grad_logits.T.to(weight.dtype), h)
+        return grad_h, grad_w, None, None, None, None
 
 
 class _ChunkedHiddenJSD(torch.autograd.Function):
-    """Per-token JSD (M,) between student rows (grad) and teacher rows (no grad)."""
+    """Per-token JSD (M,) between student rows (grad) and teacher rows (no grad).
+
+    As for log-probs, the hidden-state gradient factor ``G @ W`` (G = dJSD/dz per row) is
+    formed in the forward pass; the head's gradient recomputes the chunk's logits.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -105,49 +150,79 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
         temperature: float,
         chunk: int,
     ) -> Tensor:
+        need_h = ctx.needs_input_grad[0]
         n_rows = student_hidden.shape[0]
-        out_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        out = torch.empty(n_rows, dtype=out_dtype, device=student_hidden.device)
+        s_buf = _workspace(n_rows, chunk, weight)
+        t_buf = _workspace(n_rows, chunk, weight)
+        out = torch.empty(n_rows, dtype=s_buf.dtype, device=student_hidden.device)
+        hidden_factor = torch.empty_like(student_hidden) if need_h else None
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             s_logp, t_logp = _jsd_chunk_logps(
-                student_hidden[start:stop], weight, teacher_hidden[start:stop], teacher_weight,
+                s_buf[: stop - start],
+                student_hidden[start:stop],
+                weight,
+                t_buf[: stop - start],
+                teacher_hidden[start:stop],
+                teacher_weight,
                 temperature,
             )
-            out[start:stop] = jsd_rows(s_logp, t_logp, beta)
-        ctx.save_for_backward(student_hidden, weight, teacher_hidden, teacher_weight)
+            if need_h:
+                jsd, grad_logits, _ = jsd_rows_with_grads(s_logp, t_logp, beta)
+                hidden_factor[start:stop] = grad_logits.to(weight.dtype) @ weight
+            else:
+                jsd = jsd_rows(s_logp, t_logp, beta)
+            out[start:stop] = jsd
+        ctx.save_for_backward(student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor)
         ctx.settings = (beta, temperature, chunk)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        student_hidden, weight, teacher_hidden, teacher_weight = ctx.saved_tensors
+        student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor = ctx.saved_tensors
         beta, temperature, chunk = ctx.settings
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(student_hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        for start in range(0, student_hidden.shape[0], chunk):
-            stop = min(start + chunk, student_hidden.shape[0])
-            h = student_hidden[start:stop]
-            s_logp, t_logp = _jsd_chunk_logps(
-                h, weight, teacher_hidden[start:stop], teacher_weight, temperature
-            )
-            _, grad_logits, _ = jsd_rows_with_grads(s_logp, t_logp, beta)
-            grad_logits.mul_((grad_out[start:stop] / temperature)[:, None])
-            grad_logits = grad_logits.to(weight.dtype)
-            if need_h:
-                grad_h[start:stop] = grad_logits @ weight
-            if need_w:
-                grad_w.addmm_(grad_logits.T, h)
+        scaled = grad_out / temperature
+        grad_h = hidden_factor * scaled[:, None].to(hidden_factor.dtype) if need_h else None
+        grad_w = None
+        if need_w:
+            grad_w = torch.zeros_like(weight)
+            n_rows = student_hidden.shape[0]
+            s_buf = _workspace(n_rows, chunk, weight)
+            t_buf = _workspace(n_rows, chunk, weight)
+            for start in range(0, n_rows, chunk):
+                stop = min(start + chunk, n_rows)
+                h = student_hidden[start:stop]
+                s_logp, t_logp = _jsd_chunk_logps(
+                    s_buf[: stop - start],
+                    h,
+                    weight,
+                    t_buf[: stop - start],
+                    teacher_hidden[start:stop],
+                    teacher_weight,
+                    temperature,
+                )
+                _, grad_logits, _ = jsd_rows_with_grads(s_logp, t_logp, beta)
+                grad_logits.mul_(scaled[start:stop, None].to(grad_logits.dtype))
+                grad_w.addmm_(grad_logits.T.to(weight.dtype), h)
         return grad_h, grad_w, None, None, None, None, None
 
 
 def _jsd_chunk_logps(
-    student_h: Tensor, weight: Tensor, teacher_h: Tensor, teacher_weight: Tensor, temperature: float
+    s_buf: Tensor,
+    student_h: Tensor,
+    weight: Tensor,
+    t_buf: Tensor,
+    teacher_h: Tensor,
+    teacher_weight: Tensor,
+    temperature: float,
 ) -> tuple[Tensor, Tensor]:
-    s_logits = _logits_chunk(student_h, weight, temperature)
-    t_logits = _logits_chunk(teacher_h, teacher_weight, temperature)
-    return torch.log_softmax(s_logits, dim=-1), torch.log_softmax(t_logits, dim=-1)
+    s_logits = _logits_into(s_buf, student_h, weight, temperature)
+    t_logits = _logits_into(t_buf, teacher_h, teacher_weight, temperature)
+    # log_softmax in place: z - logsumexp(z)
+    s_logits.sub_(torch.logsumexp(s_logits, dim=1, keepdim=True))
+    t_logits.sub_(torch.logsumexp(t_logits, dim=1, keepdim=True))
+    return s_logits, t_logits
 
 
 def _check_head(hidden: Tensor, weight: Tensor) -> None:
@@ -208,9 +283,9 @@ def token_logprobs_from_hidden(
             f"targets must be token ids in [0, {weight.shape[0]}) or {ignore_index}, got values "
             f"in [{int(sel_targets.min())}, {int(sel_targets.max())}]"
         )
-    chunk = chunk_size or default_chunk_rows(weight.shape[0])
+    chunk = chunk_size or default_head_chunk_rows(weight.shape[0])
     lp, ent = _ChunkedTokenLogprobs.apply(
-        sel_hidden, weight, sel_targets, float(temperature), int(chunk)
+        sel_hidden, weight, sel_targets, float(temperature), int(chunk), bool(return_entropy)
     )
     if not all_kept:
         lp = lp.new_zeros(flat_targets.shape).index_put((rows,), lp)
@@ -239,7 +314,11 @@ def cross_entropy_from_hidden(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of ('mean', 'sum', 'none')")
     logprobs = token_logprobs_from_hidden(
-        hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+        hidden,
+        weight,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
         ignore_index=ignore_index,
     )
     nll = -logprobs
@@ -293,7 +372,7 @@ def jsd_from_hidden(
         rows = mask.reshape(-1).bool().nonzero().squeeze(-1)
         flat_s = flat_s.index_select(0, rows)
         flat_t = flat_t.index_select(0, rows)
-    chunk = chunk_size or default_chunk_rows(weight.shape[0])
+    chunk = chunk_size or default_head_chunk_rows(weight.shape[0])
     values = _ChunkedHiddenJSD.apply(
         flat_s, weight, flat_t, t_weight, float(beta), float(temperature), int(chunk)
     )
@@ -333,7 +412,9 @@ def last_hidden_states(
 ) -> Tensor:
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits."""
     base = _unwrap_peft(model)
-    body = getattr(base, base.base_model_prefix, None) if hasattr(base, "base_model_prefix") else None
+    body = (
+        getattr(base, base.base_model_prefix, None) if hasattr(base, "base_model_prefix") else None
+    )
     if body is None:
         raise ValueError(f"cannot find the transformer body of {type(base).__name__}")
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)

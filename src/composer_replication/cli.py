@@ -27,8 +27,9 @@ def _print_components(title: str, rows: list[tuple[str, dict[str, float]]]) -> N
     for col in ("", "lm_ce", "sdpo_jsd", "trace_replay_dpo", "total"):
         table.add_column(col, justify="right")
     for label, values in rows:
-        table.add_row(label, *(f"{values[k]:.5f}" for k in
-                               ("lm_ce", "sdpo_jsd", "trace_replay_dpo", "total")))
+        table.add_row(
+            label, *(f"{values[k]:.5f}" for k in ("lm_ce", "sdpo_jsd", "trace_replay_dpo", "total"))
+        )
     Console().print(table)
 
 
@@ -49,7 +50,10 @@ def smoke(
     console = Console()
     console.print(f"[bold]smoke[/bold]: loading {model or 'embedded SmolLM2-135M-Instruct'}")
     report = run_smoke(
-        model, steps=steps, lr=lr, seed=seed,
+        model,
+        steps=steps,
+        lr=lr,
+        seed=seed,
         on_step=lambda i, v: console.print(f"  step {i}: total {v['total']:.5f}"),
     )
     rows = [("before" if i == 0 else f"after step {i}", v) for i, v in enumerate(report.steps)]

@@ -124,8 +124,13 @@ def compose_loss(
 
     if all(k in inputs for k in _SDPO_KEYS):
         sdpo = _sdpo_jsd(
-            model if teacher_model is None else teacher_model, hidden, weight, inputs,
-            beta=sdpo_jsd_beta, temperature=sdpo_temperature, token_clip=sdpo_token_clip,
+            model if teacher_model is None else teacher_model,
+            hidden,
+            weight,
+            inputs,
+            beta=sdpo_jsd_beta,
+            temperature=sdpo_temperature,
+            token_clip=sdpo_token_clip,
             chunk_size=chunk_size,
         )
     else:
@@ -224,8 +229,13 @@ def _sdpo_jsd(
     student_sel = student_hidden[s_index[0], s_index[1]]
     teacher_sel = teacher_hidden[t_index[0], t_index[1]]
     per_token = jsd_from_hidden(
-        student_sel, weight, teacher_sel, teacher_weight=teacher_weight, beta=beta,
-        temperature=temperature, chunk_size=chunk_size,
+        student_sel,
+        weight,
+        teacher_sel,
+        teacher_weight=teacher_weight,
+        beta=beta,
+        temperature=temperature,
+        chunk_size=chunk_size,
     )
     if token_clip is not None:
         per_token = per_token.clamp(max=float(token_clip))
@@ -280,8 +290,13 @@ def _trace_replay_dpo(
             inputs["dpo_ref_rejected_logps"] = ref_rejected
     policy_chosen = sequence_logps(model, *chosen, chunk_size=chunk_size)
     policy_rejected = sequence_logps(model, *rejected, chunk_size=chunk_size)
-    return dpo_loss(policy_chosen, policy_rejected, ref_chosen.to(policy_chosen.dtype),
-                    ref_rejected.to(policy_chosen.dtype), beta=beta)
+    return dpo_loss(
+        policy_chosen,
+        policy_rejected,
+        ref_chosen.to(policy_chosen.dtype),
+        ref_rejected.to(policy_chosen.dtype),
+        beta=beta,
+    )
 
 
 def _pair_side(inputs: Mapping[str, Tensor], side: str) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -296,12 +311,16 @@ def _reference_logps(
 ) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         if ref_model is not None:
-            return (sequence_logps(ref_model, *chosen, chunk_size=chunk_size),
-                    sequence_logps(ref_model, *rejected, chunk_size=chunk_size))
+            return (
+                sequence_logps(ref_model, *chosen, chunk_size=chunk_size),
+                sequence_logps(ref_model, *rejected, chunk_size=chunk_size),
+            )
         if hasattr(model, "disable_adapter"):  # PEFT: the base weights are the initial model
             with model.disable_adapter():
-                return (sequence_logps(model, *chosen, chunk_size=chunk_size),
-                        sequence_logps(model, *rejected, chunk_size=chunk_size))
+                return (
+                    sequence_logps(model, *chosen, chunk_size=chunk_size),
+                    sequence_logps(model, *rejected, chunk_size=chunk_size),
+                )
     raise ValueError(
         "trace-replay DPO needs reference log-probs: put 'dpo_ref_chosen_logps' and "
         "'dpo_ref_rejected_logps' in the batch, or pass ref_model= (a frozen copy of the "
