@@ -208,7 +208,7 @@ def main() -> None:
                 f"{mine['seconds'] / naive['seconds']:.3f}x (goal <= 1.0x)  peak extra "
                 f"{gib(mine['peak_extra_bytes'])}/{gib(naive['peak_extra_bytes'])} = "
                 f"{mine['peak_extra_bytes'] / max(naive['peak_extra_bytes'], 1):.3f}x "
-                f"(goal <= 0.05x)  value |diff| {abs(mine['value'] - naive['value']):.1e}  "
+                f"(goal <= 0.05x)  value rel diff {_rel(mine['value'], naive['value']):.1e}  "
                 f"grad rel diff {_rel(mine['grad_norm'], naive['grad_norm']):.1e}"
             )
 

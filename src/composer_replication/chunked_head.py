@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.opsd import jsd_rows, jsd_rows_with_grads
+from composer_replication.opsd import jsd_rows, jsd_rows_student_grad_, log_softmax_
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -136,7 +136,8 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
     """Per-token JSD (M,) between student rows (grad) and teacher rows (no grad).
 
     As for log-probs, the hidden-state gradient factor ``G @ W`` (G = dJSD/dz per row) is
-    formed in the forward pass; the head's gradient recomputes the chunk's logits.
+    formed in the forward pass; the head's gradient recomputes the chunk's logits. Each
+    chunk works in four re-used (C, V) buffers and allocates nothing else of that size.
     """
 
     @staticmethod
@@ -152,28 +153,25 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
     ) -> Tensor:
         need_h = ctx.needs_input_grad[0]
         n_rows = student_hidden.shape[0]
-        s_buf = _workspace(n_rows, chunk, weight)
-        t_buf = _workspace(n_rows, chunk, weight)
-        out = torch.empty(n_rows, dtype=s_buf.dtype, device=student_hidden.device)
+        bufs = [_workspace(n_rows, chunk, weight) for _ in range(4)]
+        out = torch.empty(n_rows, dtype=bufs[0].dtype, device=student_hidden.device)
         hidden_factor = torch.empty_like(student_hidden) if need_h else None
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
+            s_buf, t_buf, mix, scratch = (b[: stop - start] for b in bufs)
             s_logp, t_logp = _jsd_chunk_logps(
-                s_buf[: stop - start],
-                student_hidden[start:stop],
-                weight,
-                t_buf[: stop - start],
-                teacher_hidden[start:stop],
-                teacher_weight,
-                temperature,
+                s_buf, student_hidden[start:stop], weight, t_buf, teacher_hidden[start:stop],
+                teacher_weight, temperature, scratch,
             )
             if need_h:
-                jsd, grad_logits, _ = jsd_rows_with_grads(s_logp, t_logp, beta)
+                jsd, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
                 hidden_factor[start:stop] = grad_logits.to(weight.dtype) @ weight
             else:
                 jsd = jsd_rows(s_logp, t_logp, beta)
             out[start:stop] = jsd
-        ctx.save_for_backward(student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor)
+        ctx.save_for_backward(
+            student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor
+        )
         ctx.settings = (beta, temperature, chunk)
         return out
 
@@ -188,21 +186,16 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
         if need_w:
             grad_w = torch.zeros_like(weight)
             n_rows = student_hidden.shape[0]
-            s_buf = _workspace(n_rows, chunk, weight)
-            t_buf = _workspace(n_rows, chunk, weight)
+            bufs = [_workspace(n_rows, chunk, weight) for _ in range(4)]
             for start in range(0, n_rows, chunk):
                 stop = min(start + chunk, n_rows)
+                s_buf, t_buf, mix, scratch = (b[: stop - start] for b in bufs)
                 h = student_hidden[start:stop]
                 s_logp, t_logp = _jsd_chunk_logps(
-                    s_buf[: stop - start],
-                    h,
-                    weight,
-                    t_buf[: stop - start],
-                    teacher_hidden[start:stop],
-                    teacher_weight,
-                    temperature,
+                    s_buf, h, weight, t_buf, teacher_hidden[start:stop], teacher_weight,
+                    temperature, scratch,
                 )
-                _, grad_logits, _ = jsd_rows_with_grads(s_logp, t_logp, beta)
+                _, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
                 grad_logits.mul_(scaled[start:stop, None].to(grad_logits.dtype))
                 grad_w.addmm_(grad_logits.T.to(weight.dtype), h)
         return grad_h, grad_w, None, None, None, None, None
@@ -216,13 +209,11 @@ def _jsd_chunk_logps(
     teacher_h: Tensor,
     teacher_weight: Tensor,
     temperature: float,
+    scratch: Tensor,
 ) -> tuple[Tensor, Tensor]:
     s_logits = _logits_into(s_buf, student_h, weight, temperature)
     t_logits = _logits_into(t_buf, teacher_h, teacher_weight, temperature)
-    # log_softmax in place: z - logsumexp(z)
-    s_logits.sub_(torch.logsumexp(s_logits, dim=1, keepdim=True))
-    t_logits.sub_(torch.logsumexp(t_logits, dim=1, keepdim=True))
-    return s_logits, t_logits
+    return log_softmax_(s_logits, scratch), log_softmax_(t_logits, scratch)
 
 
 def _check_head(hidden: Tensor, weight: Tensor) -> None:

@@ -107,6 +107,48 @@ def jsd_rows_with_grads(
     return jsd, grad_s, grad_t
 
 
+def jsd_rows_student_grad_(
+    student_logp: Tensor, teacher_logp: Tensor, beta: float, mix: Tensor, scratch: Tensor
+) -> tuple[Tensor, Tensor]:
+    """In-place variant of :func:`jsd_rows_with_grads` for the student side only.
+
+    Destroys ``student_logp`` and ``teacher_logp`` and uses the two same-shaped ``mix`` and
+    ``scratch`` buffers, so a chunk needs no temporaries beyond these four (C, V) buffers.
+    Returns ``(jsd (C,), grad_student (C, V))``, the gradient living in ``student_logp``'s
+    storage.
+    """
+    s, t = student_logp, teacher_logp
+    if beta == 0.0:  # J = sum p_t (t - s); dJ/dz_s = p_s - p_t
+        torch.exp(t, out=scratch)
+        torch.sub(t, s, out=mix)
+        jsd = mix.mul_(scratch).sum(-1)
+        return jsd, s.exp_().sub_(scratch)
+    if beta == 1.0:  # J = sum p_s (s - t); dJ/dz_s = p_s (s - t - J)
+        torch.exp(s, out=scratch)
+        s.sub_(t)
+        jsd = torch.mul(scratch, s, out=mix).sum(-1)
+        return jsd, s.sub_(jsd.unsqueeze(-1)).mul_(scratch)
+    log_1mb, log_b = math.log1p(-beta), math.log(beta)
+    torch.logaddexp(s.add_(log_1mb), t.add_(log_b), out=mix)  # log m
+    s.sub_(log_1mb)
+    t.sub_(log_b)
+    torch.exp(t, out=scratch)
+    kl_teacher = t.sub_(mix).mul_(scratch).sum(-1)
+    torch.exp(s, out=scratch)
+    s.sub_(mix)
+    kl_student = torch.mul(scratch, s, out=mix).sum(-1)
+    jsd = beta * kl_teacher + (1.0 - beta) * kl_student
+    grad = s.sub_(kl_student.unsqueeze(-1)).mul_(scratch).mul_(1.0 - beta)
+    return jsd, grad
+
+
+def log_softmax_(logits: Tensor, scratch: Tensor) -> Tensor:
+    """Row-wise log_softmax of ``logits`` (C, V) in place, using ``scratch`` as workspace."""
+    logits.sub_(logits.amax(dim=-1, keepdim=True))
+    lse = torch.exp(logits, out=scratch).sum(dim=-1, keepdim=True).log_()
+    return logits.sub_(lse)
+
+
 def _mixture_logp(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
     # log(beta * p_t + (1 - beta) * p_s), stable even where both probabilities underflow.
     return torch.logaddexp(student_logp + math.log1p(-beta), teacher_logp + math.log(beta))
