@@ -168,3 +168,21 @@ def test_tiny_model_hidden_path_equals_model_logits():
     params = [p for p in model.parameters() if p.requires_grad]
     for a, b in zip(torch.autograd.grad(ours, params), torch.autograd.grad(ref, params)):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("head_grad", [True, False])
+def test_fused_cross_entropy_equals_torch_with_temperature(temperature, head_grad):
+    hidden, weight, targets = _setup(seed=4)
+    weight.requires_grad_(head_grad)
+    ours = cross_entropy_from_hidden(hidden, weight, targets, temperature=temperature,
+                                     chunk_size=4)
+    logits = (hidden @ weight.T / temperature).reshape(-1, weight.shape[0])
+    ref = torch.nn.functional.cross_entropy(logits, targets.reshape(-1))
+    torch.testing.assert_close(ours, ref, atol=1e-12, rtol=1e-10)
+    inputs = (hidden, weight) if head_grad else (hidden,)
+    for a, b in zip(_grads(3.0 * ours, *inputs), _grads(3.0 * ref, *inputs)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    with torch.no_grad():
+        plain = cross_entropy_from_hidden(hidden, weight, targets, temperature=temperature)
+    torch.testing.assert_close(plain, ref.detach(), atol=1e-12, rtol=1e-10)

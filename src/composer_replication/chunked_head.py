@@ -132,6 +132,59 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+class _FusedCrossEntropySum(torch.autograd.Function):
+    """Summed next-token CE from hidden rows, gradients formed during the forward pass.
+
+    CE is linear in the per-token log-probs, so its gradient w.r.t. each chunk's logits,
+    ``(softmax(z) - onehot(target)) / T``, is known in the forward pass: the hidden and head
+    gradients are accumulated there (3 matmuls in all, as the naive path) and the backward
+    pass scales them by the upstream scalar.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk: int
+    ) -> Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n_rows = hidden.shape[0]
+        buf = _workspace(n_rows, chunk, weight)
+        total = torch.zeros((), dtype=buf.dtype, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        for start in range(0, n_rows, chunk):
+            stop = min(start + chunk, n_rows)
+            z = _logits_into(buf[: stop - start], hidden[start:stop], weight, temperature)
+            target_logit = z.gather(1, targets[start:stop, None]).squeeze(1)
+            row_max = z.amax(dim=1, keepdim=True)
+            z.sub_(row_max).exp_()
+            denom = z.sum(dim=1, keepdim=True)
+            total += ((row_max + denom.log()).squeeze(1) - target_logit).sum()
+            if need_h or need_w:
+                grad_logits = z.div_(denom)  # softmax
+                rows = torch.arange(stop - start, device=hidden.device)
+                grad_logits[rows, targets[start:stop]] -= 1.0
+                if temperature != 1.0:
+                    grad_logits.div_(temperature)
+                grad_logits = grad_logits.to(weight.dtype)
+                if need_h:
+                    torch.mm(grad_logits, weight, out=grad_h[start:stop])
+                if need_w:
+                    grad_w.addmm_(grad_logits.T, hidden[start:stop])
+        ctx.grads = (grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):  # type: ignore[override]
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad_h is None and grad_w is None:
+            raise RuntimeError("backward through a fused cross-entropy that ran without grad")
+        scale = grad_total.to(grad_h.dtype if grad_h is not None else grad_w.dtype)
+        grad_h = grad_h.mul_(scale) if grad_h is not None else None
+        grad_w = grad_w.mul_(scale) if grad_w is not None else None
+        return grad_h, grad_w, None, None, None
+
+
 class _ChunkedHiddenJSD(torch.autograd.Function):
     """Per-token JSD (M,) between student rows (grad) and teacher rows (no grad).
 
@@ -230,6 +283,35 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature={temperature} must be > 0")
 
 
+def _select_rows(
+    hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Flattened (M, H) hidden rows and (M,) targets that are not ignored, + their indices.
+
+    Validates shapes and token-id range; ``rows`` is None when nothing is ignored.
+    """
+    _check_head(hidden, weight)
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must match hidden's leading shape "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    keep = flat_targets != ignore_index
+    rows = None if bool(keep.all()) else keep.nonzero().squeeze(-1)
+    sel_hidden = flat_hidden if rows is None else flat_hidden.index_select(0, rows)
+    sel_targets = flat_targets if rows is None else flat_targets.index_select(0, rows)
+    if sel_targets.numel() and (
+        int(sel_targets.min()) < 0 or int(sel_targets.max()) >= weight.shape[0]
+    ):
+        raise ValueError(
+            f"targets must be token ids in [0, {weight.shape[0]}) or {ignore_index}, got values "
+            f"in [{int(sel_targets.min())}, {int(sel_targets.max())}]"
+        )
+    return sel_hidden, sel_targets, rows
+
+
 def token_logprobs_from_hidden(
     hidden: Tensor,
     weight: Tensor,
@@ -247,33 +329,16 @@ def token_logprobs_from_hidden(
         weight: (V, H) LM-head weight.
         targets: (...) token ids; positions equal to ``ignore_index`` give 0 and no gradient.
         temperature: logits are divided by it (the sampling temperature for RL ratios).
-        chunk_size: rows per chunk (default: about 16 MiB of fp32 logits per chunk).
+        chunk_size: rows per chunk (default: about 32 MiB of fp32 logits per chunk).
         return_entropy: also return the per-token entropy (nats, detached).
 
     Returns:
         (...) log-probs, and (...) entropies when ``return_entropy``.
     """
-    _check_head(hidden, weight)
     _check_temperature(temperature)
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets {tuple(targets.shape)} must match hidden's leading shape "
-            f"{tuple(hidden.shape[:-1])}"
-        )
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    sel_hidden, sel_targets, rows = _select_rows(hidden, weight, targets, ignore_index)
+    all_kept = rows is None
     flat_targets = targets.reshape(-1)
-    keep = flat_targets != ignore_index
-    all_kept = bool(keep.all())
-    rows = None if all_kept else keep.nonzero().squeeze(-1)
-    sel_hidden = flat_hidden if all_kept else flat_hidden.index_select(0, rows)
-    sel_targets = flat_targets if all_kept else flat_targets.index_select(0, rows)
-    if sel_targets.numel() and (
-        int(sel_targets.min()) < 0 or int(sel_targets.max()) >= weight.shape[0]
-    ):
-        raise ValueError(
-            f"targets must be token ids in [0, {weight.shape[0]}) or {ignore_index}, got values "
-            f"in [{int(sel_targets.min())}, {int(sel_targets.max())}]"
-        )
     chunk = chunk_size or default_head_chunk_rows(weight.shape[0])
     lp, ent = _ChunkedTokenLogprobs.apply(
         sel_hidden, weight, sel_targets, float(temperature), int(chunk), bool(return_entropy)
@@ -304,21 +369,21 @@ def cross_entropy_from_hidden(
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of ('mean', 'sum', 'none')")
-    logprobs = token_logprobs_from_hidden(
-        hidden,
-        weight,
-        targets,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        ignore_index=ignore_index,
-    )
-    nll = -logprobs
+    _check_temperature(temperature)
     if reduction == "none":
-        return nll
+        logprobs = token_logprobs_from_hidden(
+            hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+            ignore_index=ignore_index,
+        )
+        return -logprobs
+    sel_hidden, sel_targets, _ = _select_rows(hidden, weight, targets, ignore_index)
+    chunk = chunk_size or default_head_chunk_rows(weight.shape[0])
+    total = _FusedCrossEntropySum.apply(
+        sel_hidden, weight, sel_targets, float(temperature), int(chunk)
+    )
     if reduction == "sum":
-        return nll.sum()
-    n_tokens = (targets != ignore_index).sum().clamp_min(1)
-    return nll.sum() / n_tokens
+        return total
+    return total / max(sel_targets.numel(), 1)
 
 
 def jsd_from_hidden(
