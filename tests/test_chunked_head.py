@@ -175,8 +175,7 @@ def test_tiny_model_hidden_path_equals_model_logits():
 def test_fused_cross_entropy_equals_torch_with_temperature(temperature, head_grad):
     hidden, weight, targets = _setup(seed=4)
     weight.requires_grad_(head_grad)
-    ours = cross_entropy_from_hidden(hidden, weight, targets, temperature=temperature,
-                                     chunk_size=4)
+    ours = cross_entropy_from_hidden(hidden, weight, targets, temperature=temperature, chunk_size=4)
     logits = (hidden @ weight.T / temperature).reshape(-1, weight.shape[0])
     ref = torch.nn.functional.cross_entropy(logits, targets.reshape(-1))
     torch.testing.assert_close(ours, ref, atol=1e-12, rtol=1e-10)

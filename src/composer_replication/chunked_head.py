@@ -213,8 +213,14 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
             stop = min(start + chunk, n_rows)
             s_buf, t_buf, mix, scratch = (b[: stop - start] for b in bufs)
             s_logp, t_logp = _jsd_chunk_logps(
-                s_buf, student_hidden[start:stop], weight, t_buf, teacher_hidden[start:stop],
-                teacher_weight, temperature, scratch,
+                s_buf,
+                student_hidden[start:stop],
+                weight,
+                t_buf,
+                teacher_hidden[start:stop],
+                teacher_weight,
+                temperature,
+                scratch,
             )
             if need_h:
                 jsd, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
@@ -222,9 +228,7 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
             else:
                 jsd = jsd_rows(s_logp, t_logp, beta)
             out[start:stop] = jsd
-        ctx.save_for_backward(
-            student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor
-        )
+        ctx.save_for_backward(student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor)
         ctx.settings = (beta, temperature, chunk)
         return out
 
@@ -245,8 +249,14 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
                 s_buf, t_buf, mix, scratch = (b[: stop - start] for b in bufs)
                 h = student_hidden[start:stop]
                 s_logp, t_logp = _jsd_chunk_logps(
-                    s_buf, h, weight, t_buf, teacher_hidden[start:stop], teacher_weight,
-                    temperature, scratch,
+                    s_buf,
+                    h,
+                    weight,
+                    t_buf,
+                    teacher_hidden[start:stop],
+                    teacher_weight,
+                    temperature,
+                    scratch,
                 )
                 _, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
                 grad_logits.mul_(scaled[start:stop, None].to(grad_logits.dtype))
@@ -372,7 +382,11 @@ def cross_entropy_from_hidden(
     _check_temperature(temperature)
     if reduction == "none":
         logprobs = token_logprobs_from_hidden(
-            hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+            hidden,
+            weight,
+            targets,
+            temperature=temperature,
+            chunk_size=chunk_size,
             ignore_index=ignore_index,
         )
         return -logprobs
