@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from composer_replication import models
+from composer_replication.atomic_io import build_dir_atomically
 from composer_replication.models import (
     EMBEDDED,
     EMBEDDED_GGUF_FILE,
@@ -161,7 +161,7 @@ def _save_tiny(out: Path) -> None:
 
 def test_atomic_build_publishes_complete_directory(tmp_path):
     target = tmp_path / "embedded" / "entry"
-    assert models._build_dir_atomically(target, _save_tiny, replace=False) == target
+    assert build_dir_atomically(target, _save_tiny, replace=False) == target
     assert {"config.json", "model.safetensors"} <= {p.name for p in target.iterdir()}
     assert _siblings(target) == []
 
@@ -174,7 +174,7 @@ def test_atomic_build_keeps_the_winner_of_a_race(tmp_path):
         target.mkdir()
         (target / "winner").write_text("other process")
 
-    assert models._build_dir_atomically(target, build_while_another_process_wins, replace=False)
+    assert build_dir_atomically(target, build_while_another_process_wins, replace=False)
     assert [p.name for p in target.iterdir()] == ["winner"]
     assert _siblings(target) == []
 
@@ -187,7 +187,7 @@ def test_atomic_build_leaves_nothing_when_build_crashes(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        models._build_dir_atomically(target, crash, replace=False)
+        build_dir_atomically(target, crash, replace=False)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -198,7 +198,7 @@ def test_atomic_build_removes_temp_dirs_of_dead_processes(tmp_path):
     stale = tmp_path / f"entry.tmp-{dead.pid}-0123abcd"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half written")
-    models._build_dir_atomically(target, _save_tiny, replace=False)
+    build_dir_atomically(target, _save_tiny, replace=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
 
 

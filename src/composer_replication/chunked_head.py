@@ -58,6 +58,20 @@ def _workspace(n_rows: int, chunk: int, weight: Tensor) -> Tensor:
     )
 
 
+def _softmax_(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Turn a chunk's logits (C, V) into its softmax in place.
+
+    Returns ``(log p(target) (C,), log-sum-exp (C,))``, read before the buffer is overwritten.
+    """
+    target_logit = z.gather(1, targets[:, None]).squeeze(1)
+    row_max = z.amax(dim=1, keepdim=True)
+    z.sub_(row_max).exp_()
+    denom = z.sum(dim=1, keepdim=True)
+    lse = (row_max + denom.log()).squeeze(1)
+    z.div_(denom)
+    return target_logit - lse, lse
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """log p(target) (M,) and entropy (M,) from hidden rows (M, H) and head weight (V, H).
 
@@ -88,14 +102,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             z = _logits_into(buf[: stop - start], hidden[start:stop], weight, temperature)
-            target_logit = z.gather(1, targets[start:stop, None]).squeeze(1)
-            row_max = z.amax(dim=1, keepdim=True)
-            z.sub_(row_max).exp_()  # z now holds exp(z - max)
-            denom = z.sum(dim=1, keepdim=True)
-            chunk_lse = (row_max + denom.log()).squeeze(1)
-            lse[start:stop] = chunk_lse
-            logprobs[start:stop] = target_logit - chunk_lse
-            probs = z.div_(denom)
+            logprobs[start:stop], lse[start:stop] = _softmax_(z, targets[start:stop])
+            probs = z
             if with_entropy:
                 entropy[start:stop] = torch.special.entr(probs).sum(dim=1)
             if need_h:
@@ -154,13 +162,10 @@ class _FusedCrossEntropySum(torch.autograd.Function):
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             z = _logits_into(buf[: stop - start], hidden[start:stop], weight, temperature)
-            target_logit = z.gather(1, targets[start:stop, None]).squeeze(1)
-            row_max = z.amax(dim=1, keepdim=True)
-            z.sub_(row_max).exp_()
-            denom = z.sum(dim=1, keepdim=True)
-            total += ((row_max + denom.log()).squeeze(1) - target_logit).sum()
+            target_logprobs, _ = _softmax_(z, targets[start:stop])
+            total -= target_logprobs.sum()
             if need_h or need_w:
-                grad_logits = z.div_(denom)  # softmax
+                grad_logits = z  # softmax
                 rows = torch.arange(stop - start, device=hidden.device)
                 grad_logits[rows, targets[start:stop]] -= 1.0
                 if temperature != 1.0:
