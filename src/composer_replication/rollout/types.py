@@ -1,0 +1,72 @@
+"""The rollout record: what an environment run produced, before any algorithm touched it.
+
+A rollout is data, not a crash: a failed run still yields a ``Rollout`` whose ``error``
+says what went wrong (and whose reward is 0), so algorithms and metrics see every attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Rollout:
+    """One sampled attempt at a task.
+
+    Token streams are aligned: ``completion_ids``, ``inference_logprobs``,
+    ``completion_mask`` and ``token_roles`` (when given) have one entry per completion token.
+
+    Attributes:
+        task_id: the task this attempt belongs to (groups are formed per task).
+        prompt_ids: token ids of the prompt the policy saw.
+        completion_ids: everything after the prompt: sampled tokens and, for multi-turn
+            tool use, the environment's observation tokens in between.
+        inference_logprobs: the sampler's log-prob of each completion token (0.0 for
+            observation tokens, which were not sampled).
+        completion_mask: 1 for tokens the policy sampled, 0 for observation tokens.
+        reward: the verifier's score (0.0 for a failed rollout).
+        prompt_messages: the chat messages behind ``prompt_ids``, so an algorithm can
+            re-render the prompt with a hint or a demonstration.
+        token_roles: per completion token, the role that produced it ("assistant",
+            "tool", "user", ...), for algorithms that weight observation tokens.
+        feedback: error-site text from the environment (failing test output, a tool
+            error), the raw material of SDPO hints.
+        error: why the rollout failed (sandbox error, timeout, unparsable tool call), or
+            None.
+        metadata: free-form extras recorded by the environment.
+    """
+
+    task_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    inference_logprobs: list[float]
+    completion_mask: list[int] | None = None
+    reward: float = 0.0
+    prompt_messages: list[dict[str, Any]] | None = None
+    token_roles: list[str] | None = None
+    feedback: str | None = None
+    error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if self.completion_mask is None:
+            self.completion_mask = [1] * n
+        for name in ("inference_logprobs", "completion_mask", "token_roles"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(
+                    f"rollout {self.task_id!r}: {name} has {len(value)} entries but there are "
+                    f"{n} completion tokens; every per-token list must be aligned"
+                )
+
+    @property
+    def input_ids(self) -> list[int]:
+        """Prompt followed by completion."""
+        return [*self.prompt_ids, *self.completion_ids]
+
+    @property
+    def n_sampled_tokens(self) -> int:
+        """Number of completion tokens the policy sampled."""
+        return int(sum(self.completion_mask or ()))

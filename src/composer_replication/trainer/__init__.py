@@ -1,0 +1,1 @@
+"""The trainer: loss components, the algorithm-blind step, teacher models."""

@@ -1,0 +1,303 @@
+"""The wire between algorithms and the trainer: training samples and packed micro-batches.
+
+Every training signal reaches the trainer as per-token weight streams on a fixed set of
+loss components (``rl``, ``ce``, ``ref_kl``, ``jsd``) plus optional preference pairs
+(``dpo``). The trainer never learns which algorithm made a sample; samples of different
+algorithms pack freely into one micro-batch.
+
+Alignment invariant: every per-token list of a sample has exactly ``len(input_ids)``
+entries, and after packing every (B, T) tensor of a micro-batch has the shape of its
+``input_ids``. A misaligned stream fails loudly at pack time, never trains silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# Per-token float streams of a sample; filler outside a stream is 0.0.
+TOKEN_STREAMS = (
+    "inference_logprobs",
+    "advantages",
+    "rl_weights",
+    "ce_weights",
+    "ref_kl_weights",
+    "jsd_weights",
+    "ref_logprobs",
+)
+
+
+@dataclass
+class DPOPairTokens:
+    """A tokenised preference pair: chosen and rejected sequences with response masks.
+
+    ``ref_chosen_logp`` / ``ref_rejected_logp`` are the summed response log-probs under
+    the frozen reference, filled in once (by the algorithm's ``score`` or the trainer) and
+    cached here. ``weight`` is the pair's coefficient in the ``dpo`` component.
+    """
+
+    chosen_ids: list[int]
+    chosen_mask: list[int]
+    rejected_ids: list[int]
+    rejected_mask: list[int]
+    weight: float = 1.0
+    ref_chosen_logp: float | None = None
+    ref_rejected_logp: float | None = None
+
+    def __post_init__(self) -> None:
+        for side in ("chosen", "rejected"):
+            ids, mask = getattr(self, f"{side}_ids"), getattr(self, f"{side}_mask")
+            if len(ids) != len(mask):
+                raise ValueError(
+                    f"DPO pair: {side}_mask has {len(mask)} entries for {len(ids)} tokens"
+                )
+            if not any(mask):
+                raise ValueError(f"DPO pair: the {side} response mask selects no token")
+
+
+@dataclass
+class TrainingSample:
+    """One sequence (and/or one preference pair) with its per-token training signal.
+
+    Attributes:
+        input_ids: prompt + completion token ids (may be empty for a pair-only sample).
+        loss_mask: 1 on trainable tokens (the ones the policy sampled).
+        inference_logprobs: sampler log-probs per token (0.0 where not sampled).
+        advantages: per-token advantages; None = no rl credit, legal only when the sample
+            has no live rl token (set ``rl_weights`` to zeros).
+        rl_weights: weight of the ``rl`` component per token; None = 1 on every trainable
+            token.
+        ce_weights, ref_kl_weights, jsd_weights: weights of those components per token;
+            None = the component is off for this sample.
+        ref_logprobs: reference log-probs per token (needed where ``ref_kl_weights`` != 0).
+        teacher_input_ids: the teacher context for ``jsd`` (hint or demonstration + the same
+            completion).
+        teacher_index: per token of ``input_ids``, the index in ``teacher_input_ids`` of
+            the same token (-1 where there is none); needed where ``jsd_weights`` != 0.
+        dpo: an optional preference pair.
+        task_id, source: where the sample came from (metrics only; never used for
+            branching).
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    inference_logprobs: list[float]
+    advantages: list[float] | None = None
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+    jsd_weights: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    teacher_input_ids: list[int] | None = None
+    teacher_index: list[int] | None = None
+    dpo: DPOPairTokens | None = None
+    task_id: str = ""
+    source: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def check_alignment(self) -> None:
+        """Raise ``ValueError`` naming the stream whose length differs from input_ids."""
+        n = len(self.input_ids)
+        for name in ("loss_mask", *TOKEN_STREAMS, "teacher_index"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(
+                    f"sample {self.task_id or '<unnamed>'} ({self.source or 'unknown source'}): "
+                    f"{name} has {len(value)} entries but input_ids has {n}; every per-token "
+                    "stream must be aligned with input_ids"
+                )
+        if self.jsd_weights is not None and any(self.jsd_weights):
+            if self.teacher_input_ids is None or self.teacher_index is None:
+                raise ValueError(
+                    f"sample {self.task_id}: jsd_weights are set but teacher_input_ids / "
+                    "teacher_index are missing"
+                )
+            n_t = len(self.teacher_input_ids)
+            for pos, (w, t_pos) in enumerate(zip(self.jsd_weights, self.teacher_index)):
+                if w == 0:
+                    continue
+                if not 0 < t_pos < n_t or pos == 0:
+                    raise ValueError(
+                        f"sample {self.task_id}: token {pos} has a jsd weight but teacher "
+                        f"index {t_pos} (teacher length {n_t}); both positions must be >= 1"
+                    )
+                if self.teacher_input_ids[t_pos] != self.input_ids[pos]:
+                    raise ValueError(
+                        f"sample {self.task_id}: token {pos} is {self.input_ids[pos]} but the "
+                        f"teacher token at {t_pos} is {self.teacher_input_ids[t_pos]}"
+                    )
+        if self.advantages is None and self.n_live_rl_tokens:
+            raise ValueError(
+                f"sample {self.task_id} ({self.source}): advantages is None but "
+                f"{self.n_live_rl_tokens} trainable tokens have rl weight; give advantages or "
+                "set rl_weights to zeros for a sample without rl credit"
+            )
+        if (
+            self.ref_kl_weights is not None
+            and any(self.ref_kl_weights)
+            and (self.ref_logprobs is None)
+        ):
+            raise ValueError(
+                f"sample {self.task_id}: ref_kl_weights are set but ref_logprobs is missing"
+            )
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_live_rl_tokens(self) -> int:
+        """Trainable tokens with a non-zero rl weight (absent stream: weight 1)."""
+        weights = self.rl_weights or [1.0] * len(self.loss_mask)
+        return sum(1 for m, w in zip(self.loss_mask, weights) if m and w != 0)
+
+
+@dataclass
+class MicroBatch:
+    """Samples packed as right-padded (B, T) rows, plus the preference pairs they carry.
+
+    Streams a micro-batch does not use at all are None. ``has_rl_stream`` marks the rows
+    whose sample gave an explicit ``rl_weights`` (others get weight 1 on trainable tokens,
+    already folded into ``rl_weights``).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    inference_logprobs: Tensor
+    advantages: Tensor
+    rl_weights: Tensor
+    ce_weights: Tensor | None
+    ref_kl_weights: Tensor | None
+    jsd_weights: Tensor | None
+    ref_logprobs: Tensor | None
+    teacher_input_ids: Tensor | None
+    teacher_attention_mask: Tensor | None
+    teacher_index: Tensor | None
+    pairs: list[DPOPairTokens]
+    samples: list[TrainingSample]
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def assert_aligned(self) -> None:
+        """Every (B, T) tensor has the shape of ``input_ids`` (the packing invariant)."""
+        shape = tuple(self.input_ids.shape)
+        for name in ("attention_mask", "loss_mask", *TOKEN_STREAMS, "teacher_index"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise AssertionError(
+                    f"micro-batch stream {name} has shape {tuple(value.shape)}, "
+                    f"input_ids has {shape}"
+                )
+        t_ids, t_attn = self.teacher_input_ids, self.teacher_attention_mask
+        if t_ids is not None and t_attn is not None and t_ids.shape != t_attn.shape:
+            raise AssertionError("teacher_input_ids and teacher_attention_mask differ")
+
+
+def pack_samples(
+    samples: Sequence[TrainingSample], *, max_tokens: int, pad_id: int = 0
+) -> list[MicroBatch]:
+    """Pack samples into micro-batches of at most ``max_tokens`` padded tokens each.
+
+    Rows are right-padded to the longest sample in their micro-batch; samples are sorted
+    by length first so little is wasted on padding. A sample longer than ``max_tokens``
+    gets a micro-batch of its own (it cannot be split without changing its loss). Pair-only
+    samples (empty ``input_ids``) ride along in the first micro-batch that has room.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+    for sample in samples:
+        sample.check_alignment()
+    seqs = sorted((s for s in samples if s.n_tokens), key=lambda s: s.n_tokens)
+    pair_only = [s for s in samples if not s.n_tokens]
+    groups: list[list[TrainingSample]] = []
+    current: list[TrainingSample] = []
+    for sample in seqs:
+        width = max([sample.n_tokens, *(s.n_tokens for s in current)])
+        if current and width * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(sample)
+    if current:
+        groups.append(current)
+    if pair_only:
+        if groups:
+            groups[0] = groups[0] + pair_only
+        else:
+            groups.append(pair_only)
+    batches = [_to_micro_batch(group, pad_id) for group in groups]
+    for batch in batches:
+        batch.assert_aligned()
+    return batches
+
+
+def _stream_tensor(rows: list[TrainingSample], name: str, width: int, dtype: Any) -> Tensor:
+    import torch
+
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, sample in enumerate(rows):
+        value = getattr(sample, name)
+        if value is not None and len(value):
+            out[i, : len(value)] = torch.tensor(value, dtype=dtype)
+    return out
+
+
+def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
+    import torch
+
+    rows = [s for s in group if s.n_tokens]
+    width = max((s.n_tokens for s in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, sample in enumerate(rows):
+        ids[i, : sample.n_tokens] = torch.tensor(sample.input_ids, dtype=torch.long)
+        attn[i, : sample.n_tokens] = 1
+    f32 = torch.float32
+    loss_mask = _stream_tensor(rows, "loss_mask", width, f32)
+    rl_weights = _stream_tensor(rows, "rl_weights", width, f32)
+    for i, sample in enumerate(rows):
+        if sample.rl_weights is None:  # absent stream: weight 1 on every trainable token
+            rl_weights[i] = loss_mask[i]
+
+    def optional(name: str) -> Tensor | None:
+        if all(getattr(s, name) is None for s in rows) or not rows:
+            return None
+        return _stream_tensor(rows, name, width, f32)
+
+    teacher_ids = teacher_attn = teacher_index = None
+    if any(s.teacher_input_ids is not None for s in rows):
+        t_width = max(len(s.teacher_input_ids or ()) for s in rows)
+        teacher_ids = torch.full((len(rows), t_width), pad_id, dtype=torch.long)
+        teacher_attn = torch.zeros(len(rows), t_width, dtype=torch.long)
+        teacher_index = torch.full((len(rows), width), -1, dtype=torch.long)
+        for i, sample in enumerate(rows):
+            if sample.teacher_input_ids is None:
+                continue
+            n_t = len(sample.teacher_input_ids)
+            teacher_ids[i, :n_t] = torch.tensor(sample.teacher_input_ids, dtype=torch.long)
+            teacher_attn[i, :n_t] = 1
+            if sample.teacher_index is not None:
+                teacher_index[i, : sample.n_tokens] = torch.tensor(sample.teacher_index)
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=loss_mask,
+        inference_logprobs=_stream_tensor(rows, "inference_logprobs", width, f32),
+        advantages=_stream_tensor(rows, "advantages", width, f32),
+        rl_weights=rl_weights,
+        ce_weights=optional("ce_weights"),
+        ref_kl_weights=optional("ref_kl_weights"),
+        jsd_weights=optional("jsd_weights"),
+        ref_logprobs=optional("ref_logprobs"),
+        teacher_input_ids=teacher_ids,
+        teacher_attention_mask=teacher_attn,
+        teacher_index=teacher_index,
+        pairs=[s.dpo for s in group if s.dpo is not None],
+        samples=list(group),
+    )
