@@ -1,0 +1,120 @@
+"""One trainer step: the chunked hidden-state path (ours) vs the same step on full logits.
+
+Run: ``python benchmarks/train_step.py`` (a few minutes). SmolLM2-135M-Instruct, a packed
+batch of 8 sequences x 512 tokens (64 prompt + 448 completion tokens each), grpo-style rl
+weights and advantages, full fine-tune. Each implementation runs in a fresh process on the
+same batch; the naive step computes ``model(...).logits -> log_softmax -> gather`` and then
+the very same rl component. Printed: time and peak extra memory (RSS) ratios, and the
+loss values (they must agree). ``--checkpointing`` turns on activation checkpointing in both
+(what a CPU run with long sequences would use), which leaves the LM head as the largest
+memory consumer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import gib, machine_line, measure, run_case  # noqa: E402
+
+
+def _batch(n_seq: int, seq_len: int, vocab: int):
+    import torch
+
+    from composer_replication.wire import TrainingSample, pack_samples
+
+    gen = torch.Generator().manual_seed(0)
+    n_prompt = 64
+    samples = []
+    for i in range(n_seq):
+        ids = torch.randint(100, vocab, (seq_len,), generator=gen).tolist()
+        mask = [0] * n_prompt + [1] * (seq_len - n_prompt)
+        inf = [0.0] * n_prompt + (-torch.rand(seq_len - n_prompt, generator=gen) * 8).tolist()
+        adv = 1.0 if i % 2 else -1.0
+        samples.append(TrainingSample(ids, mask, inf, advantages=[adv * m for m in mask]))
+    (mb,) = pack_samples(samples, max_tokens=n_seq * seq_len)
+    return mb
+
+
+def naive_step(model, mb, cfg) -> dict:
+    """The same rl component, from full logits (the peer)."""
+    import torch
+
+    from composer_replication.trainer.components import rl_loss
+
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    logprobs = torch.log_softmax(logits / cfg.temperature, dim=-1)
+    logprobs = logprobs.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+    loss_sum, count = rl_loss(
+        logprobs, mb.inference_logprobs[:, 1:], mb.advantages[:, 1:], mb.loss_mask[:, 1:],
+        mb.rl_weights[:, 1:], mask_low=cfg.mask_low, mask_high=cfg.mask_high,
+        adv_tau=cfg.adv_tau, kl_tau=cfg.kl_tau,
+    )
+    loss = loss_sum / count
+    loss.backward()
+    return {"loss": float(loss.detach())}
+
+
+def worker(impl: str, n_seq: int, seq_len: int, checkpointing: bool, repeats: int) -> dict:
+    import torch
+
+    from composer_replication.models import load_policy
+    from composer_replication.trainer.step import LossConfig, train_step
+
+    torch.manual_seed(0)
+    model, _ = load_policy()
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mb = _batch(n_seq, seq_len, model.config.vocab_size)
+    cfg = LossConfig()
+
+    def step() -> dict:
+        model.zero_grad(set_to_none=True)
+        if impl == "naive":
+            return naive_step(model, mb, cfg)
+        return {"loss": train_step(model, [mb], cfg)["loss"]}
+
+    first = measure(step)
+    times = [first["seconds"]]
+    for _ in range(repeats - 1):
+        times.append(measure(step, cold=False)["seconds"])
+    first["seconds"] = sorted(times)[len(times) // 2]
+    first["tokens"] = n_seq * seq_len
+    return first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--n-seq", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps per case (median)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing in both")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--args", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        print(json.dumps(worker(**json.loads(ns.args))))
+        return
+    script = os.path.abspath(__file__)
+    print(f"machine: {machine_line()}")
+    print(f"SmolLM2-135M, {ns.n_seq} x {ns.seq_len} tokens, rl (grpo) step, full fine-tune, "
+          f"activation checkpointing {'on' if ns.checkpointing else 'off'}")
+    args = {"n_seq": ns.n_seq, "seq_len": ns.seq_len, "checkpointing": ns.checkpointing,
+            "repeats": ns.repeats}
+    naive = run_case(script, "step", {"impl": "naive", **args})
+    ours = run_case(script, "step", {"impl": "ours", **args})
+    for name, r in (("naive", naive), ("ours", ours)):
+        print(f"  {name:5s}: {r['seconds']:.1f} s/step ({r['tokens'] / r['seconds']:.0f} tokens/s)  "
+              f"peak extra {gib(r['peak_extra_bytes'])}  loss {r['loss']:.6f}")
+    print(f"  ratio ours/naive: time {ours['seconds'] / naive['seconds']:.3f}x (goal <= 1.05x)  "
+          f"peak memory {ours['peak_extra_bytes'] / naive['peak_extra_bytes']:.3f}x (goal <= 0.5x)  "
+          f"loss |diff| {abs(ours['loss'] - naive['loss']):.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Algorithms: rollout groups in, per-token training signal (``TrainingSample``) out.
+
+``AlgorithmConfig`` (sampling + ``advantage.type``) selects one class per algorithm;
+``build_algorithm`` constructs it with the resources it needs. See 02-algorithms.md §3.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from composer_replication.algo.advantage import (
+    align_prefill_logprobs,
+    broadcast_to_tokens,
+    grpo_advantages,
+    length_penalty,
+    max_rl_advantages,
+)
+from composer_replication.algo.advantage_config import (
+    AdvantageConfig,
+    ComposerAdvantage,
+    CustomAdvantage,
+    EchoAdvantage,
+    GRPOAdvantage,
+    MaxRLAdvantage,
+    OPDAdvantage,
+    OPSDAdvantage,
+    ReplayDPOAdvantage,
+    RewardAdvantage,
+    RoleWeight,
+    SDPOAdvantage,
+    SFTAdvantage,
+)
+from composer_replication.algo.base import Algorithm, AlgorithmResources, rollout_to_sample
+from composer_replication.algo.composer import ComposerAlgorithm
+from composer_replication.algo.config import AlgorithmConfig, SamplingConfig
+from composer_replication.algo.custom import CustomAlgorithm
+from composer_replication.algo.echo import EchoAlgorithm
+from composer_replication.algo.grpo import GRPOAlgorithm
+from composer_replication.algo.max_rl import MaxRLAlgorithm
+from composer_replication.algo.opd import OPDAlgorithm
+from composer_replication.algo.opsd import OPSDAlgorithm
+from composer_replication.algo.references import (
+    FrozenEndpoint,
+    LocalFrozenModel,
+    ModelReference,
+)
+from composer_replication.algo.replay_dpo import ReplayDPOAlgorithm, tokenize_pair
+from composer_replication.algo.reward import RewardAlgorithm
+from composer_replication.algo.scoring import (
+    EndpointPrefillScorer,
+    LocalPrefillScorer,
+    PrefillScorer,
+)
+from composer_replication.algo.sdpo import SDPOAlgorithm
+from composer_replication.algo.sft import SFTAlgorithm
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls
+    for cls in (
+        GRPOAlgorithm,
+        MaxRLAlgorithm,
+        RewardAlgorithm,
+        CustomAlgorithm,
+        OPDAlgorithm,
+        OPSDAlgorithm,
+        SDPOAlgorithm,
+        SFTAlgorithm,
+        EchoAlgorithm,
+        ReplayDPOAlgorithm,
+        ComposerAlgorithm,
+    )
+}
+
+
+def build_algorithm(
+    config: AlgorithmConfig | dict[str, Any],
+    *,
+    tokenizer: Any = None,
+    scorer: PrefillScorer | None = None,
+    reference_scorer: PrefillScorer | None = None,
+    pairs: Sequence[Any] | None = None,
+    rng: random.Random | None = None,
+) -> Algorithm:
+    """The algorithm ``config.advantage.type`` names, built with what it needs.
+
+    Args:
+        config: an ``AlgorithmConfig`` (or a dict validated into one).
+        tokenizer: the policy's tokenizer; needed by opsd, sdpo, composer (hinted / demo
+            contexts) and to tokenise preference pairs (replay_dpo, composer).
+        scorer: prefill scorer of the opd teacher / opsd reference; built from the config's
+            frozen reference when omitted (opsd on ``"policy"`` needs one over the policy).
+        reference_scorer: frozen reference for DPO log-probs (replay_dpo, composer); without
+            one the trainer's reference model fills them.
+        pairs: preference pairs (``DPOPair`` / ``NormalizedDPOPair`` objects or dicts, or
+            ``DPOPairTokens``); overrides ``advantage.pairs_path``.
+        rng: randomness of pair sampling (default ``random.Random(0)``).
+
+    Raises:
+        ValueError: a resource the algorithm needs is missing (the message names it).
+    """
+    if not isinstance(config, AlgorithmConfig):
+        config = AlgorithmConfig.model_validate(config)
+    resources = AlgorithmResources(
+        tokenizer=tokenizer,
+        scorer=scorer,
+        reference_scorer=reference_scorer,
+        pairs=pairs,
+        rng=rng,
+    )
+    return ALGORITHMS[config.advantage.type].build(config, resources)
+
+
+__all__ = [
+    "ALGORITHMS",
+    "AdvantageConfig",
+    "Algorithm",
+    "AlgorithmConfig",
+    "AlgorithmResources",
+    "ComposerAdvantage",
+    "ComposerAlgorithm",
+    "CustomAdvantage",
+    "CustomAlgorithm",
+    "EchoAdvantage",
+    "EchoAlgorithm",
+    "EndpointPrefillScorer",
+    "FrozenEndpoint",
+    "GRPOAdvantage",
+    "GRPOAlgorithm",
+    "LocalFrozenModel",
+    "LocalPrefillScorer",
+    "MaxRLAdvantage",
+    "MaxRLAlgorithm",
+    "ModelReference",
+    "OPDAdvantage",
+    "OPDAlgorithm",
+    "OPSDAdvantage",
+    "OPSDAlgorithm",
+    "PrefillScorer",
+    "ReplayDPOAdvantage",
+    "ReplayDPOAlgorithm",
+    "RewardAdvantage",
+    "RewardAlgorithm",
+    "RoleWeight",
+    "SDPOAdvantage",
+    "SDPOAlgorithm",
+    "SFTAdvantage",
+    "SFTAlgorithm",
+    "SamplingConfig",
+    "align_prefill_logprobs",
+    "broadcast_to_tokens",
+    "build_algorithm",
+    "grpo_advantages",
+    "length_penalty",
+    "max_rl_advantages",
+    "rollout_to_sample",
+    "tokenize_pair",
+]

@@ -1,0 +1,227 @@
+"""One pydantic config per algorithm, discriminated on ``type`` (02-algorithms.md §3).
+
+The defaults of each class ARE the algorithm's vetted setting. ``AdvantageConfig`` is the
+discriminated union that ``AlgorithmConfig.advantage`` holds.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from composer_replication.algo.context import DEFAULT_DEMO_TEMPLATE
+from composer_replication.algo.references import ModelReference
+
+_IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+#: Types whose advantage is relative to the group (a group of one gives all zeros).
+GROUP_RELATIVE = frozenset({"grpo", "max_rl", "sdpo", "composer", "echo"})
+#: Types that train the ``rl`` component and therefore need the sampler's log-probs.
+RL_TYPES = frozenset({"grpo", "max_rl", "reward", "custom", "sdpo", "echo", "composer"})
+
+
+class _Advantage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GRPOAdvantage(_Advantage):
+    """Dr.GRPO (arXiv 2503.20783): ``A = r - mean(r)`` over the group, on sampled tokens."""
+
+    type: Literal["grpo"] = Field("grpo", description="Algorithm name.")
+    std_normalize: bool = Field(
+        False, description="Divide by the group's sample std + eps (classic GRPO, 2402.03300)."
+    )
+    eps: float = Field(1e-6, gt=0, description="Epsilon of the std division.")
+    length_penalty: float = Field(
+        0.0,
+        ge=0,
+        description="Coefficient c of the reward penalty c * max(0, L - length_target) / "
+        "length_target, L = sampled tokens; 0 disables it.",
+    )
+    length_target: int | None = Field(
+        None, ge=1, description="Length (sampled tokens) above which the penalty grows."
+    )
+
+    @model_validator(mode="after")
+    def _penalty_needs_target(self) -> GRPOAdvantage:
+        if self.length_penalty > 0 and self.length_target is None:
+            raise ValueError(
+                f"length_penalty = {self.length_penalty} needs length_target (the sampled-token "
+                "count above which completions are penalised); set advantage.length_target"
+            )
+        return self
+
+
+class MaxRLAdvantage(_Advantage):
+    """MaxRL (arXiv 2602.02710): ``A = (r - mean) / (mean + eps)``, 0 when mean <= 0."""
+
+    type: Literal["max_rl"] = Field("max_rl", description="Algorithm name.")
+    eps: float = Field(1e-6, gt=0, description="Epsilon of the mean division.")
+
+
+class RewardAdvantage(_Advantage):
+    """``A = r``: the raw reward, no baseline (REINFORCE)."""
+
+    type: Literal["reward"] = Field("reward", description="Algorithm name.")
+
+
+class CustomAdvantage(_Advantage):
+    """A user function ``fn(group, **kwargs) -> list[list[float]]`` of per-token advantages."""
+
+    type: Literal["custom"] = Field("custom", description="Algorithm name.")
+    import_path: str = Field(
+        pattern=_IMPORT_PATH,
+        description="'package.module:function'; one list per rollout, one value per "
+        "completion token.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the function."
+    )
+
+
+class OPDAdvantage(_Advantage):
+    """On-policy distillation: reverse KL to a frozen teacher's prefill log-probs."""
+
+    type: Literal["opd"] = Field("opd", description="Algorithm name.")
+    model: ModelReference | None = Field(
+        None, description="The frozen teacher (endpoint or local model); 'policy' is rejected."
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _not_policy(cls, value: Any) -> Any:
+        if value == "policy":
+            raise ValueError(
+                "opd against 'policy' is degenerate: the KL of the policy to itself is 0 and "
+                "nothing trains; set advantage.model to a frozen teacher "
+                "{name, base_url} / {name, local_path}, or use type = 'opsd' (the policy "
+                "behind a demonstration)"
+            )
+        return value
+
+
+class OPSDAdvantage(_Advantage):
+    """On-policy self-distillation (SDFT setting): the reference scores the sample behind a
+    demonstration (a successful sibling's completion or ``rollout.metadata['reference']``)."""
+
+    type: Literal["opsd"] = Field("opsd", description="Algorithm name.")
+    model: ModelReference = Field(
+        "policy", description="Who scores the demo-conditioned context (default: the policy)."
+    )
+    demo_template: str = Field(
+        DEFAULT_DEMO_TEMPLATE,
+        description="Last user message of the reference context; placeholders {content} "
+        "(the original message) and {demonstration}.",
+    )
+
+    @field_validator("demo_template")
+    @classmethod
+    def _placeholders(cls, value: str) -> str:
+        missing = [p for p in ("{content}", "{demonstration}") if p not in value]
+        if missing:
+            raise ValueError(f"demo_template {value!r} lacks the placeholder(s) {missing}")
+        return value
+
+
+class _SelfDistillation(_Advantage):
+    """Fields shared by the algorithms with an SDPO ``jsd`` channel."""
+
+    teacher: Literal["policy", "initial", "ema"] = Field(
+        "policy",
+        description="Model behind the hinted context: live policy, frozen initial policy, "
+        "or an EMA of the policy.",
+    )
+    ema_decay: float = Field(0.99, ge=0, lt=1, description="EMA decay (teacher = 'ema').")
+    jsd_beta: float = Field(
+        0.5, ge=0, le=1, description="Generalized JSD mixture: 0 forward KL, 1 reverse KL."
+    )
+    use_sibling_demos: bool = Field(
+        True, description="Use a better sibling's completion as the demonstration when one exists."
+    )
+    hint_source: Literal["generator", "feedback", "none"] = Field(
+        "generator",
+        description="Hint at error sites without a demonstration: 'generator' "
+        "(hint_generator on the feedback), 'feedback' (the raw feedback), 'none'.",
+    )
+
+
+class SDPOAdvantage(_SelfDistillation):
+    """SDPO (arXiv 2601.20802): Dr.GRPO on every rollout + JSD to the hinted policy at error
+    sites."""
+
+    type: Literal["sdpo"] = Field("sdpo", description="Algorithm name.")
+    alpha: float = Field(1.0, ge=0, description="jsd weight on an error site's sampled tokens.")
+
+
+class SFTAdvantage(_Advantage):
+    """Cross-entropy on tokens sampled from a frozen source (teacher distillation)."""
+
+    type: Literal["sft"] = Field("sft", description="Algorithm name.")
+    ce_weight: float = Field(1.0, gt=0, description="ce weight on each sampled token.")
+
+
+class RoleWeight(BaseModel):
+    """Weight of one message role's observation tokens in the ``ce`` component."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    alpha: float = Field(ge=0, description="ce weight on each token of this role.")
+
+
+class EchoAdvantage(_Advantage):
+    """Dr.GRPO on actions + weighted CE on environment-observation tokens, per role."""
+
+    type: Literal["echo"] = Field("echo", description="Algorithm name.")
+    roles: dict[str, RoleWeight] = Field(
+        default_factory=lambda: {"tool": RoleWeight(alpha=0.1)},
+        description="Observation roles trained with ce, and their weights.",
+    )
+    filter: str | None = Field(
+        None,
+        pattern=_IMPORT_PATH,
+        description="'package.module:function', fn(rollout) -> bool: False leaves that "
+        "rollout's observations out of ce (its rl credit stays).",
+    )
+
+
+class _PairFields(_Advantage):
+    pairs_path: str | None = Field(
+        None, description="JSONL of DPOPair / NormalizedDPOPair records."
+    )
+    pairs_per_group: int = Field(1, ge=0, description="Pairs drawn from the pool per group.")
+
+
+class ReplayDPOAdvantage(_PairFields):
+    """Trace-replay DPO (Composer channel 3) on teacher-consensus preference pairs."""
+
+    type: Literal["replay_dpo"] = Field("replay_dpo", description="Algorithm name.")
+    beta: float = Field(0.1, gt=0, description="DPO (or SimPO) beta.")
+    loss: Literal["dpo", "simpo"] = Field("dpo", description="Pair loss.")
+    weight: float = Field(1.0, gt=0, description="Weight of each pair in the dpo component.")
+
+
+class ComposerAdvantage(_SelfDistillation, _PairFields):
+    """The full recipe: Dr.GRPO + alpha * SDPO jsd + beta * trace-replay DPO."""
+
+    type: Literal["composer"] = Field("composer", description="Algorithm name.")
+    alpha: float = Field(0.1, ge=0, description="jsd weight on an error site's sampled tokens.")
+    beta: float = Field(0.05, ge=0, description="Weight of each replayed DPO pair.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO beta of the replayed pairs.")
+
+
+AdvantageConfig = Annotated[
+    GRPOAdvantage
+    | MaxRLAdvantage
+    | RewardAdvantage
+    | CustomAdvantage
+    | OPDAdvantage
+    | OPSDAdvantage
+    | SDPOAdvantage
+    | SFTAdvantage
+    | EchoAdvantage
+    | ReplayDPOAdvantage
+    | ComposerAdvantage,
+    Field(discriminator="type"),
+]
+"""The per-algorithm config, selected by its ``type``."""

@@ -1,0 +1,113 @@
+"""``composer``: the full Composer recipe, rl + jsd + dpo on one group.
+
+- Dr.GRPO advantages (arXiv 2503.20783) on every rollout's sampled tokens (``rl``);
+- SDPO self-distillation at error sites (arXiv 2601.20802; see :mod:`.sdpo`) with jsd
+  weight ``alpha`` (0.1);
+- ``pairs_per_group`` trace-replay DPO pairs (see :mod:`.replay_dpo`) drawn from the pair
+  pool, each with weight ``beta`` (0.05) and DPO beta ``dpo_beta``. Without pairs
+  (none given, no ``pairs_path``) the dpo channel is simply empty.
+
+Component coefficients multiply the component means (02-algorithms.md §1): a weight of
+``alpha`` on every jsd token is ``alpha`` times the jsd mean.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from composer_replication.algo.advantage import grpo_advantages
+from composer_replication.algo.base import (
+    Algorithm,
+    AlgorithmResources,
+    check_group,
+    rollout_to_sample,
+    sampled,
+)
+from composer_replication.algo.replay_dpo import (
+    PairPool,
+    build_pair_pool,
+    fill_pair_reference_logps,
+    pair_sample,
+)
+from composer_replication.algo.scoring import PrefillScorer
+from composer_replication.algo.sdpo import attach_self_distillation
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import DPOPairTokens, TrainingSample
+
+
+class ComposerAlgorithm(Algorithm):
+    """Dr.GRPO + alpha * SDPO + beta * trace-replay DPO."""
+
+    name = "composer"
+    components = ("rl", "jsd", "dpo")
+
+    def __init__(
+        self,
+        config: Any,
+        tokenizer: Any,
+        pairs: Sequence[DPOPairTokens] = (),
+        *,
+        reference_scorer: PrefillScorer | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.tokenizer = tokenizer
+        self.pool = PairPool(pairs, rng or random.Random(0))
+        self.reference_scorer = reference_scorer
+
+    @classmethod
+    def build(cls, config: Any, resources: AlgorithmResources) -> ComposerAlgorithm:
+        if resources.tokenizer is None:
+            raise ValueError("composer needs tokenizer= to render hinted teacher contexts")
+        cfg = config.advantage
+        pairs = build_pair_pool(
+            resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.beta
+        )
+        return cls(
+            config,
+            resources.tokenizer,
+            pairs,
+            reference_scorer=resources.reference_scorer,
+            rng=resources.rng,
+        )
+
+    @property
+    def loss_settings(self) -> dict[str, Any]:
+        cfg = self.advantage_config
+        return {"jsd_beta": cfg.jsd_beta, "dpo_beta": cfg.dpo_beta, "dpo_loss": "dpo"}
+
+    @property
+    def teacher(self) -> dict[str, Any]:
+        cfg = self.advantage_config
+        return {"mode": cfg.teacher, "ema_decay": cfg.ema_decay}
+
+    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+        check_group(group, self.name)
+        cfg = self.advantage_config
+        advantages = grpo_advantages([r.reward for r in group]).tolist()
+        samples = []
+        for i, (rollout, advantage) in enumerate(zip(group, advantages)):
+            sample = rollout_to_sample(rollout, source=self.name)
+            sample.advantages = sampled(rollout, advantage)
+            attach_self_distillation(
+                sample,
+                group,
+                i,
+                tokenizer=self.tokenizer,
+                alpha=cfg.alpha,
+                use_sibling_demos=cfg.use_sibling_demos,
+                hint_source=cfg.hint_source,
+            )
+            samples.append(sample)
+        if cfg.beta > 0:
+            samples += [pair_sample(p, self.name) for p in self.pool.draw(cfg.pairs_per_group)]
+        return samples
+
+    async def score(self, samples: list[TrainingSample]) -> None:
+        """DPO reference log-probs of the pairs (left to the trainer without a scorer)."""
+        if self.reference_scorer is None:
+            return
+        pairs = [s.dpo for s in samples if s.dpo is not None]
+        await fill_pair_reference_logps(pairs, self.reference_scorer)

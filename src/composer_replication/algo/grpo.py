@@ -1,0 +1,42 @@
+"""``grpo``: Dr.GRPO (arXiv 2503.20783), the default algorithm; classic GRPO opt-in.
+
+Per group: rewards, optionally minus a length penalty, become group-relative advantages
+(``grpo_advantages``); each rollout's advantage is put on its sampled tokens. Component:
+``rl`` with weight 1 on every trainable token (no ``rl_weights`` stream).
+"""
+
+from __future__ import annotations
+
+from composer_replication.algo.advantage import grpo_advantages, length_penalty
+from composer_replication.algo.base import Algorithm, check_group, rollout_to_sample, sampled
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import TrainingSample
+
+
+class GRPOAlgorithm(Algorithm):
+    """Group-relative advantages on sampled tokens."""
+
+    name = "grpo"
+    components = ("rl",)
+
+    def group_advantages(self, group: list[Rollout]) -> list[float]:
+        """One advantage per rollout (penalised rewards, then ``grpo_advantages``)."""
+        cfg = self.advantage_config
+        rewards = [r.reward for r in group]
+        if cfg.length_penalty:
+            penalty = length_penalty(
+                [r.n_sampled_tokens for r in group],
+                coefficient=cfg.length_penalty,
+                target=cfg.length_target,
+            )
+            rewards = [r - float(p) for r, p in zip(rewards, penalty)]
+        return grpo_advantages(rewards, std_normalize=cfg.std_normalize, eps=cfg.eps).tolist()
+
+    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+        check_group(group, self.name)
+        samples = []
+        for rollout, advantage in zip(group, self.group_advantages(group)):
+            sample = rollout_to_sample(rollout, source=self.name)
+            sample.advantages = sampled(rollout, advantage)
+            samples.append(sample)
+        return samples

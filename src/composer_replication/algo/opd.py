@@ -1,0 +1,71 @@
+"""``opd``: on-policy distillation from a frozen teacher (reverse KL on the policy's samples).
+
+The policy samples; at ship time a frozen teacher (an OpenAI-compatible endpoint or a
+local model) prefills each sample and reports the log-prob of every sampled token. The
+trainer's ``ref_kl`` component then pushes the policy's log-prob towards the teacher's
+(per-token reverse KL as the policy-gradient signal; GKD, arXiv 2306.13649). There is no
+scalar advantage: ``rl_weights`` are zeros and ``advantages`` None. Teacher and policy must
+share the tokenizer (the teacher scores the policy's token ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_replication.algo.base import (
+    REF_CONTEXT,
+    REF_INDEX,
+    Algorithm,
+    AlgorithmResources,
+    check_group,
+    fill_ref_logprobs,
+    rollout_to_sample,
+    sampled,
+    zeros,
+)
+from composer_replication.algo.scoring import PrefillScorer, scorer_for
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import TrainingSample
+
+
+class OPDAlgorithm(Algorithm):
+    """ref_kl on sampled tokens against a frozen teacher's prefill log-probs."""
+
+    name = "opd"
+    components = ("ref_kl",)
+
+    def __init__(self, config: Any, scorer: PrefillScorer) -> None:
+        super().__init__(config)
+        self.scorer = scorer
+
+    @classmethod
+    def build(cls, config: Any, resources: AlgorithmResources) -> OPDAlgorithm:
+        scorer = resources.scorer or scorer_for(config.advantage.model)
+        if scorer is None:
+            raise ValueError(
+                "opd needs scorer=: a PrefillScorer for the frozen teacher "
+                "(EndpointPrefillScorer(base_url, name) or LocalPrefillScorer(model))"
+            )
+        return cls(config, scorer)
+
+    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+        check_group(group, self.name)
+        samples = []
+        for rollout in group:
+            sample = rollout_to_sample(rollout, source=self.name)
+            sample.rl_weights = zeros(sample)
+            sample.ref_kl_weights = sampled(rollout, 1.0)
+            if any(sample.ref_kl_weights):
+                n_prompt = len(rollout.prompt_ids)
+                sample.metadata[REF_CONTEXT] = list(sample.input_ids)
+                sample.metadata[REF_INDEX] = [-1] * n_prompt + list(
+                    range(n_prompt, sample.n_tokens)
+                )
+            else:
+                sample.ref_logprobs = zeros(sample)
+            samples.append(sample)
+        return samples
+
+    async def score(self, samples: list[TrainingSample]) -> None:
+        """Teacher prefill log-probs of the sampled tokens -> ``ref_logprobs``."""
+        await fill_ref_logprobs(samples, self.scorer)

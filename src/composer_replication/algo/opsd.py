@@ -1,0 +1,87 @@
+"""``opsd``: on-policy self-distillation behind a demonstration (the SDFT setting).
+
+The policy samples on the plain prompt. The reference (by default the live policy itself)
+scores the same completion behind a demonstration block: the rollout's last user message
+rewritten by ``demo_template`` with a better sibling's completion, or, when no sibling did
+better, with ``rollout.metadata["reference"]`` (a provided reference solution). The
+trainer's ``ref_kl`` component pulls the plain-context policy towards its demo-conditioned
+self. A rollout with no demonstration gets no signal (all-zero weights).
+
+``rl_weights`` are zeros and ``advantages`` None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_replication.algo.base import (
+    REF_CONTEXT,
+    REF_INDEX,
+    Algorithm,
+    AlgorithmResources,
+    check_group,
+    fill_ref_logprobs,
+    rollout_to_sample,
+    sampled,
+    zeros,
+)
+from composer_replication.algo.context import better_sibling, demonstration_text, teacher_context
+from composer_replication.algo.scoring import PrefillScorer, scorer_for
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import TrainingSample
+
+REFERENCE_KEY = "reference"
+
+
+class OPSDAlgorithm(Algorithm):
+    """ref_kl against the (policy's) log-probs in a demonstration-augmented context."""
+
+    name = "opsd"
+    components = ("ref_kl",)
+
+    def __init__(self, config: Any, tokenizer: Any, scorer: PrefillScorer) -> None:
+        super().__init__(config)
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+
+    @classmethod
+    def build(cls, config: Any, resources: AlgorithmResources) -> OPSDAlgorithm:
+        if resources.tokenizer is None:
+            raise ValueError("opsd needs tokenizer= to render the demonstration context")
+        scorer = resources.scorer or scorer_for(config.advantage.model)
+        if scorer is None:
+            raise ValueError(
+                "opsd with model = 'policy' needs scorer=: a PrefillScorer over the live "
+                "policy, e.g. LocalPrefillScorer(policy_model)"
+            )
+        return cls(config, resources.tokenizer, scorer)
+
+    def demonstration(self, group: list[Rollout], i: int) -> str | None:
+        """A better sibling's completion text, else the rollout's provided reference."""
+        sibling = better_sibling(group, i)
+        if sibling is not None:
+            return demonstration_text(self.tokenizer, sibling)
+        reference = group[i].metadata.get(REFERENCE_KEY)
+        return str(reference) if reference else None
+
+    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+        check_group(group, self.name)
+        samples = []
+        for i, rollout in enumerate(group):
+            sample = rollout_to_sample(rollout, source=self.name)
+            sample.rl_weights = zeros(sample)
+            demo = self.demonstration(group, i)
+            sample.ref_kl_weights = sampled(rollout, 1.0) if demo else zeros(sample)
+            if any(sample.ref_kl_weights):
+                ids, index = teacher_context(
+                    self.tokenizer, rollout, self.advantage_config.demo_template, demonstration=demo
+                )
+                sample.metadata[REF_CONTEXT], sample.metadata[REF_INDEX] = ids, index
+            else:
+                sample.ref_logprobs = zeros(sample)
+            samples.append(sample)
+        return samples
+
+    async def score(self, samples: list[TrainingSample]) -> None:
+        """Reference log-probs of the sampled tokens behind the demonstration."""
+        await fill_ref_logprobs(samples, self.scorer)

@@ -1,0 +1,190 @@
+"""``replay_dpo``: DPO on preference pairs from teacher-consensus trace replay.
+
+Composer channel 3. Pairs come from ``teacher_replay.extract_dpo_pairs`` (``DPOPair``:
+``state_messages`` + ``chosen`` / ``rejected`` assistant texts) or from replaysim
+(``NormalizedDPOPair``: ``state_messages`` + ``chosen_messages`` / ``rejected_messages``),
+as objects, dicts or a JSONL file. Each side is tokenised with the chat template as the
+state followed by the response messages; the response mask covers the tokens after the
+rendered state (the assistant turn, end-of-turn token included).
+
+``assign`` emits ``pairs_per_group`` pair-only samples (``input_ids=[]``) per group, drawn
+from the pool without replacement until it is exhausted, then reshuffled. ``score`` fills
+the frozen reference's summed response log-probs on each pair once (cached on the pair);
+without a ``reference_scorer`` it leaves them to the trainer's reference model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from composer_replication.algo.base import Algorithm, AlgorithmResources
+from composer_replication.algo.context import render_prompt
+from composer_replication.algo.scoring import PrefillScorer
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import DPOPairTokens, TrainingSample
+
+
+def _get(record: Any, key: str) -> Any:
+    return record.get(key) if isinstance(record, dict) else getattr(record, key, None)
+
+
+def _response_messages(record: Any, side: str) -> list[dict[str, Any]]:
+    messages = _get(record, f"{side}_messages")
+    if messages:
+        return [dict(m) for m in messages]
+    text = _get(record, side)
+    if text is None:
+        raise ValueError(
+            f"preference pair {_get(record, 'state_id') or ''!r} has neither {side!r} nor "
+            f"{side + '_messages'!r}"
+        )
+    return [{"role": "assistant", "content": str(text)}]
+
+
+def _render_side(tokenizer: Any, state: list[dict], prompt: list[int], response: list[dict]):
+    full = tokenizer.apply_chat_template([*state, *response], tokenize=True)
+    full = [int(t) for t in (full["input_ids"] if hasattr(full, "keys") else full)]
+    if full[: len(prompt)] == prompt and len(full) > len(prompt):
+        return full, [0] * len(prompt) + [1] * (len(full) - len(prompt))
+    # Templates that render an assistant turn differently from the generation prompt:
+    # the response text's own tokens + eos after the prompt.
+    text = "\n".join(str(m.get("content") or "") for m in response)
+    ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return [*prompt, *ids], [0] * len(prompt) + [1] * len(ids)
+
+
+def tokenize_pair(record: Any, tokenizer: Any, *, weight: float = 1.0) -> DPOPairTokens:
+    """A ``DPOPair`` / ``NormalizedDPOPair`` (object or dict) as ``DPOPairTokens``."""
+    state = [dict(m) for m in (_get(record, "state_messages") or [])]
+    if not state:
+        raise ValueError(f"preference pair {_get(record, 'state_id')!r} has no state_messages")
+    prompt = render_prompt(tokenizer, state)
+    chosen_ids, chosen_mask = _render_side(
+        tokenizer, state, prompt, _response_messages(record, "chosen")
+    )
+    rejected_ids, rejected_mask = _render_side(
+        tokenizer, state, prompt, _response_messages(record, "rejected")
+    )
+    return DPOPairTokens(chosen_ids, chosen_mask, rejected_ids, rejected_mask, weight=weight)
+
+
+def load_pair_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL pairs file (blank lines skipped)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def build_pair_pool(
+    pairs: Sequence[Any] | None, path: str | None, tokenizer: Any, *, weight: float
+) -> list[DPOPairTokens]:
+    """Tokenised pairs (``pairs`` if given, else the file at ``path``), each with ``weight``."""
+    records = list(pairs) if pairs is not None else (load_pair_records(path) if path else [])
+    out = []
+    for record in records:
+        if isinstance(record, DPOPairTokens):
+            out.append(dataclasses.replace(record, weight=weight))
+            continue
+        if tokenizer is None:
+            raise ValueError("tokenising preference pairs needs tokenizer=")
+        out.append(tokenize_pair(record, tokenizer, weight=weight))
+    return out
+
+
+class PairPool:
+    """Draws pairs without replacement; reshuffles (with ``rng``) when exhausted."""
+
+    def __init__(self, pairs: Sequence[DPOPairTokens], rng: random.Random) -> None:
+        self.pairs = list(pairs)
+        self.rng = rng
+        self._order: list[int] = []
+
+    def draw(self, k: int) -> list[DPOPairTokens]:
+        out: list[DPOPairTokens] = []
+        while self.pairs and len(out) < k:
+            if not self._order:
+                self._order = list(range(len(self.pairs)))
+                self.rng.shuffle(self._order)
+            out.append(self.pairs[self._order.pop()])
+        return out
+
+
+def pair_sample(pair: DPOPairTokens, source: str) -> TrainingSample:
+    """A pair-only sample (no token streams)."""
+    return TrainingSample(
+        input_ids=[], loss_mask=[], inference_logprobs=[], dpo=pair, source=source
+    )
+
+
+async def fill_pair_reference_logps(pairs: Sequence[DPOPairTokens], scorer: PrefillScorer) -> None:
+    """Summed reference log-probs of each side's masked tokens, cached on the pairs.
+
+    Equals ``loss.sequence_logps`` under the scorer's model (token 0 never counts).
+    """
+    todo = [p for p in pairs if p.ref_chosen_logp is None or p.ref_rejected_logp is None]
+    if not todo:
+        return
+    seqs, masks = [], []
+    for pair in todo:
+        seqs += [pair.chosen_ids, pair.rejected_ids]
+        masks += [pair.chosen_mask, pair.rejected_mask]
+    starts = [max(1, mask.index(1)) for mask in masks]
+    scored = await scorer.score(seqs, starts)
+    sums = [
+        sum(v for v, m in zip(values, mask[start:]) if m)
+        for values, mask, start in zip(scored, masks, starts)
+    ]
+    for k, pair in enumerate(todo):
+        pair.ref_chosen_logp, pair.ref_rejected_logp = sums[2 * k], sums[2 * k + 1]
+
+
+class ReplayDPOAlgorithm(Algorithm):
+    """dpo on replayed preference pairs; rollouts of the group carry no signal here."""
+
+    name = "replay_dpo"
+    components = ("dpo",)
+
+    def __init__(
+        self,
+        config: Any,
+        pairs: Sequence[DPOPairTokens],
+        *,
+        reference_scorer: PrefillScorer | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.pool = PairPool(pairs, rng or random.Random(0))
+        self.reference_scorer = reference_scorer
+
+    @classmethod
+    def build(cls, config: Any, resources: AlgorithmResources) -> ReplayDPOAlgorithm:
+        cfg = config.advantage
+        if resources.pairs is None and not cfg.pairs_path:
+            raise ValueError("replay_dpo needs pairs: pass pairs= or set advantage.pairs_path")
+        pairs = build_pair_pool(
+            resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.weight
+        )
+        return cls(config, pairs, reference_scorer=resources.reference_scorer, rng=resources.rng)
+
+    @property
+    def loss_settings(self) -> dict[str, Any]:
+        cfg = self.advantage_config
+        return {"dpo_beta": cfg.beta, "dpo_loss": cfg.loss}
+
+    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+        """``pairs_per_group`` pair-only samples; the group's rollouts are not used."""
+        k = self.advantage_config.pairs_per_group
+        return [pair_sample(pair, self.name) for pair in self.pool.draw(k)]
+
+    async def score(self, samples: list[TrainingSample]) -> None:
+        """Reference log-probs for DPO pairs (SimPO is reference-free: nothing to do)."""
+        if self.reference_scorer is None or self.advantage_config.loss == "simpo":
+            return
+        pairs = [s.dpo for s in samples if s.dpo is not None]
+        await fill_pair_reference_logps(pairs, self.reference_scorer)

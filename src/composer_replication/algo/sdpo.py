@@ -1,0 +1,113 @@
+"""``sdpo``: Dr.GRPO plus self-distillation to the hinted policy at error sites.
+
+SDPO (arXiv 2601.20802), Composer channel 2. Every rollout gets the group-relative
+Dr.GRPO advantage on its sampled tokens (``rl``). A rollout at an error site (it has
+``feedback`` / ``error``, or a reward below the group's best) also gets a teacher context:
+its prompt re-rendered with a note in the last user message, followed by the same
+completion ids. The note is a better sibling's completion as a demonstration (when
+``use_sibling_demos`` and one exists), else a hint (``hint_source``: ``hint_generator`` on
+the feedback, the raw feedback, or none). The trainer's ``jsd`` component (weight
+``alpha`` on the sampled tokens) matches the plain-context policy to the teacher model
+(live policy, frozen initial policy or EMA, per ``teacher``) on that context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_replication.algo.advantage import grpo_advantages
+from composer_replication.algo.base import (
+    Algorithm,
+    AlgorithmResources,
+    check_group,
+    rollout_to_sample,
+    sampled,
+)
+from composer_replication.algo.context import (
+    DEFAULT_DEMO_TEMPLATE,
+    DEFAULT_HINT_TEMPLATE,
+    better_sibling,
+    demonstration_text,
+    hint_text,
+    is_error_site,
+    teacher_context,
+)
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import TrainingSample
+
+
+def attach_self_distillation(
+    sample: TrainingSample,
+    group: list[Rollout],
+    i: int,
+    *,
+    tokenizer: Any,
+    alpha: float,
+    use_sibling_demos: bool,
+    hint_source: str,
+) -> None:
+    """Give ``sample`` (of ``group[i]``) a teacher context and jsd weights if it is an error
+    site with a note; ``metadata["jsd_note"]`` records "demo" or "hint"."""
+    rollout = group[i]
+    if alpha == 0 or not rollout.n_sampled_tokens or not is_error_site(group, i):
+        return
+    sibling = better_sibling(group, i) if use_sibling_demos else None
+    if sibling is not None:
+        demo = demonstration_text(tokenizer, sibling)
+        ids, index = teacher_context(tokenizer, rollout, DEFAULT_DEMO_TEMPLATE, demonstration=demo)
+        note = "demo"
+    else:
+        hint = hint_text(rollout, hint_source)
+        if hint is None:
+            return
+        ids, index = teacher_context(tokenizer, rollout, DEFAULT_HINT_TEMPLATE, hint=hint)
+        note = "hint"
+    sample.teacher_input_ids, sample.teacher_index = ids, index
+    sample.jsd_weights = sampled(rollout, alpha)
+    sample.metadata["jsd_note"] = note
+
+
+class SDPOAlgorithm(Algorithm):
+    """rl (Dr.GRPO) on every rollout + jsd to the hinted policy at error sites."""
+
+    name = "sdpo"
+    components = ("rl", "jsd")
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        super().__init__(config)
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def build(cls, config: Any, resources: AlgorithmResources) -> SDPOAlgorithm:
+        if resources.tokenizer is None:
+            raise ValueError(f"{cls.name} needs tokenizer= to render hinted teacher contexts")
+        return cls(config, resources.tokenizer)
+
+    @property
+    def loss_settings(self) -> dict[str, Any]:
+        return {"jsd_beta": self.advantage_config.jsd_beta}
+
+    @property
+    def teacher(self) -> dict[str, Any]:
+        cfg = self.advantage_config
+        return {"mode": cfg.teacher, "ema_decay": cfg.ema_decay}
+
+    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+        check_group(group, self.name)
+        cfg = self.advantage_config
+        advantages = grpo_advantages([r.reward for r in group]).tolist()
+        samples = []
+        for i, (rollout, advantage) in enumerate(zip(group, advantages)):
+            sample = rollout_to_sample(rollout, source=self.name)
+            sample.advantages = sampled(rollout, advantage)
+            attach_self_distillation(
+                sample,
+                group,
+                i,
+                tokenizer=self.tokenizer,
+                alpha=cfg.alpha,
+                use_sibling_demos=cfg.use_sibling_demos,
+                hint_source=cfg.hint_source,
+            )
+            samples.append(sample)
+        return samples

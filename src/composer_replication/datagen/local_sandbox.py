@@ -1,0 +1,455 @@
+"""`LocalSubprocessSandbox`: agent commands and test runs on this host, inside bubblewrap.
+
+What it protects against when bubblewrap works (the default when `bwrap` is installed):
+- Network: own network namespace with only a loopback; neither the internet nor servers on
+  the host's 127.0.0.1 are reachable.
+- Writes outside the workdir: the root filesystem is a read-only bind, /tmp is a private
+  size-limited tmpfs; the workdir is the only writable host path.
+- Reads of scratch and home areas: /tmp, /var/tmp, /run (and with it the Docker socket),
+  /root, /home, /mnt, /media, /srv are replaced by empty read-only tmpfs (`hide_paths`);
+  commands run as an unprivileged uid (nobody when we are root), so root-only files stay
+  unreadable.
+- Escape and leftovers: own PID/IPC/UTS/cgroup/user namespaces, no capabilities, no nested
+  user namespaces, a new session (no terminal injection), `--die-with-parent`; everything
+  still running when the command ends (daemons, orphans) dies with the PID namespace.
+- Runaway resources: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE and
+  RLIMIT_NPROC (fork bombs; enforced because root is dropped), a wall-clock timeout that
+  SIGKILLs the process group, and output capture capped in memory.
+
+What it does NOT protect against:
+- Kernel exploits: the kernel is shared. Hostile code needs a VM or gVisor
+  (`DockerSandbox(runtime="runsc")`).
+- Reading world-readable host files outside the hidden areas: the root bind is read-only,
+  not invisible. Keep secrets (e.g. FeatureDeletion reference files) unreadable for the
+  sandbox uid or list them in `hide_paths`.
+- Total memory and disk: rlimits are per process (N processes may each use `mem_limit_mb`),
+  tmpfs holds up to `tmp_size_mb`, RLIMIT_FSIZE caps each file, not how many; no cgroup.
+- Sandboxes sharing a uid share one RLIMIT_NPROC budget (give concurrent ones their own
+  `run_as_uid`); CPU fairness; side channels; code under test forging the test report (it
+  runs in the same sandbox as pytest; `HackMonitor` looks for such tricks).
+Without bubblewrap (missing, or unusable because user namespaces are off) only the limits,
+the uid drop and the timeout remain: the sandbox warns loudly, results say `isolated=False`,
+and it is not a security boundary (pass `require_isolation=True` to refuse that mode).
+
+Interpreter: tests run with `python` (default `/usr/bin/python3`, which the sandbox uid can
+read; pyenv or venv interpreters under /root cannot be). If that interpreter lacks pytest,
+the pytest bundle (see `pytest_support`) is put on PYTHONPATH read-only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import sys
+import uuid
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from composer_replication.datagen.process import ProcessOutcome, ResourceLimits, run_bounded
+from composer_replication.datagen.pytest_support import (
+    JunitReport,
+    build_pytest_argv,
+    parse_junit,
+    pytest_bundle_dir,
+)
+from composer_replication.datagen.sandbox_base import (
+    SANDBOX_DENYLIST,
+    TestRunResult,
+    denied_message,
+    is_command_allowed,
+)
+from composer_replication.datagen.workdir import check_reachable, hand_over
+
+__all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox"]
+
+log = logging.getLogger(__name__)
+
+NOBODY_UID = 65534
+DEFAULT_HIDE_PATHS: tuple[str, ...] = (
+    "/root",
+    "/home",
+    "/var/tmp",
+    "/run",
+    "/var/run",
+    "/mnt",
+    "/media",
+    "/srv",
+)
+_BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
+# (bwrap path, uid) -> None when usable, else the reason it is not.
+_BWRAP_PROBES: dict[tuple[str, int | None], str | None] = {}
+# (python, uid, isolated) -> whether that interpreter imports pytest on its own.
+_OWN_PYTEST: dict[tuple[str, int | None, bool], bool] = {}
+
+
+def _default_python() -> str:
+    if os.access("/usr/bin/python3", os.X_OK):
+        return "/usr/bin/python3"
+    return shutil.which("python3") or sys.executable
+
+
+def _command_of(action: Mapping[str, Any]) -> str:
+    if not isinstance(action, Mapping) or not isinstance(action.get("command"), str):
+        raise ValueError(f"action must be a dict with a str 'command', got {action!r}")
+    return action["command"]
+
+
+def exec_suffix(outcome: ProcessOutcome, timeout_s: float) -> str:
+    """The note appended to an agent-visible output: timeout, signal or non-zero exit."""
+    if outcome.timed_out:
+        return f"\n[timed out after {timeout_s:g} s; process group killed]"
+    if outcome.exit_code is not None and outcome.exit_code < 0:
+        return f"\n[killed by signal {-outcome.exit_code}]"
+    if outcome.exit_code:
+        return f"\n[exit code {outcome.exit_code}]"
+    return ""
+
+
+class LocalSubprocessSandbox:
+    """Run commands and tests in `workdir` on this host (see the module docstring for limits).
+
+    Args:
+        workdir: The task directory; the only writable host path. It is handed to the sandbox
+            uid (chown) when that differs from ours. Every ancestor must be traversable by
+            that uid (e.g. a `tempfile.mkdtemp()` directory chmod-ed 0o755).
+        exec_timeout_s: Wall-clock limit per `exec`/`run_tests` call.
+        mem_limit_mb: RLIMIT_AS per process.
+        cpu_time_s: RLIMIT_CPU per process; default `exec_timeout_s + 1` (backs up the timer).
+        max_file_mb, max_open_files, max_processes: RLIMIT_FSIZE, _NOFILE, _NPROC.
+        max_output_bytes: Output kept per call (head and tail); the rest is dropped unread.
+        tmp_size_mb: Size of the private /tmp tmpfs (bubblewrap only).
+        python: Interpreter for tests and `python`/`python3` inside; default /usr/bin/python3.
+        pytest_from: "auto" (the interpreter's own pytest if it has one, else the bundle),
+            "bundle" or "python".
+        bwrap_path: "auto" finds `bwrap` on PATH; None runs without it (limits only).
+        require_isolation: Raise instead of degrading when bubblewrap is unusable.
+        run_as_uid, run_as_gid: Sandbox identity; default nobody (65534) when we are root,
+            else our own uid (we cannot switch then).
+        hide_paths: Host directories replaced by empty tmpfs inside the sandbox.
+        ro_binds: Extra host paths made visible read-only at the same place.
+        env: Extra environment variables inside the sandbox.
+        denylist: First-token command denylist for `exec`.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        exec_timeout_s: float = 60.0,
+        mem_limit_mb: int = 1024,
+        cpu_time_s: int | None = None,
+        max_file_mb: int = 256,
+        max_open_files: int = 1024,
+        max_processes: int = 128,
+        max_output_bytes: int = 200_000,
+        tmp_size_mb: int = 256,
+        python: str | None = None,
+        pytest_from: str = "auto",
+        bwrap_path: str | os.PathLike[str] | None = "auto",
+        require_isolation: bool = False,
+        run_as_uid: int | None = None,
+        run_as_gid: int | None = None,
+        hide_paths: Sequence[str] = DEFAULT_HIDE_PATHS,
+        ro_binds: Sequence[str | os.PathLike[str]] = (),
+        env: Mapping[str, str] | None = None,
+        denylist: frozenset[str] = SANDBOX_DENYLIST,
+    ) -> None:
+        self.workdir = Path(workdir).resolve()
+        if not self.workdir.is_dir():
+            raise ValueError(f"workdir {str(workdir)!r} is not an existing directory")
+        if not exec_timeout_s > 0:
+            raise ValueError(f"exec_timeout_s must be > 0, got {exec_timeout_s!r}")
+        if pytest_from not in ("auto", "bundle", "python"):
+            raise ValueError(f"pytest_from must be 'auto', 'bundle' or 'python', got {pytest_from!r}")
+        if tmp_size_mb <= 0:
+            raise ValueError(f"tmp_size_mb must be > 0, got {tmp_size_mb!r}")
+        self.exec_timeout_s = float(exec_timeout_s)
+        self.limits = ResourceLimits(
+            mem_mb=mem_limit_mb,
+            cpu_s=cpu_time_s if cpu_time_s is not None else int(exec_timeout_s) + 1,
+            file_mb=max_file_mb,
+            open_files=max_open_files,
+            processes=max_processes,
+        )
+        self.max_output_bytes = max_output_bytes
+        self.tmp_size_mb = tmp_size_mb
+        self.python = python or _default_python()
+        self.pytest_from = pytest_from
+        self.denylist = denylist
+        self.extra_env = dict(env or {})
+        self.uid, self.gid = self._resolve_identity(run_as_uid, run_as_gid)
+        check_reachable(self.workdir, self._effective_uid(), self._effective_gid())
+        self.hide_paths = tuple(
+            p for p in hide_paths if os.path.isdir(p) and not os.path.islink(p)
+        )
+        self.ro_binds = tuple(str(Path(p).resolve()) for p in ro_binds)
+        self.isolated, reason = self._resolve_bwrap(bwrap_path)
+        if not self.isolated:
+            if require_isolation:
+                raise RuntimeError(
+                    f"bubblewrap isolation required but unavailable: {reason}. Install it "
+                    "(apt-get install bubblewrap) or use DockerSandbox"
+                )
+            message = (
+                f"LocalSubprocessSandbox({str(self.workdir)!r}) runs WITHOUT namespace "
+                f"isolation ({reason}): only resource limits, uid drop and timeouts apply; "
+                "commands can read what the sandbox uid can read and reach the network. "
+                "This is not a security boundary; install bubblewrap or use DockerSandbox."
+            )
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            log.warning(message)
+        self._booted = False
+        self._use_bundle = False
+        self._trajectory: list[dict[str, Any]] = []
+
+    # identity and isolation -------------------------------------------------------------
+    @staticmethod
+    def _resolve_identity(uid: int | None, gid: int | None) -> tuple[int | None, int | None]:
+        euid = os.geteuid()
+        if uid is None:
+            uid = NOBODY_UID if euid == 0 else None
+        if uid is not None and euid != 0 and uid != euid:
+            raise ValueError(
+                f"run_as_uid={uid} needs root to switch user (we run as uid {euid}); "
+                "leave run_as_uid unset to run as the current user"
+            )
+        if uid is None or uid == euid:
+            return None, None
+        return uid, gid if gid is not None else uid
+
+    def _effective_uid(self) -> int:
+        return self.uid if self.uid is not None else os.geteuid()
+
+    def _effective_gid(self) -> int:
+        return self.gid if self.gid is not None else os.getegid()
+
+    def _resolve_bwrap(self, bwrap_path: str | os.PathLike[str] | None) -> tuple[bool, str]:
+        if bwrap_path is None:
+            self.bwrap = None
+            return False, "bwrap_path=None"
+        found = shutil.which("bwrap") if bwrap_path == "auto" else os.fspath(bwrap_path)
+        if not found or not os.access(found, os.X_OK):
+            self.bwrap = None
+            return False, f"bubblewrap not found ({bwrap_path!r})"
+        self.bwrap = found
+        key = (found, self.uid)
+        if key not in _BWRAP_PROBES:
+            probe = self._bwrap_prefix(tmp=False) + ["--", "/bin/sh", "-c", "exit 0"]
+            outcome = run_bounded(
+                probe,
+                cwd="/",
+                env={"PATH": _BASE_PATH},
+                timeout_s=10,
+                max_output_bytes=4096,
+                uid=self.uid,
+                gid=self.gid,
+            )
+            ok = outcome.exit_code == 0
+            _BWRAP_PROBES[key] = None if ok else f"bwrap failed: {outcome.text().strip()!r}"
+        reason = _BWRAP_PROBES[key]
+        if reason is not None:
+            self.bwrap = None
+            return False, reason
+        return True, ""
+
+    def _bwrap_prefix(self, *, tmp: bool = True) -> list[str]:
+        assert self.bwrap is not None
+        args = [
+            self.bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--ro-bind", "/", "/",
+            "--proc", "/proc",
+            "--dev", "/dev",
+        ]  # fmt: skip
+        if tmp:
+            args += ["--size", str(self.tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+        return args
+
+    def _mount_args(self) -> list[str]:
+        args: list[str] = []
+        for hidden in self.hide_paths:
+            args += ["--tmpfs", hidden]
+        binds = list(self.ro_binds)
+        if self._use_bundle:
+            binds.append(str(pytest_bundle_dir()))
+        for prefix in (Path(self.python).parent.parent, Path(self.python).resolve().parent.parent):
+            if any(_is_under(prefix, Path(h)) for h in self.hide_paths):
+                binds.append(str(prefix))
+        for path in dict.fromkeys(binds):
+            args += ["--ro-bind", path, path]
+        # The workdir mount point may live inside a hidden tmpfs: bind before remounting.
+        args += ["--bind", str(self.workdir), str(self.workdir), "--chdir", str(self.workdir)]
+        for hidden in self.hide_paths:
+            args += ["--remount-ro", hidden]
+        return args
+
+    def _env(self) -> dict[str, str]:
+        env = {
+            "PATH": _BASE_PATH,
+            "HOME": "/tmp",
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        }
+        if self._use_bundle:
+            env["PYTHONPATH"] = str(pytest_bundle_dir())
+        env.update(self.extra_env)
+        return env
+
+    def _run(self, inner: list[str], timeout_s: float | None = None) -> ProcessOutcome:
+        env = self._env()
+        if self.isolated:
+            argv = [*self._bwrap_prefix(), *self._mount_args(), "--clearenv"]
+            for key, value in env.items():
+                argv += ["--setenv", key, value]
+            argv += ["--", *inner]
+            outer_env = {"PATH": _BASE_PATH}
+        else:
+            argv, outer_env = inner, env
+        try:
+            return run_bounded(
+                argv,
+                cwd=self.workdir,
+                env=outer_env,
+                timeout_s=timeout_s or self.exec_timeout_s,
+                max_output_bytes=self.max_output_bytes,
+                limits=self.limits,
+                uid=self.uid,
+                gid=self.gid,
+            )
+        except OSError as exc:  # e.g. the interpreter does not exist: data, not a crash
+            text = f"sandbox error: could not start {inner[0]!r}: {exc}".encode()
+            return ProcessOutcome(None, text, len(text), False, False, 0.0)
+
+    # the Sandbox protocol ---------------------------------------------------------------
+    def boot(self, image: str | None = None) -> None:
+        """Prepare the workdir and pick the pytest source. `image` is recorded, not used:
+        this backend's "image" is the host filesystem."""
+        hand_over(self.workdir, self.uid, self.gid)
+        if not self._booted:
+            self._use_bundle = self._needs_bundle()
+            self._booted = True
+        self._trajectory.append({"type": "boot", "image": image, "isolated": self.isolated})
+
+    def _needs_bundle(self) -> bool:
+        if self.pytest_from == "python":
+            return False
+        if self.pytest_from == "auto":
+            key = (self.python, self.uid, self.isolated)
+            if key not in _OWN_PYTEST:
+                probe = self._run([self.python, "-c", "import pytest"], timeout_s=30)
+                _OWN_PYTEST[key] = probe.exit_code == 0
+            if _OWN_PYTEST[key]:
+                return False
+        self._use_bundle = True
+        check = self._run([self.python, "-c", "import pytest, pluggy"], timeout_s=30)
+        if check.exit_code != 0:
+            raise RuntimeError(
+                f"the sandbox interpreter {self.python!r} cannot import the pytest bundle "
+                f"(uid {self._effective_uid()}): {check.text().strip()[-500:]!r}. Pass python= "
+                f"an interpreter of Python {sys.version_info.major}.{sys.version_info.minor} "
+                "that the sandbox uid can execute (e.g. /usr/bin/python3)"
+            )
+        return True
+
+    def _ensure_booted(self) -> None:
+        if not self._booted:
+            self.boot(None)
+        else:
+            hand_over(self.workdir, self.uid, self.gid)  # files the host added since
+
+    def exec(self, action: Mapping[str, Any]) -> str:
+        """Run `action["command"]` with /bin/sh in the workdir; combined stdout/stderr."""
+        command = _command_of(action)
+        entry: dict[str, Any] = {"type": "exec", "command": command, "isolated": self.isolated}
+        if not is_command_allowed(command, self.denylist):
+            text = denied_message(command)
+            entry.update(allowed=False, output=text, exit_code=None, timed_out=False)
+            self._trajectory.append(entry)
+            return text
+        self._ensure_booted()
+        outcome = self._run(["/bin/sh", "-c", command])
+        text = outcome.text() + exec_suffix(outcome, self.exec_timeout_s)
+        entry.update(
+            allowed=True,
+            output=text,
+            exit_code=outcome.exit_code,
+            timed_out=outcome.timed_out,
+            output_bytes=outcome.total_bytes,
+            truncated=outcome.truncated,
+            duration_s=outcome.duration_s,
+        )
+        self._trajectory.append(entry)
+        return text
+
+    def run_tests(
+        self, test_command: str = "python -m pytest -q", tests: Sequence[str] = ()
+    ) -> TestRunResult:
+        """Run the test command (pytest gets a junit report) and return the parsed result."""
+        self._ensure_booted()
+        junit = self.workdir / f".cr-junit-{uuid.uuid4().hex}.xml"
+        argv, is_pytest = build_pytest_argv(
+            test_command, list(tests), python=self.python, junit_path=str(junit)
+        )
+        outcome = self._run(argv)
+        report: JunitReport | None = None
+        if is_pytest:
+            report = parse_junit(junit) or JunitReport(errors=1)  # no report: fail closed
+            try:
+                junit.unlink()
+            except OSError:
+                pass
+        report = report or JunitReport()
+        result = TestRunResult(
+            passed=report.passed,
+            failed=report.failed,
+            errors=report.errors,
+            skipped=report.skipped,
+            outcomes=dict(report.outcomes),
+            exit_code=outcome.exit_code,
+            output=outcome.text() + exec_suffix(outcome, self.exec_timeout_s),
+            timed_out=outcome.timed_out,
+            isolated=self.isolated,
+            duration_s=outcome.duration_s,
+        )
+        self._trajectory.append(
+            {
+                "type": "run_tests",
+                "test_command": test_command,
+                "tests": list(tests),
+                "result": result.to_dict(),
+            }
+        )
+        return result
+
+    def trajectory(self) -> list[dict[str, Any]]:
+        """Every boot/exec/run_tests so far, oldest first (a deep copy)."""
+        return copy.deepcopy(self._trajectory)
+
+    def is_command_allowed(self, command: str) -> bool:
+        """First-token policy check (see `SANDBOX_DENYLIST`); not a security boundary."""
+        return is_command_allowed(command, self.denylist)
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalSubprocessSandbox({str(self.workdir)!r}, isolated={self.isolated}, "
+            f"uid={self._effective_uid()}, python={self.python!r})"
+        )
+
+
+def _is_under(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True

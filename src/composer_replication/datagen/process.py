@@ -1,0 +1,222 @@
+"""Run one child process with resource limits, a wall-clock limit and bounded output capture.
+
+The building block under `LocalSubprocessSandbox`: the child gets its own session (so the
+whole process group can be killed), per-process rlimits set between fork and exec, an
+optional unprivileged uid/gid, and its combined stdout/stderr is read in chunks of which at
+most `max_output_bytes` are kept (head and tail); the rest is counted and dropped, so a
+command printing gigabytes never makes the host hold them.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["ProcessOutcome", "ResourceLimits", "run_bounded"]
+
+_READ_CHUNK = 65536
+# After the main process exits, how long to keep draining output written by leftovers.
+_EXIT_GRACE_S = 0.2
+
+
+@dataclass(frozen=True)
+class ResourceLimits:
+    """Per-process rlimits applied in the child before exec.
+
+    RLIMIT_AS bounds each process's address space (not the sum over processes), RLIMIT_NPROC
+    counts every process of the child's real uid on the host and is not enforced for root.
+    """
+
+    mem_mb: int = 1024
+    cpu_s: int = 61
+    file_mb: int = 256
+    open_files: int = 1024
+    processes: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("mem_mb", "cpu_s", "file_mb", "open_files", "processes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ResourceLimits.{name} must be a positive int, got {value!r}")
+
+    def as_rlimits(self) -> list[tuple[int, int]]:
+        """(resource, value) pairs, soft = hard."""
+        mib = 1024 * 1024
+        return [
+            (resource.RLIMIT_AS, self.mem_mb * mib),
+            (resource.RLIMIT_CPU, self.cpu_s),
+            (resource.RLIMIT_FSIZE, self.file_mb * mib),
+            (resource.RLIMIT_NOFILE, self.open_files),
+            (resource.RLIMIT_NPROC, self.processes),
+            (resource.RLIMIT_CORE, 0),
+        ]
+
+
+def _limits_preexec(pairs: list[tuple[int, int]]) -> Callable[[], None]:
+    # Runs in the forked child: only C-level calls on precomputed values (no imports, no
+    # allocation-heavy work), which keeps it safe even if the parent has other threads.
+    def apply() -> None:
+        for res, value in pairs:
+            resource.setrlimit(res, (value, value))
+
+    return apply
+
+
+@dataclass(frozen=True)
+class ProcessOutcome:
+    """What one bounded run produced.
+
+    Attributes:
+        exit_code: Child exit status; negative = killed by that signal.
+        output: Kept bytes (head, then tail when truncated) of combined stdout/stderr.
+        total_bytes: Bytes the child wrote in all.
+        truncated: True when `total_bytes` exceeded the cap and the middle was dropped.
+        timed_out: True when the wall-clock limit killed the process group.
+        duration_s: Wall-clock seconds from spawn to reap.
+    """
+
+    exit_code: int | None
+    output: bytes
+    total_bytes: int
+    truncated: bool
+    timed_out: bool
+    duration_s: float
+
+    def text(self) -> str:
+        """Decoded output with a marker where bytes were dropped."""
+        return self.output.decode("utf-8", errors="replace")
+
+
+class _Capture:
+    """Keep the first `head_cap` and last `tail_cap` bytes of a stream."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.tail_cap = max_bytes // 4
+        self.head_cap = max_bytes - self.tail_cap
+        self.head = bytearray()
+        self.tail: deque[bytes] = deque()
+        self.tail_len = 0
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if not chunk or self.tail_cap == 0:
+            return
+        self.tail.append(chunk[-self.tail_cap :])
+        self.tail_len += len(self.tail[-1])
+        while self.tail_len - len(self.tail[0]) >= self.tail_cap:
+            self.tail_len -= len(self.tail.popleft())
+
+    def result(self) -> tuple[bytes, bool]:
+        tail = b"".join(self.tail)[-self.tail_cap :] if self.tail_cap else b""
+        kept = len(self.head) + len(tail)
+        if kept >= self.total:
+            return bytes(self.head) + tail, False
+        marker = f"\n[... {self.total - kept} bytes of output omitted ...]\n".encode()
+        return bytes(self.head) + marker + tail, True
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_bounded(
+    argv: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str],
+    env: Mapping[str, str],
+    timeout_s: float,
+    max_output_bytes: int,
+    limits: ResourceLimits | None = None,
+    uid: int | None = None,
+    gid: int | None = None,
+) -> ProcessOutcome:
+    """Run `argv` to completion or until `timeout_s`, whichever comes first.
+
+    The child starts a new session (its pid is the process-group id); on timeout, and after a
+    normal exit (to reap background leftovers), the whole group gets SIGKILL. Processes that
+    left the group with `setsid` are only caught by an outer isolator (bubblewrap's PID
+    namespace). `uid`/`gid` drop privileges (needs root).
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if max_output_bytes < 64:
+        raise ValueError(f"max_output_bytes must be >= 64, got {max_output_bytes!r}")
+    start = time.monotonic()
+    deadline = start + timeout_s
+    capture = _Capture(max_output_bytes)
+    privileges: dict[str, object] = {}
+    if uid is not None:
+        privileges = {"user": uid, "group": gid if gid is not None else uid, "extra_groups": []}
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        close_fds=True,
+        preexec_fn=_limits_preexec(limits.as_rlimits()) if limits is not None else None,
+        **privileges,  # type: ignore[arg-type]
+    )
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    timed_out = False
+    exited_at: float | None = None
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    timed_out = True
+                    break
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now
+                    _kill_group(proc.pid)  # background children still in the group
+                if exited_at is not None and now - exited_at >= _EXIT_GRACE_S:
+                    break
+                wait = min(deadline - now, 0.05 if exited_at is not None else 0.25)
+                if not sel.select(wait):
+                    continue
+                try:
+                    chunk = os.read(fd, _READ_CHUNK)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    break  # EOF: every writer is gone
+                capture.add(chunk)
+        if not timed_out:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        _kill_group(proc.pid)
+        proc.stdout.close()
+        proc.wait()
+    output, truncated = capture.result()
+    return ProcessOutcome(
+        exit_code=proc.returncode,
+        output=output,
+        total_bytes=capture.total,
+        truncated=truncated,
+        timed_out=timed_out,
+        duration_s=time.monotonic() - start,
+    )

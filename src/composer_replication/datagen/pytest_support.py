@@ -1,0 +1,224 @@
+"""pytest inside a sandbox: a portable pytest bundle, the command line, and the junit report.
+
+Why a bundle: the sandbox runs tests with an interpreter the unprivileged sandbox user can
+read (by default `/usr/bin/python3`), which often has no pytest, and the project's own venv
+may live under a directory that user cannot enter (e.g. pyenv under `/root`). Installing
+into the system interpreter at runtime is not an option, so `pytest_bundle_dir()` copies the
+pure-Python distributions of pytest and its requirements (pluggy, iniconfig, packaging,
+pygments, ...), resolved at runtime through `importlib.metadata` from the running
+environment, into a world-readable temporary directory (once per process, removed at exit).
+The sandbox puts that directory on `PYTHONPATH` read-only. The copy keeps file mtimes, so
+the venv's compiled `__pycache__` files stay valid for any interpreter of the same minor
+version; other versions just compile in memory.
+
+Results come from a junit-xml file (`junit_family=xunit1`, which carries each test's file),
+parsed with `xml.etree` and mapped back to pytest node ids.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata as metadata
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import threading
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "JunitReport",
+    "build_pytest_argv",
+    "bundle_distributions",
+    "parse_junit",
+    "pytest_bundle_dir",
+]
+
+_BUNDLE_LOCK = threading.Lock()
+_BUNDLE_DIR: Path | None = None
+# A junit file larger than this is not parsed (it is produced inside the sandbox).
+_MAX_JUNIT_BYTES = 64 * 1024 * 1024
+_PYTHON_NAMES = ("python", "python3")
+
+
+def bundle_distributions(root: str = "pytest") -> list[metadata.Distribution]:
+    """`root` and every distribution it requires (markers evaluated here, no extras)."""
+    from packaging.requirements import Requirement
+
+    seen: dict[str, metadata.Distribution] = {}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError as exc:
+            if name == root:
+                raise RuntimeError(
+                    f"{root!r} is not installed in {sys.prefix}; install the dev extra "
+                    "(pip install 'composer-replication[dev]') so the sandbox can bundle it"
+                ) from exc
+            continue
+        seen[key] = dist
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(seen.values())
+
+
+def _populate(target: Path) -> None:
+    for dist in bundle_distributions():
+        for rel in dist.files or []:
+            if str(rel).startswith(".."):  # console scripts outside site-packages
+                continue
+            src = Path(str(dist.locate_file(rel)))
+            if not src.is_file():
+                continue
+            dst = target / str(rel)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)  # keeps mtime, so cached bytecode stays valid
+    # Readable by the unprivileged sandbox user whatever the source permissions were.
+    for dirpath, _dirnames, filenames in os.walk(target):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+
+
+def pytest_bundle_dir() -> Path:
+    """A world-readable directory with pytest and its requirements, created once per process.
+
+    The directory lives under the system temp dir and is removed when the process exits.
+    """
+    global _BUNDLE_DIR
+    with _BUNDLE_LOCK:
+        if _BUNDLE_DIR is not None and _BUNDLE_DIR.is_dir():
+            return _BUNDLE_DIR
+        root = Path(tempfile.mkdtemp(prefix="composer-replication-pytest-"))
+        try:
+            _populate(root / "site")
+            os.chmod(root, 0o755)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        atexit.register(shutil.rmtree, root, True)
+        _BUNDLE_DIR = root / "site"
+        return _BUNDLE_DIR
+
+
+def _is_python_word(token: str) -> bool:
+    # Bare interpreter names only; an explicit path is the caller's choice and kept.
+    if "/" in token:
+        return False
+    return token in _PYTHON_NAMES or (
+        token.startswith("python3.") and token[len("python3.") :].isdigit()
+    )
+
+
+def build_pytest_argv(
+    test_command: str, tests: Sequence[str], *, python: str, junit_path: str
+) -> tuple[list[str], bool]:
+    """Turn a test command into argv; returns `(argv, is_pytest)`.
+
+    `pytest ...`, `py.test ...` and `python -m pytest ...` run under `python` with the cache
+    plugin off and a junit report written to `junit_path`. Any other command runs as given
+    with `tests` appended, and its result is judged by exit code alone.
+    """
+    tokens = shlex.split(test_command)
+    if not tokens:
+        raise ValueError("test_command is empty; pass e.g. 'python -m pytest -q'")
+    bad = [t for t in tests if not isinstance(t, str) or not t or t.startswith("-")]
+    if bad:
+        raise ValueError(
+            f"test ids must be non-empty strings that do not start with '-', got {bad!r}; "
+            "put options into test_command instead"
+        )
+    head = os.path.basename(tokens[0])
+    if head in ("pytest", "py.test"):
+        rest = tokens[1:]
+    elif _is_python_word(tokens[0]) and tokens[1:3] == ["-m", "pytest"]:
+        rest = tokens[3:]
+    elif tokens[1:3] == ["-m", "pytest"]:
+        return [*tokens[:3], *_report_options(junit_path), *tokens[3:], *tests], True
+    else:
+        if _is_python_word(tokens[0]):
+            tokens[0] = python
+        return [*tokens, *tests], False
+    return [python, "-m", "pytest", *_report_options(junit_path), *rest, *tests], True
+
+
+def _report_options(junit_path: str) -> list[str]:
+    return ["-p", "no:cacheprovider", f"--junitxml={junit_path}", "-o", "junit_family=xunit1"]
+
+
+@dataclass(frozen=True)
+class JunitReport:
+    """Counts and per-test outcomes read from one junit-xml file."""
+
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    outcomes: dict[str, str] = field(default_factory=dict)
+
+
+def _nodeid(case: ET.Element) -> str:
+    file = case.get("file") or ""
+    classname = case.get("classname") or ""
+    name = case.get("name") or ""
+    if not file:
+        return f"{classname}::{name}" if classname else name
+    module = file[:-3].replace("/", ".") if file.endswith(".py") else file
+    if not classname and name == module:  # a collection error for the whole file
+        return file
+    rest = classname[len(module) :].lstrip(".") if classname.startswith(module) else ""
+    return "::".join([file, *(rest.split(".") if rest else []), name])
+
+
+_SEVERITY = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+
+
+def parse_junit(path: str | os.PathLike[str]) -> JunitReport | None:
+    """Read a pytest junit-xml file; None when it is missing, a symlink, huge or malformed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size > _MAX_JUNIT_BYTES:
+            return None
+        try:
+            root = ET.parse(fh).getroot()
+        except ET.ParseError:
+            return None
+    outcomes: dict[str, str] = {}
+    for case in root.iter("testcase"):
+        tags = {child.tag for child in case}
+        if "failure" in tags:
+            outcome = "failed"
+        elif "error" in tags:
+            outcome = "error"
+        elif "skipped" in tags:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        nodeid = _nodeid(case)
+        previous = outcomes.get(nodeid)
+        if previous is None or _SEVERITY[outcome] > _SEVERITY[previous]:
+            outcomes[nodeid] = outcome
+    counts = {o: 0 for o in _SEVERITY}
+    for outcome in outcomes.values():
+        counts[outcome] += 1
+    return JunitReport(
+        passed=counts["passed"],
+        failed=counts["failed"],
+        errors=counts["error"],
+        skipped=counts["skipped"],
+        outcomes=outcomes,
+    )

@@ -1,0 +1,161 @@
+"""Records and policy shared by every sandbox backend.
+
+`TestRunResult` is the frozen record a test run returns (local, Docker or fake backend),
+`SANDBOX_DENYLIST` and `is_command_allowed` are the first-token command policy. The policy
+is a guard rail for well-meaning agents and a signal for the hack monitor, not a security
+boundary: `sh -c "sudo ..."` passes it. Isolation comes from the backend (bubblewrap,
+Docker).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "SANDBOX_DENYLIST",
+    "TestRunResult",
+    "denied_message",
+    "first_command_token",
+    "is_command_allowed",
+]
+
+# Commands an agent never needs to restore a feature and that only make sense for escaping,
+# escalating or reaching the network. Matched on the basename of the first token.
+SANDBOX_DENYLIST: frozenset[str] = frozenset(
+    {
+        "sudo",
+        "su",
+        "doas",
+        "pkexec",
+        "chroot",
+        "nsenter",
+        "unshare",
+        "bwrap",
+        "mount",
+        "umount",
+        "reboot",
+        "shutdown",
+        "halt",
+        "poweroff",
+        "init",
+        "systemctl",
+        "mkfs",
+        "fdisk",
+        "killall",
+        "pkill",
+        "docker",
+        "podman",
+        "kubectl",
+        "ssh",
+        "scp",
+        "sftp",
+        "rsync",
+        "curl",
+        "wget",
+        "nc",
+        "ncat",
+        "netcat",
+        "socat",
+        "telnet",
+        "ftp",
+    }
+)
+
+# A shell variable assignment such as FOO=1 before the command word.
+_ASSIGNMENT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+def _is_assignment(token: str) -> bool:
+    name, eq, _ = token.partition("=")
+    return bool(eq) and bool(name) and not name[0].isdigit() and set(name) <= _ASSIGNMENT_CHARS
+
+
+def first_command_token(command: str) -> str | None:
+    """Basename of the command word of a shell command line, skipping `VAR=value` prefixes.
+
+    Returns None for an empty command or one that does not parse (unbalanced quotes).
+    """
+    try:
+        tokens = shlex.split(command, comments=False, posix=True)
+    except ValueError:
+        return None
+    for token in tokens:
+        if not _is_assignment(token):
+            return os.path.basename(token)
+    return None
+
+
+def is_command_allowed(command: str, denylist: frozenset[str] = SANDBOX_DENYLIST) -> bool:
+    """True unless the command word is in `denylist` (or the command cannot be parsed)."""
+    if not isinstance(command, str):
+        raise TypeError(f"command must be a str, got {command!r} ({type(command).__name__})")
+    token = first_command_token(command)
+    return token is not None and token not in denylist
+
+
+def denied_message(command: str) -> str:
+    """The text an agent sees instead of output when its command is refused."""
+    token = first_command_token(command)
+    if token is None:
+        return f"command not allowed: could not parse {command!r} (empty or unbalanced quotes)"
+    return f"command not allowed: {token!r} is in SANDBOX_DENYLIST"
+
+
+@dataclass(frozen=True)
+class TestRunResult:
+    """The outcome of one test run inside a sandbox.
+
+    Attributes:
+        passed, failed, errors, skipped: Counts from the test report (errors include
+            collection errors; xfail counts as skipped).
+        outcomes: Test id (pytest node id) -> "passed" | "failed" | "error" | "skipped".
+        exit_code: The runner's exit code; negative = killed by that signal; None = never ran.
+        output: Combined stdout/stderr, truncated to the backend's output cap.
+        timed_out: The wall-clock limit killed the run.
+        isolated: The run was inside an OS-level isolator (bubblewrap, container), not just
+            resource limits.
+        duration_s: Wall-clock seconds of the run.
+    """
+
+    __test__ = False  # not a pytest test class despite the name
+
+    passed: int
+    failed: int
+    errors: int
+    skipped: int = 0
+    outcomes: Mapping[str, str] = field(default_factory=dict)
+    exit_code: int | None = None
+    output: str = ""
+    timed_out: bool = False
+    isolated: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every collected test passed (or skipped), the runner exited 0, nothing timed out."""
+        return (
+            self.exit_code == 0 and not self.timed_out and self.failed == 0 and self.errors == 0
+        )
+
+    def ids_with(self, outcome: str) -> list[str]:
+        """Test ids with the given outcome, sorted."""
+        return sorted(t for t, o in self.outcomes.items() if o == outcome)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable copy (for trajectories and logs)."""
+        return {
+            "passed": self.passed,
+            "failed": self.failed,
+            "errors": self.errors,
+            "skipped": self.skipped,
+            "outcomes": dict(self.outcomes),
+            "exit_code": self.exit_code,
+            "output": self.output,
+            "timed_out": self.timed_out,
+            "isolated": self.isolated,
+            "duration_s": self.duration_s,
+        }

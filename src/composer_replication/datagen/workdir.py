@@ -1,0 +1,78 @@
+"""Make a host directory usable as a sandbox workdir for an unprivileged uid.
+
+The sandbox drops root to an unprivileged uid, so that uid must be able to reach the workdir
+(every ancestor traversable) and write inside it (we hand the tree over with `lchown`, never
+following symlinks).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["check_reachable", "hand_over", "make_shared_tempdir"]
+
+
+def _can_traverse(st: os.stat_result, uid: int, gid: int) -> bool:
+    if uid == 0:
+        return True
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def check_reachable(path: Path, uid: int, gid: int) -> None:
+    """Raise `ValueError` naming the first ancestor of `path` that `uid` cannot traverse."""
+    for ancestor in reversed(path.parents):
+        st = os.stat(ancestor)
+        if not _can_traverse(st, uid, gid):
+            raise ValueError(
+                f"sandbox workdir {str(path)!r} is not reachable by uid {uid}: "
+                f"{str(ancestor)!r} has mode {stat.filemode(st.st_mode)} and owner uid "
+                f"{st.st_uid}. Put sandbox workdirs under a directory every user can "
+                "traverse, e.g. datagen.workdir.make_shared_tempdir()"
+            )
+
+
+def hand_over(path: Path, uid: int | None, gid: int | None) -> None:
+    """`lchown` the tree under `path` to `uid:gid` (no-op when `uid` is None)."""
+    if uid is None:
+        return
+    gid = uid if gid is None else gid
+    root_st = os.lstat(path)
+    if root_st.st_uid != uid or root_st.st_gid != gid:
+        os.lchown(path, uid, gid)
+    os.chmod(path, stat.S_IMODE(root_st.st_mode) | stat.S_IRWXU)
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        for name in (*dirnames, *filenames):
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            if st.st_uid != uid or st.st_gid != gid:
+                os.lchown(full, uid, gid)
+
+
+def make_shared_tempdir(prefix: str = "composer-replication-") -> Path:
+    """A fresh temp directory (mode 0755) that an unprivileged sandbox uid can reach.
+
+    `tempfile.mkdtemp` makes 0700 directories, and pytest's `tmp_path` sits under a 0700
+    per-user root, so neither can hold a workdir for a sandbox that runs as nobody. Tries the
+    default temp dir, then /tmp and /var/tmp.
+    """
+    import shutil
+    import tempfile
+
+    for base in (None, "/tmp", "/var/tmp"):
+        if base is not None and not os.path.isdir(base):
+            continue
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+        os.chmod(path, 0o755)
+        try:
+            check_reachable(path / "x", 65534, 65534)
+        except ValueError:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        return path
+    raise RuntimeError("no temp directory traversable by every user (tried $TMPDIR, /tmp, /var/tmp)")

@@ -1,0 +1,405 @@
+"""`replay_trace`: N teachers replay every state of a frozen trace, under a hard spend cap.
+
+For each state, each teacher is asked for the next assistant action over its
+OpenAI-compatible chat-completions endpoint. Calls run concurrently (at most `concurrency`
+in flight), are retried on transient failures (`client`), are reserved and settled against
+the cap (`budget`), and finished rows are cached on disk (`cache`), so a re-run after a
+crash or Ctrl-C resumes without paying twice. Rows come back in state order, then teacher
+order, whatever order the calls finished in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer_replication.teacher_replay.budget import (
+    SpendBudget,
+    nanos_to_usd,
+    prompt_token_upper_bound,
+)
+from composer_replication.teacher_replay.cache import ReplayCache, cache_key
+from composer_replication.teacher_replay.client import CallPlan, CallStats, RetryPolicy, run_call
+from composer_replication.teacher_replay.records import (
+    DEFAULT_TEACHERS,
+    OPENROUTER_API_KEY_ENV,
+    OPENROUTER_BASE_URL,
+    TeacherCallResult,
+    TeacherSpec,
+    TraceState,
+    error_kind,
+)
+
+__all__ = ["ReplayProgress", "ReplayResults", "ReplaySummary", "replay_trace"]
+
+
+@dataclass(frozen=True)
+class ReplayProgress:
+    """Passed to the `progress` callback after every finished row."""
+
+    done: int
+    total: int
+    n_cache_hits: int
+    n_errors: int
+    spend_usd: float
+    max_total_usd: float
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (the smallest value with at least q of the data at or below)."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    """Cost and latency of one replay run.
+
+    Attributes:
+        n_rows: rows returned (states x teachers).
+        n_ok: rows with a response.
+        n_cache_hits: rows served from the cache (no request, no spend this run).
+        n_calls: rows not served from the cache (attempted or refused by the budget).
+        n_requests: HTTP requests sent this run, retries included.
+        n_retries: of those, retries.
+        errors_by_kind: error rows per kind ("http_429", "timeout", ...).
+        spend_usd: spend settled this run (see `SpendBudget`); cached rows cost nothing.
+        max_total_usd: the cap.
+        overshoot_usd: settled spend above the reservations (0 when the guarantee held).
+        latency_p50_s / latency_p95_s: nearest-rank percentiles of `latency_s` over the
+            successful rows answered this run; None when there are none.
+        wall_s: wall-clock seconds of the run.
+    """
+
+    n_rows: int
+    n_ok: int
+    n_cache_hits: int
+    n_calls: int
+    n_requests: int
+    n_retries: int
+    errors_by_kind: dict[str, int]
+    spend_usd: float
+    max_total_usd: float
+    overshoot_usd: float
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    wall_s: float
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[TeacherCallResult],
+        *,
+        max_total_usd: float = math.nan,
+        spend_usd: float | None = None,
+        overshoot_usd: float = 0.0,
+        n_requests: int | None = None,
+        n_retries: int = 0,
+        wall_s: float = 0.0,
+    ) -> ReplaySummary:
+        """Summarise rows (e.g. a results file); unknown run counters default from rows."""
+        fresh = [r for r in rows if not r.get("cached", False)]
+        latencies = sorted(r["latency_s"] for r in fresh if r["error"] is None)
+        kinds = Counter(error_kind(r["error"]) for r in rows if r["error"] is not None)
+        return cls(
+            n_rows=len(rows),
+            n_ok=sum(r["error"] is None for r in rows),
+            n_cache_hits=len(rows) - len(fresh),
+            n_calls=len(fresh),
+            n_requests=sum(r.get("attempts", 1) for r in fresh) if n_requests is None else n_requests,
+            n_retries=n_retries,
+            errors_by_kind=dict(sorted(kinds.items())),  # type: ignore[arg-type]
+            spend_usd=sum(r["cost_usd"] for r in fresh) if spend_usd is None else spend_usd,
+            max_total_usd=max_total_usd,
+            overshoot_usd=overshoot_usd,
+            latency_p50_s=_percentile(latencies, 0.50),
+            latency_p95_s=_percentile(latencies, 0.95),
+            wall_s=wall_s,
+        )
+
+    def format(self) -> str:
+        """A few human-readable lines (what the CLI prints)."""
+        errors = ", ".join(f"{k}={v}" for k, v in self.errors_by_kind.items()) or "none"
+        p50 = "-" if self.latency_p50_s is None else f"{self.latency_p50_s:.3f}s"
+        p95 = "-" if self.latency_p95_s is None else f"{self.latency_p95_s:.3f}s"
+        return (
+            f"rows {self.n_rows}: ok {self.n_ok}, cache hits {self.n_cache_hits}, "
+            f"calls {self.n_calls}, requests {self.n_requests} (retries {self.n_retries})\n"
+            f"errors: {errors}\n"
+            f"spend ${self.spend_usd:.6f} of ${self.max_total_usd:g} "
+            f"(overshoot ${self.overshoot_usd:.6f}); latency p50 {p50}, p95 {p95}; "
+            f"wall {self.wall_s:.2f}s"
+        )
+
+
+class ReplayResults(list):  # list[TeacherCallResult]
+    """The rows of a run (a plain list) with the run's `summary` attached."""
+
+    summary: ReplaySummary
+
+    def __init__(self, rows: Iterable[TeacherCallResult], summary: ReplaySummary) -> None:
+        super().__init__(rows)
+        self.summary = summary
+
+
+@dataclass
+class _Run:
+    """Mutable state of one run (counters the workers share)."""
+
+    total: int
+    done: int = 0
+    n_cache_hits: int = 0
+    n_errors: int = 0
+    stats: CallStats = field(default_factory=CallStats)
+
+
+def _check_teachers(teachers: Sequence[TeacherSpec]) -> list[TeacherSpec]:
+    teachers = list(teachers)
+    if not teachers:
+        raise ValueError("teachers is empty; pass at least one TeacherSpec (see DEFAULT_TEACHERS)")
+    seen: set[str] = set()
+    for t in teachers:
+        slug = t.get("slug") if isinstance(t, dict) else None
+        if not isinstance(slug, str) or not slug:
+            raise ValueError(f"teacher {t!r} has no 'slug'; every TeacherSpec needs a name")
+        if slug in seen:
+            raise ValueError(f"teacher slug {slug!r} appears twice; slugs must be unique")
+        seen.add(slug)
+        for key in ("input_per_mtok", "output_per_mtok"):
+            price = t.get(key)
+            if not isinstance(price, int | float) or not math.isfinite(price) or price < 0:
+                raise ValueError(f"teacher {slug!r}: {key}={price!r} must be a number >= 0")
+        base_url = t.get("base_url", OPENROUTER_BASE_URL)
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"teacher {slug!r}: base_url={base_url!r} must start with http:// or https://"
+            )
+    return teachers
+
+
+def _check_states(states: Iterable[TraceState]) -> list[TraceState]:
+    states = list(states)
+    seen: set[str] = set()
+    for i, s in enumerate(states):
+        sid = s.get("state_id") if isinstance(s, dict) else None
+        if not isinstance(sid, str) or not sid:
+            raise ValueError(f"states[{i}] has no string 'state_id'; is it a TraceState?")
+        if sid in seen:
+            raise ValueError(f"state_id {sid!r} appears twice; state ids must be unique")
+        seen.add(sid)
+        messages = s.get("messages")
+        ok = isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+        if not ok or not messages:
+            raise ValueError(
+                f"state {sid!r}: 'messages' must be a non-empty list of {{'role', 'content'}} "
+                "dicts with string values"
+            )
+    return states
+
+
+def _resolve_key(teacher: TeacherSpec, api_key: str | None) -> str | None:
+    env = teacher.get("api_key_env")
+    if env:
+        key = os.environ.get(env)
+        if not key:
+            raise RuntimeError(
+                f"teacher {teacher['slug']!r} reads its key from ${env}, which is not set; "
+                f"export {env}=... or remove api_key_env"
+            )
+        return key
+    if "base_url" in teacher and teacher["base_url"].rstrip("/") != OPENROUTER_BASE_URL:
+        return api_key  # own endpoint without api_key_env: a local server needs no key
+    key = api_key or os.environ.get(OPENROUTER_API_KEY_ENV)
+    if not key:
+        raise RuntimeError(
+            f"no API key for teacher {teacher['slug']!r} on OpenRouter: pass api_key=... or "
+            f"export {OPENROUTER_API_KEY_ENV}=..."
+        )
+    return key
+
+
+def _plans(
+    states: list[TraceState], teachers: list[TeacherSpec], api_key: str | None, max_tokens: int
+) -> list[tuple[CallPlan, str]]:
+    """(plan, cache key) per call, state-major."""
+    headers_by_slug = {}
+    for t in teachers:
+        key = _resolve_key(t, api_key)
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        headers_by_slug[t["slug"]] = headers
+    out = []
+    for state in states:
+        messages = [{"role": m["role"], "content": m["content"]} for m in state["messages"]]
+        bound = prompt_token_upper_bound(messages)
+        for t in teachers:
+            base_url = t.get("base_url", OPENROUTER_BASE_URL).rstrip("/")
+            body: dict[str, Any] = {
+                "model": t.get("model", t["slug"]),
+                "messages": messages,
+                "max_tokens": max_tokens,
+                **t.get("extra_body", {}),
+            }
+            plan = CallPlan(
+                state_id=state["state_id"],
+                teacher_slug=t["slug"],
+                url=f"{base_url}/chat/completions",
+                headers=headers_by_slug[t["slug"]],
+                body=body,
+                prompt_token_bound=bound,
+                max_tokens=max_tokens,
+                input_per_mtok=float(t["input_per_mtok"]),
+                output_per_mtok=float(t["output_per_mtok"]),
+            )
+            out.append((plan, cache_key(plan.state_id, plan.teacher_slug, base_url, body)))
+    return out
+
+
+async def replay_trace(
+    states: Iterable[TraceState],
+    teachers: Sequence[TeacherSpec] = DEFAULT_TEACHERS,
+    max_total_usd: float = 5.0,
+    api_key: str | None = None,
+    *,
+    concurrency: int = 16,
+    cache_dir: str | os.PathLike[str] | None = None,
+    max_tokens: int = 2048,
+    timeout_s: float = 120.0,
+    max_retries: int = 4,
+    backoff_base_s: float = 0.5,
+    progress: Callable[[ReplayProgress], None] | None = None,
+    seed: int | None = None,
+) -> ReplayResults:
+    """Ask every teacher for the next action at every state; one row per (state, teacher).
+
+    Args:
+        states: the trace's states (`TraceState`); state ids must be unique.
+        teachers: `TeacherSpec`s (default `DEFAULT_TEACHERS`, all on OpenRouter).
+        max_total_usd: hard cap on this run's spend; holds under concurrency as stated in
+            `budget.SpendBudget` (settled spend <= cap + measured overshoot, and the
+            overshoot is 0 while providers honour `max_tokens`). Calls that cannot reserve
+            their bound become "budget_exceeded" rows.
+        api_key: key for teachers without `api_key_env` (OpenRouter falls back to
+            `$OPENROUTER_API_KEY`).
+        concurrency: calls in flight at most.
+        cache_dir: directory of the on-disk row cache; None disables it.
+        max_tokens: completion cap sent with every request (and used in the reservation).
+        timeout_s: total seconds allowed per HTTP attempt.
+        max_retries: retries per call after the first attempt.
+        backoff_base_s: first backoff step when the server sends no `Retry-After`.
+        progress: called with a `ReplayProgress` after every finished row.
+        seed: seeds the backoff jitter (None: random).
+
+    Returns:
+        `ReplayResults`: the rows in state order then teacher order, with `.summary`.
+
+    Raises:
+        RuntimeError: a teacher needs an API key and none is found.
+        ValueError: malformed states, teachers or arguments.
+    """
+    started = time.perf_counter()
+    checked_states = _check_states(states)
+    checked_teachers = _check_teachers(teachers)
+    for name, value, low in (("concurrency", concurrency, 1), ("max_tokens", max_tokens, 1)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    if not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries={max_retries!r} must be an int >= 0")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+    budget = SpendBudget(max_total_usd)
+    plans = _plans(checked_states, checked_teachers, api_key, max_tokens)
+    policy = RetryPolicy(max_retries=max_retries, backoff_base_s=backoff_base_s)
+    rng = random.Random(seed)
+    rows: list[TeacherCallResult | None] = [None] * len(plans)
+    run = _Run(total=len(plans))
+
+    def finished(index: int, row: TeacherCallResult) -> None:
+        rows[index] = row
+        run.done += 1
+        run.n_errors += row["error"] is not None
+        if progress is not None:
+            progress(
+                ReplayProgress(
+                    done=run.done,
+                    total=run.total,
+                    n_cache_hits=run.n_cache_hits,
+                    n_errors=run.n_errors,
+                    spend_usd=budget.settled_usd,
+                    max_total_usd=budget.max_total_usd,
+                )
+            )
+
+    cache = ReplayCache(cache_dir) if cache_dir is not None else None
+    try:
+        pending: list[int] = []
+        for i, (_, key) in enumerate(plans):
+            hit = cache.get(key) if cache is not None else None
+            if hit is None:
+                pending.append(i)
+                continue
+            run.n_cache_hits += 1
+            finished(i, {**hit, "cached": True, "attempts": 0})
+        if pending:
+            await _run_pending(plans, pending, budget, policy, rng, run, cache, finished,
+                               concurrency=concurrency, timeout_s=timeout_s)
+    finally:
+        if cache is not None:
+            cache.close()
+    done_rows = [r for r in rows if r is not None]
+    summary = ReplaySummary.from_rows(
+        done_rows,
+        max_total_usd=budget.max_total_usd,
+        spend_usd=budget.settled_usd,
+        overshoot_usd=budget.overshoot_usd,
+        n_requests=run.stats.n_requests,
+        n_retries=run.stats.n_retries,
+        wall_s=time.perf_counter() - started,
+    )
+    return ReplayResults(done_rows, summary)
+
+
+async def _run_pending(
+    plans: list[tuple[CallPlan, str]],
+    pending: list[int],
+    budget: SpendBudget,
+    policy: RetryPolicy,
+    rng: random.Random,
+    run: _Run,
+    cache: ReplayCache | None,
+    finished: Callable[[int, TeacherCallResult], None],
+    *,
+    concurrency: int,
+    timeout_s: float,
+) -> None:
+    import httpx
+
+    queue = iter(pending)  # shared by the workers; the event loop is single-threaded
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+
+        async def worker() -> None:
+            for index in queue:
+                plan, key = plans[index]
+                row = await run_call(
+                    client, plan, budget, policy=policy, timeout_s=timeout_s, rng=rng,
+                    stats=run.stats,
+                )
+                if cache is not None and row["error"] is None:
+                    await cache.put(key, row)  # durable before it counts as finished
+                finished(index, row)
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(pending)))))
