@@ -1,0 +1,161 @@
+"""Batched in-process sampling with the live policy (Hugging Face ``generate`` + KV cache).
+
+Prompts are left-padded so every row's next token sits in the last column; sampling uses
+plain temperature (no top-k / top-p), so the sampler's distribution is exactly
+``softmax(logits / temperature)`` and the log-probs returned here are the ones the
+trainer's importance ratio compares against. ``temperature=0`` is greedy decoding (its
+log-probs are then reported at temperature 1).
+
+Each completion ends at the first EOS (kept), at the end of the first stop string (kept,
+tokens after it dropped), or at ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample: ``temperature`` (0 = greedy), ``max_new_tokens``, ``stop_strings``."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled completion: token ids, their sampling log-probs, and why it stopped."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "eos" | "stop" | "length"
+    text: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) left-padded ids and attention mask."""
+    import torch
+
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attn[i, width - len(p) :] = 1
+    return ids, attn
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    settings: SamplingSettings | None = None,
+    *,
+    generator_seed: int | None = None,
+) -> list[Generation]:
+    """Sample one completion per prompt with the policy, in one batched ``generate`` call."""
+    import torch
+
+    settings = settings or SamplingSettings()
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    eos_ids = _eos_ids(model, tokenizer)
+    ids, attn = left_pad(prompts, pad_id)
+    if generator_seed is not None:
+        torch.manual_seed(generator_seed)
+    greedy = settings.temperature == 0
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": settings.max_new_tokens,
+        "do_sample": not greedy,
+        "pad_token_id": pad_id,
+        "eos_token_id": eos_ids,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+        # plain temperature sampling: the trainer must see the sampler's distribution
+        "top_k": None,
+        "top_p": None,
+        "min_p": None,
+        "repetition_penalty": None,
+    }
+    if not greedy:
+        kwargs["temperature"] = settings.temperature
+    if settings.stop_strings:
+        kwargs["stop_strings"] = list(settings.stop_strings)
+        kwargs["tokenizer"] = tokenizer
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+    finally:
+        model.train(was_training)
+    new_tokens = out.sequences[:, ids.shape[1] :]
+    scale = 1.0 if greedy else settings.temperature
+    step_logprobs = torch.stack(
+        [torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1
+    )  # (B, new, V)
+    picked = step_logprobs.gather(-1, new_tokens[:, :, None]).squeeze(-1)
+    results = []
+    for row, prompt in enumerate(prompts):
+        tokens = new_tokens[row].tolist()
+        logprobs = picked[row].tolist()
+        n, reason = _cut(tokens, eos_ids, tokenizer, settings.stop_strings)
+        completion = tokens[:n]
+        results.append(
+            Generation(
+                prompt_ids=list(prompt),
+                completion_ids=completion,
+                logprobs=logprobs[:n],
+                finish_reason=reason,
+                text=tokenizer.decode(completion, skip_special_tokens=True),
+            )
+        )
+    return results
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("neither the model nor the tokenizer defines an eos token id")
+    return sorted(ids)
+
+
+def _cut(
+    tokens: list[int], eos_ids: list[int], tokenizer: Any, stop_strings: Sequence[str]
+) -> tuple[int, str]:
+    """Length of the completion to keep and the finish reason."""
+    eos = set(eos_ids)
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            return i + 1, "eos"
+    if stop_strings:
+        text = ""
+        for i, tok in enumerate(tokens):
+            text += tokenizer.decode([tok])
+            if any(s in text for s in stop_strings):
+                return i + 1, "stop"
+    return len(tokens), "length"
