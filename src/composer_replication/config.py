@@ -1,0 +1,238 @@
+"""The run configuration (TOML), whose defaults ARE the embedded job.
+
+``composer-replication train`` with no config trains SmolLM2-135M-Instruct (LoRA) on the
+``python_functions`` environment with the ``composer`` algorithm. A TOML file overrides any
+field; ``--set a.b.c=value`` overrides single fields on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from composer_replication.algo import AlgorithmConfig
+from composer_replication.algo.advantage_config import ComposerAdvantage
+from composer_replication.algo.config import SamplingConfig
+from composer_replication.trainer.step import LossConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters (peft); the merged model is what gets saved at the end."""
+
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: int = Field(32, ge=1, description="Adapter scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        description="Module names that get adapters.",
+    )
+
+
+class ModelConfig(_Strict):
+    """Which policy to train and how."""
+
+    source: str = Field(
+        "embedded", description="'embedded', a local HF directory, a .gguf file or a cached hub id."
+    )
+    dtype: str = Field("float32", description="Parameter dtype (CPU: float32).")
+    lora: LoraConfig | None = Field(
+        default_factory=LoraConfig, description="LoRA settings; null = full fine-tune."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (less memory, more time)."
+    )
+
+
+class OptimConfig(_Strict):
+    """AdamW with warm-up and a schedule, plus gradient clipping."""
+
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Decay after warm-up."
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="Max global gradient norm (null: no clipping)."
+    )
+
+
+class EnvConfig(_Strict):
+    """One environment and the algorithm that trains on it."""
+
+    name: str = Field(
+        "python_functions",
+        description="Environment: python_functions, feature_deletion, or an import path 'pkg.mod:factory'.",
+    )
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="Sampling + advantage settings."
+    )
+    tasks_per_step: int = Field(
+        4, ge=1, description="Tasks sampled per step (each gets sampling.group_size rollouts)."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Environment-specific options (task file, difficulty filter, ...).",
+    )
+
+
+def _default_envs() -> list[EnvConfig]:
+    return [
+        EnvConfig(
+            name="python_functions",
+            algorithm=AlgorithmConfig(
+                sampling=SamplingConfig(group_size=4, temperature=1.0, max_new_tokens=96),
+                advantage=ComposerAdvantage(),
+            ),
+            tasks_per_step=4,
+        )
+    ]
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation (pass@1) and when to run it."""
+
+    every: int = Field(5, ge=1, description="Evaluate every N steps (and feed the kill switch).")
+    at_start: bool = Field(True, description="Evaluate the initial policy before training.")
+    samples_per_task: int = Field(1, ge=1, description="Samples per held-out task for pass@1.")
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature for evaluation (0 = greedy)."
+    )
+    max_tasks: int | None = Field(None, ge=1, description="Cap on held-out tasks per evaluation.")
+
+
+class GuardConfig(_Strict):
+    """The HeldOutGuard kill switch (spec 03-safety.md)."""
+
+    enabled: bool = True
+    kl_hard_stop: float = Field(
+        0.08,
+        gt=0,
+        description="Token-mean KL to the initial policy (nats/token) that stops the run.",
+    )
+    max_proxy_real_gap: float = Field(
+        0.10, gt=0, description="In-loop gain minus held-out gain that stops the run."
+    )
+    min_steps: int = Field(20, ge=0, description="Evaluations before any tripwire may fire.")
+    decline_patience: int = Field(
+        3, ge=1, description="Consecutive held-out declines under a rising proxy that stop the run."
+    )
+    ema_alpha: float = Field(0.9, ge=0, lt=1, description="EMA weight on the prior value.")
+    rise_eps: float = Field(
+        1e-4, ge=0, description="Smallest EMA move that counts as rising/declining."
+    )
+
+    def guard_kwargs(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"enabled"})
+
+
+class CheckpointConfig(_Strict):
+    """Atomic checkpoints for --resume."""
+
+    every: int = Field(5, ge=1, description="Checkpoint every N steps.")
+    keep_last: int = Field(2, ge=1, description="How many checkpoints to keep.")
+
+
+class RunConfig(_Strict):
+    """Everything a training run needs. Defaults = the embedded CPU job."""
+
+    seed: int = Field(0, description="Seed for Python, NumPy and torch.")
+    steps: int = Field(16, ge=1, description="Optimizer steps.")
+    output_dir: str = Field(
+        "runs/default", description="Checkpoints, metrics, report and the final model go here."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    envs: list[EnvConfig] = Field(
+        default_factory=_default_envs, description="Environments, each with its own algorithm."
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    jsd_teacher: Literal["policy", "initial", "ema"] = Field(
+        "policy", description="Model behind the jsd teacher forward."
+    )
+    ema_decay: float = Field(0.99, ge=0, lt=1, description="EMA decay when jsd_teacher = 'ema'.")
+    micro_batch_tokens: int = Field(4096, ge=1, description="Padded tokens per micro-batch.")
+    heldout_fraction: float = Field(
+        0.25, gt=0, lt=1, description="Share of tasks held out for evaluation (never trained on)."
+    )
+    heldout_salt: str = Field("composer-replication", description="Salt of the held-out hash.")
+    pairs_file: str | None = Field(
+        None, description="DPO pair JSONL for replay_dpo/composer (default: the shipped pairs)."
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=list, description="Optional experiment trackers."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        names = [e.name for e in self.envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"environment names must be unique, got {names}")
+        if not self.envs:
+            raise ValueError("envs is empty: configure at least one environment")
+        return self
+
+    @classmethod
+    def from_toml(cls, source: str | Path, overrides: list[str] | None = None) -> RunConfig:
+        """Load a TOML file (or text), then apply ``a.b.c=value`` overrides."""
+        path = Path(source)
+        if path.suffix == ".toml" or path.exists():
+            if not path.exists():
+                raise FileNotFoundError(f"config file {path} does not exist")
+            data = tomllib.loads(path.read_text())
+        else:
+            data = tomllib.loads(str(source))
+        for item in overrides or []:
+            _apply_override(data, item)
+        return cls.model_validate(data)
+
+    @classmethod
+    def default(cls, overrides: list[str] | None = None) -> RunConfig:
+        data: dict[str, Any] = {}
+        for item in overrides or []:
+            _apply_override(data, item)
+        return cls.model_validate(data)
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ValueError(f"override {item!r} must look like a.b.c=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # a bare string
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        if part.isdigit() and isinstance(node, list):
+            node = node[int(part)]
+            continue
+        node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ValueError(f"override {item!r}: {part} is not a table")
+    last = parts[-1]
+    if isinstance(node, list) and last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value

@@ -1,0 +1,133 @@
+"""Training-state checkpoints: atomic, keep-last-N, and complete enough to resume exactly.
+
+A checkpoint directory ``<run>/checkpoints/step_NNNNNN`` holds:
+- ``trainable.safetensors``: the parameters that train (LoRA adapters, or every weight);
+- ``state.pt``: optimizer, LR scheduler, the Python / NumPy / torch RNG states, the step
+  counter and the JSON states of the curriculum, the kill switch and the teacher models.
+It is written into a temporary sibling and renamed into place, so a run killed at any
+moment (SIGKILL included) leaves the previous checkpoint intact, and resuming from it
+replays the same steps with the same random numbers.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from composer_replication.atomic_io import build_dir_atomically
+
+_STEP_DIR = re.compile(r"step_(\d{6,})")
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad
+    }
+
+
+def load_trainable_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    if set(tensors) != trainable:
+        missing, extra = sorted(trainable - set(tensors)), sorted(set(tensors) - trainable)
+        raise ValueError(
+            f"checkpoint does not match the model's trainable parameters (missing "
+            f"{missing[:3]}, unexpected {extra[:3]}): was it written with another LoRA setting?"
+        )
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)
+
+
+class CheckpointManager:
+    """Writes and finds checkpoints under ``<run_dir>/checkpoints``."""
+
+    def __init__(self, run_dir: str | Path, *, keep_last: int = 2) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be >= 1")
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:06d}"
+
+    def steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for child in self.root.iterdir():
+            m = _STEP_DIR.fullmatch(child.name)
+            if m and (child / "state.pt").exists() and (child / "trainable.safetensors").exists():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        steps = self.steps()
+        return self.path_for(steps[-1]) if steps else None
+
+    def save(
+        self, step: int, *, model: Any, optimizer: Any, scheduler: Any, extra: dict[str, Any]
+    ) -> Path:
+        """Atomically write the checkpoint of ``step`` (the number of steps completed)."""
+        from safetensors.torch import save_file
+
+        state = {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": rng_state(),
+            "extra": extra,
+        }
+        tensors = trainable_state(model)
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp / "trainable.safetensors"))
+            torch.save(state, tmp / "state.pt")
+
+        path = build_dir_atomically(self.path_for(step), write, replace=True)
+        self._prune()
+        return path
+
+    def load(
+        self, path: str | Path, *, model: Any, optimizer: Any, scheduler: Any
+    ) -> dict[str, Any]:
+        """Restore model, optimizer, scheduler and RNG; return ``{"step", "extra"}``."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "state.pt").exists():
+            raise FileNotFoundError(f"{path} is not a checkpoint (no state.pt)")
+        load_trainable_state(model, load_file(str(path / "trainable.safetensors")))
+        state = torch.load(path / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return {"step": int(state["step"]), "extra": state["extra"]}
+
+    def _prune(self) -> None:
+        for step in self.steps()[: -self.keep_last]:
+            shutil.rmtree(self.path_for(step), ignore_errors=True)
