@@ -1,0 +1,59 @@
+"""Environments: tasks, rollouts and rewards.
+
+``build_environment(env_config)`` constructs an environment by name: ``python_functions``
+(the embedded default), ``feature_deletion`` (tasks from ``composer-replication datagen``),
+or ``"pkg.module:factory"`` for a user environment (called with the config's options).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from composer_replication.envs.base import Environment, pass_at_1
+
+__all__ = ["Environment", "build_environment", "load_default_pairs", "pass_at_1"]
+
+DEFAULT_PAIRS = Path(__file__).parent / "data" / "replay_pairs.jsonl"
+
+
+def build_environment(env_config: Any) -> Environment:
+    """The environment ``env_config.name`` names, built with ``env_config.options``."""
+    name, options = env_config.name, dict(env_config.options)
+    if name == "python_functions":
+        from composer_replication.envs.python_functions import PythonFunctionsEnv
+
+        return PythonFunctionsEnv(**options)
+    if name == "feature_deletion":
+        from composer_replication.envs.feature_deletion import FeatureDeletionEnv
+
+        return FeatureDeletionEnv(**options)
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        env = factory(**options)
+        if not isinstance(env, Environment):
+            raise TypeError(f"{name} returned {type(env).__name__}, which is not an Environment")
+        return env
+    raise ValueError(
+        f"unknown environment {name!r}; use python_functions, feature_deletion or "
+        "'pkg.module:factory'"
+    )
+
+
+def load_default_pairs(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """DPO pairs (JSONL of DPOPair / NormalizedDPOPair rows); default: the shipped file."""
+    path = Path(path) if path else DEFAULT_PAIRS
+    if not path.exists():
+        raise FileNotFoundError(f"DPO pair file {path} does not exist")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not JSON ({err})") from err
+    return rows

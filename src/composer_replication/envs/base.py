@@ -1,0 +1,46 @@
+"""The ``Environment`` protocol: tasks in, groups of scored rollouts out.
+
+An environment owns its tasks (ids, prompts, verifiers) and runs attempts at them: it
+samples completions with the policy (single- or multi-turn, tools executed in a sandbox),
+scores each attempt, and returns one group of rollouts per task. A failed attempt is data:
+it comes back as a ``Rollout`` with ``error`` set and reward 0, never as an exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.rollout.types import Rollout
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What the training loop needs from an environment."""
+
+    name: str
+
+    def task_ids(self) -> list[str]:
+        """Every task id this environment can run (train and held-out alike)."""
+        ...
+
+    def rollouts(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        group_size: int,
+        sampling: SamplingSettings,
+    ) -> list[list[Rollout]]:
+        """``group_size`` scored attempts per task, one group per task id, in order."""
+        ...
+
+
+def pass_at_1(groups: Sequence[Sequence[Rollout]]) -> float:
+    """Share of attempts that fully solved their task (reward 1.0), over all groups."""
+    attempts = [r for group in groups for r in group]
+    if not attempts:
+        return 0.0
+    return sum(1 for r in attempts if r.reward >= 1.0) / len(attempts)

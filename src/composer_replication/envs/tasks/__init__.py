@@ -1,0 +1,1 @@
+"""Shipped task data for the built-in environments (``python_functions.jsonl``)."""
