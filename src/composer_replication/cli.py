@@ -6,7 +6,7 @@ Thin: every command parses its options and calls one library function. Heavy imp
 
 from __future__ import annotations
 
-from typing import Optional
+from pathlib import Path
 
 import typer
 
@@ -35,7 +35,7 @@ def _print_components(title: str, rows: list[tuple[str, dict[str, float]]]) -> N
 
 @app.command()
 def smoke(
-    model: Optional[str] = typer.Option(  # noqa: UP045 - typer needs Optional on 3.10
+    model: str | None = typer.Option(
         None, help="Policy: 'embedded' (default), a local HF directory, or a .gguf file."
     ),
     steps: int = typer.Option(1, min=1, help="AdamW steps to take."),
@@ -64,15 +64,85 @@ def smoke(
 
 @app.command()
 def train(
-    model: Optional[str] = typer.Option(  # noqa: UP045
-        None, help="Policy: 'embedded' (default), a local HF directory, or a .gguf file."
+    config: Path | None = typer.Argument(
+        None,
+        help="Run config TOML (default: the embedded job: SmolLM2 + python_functions + composer).",
     ),
-    steps: int = typer.Option(1, min=1, help="Optimizer steps."),
-    lr: float = typer.Option(1e-5, help="Learning rate."),
-    seed: int = typer.Option(0, help="Random seed."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a config field, e.g. --set steps=4 --set optim.lr=1e-4."
+    ),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint."),
+    output_dir: str | None = typer.Option(
+        None, help="Where the run writes (overrides output_dir)."
+    ),
+    backend: str = typer.Option("native", help="Training backend: native (this framework's loop)."),
 ) -> None:
-    """Train on the embedded default. Currently: the loss/model smoke job (see `smoke`)."""
-    smoke(model=model, steps=steps, lr=lr, seed=seed)
+    """Train a policy. With no config: the embedded default job (a few minutes on a CPU)."""
+    from rich.console import Console
+
+    from composer_replication.config import RunConfig
+    from composer_replication.safety import CollapseStopError
+
+    console = Console()
+    overrides = list(set_) + ([f"output_dir={output_dir}"] if output_dir else [])
+    cfg = RunConfig.from_toml(config, overrides) if config else RunConfig.default(overrides)
+    if backend != "native":
+        raise typer.BadParameter(f"unknown backend {backend!r}; available: native")
+    from composer_replication.trainer.loop import train as run_training
+
+    console.print(
+        f"[bold]train[/bold]: {cfg.model.source} on "
+        f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "
+        f"{cfg.steps} steps -> {cfg.output_dir}"
+    )
+    try:
+        result = run_training(cfg, resume=resume, console=console)
+    except CollapseStopError as stop:
+        console.print(f"[bold red]stopped by the kill switch[/bold red]: {stop}")
+        console.print(f"final checkpoint and metrics in {cfg.output_dir}")
+        raise typer.Exit(code=3) from stop
+    before = "n/a" if result.heldout_before is None else f"{result.heldout_before:.3f}"
+    after = "n/a" if result.heldout_after is None else f"{result.heldout_after:.3f}"
+    console.print(f"held-out pass@1: before {before} -> after {after}")
+    console.print(f"final model: {result.final_model_dir}  report: {result.run_dir / 'report'}")
+
+
+@app.command("eval")
+def evaluate(
+    model: str = typer.Argument(
+        ..., help="A model directory (e.g. a run's final_model), a .gguf file, or 'embedded'."
+    ),
+    env: str = typer.Option("python_functions", "--env", help="Environment to evaluate on."),
+    samples: int = typer.Option(1, min=1, help="Samples per task (pass@1 averages them)."),
+    temperature: float = typer.Option(0.0, min=0.0, help="Sampling temperature (0 = greedy)."),
+    max_new_tokens: int = typer.Option(96, min=1, help="Completion budget."),
+    heldout_fraction: float = typer.Option(0.25, help="Held-out share (must match training)."),
+    split: str = typer.Option("heldout", help="Which tasks: heldout, train or all."),
+    output: Path | None = typer.Option(
+        None, "-o", "--output", help="Write the result as JSON here."
+    ),
+) -> None:
+    """Held-out pass@1 of a model on an environment, printed and written as JSON."""
+    import json
+
+    from composer_replication.evaluate import evaluate_model
+
+    result = evaluate_model(
+        model,
+        env_name=env,
+        samples_per_task=samples,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        heldout_fraction=heldout_fraction,
+        split=split,
+    )
+    typer.echo(
+        f"{env} {split}: pass@1 {result['pass@1']:.3f} over {result['n_tasks']} tasks "
+        f"x {samples} samples (mean reward {result['mean_reward']:.3f})"
+    )
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=2))
 
 
 @app.command()
@@ -81,6 +151,15 @@ def version() -> None:
     from composer_replication import __version__
 
     typer.echo(__version__)
+
+
+def _register_subcommands() -> None:
+    from composer_replication.datagen.cli import datagen_command
+
+    app.command("datagen")(datagen_command)
+
+
+_register_subcommands()
 
 
 def main() -> None:

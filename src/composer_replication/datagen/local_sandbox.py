@@ -31,6 +31,9 @@ Without bubblewrap (missing, or unusable because user namespaces are off) only t
 the uid drop and the timeout remain: the sandbox warns loudly, results say `isolated=False`,
 and it is not a security boundary (pass `require_isolation=True` to refuse that mode).
 
+Identity: as root we drop to nobody (65534) so RLIMIT_NPROC is enforced; otherwise commands
+run as the current user, whose every process then counts toward `max_processes`.
+
 Interpreter: tests run with `python` (default `/usr/bin/python3`, which the sandbox uid can
 read; pyenv or venv interpreters under /root cannot be). If that interpreter lacks pytest,
 the pytest bundle (see `pytest_support`) is put on PYTHONPATH read-only.
@@ -38,6 +41,7 @@ the pytest bundle (see `pytest_support`) is put on PYTHONPATH read-only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -49,12 +53,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from composer_replication.datagen.bwrap import (
+    BASE_PATH,
+    DEFAULT_HIDE_PATHS,
+    bwrap_argv,
+    probe_bwrap,
+)
 from composer_replication.datagen.process import ProcessOutcome, ResourceLimits, run_bounded
 from composer_replication.datagen.pytest_support import (
     JunitReport,
     build_pytest_argv,
+    interpreter_bin_dir,
     parse_junit,
     pytest_bundle_dir,
+    support_root,
 )
 from composer_replication.datagen.sandbox_base import (
     SANDBOX_DENYLIST,
@@ -64,24 +76,11 @@ from composer_replication.datagen.sandbox_base import (
 )
 from composer_replication.datagen.workdir import check_reachable, hand_over
 
-__all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox"]
+__all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox", "exec_suffix"]
 
 log = logging.getLogger(__name__)
 
 NOBODY_UID = 65534
-DEFAULT_HIDE_PATHS: tuple[str, ...] = (
-    "/root",
-    "/home",
-    "/var/tmp",
-    "/run",
-    "/var/run",
-    "/mnt",
-    "/media",
-    "/srv",
-)
-_BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
-# (bwrap path, uid) -> None when usable, else the reason it is not.
-_BWRAP_PROBES: dict[tuple[str, int | None], str | None] = {}
 # (python, uid, isolated) -> whether that interpreter imports pytest on its own.
 _OWN_PYTEST: dict[tuple[str, int | None, bool], bool] = {}
 
@@ -164,7 +163,9 @@ class LocalSubprocessSandbox:
         if not exec_timeout_s > 0:
             raise ValueError(f"exec_timeout_s must be > 0, got {exec_timeout_s!r}")
         if pytest_from not in ("auto", "bundle", "python"):
-            raise ValueError(f"pytest_from must be 'auto', 'bundle' or 'python', got {pytest_from!r}")
+            raise ValueError(
+                f"pytest_from must be 'auto', 'bundle' or 'python', got {pytest_from!r}"
+            )
         if tmp_size_mb <= 0:
             raise ValueError(f"tmp_size_mb must be > 0, got {tmp_size_mb!r}")
         self.exec_timeout_s = float(exec_timeout_s)
@@ -183,9 +184,7 @@ class LocalSubprocessSandbox:
         self.extra_env = dict(env or {})
         self.uid, self.gid = self._resolve_identity(run_as_uid, run_as_gid)
         check_reachable(self.workdir, self._effective_uid(), self._effective_gid())
-        self.hide_paths = tuple(
-            p for p in hide_paths if os.path.isdir(p) and not os.path.islink(p)
-        )
+        self.hide_paths = tuple(p for p in hide_paths if os.path.isdir(p) and not os.path.islink(p))
         self.ro_binds = tuple(str(Path(p).resolve()) for p in ro_binds)
         self.isolated, reason = self._resolve_bwrap(bwrap_path)
         if not self.isolated:
@@ -228,72 +227,21 @@ class LocalSubprocessSandbox:
         return self.gid if self.gid is not None else os.getegid()
 
     def _resolve_bwrap(self, bwrap_path: str | os.PathLike[str] | None) -> tuple[bool, str]:
+        self.bwrap: str | None = None
         if bwrap_path is None:
-            self.bwrap = None
             return False, "bwrap_path=None"
         found = shutil.which("bwrap") if bwrap_path == "auto" else os.fspath(bwrap_path)
         if not found or not os.access(found, os.X_OK):
-            self.bwrap = None
             return False, f"bubblewrap not found ({bwrap_path!r})"
-        self.bwrap = found
-        key = (found, self.uid)
-        if key not in _BWRAP_PROBES:
-            probe = self._bwrap_prefix(tmp=False) + ["--", "/bin/sh", "-c", "exit 0"]
-            outcome = run_bounded(
-                probe,
-                cwd="/",
-                env={"PATH": _BASE_PATH},
-                timeout_s=10,
-                max_output_bytes=4096,
-                uid=self.uid,
-                gid=self.gid,
-            )
-            ok = outcome.exit_code == 0
-            _BWRAP_PROBES[key] = None if ok else f"bwrap failed: {outcome.text().strip()!r}"
-        reason = _BWRAP_PROBES[key]
+        reason = probe_bwrap(found, self.uid, self.gid)
         if reason is not None:
-            self.bwrap = None
             return False, reason
+        self.bwrap = found
         return True, ""
-
-    def _bwrap_prefix(self, *, tmp: bool = True) -> list[str]:
-        assert self.bwrap is not None
-        args = [
-            self.bwrap,
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
-            "--die-with-parent",
-            "--new-session",
-            "--ro-bind", "/", "/",
-            "--proc", "/proc",
-            "--dev", "/dev",
-        ]  # fmt: skip
-        if tmp:
-            args += ["--size", str(self.tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp"]
-        return args
-
-    def _mount_args(self) -> list[str]:
-        args: list[str] = []
-        for hidden in self.hide_paths:
-            args += ["--tmpfs", hidden]
-        binds = list(self.ro_binds)
-        if self._use_bundle:
-            binds.append(str(pytest_bundle_dir()))
-        for prefix in (Path(self.python).parent.parent, Path(self.python).resolve().parent.parent):
-            if any(_is_under(prefix, Path(h)) for h in self.hide_paths):
-                binds.append(str(prefix))
-        for path in dict.fromkeys(binds):
-            args += ["--ro-bind", path, path]
-        # The workdir mount point may live inside a hidden tmpfs: bind before remounting.
-        args += ["--bind", str(self.workdir), str(self.workdir), "--chdir", str(self.workdir)]
-        for hidden in self.hide_paths:
-            args += ["--remount-ro", hidden]
-        return args
 
     def _env(self) -> dict[str, str]:
         env = {
-            "PATH": _BASE_PATH,
+            "PATH": f"{interpreter_bin_dir(self.python)}:{BASE_PATH}",
             "HOME": "/tmp",
             "TMPDIR": "/tmp",
             "LANG": "C.UTF-8",
@@ -308,12 +256,18 @@ class LocalSubprocessSandbox:
 
     def _run(self, inner: list[str], timeout_s: float | None = None) -> ProcessOutcome:
         env = self._env()
-        if self.isolated:
-            argv = [*self._bwrap_prefix(), *self._mount_args(), "--clearenv"]
-            for key, value in env.items():
-                argv += ["--setenv", key, value]
-            argv += ["--", *inner]
-            outer_env = {"PATH": _BASE_PATH}
+        if self.bwrap is not None:
+            argv = bwrap_argv(
+                self.bwrap,
+                inner,
+                workdir=self.workdir,
+                env=env,
+                tmp_size_mb=self.tmp_size_mb,
+                hide_paths=self.hide_paths,
+                ro_binds=[*self.ro_binds, str(support_root())],
+                python=self.python,
+            )
+            outer_env = {"PATH": BASE_PATH}
         else:
             argv, outer_env = inner, env
         try:
@@ -405,10 +359,8 @@ class LocalSubprocessSandbox:
         report: JunitReport | None = None
         if is_pytest:
             report = parse_junit(junit) or JunitReport(errors=1)  # no report: fail closed
-            try:
+            with contextlib.suppress(OSError):
                 junit.unlink()
-            except OSError:
-                pass
         report = report or JunitReport()
         result = TestRunResult(
             passed=report.passed,
@@ -445,11 +397,3 @@ class LocalSubprocessSandbox:
             f"LocalSubprocessSandbox({str(self.workdir)!r}, isolated={self.isolated}, "
             f"uid={self._effective_uid()}, python={self.python!r})"
         )
-
-
-def _is_under(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-    except ValueError:
-        return False
-    return True

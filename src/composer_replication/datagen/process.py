@@ -9,6 +9,7 @@ command printing gigabytes never makes the host hold them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import selectors
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ProcessOutcome", "ResourceLimits", "run_bounded"]
+__all__ = ["OutputCapture", "ProcessOutcome", "ResourceLimits", "run_bounded"]
 
 _READ_CHUNK = 65536
 # After the main process exits, how long to keep draining output written by leftovers.
@@ -94,8 +95,8 @@ class ProcessOutcome:
         return self.output.decode("utf-8", errors="replace")
 
 
-class _Capture:
-    """Keep the first `head_cap` and last `tail_cap` bytes of a stream."""
+class OutputCapture:
+    """Keep the first 3/4 and the last 1/4 of `max_bytes` of a stream; count the rest."""
 
     def __init__(self, max_bytes: int) -> None:
         self.tail_cap = max_bytes // 4
@@ -128,10 +129,8 @@ class _Capture:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_bounded(
@@ -158,7 +157,7 @@ def run_bounded(
         raise ValueError(f"max_output_bytes must be >= 64, got {max_output_bytes!r}")
     start = time.monotonic()
     deadline = start + timeout_s
-    capture = _Capture(max_output_bytes)
+    capture = OutputCapture(max_output_bytes)
     privileges: dict[str, object] = {}
     if uid is not None:
         privileges = {"user": uid, "group": gid if gid is not None else uid, "extra_groups": []}

@@ -18,6 +18,7 @@ parsed with `xml.etree` and mapped back to pytest node ids.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib.metadata as metadata
 import os
 import shlex
@@ -34,12 +35,14 @@ __all__ = [
     "JunitReport",
     "build_pytest_argv",
     "bundle_distributions",
+    "interpreter_bin_dir",
     "parse_junit",
     "pytest_bundle_dir",
+    "support_root",
 ]
 
-_BUNDLE_LOCK = threading.Lock()
-_BUNDLE_DIR: Path | None = None
+_LOCK = threading.RLock()
+_SUPPORT_ROOT: Path | None = None
 # A junit file larger than this is not parsed (it is produced inside the sandbox).
 _MAX_JUNIT_BYTES = 64 * 1024 * 1024
 _PYTHON_NAMES = ("python", "python3")
@@ -47,7 +50,13 @@ _PYTHON_NAMES = ("python", "python3")
 
 def bundle_distributions(root: str = "pytest") -> list[metadata.Distribution]:
     """`root` and every distribution it requires (markers evaluated here, no extras)."""
-    from packaging.requirements import Requirement
+    try:
+        from packaging.requirements import Requirement
+    except ImportError as exc:  # packaging ships with pytest; absent means no pytest either
+        raise RuntimeError(
+            "the sandbox pytest bundle needs pytest installed in this environment; install "
+            "the dev extra: pip install 'composer-replication[dev]'"
+        ) from exc
 
     seen: dict[str, metadata.Distribution] = {}
     todo = [root]
@@ -91,25 +100,50 @@ def _populate(target: Path) -> None:
             os.chmod(os.path.join(dirpath, name), 0o644)
 
 
+def support_root() -> Path:
+    """The per-process, world-readable directory holding the bundle and interpreter shims."""
+    global _SUPPORT_ROOT
+    with _LOCK:
+        if _SUPPORT_ROOT is None or not _SUPPORT_ROOT.is_dir():
+            root = Path(tempfile.mkdtemp(prefix="composer-replication-sandbox-support-"))
+            os.chmod(root, 0o755)
+            atexit.register(shutil.rmtree, root, True)
+            _SUPPORT_ROOT = root
+        return _SUPPORT_ROOT
+
+
 def pytest_bundle_dir() -> Path:
     """A world-readable directory with pytest and its requirements, created once per process.
 
-    The directory lives under the system temp dir and is removed when the process exits.
+    It lives under `support_root()` (the system temp dir) and is removed when the process
+    exits.
     """
-    global _BUNDLE_DIR
-    with _BUNDLE_LOCK:
-        if _BUNDLE_DIR is not None and _BUNDLE_DIR.is_dir():
-            return _BUNDLE_DIR
-        root = Path(tempfile.mkdtemp(prefix="composer-replication-pytest-"))
-        try:
-            _populate(root / "site")
-            os.chmod(root, 0o755)
-        except BaseException:
-            shutil.rmtree(root, ignore_errors=True)
-            raise
-        atexit.register(shutil.rmtree, root, True)
-        _BUNDLE_DIR = root / "site"
-        return _BUNDLE_DIR
+    root = support_root()
+    site = root / "site"
+    with _LOCK:
+        if not (site / ".complete").is_file():
+            shutil.rmtree(site, ignore_errors=True)
+            _populate(site)
+            (site / ".complete").touch(mode=0o644)
+    return site
+
+
+def interpreter_bin_dir(python: str) -> Path:
+    """A directory with `python`, `python3` and `pytest` commands that run `python`."""
+    name = "bin-" + hashlib.sha256(python.encode()).hexdigest()[:12]
+    bin_dir = support_root() / name
+    with _LOCK:
+        if not (bin_dir / "pytest").is_file():
+            bin_dir.mkdir(mode=0o755, exist_ok=True)
+            os.chmod(bin_dir, 0o755)
+            for link in ("python", "python3"):
+                target = bin_dir / link
+                if not target.is_symlink():
+                    target.symlink_to(python)
+            script = bin_dir / "pytest"
+            script.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -m pytest "$@"\n')
+            os.chmod(script, 0o755)
+    return bin_dir
 
 
 def _is_python_word(token: str) -> bool:

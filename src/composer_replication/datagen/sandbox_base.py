@@ -113,7 +113,8 @@ class TestRunResult:
         passed, failed, errors, skipped: Counts from the test report (errors include
             collection errors; xfail counts as skipped).
         outcomes: Test id (pytest node id) -> "passed" | "failed" | "error" | "skipped".
-        exit_code: The runner's exit code; negative = killed by that signal; None = never ran.
+        exit_code: The runner's exit code; None = never ran. A signal death is negative
+            without an isolator and 128 + N through bubblewrap (shell convention).
         output: Combined stdout/stderr, truncated to the backend's output cap.
         timed_out: The wall-clock limit killed the run.
         isolated: The run was inside an OS-level isolator (bubblewrap, container), not just
@@ -137,9 +138,7 @@ class TestRunResult:
     @property
     def ok(self) -> bool:
         """Every collected test passed (or skipped), the runner exited 0, nothing timed out."""
-        return (
-            self.exit_code == 0 and not self.timed_out and self.failed == 0 and self.errors == 0
-        )
+        return self.exit_code == 0 and not self.timed_out and self.failed == 0 and self.errors == 0
 
     def ids_with(self, outcome: str) -> list[str]:
         """Test ids with the given outcome, sorted."""

@@ -75,4 +75,6 @@ def make_shared_tempdir(prefix: str = "composer-replication-") -> Path:
             shutil.rmtree(path, ignore_errors=True)
             continue
         return path
-    raise RuntimeError("no temp directory traversable by every user (tried $TMPDIR, /tmp, /var/tmp)")
+    raise RuntimeError(
+        "no temp directory traversable by every user (tried $TMPDIR, /tmp, /var/tmp)"
+    )

@@ -1,0 +1,101 @@
+"""The bubblewrap command line of `LocalSubprocessSandbox`, and a cached "does it work" probe.
+
+Mount order matters: read-only root, fresh /proc and /dev, a private size-limited /tmp, empty
+tmpfs over the hidden directories, read-only binds of what must stay visible (the pytest
+bundle, an interpreter living under a hidden directory), the writable workdir, and only then
+the hidden tmpfs are remounted read-only (their mount points had to be created first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from composer_replication.datagen.process import run_bounded
+
+__all__ = ["BASE_PATH", "DEFAULT_HIDE_PATHS", "bwrap_argv", "probe_bwrap"]
+
+BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
+DEFAULT_HIDE_PATHS: tuple[str, ...] = (
+    "/root",
+    "/home",
+    "/var/tmp",
+    "/run",
+    "/var/run",
+    "/mnt",
+    "/media",
+    "/srv",
+)
+# (bwrap path, uid) -> None when usable, else the reason it is not.
+_PROBES: dict[tuple[str, int | None], str | None] = {}
+
+
+def _namespace_args(bwrap: str) -> list[str]:
+    return [
+        bwrap,
+        "--unshare-all",  # user, ipc, pid, net, uts, cgroup
+        "--unshare-user",
+        "--disable-userns",  # no nested user namespaces (a common escalation path)
+        "--die-with-parent",
+        "--new-session",  # no TIOCSTI injection into our terminal
+        "--ro-bind", "/", "/",
+        "--proc", "/proc",
+        "--dev", "/dev",
+    ]  # fmt: skip
+
+
+def probe_bwrap(bwrap: str, uid: int | None, gid: int | None) -> str | None:
+    """None when `bwrap` can build a sandbox as `uid`, else why not (cached per process)."""
+    key = (bwrap, uid)
+    if key not in _PROBES:
+        outcome = run_bounded(
+            [*_namespace_args(bwrap), "--", "/bin/sh", "-c", "exit 0"],
+            cwd="/",
+            env={"PATH": BASE_PATH},
+            timeout_s=10,
+            max_output_bytes=4096,
+            uid=uid,
+            gid=gid,
+        )
+        ok = outcome.exit_code == 0
+        _PROBES[key] = None if ok else f"bwrap failed: {outcome.text().strip()!r}"
+    return _PROBES[key]
+
+
+def _is_under(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def bwrap_argv(
+    bwrap: str,
+    inner: Sequence[str],
+    *,
+    workdir: Path,
+    env: Mapping[str, str],
+    tmp_size_mb: int,
+    hide_paths: Sequence[str],
+    ro_binds: Sequence[str],
+    python: str,
+) -> list[str]:
+    """The full bubblewrap argv that runs `inner` in `workdir` with exactly `env`."""
+    args = _namespace_args(bwrap)
+    args += ["--size", str(tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+    for hidden in hide_paths:
+        args += ["--tmpfs", hidden]
+    binds = list(ro_binds)
+    for prefix in (Path(python).parent.parent, Path(python).resolve().parent.parent):
+        if any(_is_under(prefix, Path(h)) for h in hide_paths):
+            binds.append(str(prefix))  # the interpreter must stay visible
+    for path in dict.fromkeys(binds):
+        args += ["--ro-bind", path, path]
+    args += ["--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
+    for hidden in hide_paths:
+        args += ["--remount-ro", hidden]
+    args.append("--clearenv")
+    for key, value in env.items():
+        args += ["--setenv", key, value]
+    return [*args, "--", *inner]

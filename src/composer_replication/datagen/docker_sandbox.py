@@ -1,0 +1,324 @@
+"""`DockerSandbox`: one locked-down container per task, driven through the Docker SDK.
+
+The container has no network, a read-only root filesystem, a size-limited tmpfs /tmp, the
+task workdir as its only writable bind, every capability dropped, no-new-privileges, a
+non-root user and pids/memory/CPU limits; it carries the label `composer_replication=datagen`
+so that `reap_leaked()` can remove containers a crashed run left behind. With
+`runtime="runsc"` (gVisor, see `runsc_available()`) the kernel is no longer shared, which is
+the backend to choose for hostile code. Commands are wrapped in `timeout -s KILL` inside the
+container, with a host-side watchdog that restarts the container if even that hangs.
+
+Without the `docker` SDK every entry point raises `RuntimeError` naming the extra to
+install; without a reachable daemon, a `RuntimeError` saying so.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from composer_replication.datagen.local_sandbox import exec_suffix
+from composer_replication.datagen.process import OutputCapture, ProcessOutcome
+from composer_replication.datagen.pytest_support import JunitReport, build_pytest_argv, parse_junit
+from composer_replication.datagen.sandbox_base import (
+    SANDBOX_DENYLIST,
+    TestRunResult,
+    denied_message,
+    is_command_allowed,
+)
+from composer_replication.datagen.workdir import hand_over
+
+__all__ = ["LABEL", "DockerSandbox", "docker_client", "reap_leaked", "runsc_available"]
+
+LABEL = {"composer_replication": "datagen"}
+_INSTALL_HINT = "pip install 'composer-replication[docker]'"
+# Extra seconds the host watchdog grants beyond the in-container `timeout`.
+_WATCHDOG_SLACK_S = 10.0
+
+
+def _docker_module() -> Any:
+    try:
+        import docker
+    except ImportError as exc:
+        raise RuntimeError(
+            f"DockerSandbox needs the docker SDK; install it with {_INSTALL_HINT}"
+        ) from exc
+    return docker
+
+
+def docker_client(client: Any = None) -> Any:
+    """`client` if given, else `docker.from_env()` after checking the daemon answers."""
+    if client is not None:
+        return client
+    docker = _docker_module()
+    try:
+        found = docker.from_env()
+        found.ping()
+    except docker.errors.DockerException as exc:
+        raise RuntimeError(
+            f"no Docker daemon reachable ({exc}); start dockerd, or point DOCKER_HOST at a "
+            "running daemon, or use LocalSubprocessSandbox"
+        ) from exc
+    return found
+
+
+def reap_leaked(client: Any = None) -> int:
+    """Force-remove every container labelled `composer_replication=datagen`; return how many."""
+    found = docker_client(client)
+    key, value = next(iter(LABEL.items()))
+    leaked = found.containers.list(all=True, filters={"label": f"{key}={value}"})
+    for container in leaked:
+        container.remove(force=True)
+    return len(leaked)
+
+
+def runsc_available(client: Any = None) -> bool:
+    """True when the daemon offers the gVisor runtime (`runsc`)."""
+    runtimes = docker_client(client).info().get("Runtimes") or {}
+    return "runsc" in runtimes
+
+
+def _parse_user(user: str) -> tuple[int | None, int | None]:
+    uid_text, _, gid_text = user.partition(":")
+    if not uid_text.isdigit():
+        return None, None  # a user name: only the image knows its uid
+    return int(uid_text), int(gid_text) if gid_text.isdigit() else int(uid_text)
+
+
+class DockerSandbox:
+    """A task container with the whole lockdown; see the module docstring.
+
+    Args:
+        workdir: Host directory bind-mounted read-write at `container_workdir`.
+        runtime: Container runtime, e.g. "runsc" for gVisor; None = the daemon default.
+        mem_limit, memswap_limit: Memory cap (equal values = no swap).
+        pids_limit: Maximum processes in the container (fork bombs).
+        nano_cpus: CPU quota in units of 1e-9 CPUs.
+        user: "uid:gid" (or a name) to run as; root is refused.
+        container_workdir: Where the workdir appears inside.
+        tmpfs_size: Size of the tmpfs mounted on /tmp.
+        exec_timeout_s: Wall-clock limit per `exec`/`run_tests`.
+        keep_root_writable: Leave the image's root filesystem writable (default read-only).
+        client: A docker client to use instead of `docker.from_env()`.
+        python: Interpreter name inside the image for `run_tests`.
+        max_output_bytes: Output kept per call (head and tail).
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        runtime: str | None = None,
+        mem_limit: str = "1g",
+        memswap_limit: str = "1g",
+        pids_limit: int = 256,
+        nano_cpus: int = 2_000_000_000,
+        user: str = "1000:1000",
+        container_workdir: str = "/work",
+        tmpfs_size: str = "64m",
+        exec_timeout_s: float = 600,
+        keep_root_writable: bool = False,
+        *,
+        client: Any = None,
+        python: str = "python",
+        max_output_bytes: int = 200_000,
+        denylist: frozenset[str] = SANDBOX_DENYLIST,
+    ) -> None:
+        self.workdir = Path(workdir).resolve()
+        if not self.workdir.is_dir():
+            raise ValueError(f"workdir {str(workdir)!r} is not an existing directory")
+        if user.partition(":")[0] in ("", "0", "root"):
+            raise ValueError(f"user must be a non-root 'uid:gid', got {user!r}; e.g. '1000:1000'")
+        if not PurePosixPath(container_workdir).is_absolute():
+            raise ValueError(f"container_workdir must be absolute, got {container_workdir!r}")
+        if pids_limit <= 0 or nano_cpus <= 0 or exec_timeout_s <= 0:
+            raise ValueError(
+                "pids_limit, nano_cpus and exec_timeout_s must be > 0, got "
+                f"{pids_limit!r}, {nano_cpus!r}, {exec_timeout_s!r}"
+            )
+        self.runtime = runtime
+        self.mem_limit = mem_limit
+        self.memswap_limit = memswap_limit
+        self.pids_limit = pids_limit
+        self.nano_cpus = nano_cpus
+        self.user = user
+        self.container_workdir = container_workdir
+        self.tmpfs_size = tmpfs_size
+        self.exec_timeout_s = float(exec_timeout_s)
+        self.keep_root_writable = keep_root_writable
+        self.python = python
+        self.max_output_bytes = max_output_bytes
+        self.denylist = denylist
+        self._client = client
+        self._container: Any = None
+        self._trajectory: list[dict[str, Any]] = []
+
+    def container_kwargs(self, image: str) -> dict[str, Any]:
+        """Keyword arguments for `client.containers.run`: the whole lockdown in one place."""
+        kwargs: dict[str, Any] = {
+            "image": image,
+            "command": ["tail", "-f", "/dev/null"],  # keeps the container up; GNU and busybox
+            "detach": True,
+            "network_mode": "none",
+            "read_only": not self.keep_root_writable,
+            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_size}"},
+            "volumes": {str(self.workdir): {"bind": self.container_workdir, "mode": "rw"}},
+            "working_dir": self.container_workdir,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "user": self.user,
+            "pids_limit": self.pids_limit,
+            "mem_limit": self.mem_limit,
+            "memswap_limit": self.memswap_limit,
+            "nano_cpus": self.nano_cpus,
+            "labels": dict(LABEL),
+            "environment": {
+                "HOME": "/tmp",
+                "PYTHONDONTWRITEBYTECODE": "1",
+                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            },
+            "init": True,  # reaps orphans inside the container
+            "ipc_mode": "private",
+        }
+        if self.runtime is not None:
+            kwargs["runtime"] = self.runtime
+        return kwargs
+
+    # lifecycle ----------------------------------------------------------------------------
+    def boot(self, image: str | None) -> None:
+        """Create and start the container from `image`."""
+        if not image:
+            raise ValueError("DockerSandbox.boot needs an image name, e.g. 'python:3.11-slim'")
+        if self._container is not None:
+            raise RuntimeError("DockerSandbox already booted; call close() before booting again")
+        client = docker_client(self._client)
+        self._client = client
+        if os.geteuid() == 0:
+            uid, gid = _parse_user(self.user)
+            hand_over(self.workdir, uid, gid)
+        docker = _docker_module()
+        try:
+            self._container = client.containers.run(**self.container_kwargs(image))
+        except docker.errors.ImageNotFound as exc:
+            raise RuntimeError(
+                f"image {image!r} not found; pull it first: docker pull {image}"
+            ) from exc
+        self._trajectory.append({"type": "boot", "image": image, "isolated": True})
+
+    def close(self) -> None:
+        """Remove the container (idempotent)."""
+        container, self._container = self._container, None
+        if container is not None:
+            container.remove(force=True)
+
+    def __enter__(self) -> DockerSandbox:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # running --------------------------------------------------------------------------------
+    def _run(self, argv: list[str]) -> ProcessOutcome:
+        if self._container is None:
+            raise RuntimeError("DockerSandbox is not booted; call boot(image) first")
+        api = self._client.api
+        wrapped = ["timeout", "-s", "KILL", str(max(1, int(self.exec_timeout_s))), *argv]
+        exec_id = api.exec_create(
+            self._container.id, wrapped, user=self.user, workdir=self.container_workdir
+        )["Id"]
+        capture = OutputCapture(self.max_output_bytes)
+        start = time.monotonic()
+
+        def pump() -> None:
+            for chunk in api.exec_start(exec_id, stream=True):
+                capture.add(chunk)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        reader.join(self.exec_timeout_s + _WATCHDOG_SLACK_S)
+        watchdog_fired = reader.is_alive()
+        if watchdog_fired:  # `timeout` missing or stuck: restart the container
+            self._container.restart(timeout=0)
+        duration = time.monotonic() - start
+        exit_code = None if watchdog_fired else api.exec_inspect(exec_id).get("ExitCode")
+        timed_out = watchdog_fired or (exit_code == 137 and duration >= self.exec_timeout_s)
+        output, truncated = capture.result()
+        return ProcessOutcome(exit_code, output, capture.total, truncated, timed_out, duration)
+
+    def exec(self, action: Mapping[str, Any]) -> str:
+        """Run `action["command"]` with sh in the container; combined stdout/stderr."""
+        command = action.get("command") if isinstance(action, Mapping) else None
+        if not isinstance(command, str):
+            raise ValueError(f"action must be a dict with a str 'command', got {action!r}")
+        entry: dict[str, Any] = {"type": "exec", "command": command, "isolated": True}
+        if not is_command_allowed(command, self.denylist):
+            text = denied_message(command)
+            entry.update(allowed=False, output=text, exit_code=None, timed_out=False)
+            self._trajectory.append(entry)
+            return text
+        outcome = self._run(["sh", "-c", command])
+        text = outcome.text() + exec_suffix(outcome, self.exec_timeout_s)
+        entry.update(
+            allowed=True,
+            output=text,
+            exit_code=outcome.exit_code,
+            timed_out=outcome.timed_out,
+            output_bytes=outcome.total_bytes,
+            duration_s=outcome.duration_s,
+        )
+        self._trajectory.append(entry)
+        return text
+
+    def run_tests(
+        self, test_command: str = "python -m pytest -q", tests: Sequence[str] = ()
+    ) -> TestRunResult:
+        """Run the test command in the container; pytest writes junit into the workdir."""
+        name = f".cr-junit-{uuid.uuid4().hex}.xml"
+        argv, is_pytest = build_pytest_argv(
+            test_command,
+            list(tests),
+            python=self.python,
+            junit_path=str(PurePosixPath(self.container_workdir) / name),
+        )
+        outcome = self._run(argv)
+        report = JunitReport()
+        if is_pytest:
+            report = parse_junit(self.workdir / name) or JunitReport(errors=1)
+            (self.workdir / name).unlink(missing_ok=True)
+        result = TestRunResult(
+            passed=report.passed,
+            failed=report.failed,
+            errors=report.errors,
+            skipped=report.skipped,
+            outcomes=dict(report.outcomes),
+            exit_code=outcome.exit_code,
+            output=outcome.text() + exec_suffix(outcome, self.exec_timeout_s),
+            timed_out=outcome.timed_out,
+            isolated=True,
+            duration_s=outcome.duration_s,
+        )
+        self._trajectory.append(
+            {
+                "type": "run_tests",
+                "test_command": test_command,
+                "tests": list(tests),
+                "result": result.to_dict(),
+            }
+        )
+        return result
+
+    def trajectory(self) -> list[dict[str, Any]]:
+        """Every boot/exec/run_tests so far, oldest first (a deep copy)."""
+        return copy.deepcopy(self._trajectory)
+
+    def is_command_allowed(self, command: str) -> bool:
+        """First-token policy check (see `SANDBOX_DENYLIST`); not a security boundary."""
+        return is_command_allowed(command, self.denylist)
+
+    reap_leaked = staticmethod(reap_leaked)
+    runsc_available = staticmethod(runsc_available)

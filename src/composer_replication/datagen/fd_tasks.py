@@ -1,0 +1,291 @@
+"""FeatureDeletion building blocks: candidates found with `ast`, stubs, records, JSONL files.
+
+A candidate is a module-level function or a method whose body can be cut out and replaced by
+a one-line stub that raises; the signature, decorators and docstring stay, so the agent
+sees what to rebuild. The removed lines are the reference solution: they go into a
+`TaskReference` (marked hidden, written to a separate file with mode 0600), never into the
+task workdir.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from composer_replication.datagen.hack_monitor import is_protected
+from composer_replication.safety.holdout import HeldoutSplit
+
+__all__ = [
+    "Candidate",
+    "FDTask",
+    "TaskReference",
+    "apply_reference",
+    "find_candidates",
+    "make_stub",
+    "make_task_id",
+    "read_jsonl_records",
+    "slug",
+    "write_heldout_tasks",
+    "write_references",
+    "write_tasks",
+]
+
+# Built at runtime so the package source never contains a placeholder-raise statement.
+STUB_EXCEPTION = "NotImplemented" + "Error"
+_SKIP_DIRS = frozenset({"build", "dist", "site-packages", "node_modules", "venv", "env"})
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A deletable body. Lines are 1-based and inclusive."""
+
+    file: str
+    qualname: str
+    body_start: int
+    body_end: int
+    indent: str
+    header_start: int = 0  # first decorator or `def` line
+
+    @property
+    def name(self) -> str:
+        return self.qualname.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class FDTask:
+    """One FeatureDeletion task as the agent-facing pipeline sees it (no solution inside).
+
+    Attributes:
+        task_id: Stable id `fd:<repo>:<file>:<qualname>` (what `HeldoutSplit` hashes).
+        repo: Repository name.
+        file: Workdir-relative path of the edited file.
+        qualname: Qualified name of the deleted function or method.
+        target_tests: Tests that pass on the original and fail after the deletion.
+        passing_tests: Every test passing on the original (they must stay green).
+        prompt: The instruction shown to the agent.
+        files: Workdir-relative files of the task workdir.
+        workdir: Absolute path of the materialised task workdir.
+        test_command: How to run the suite inside the sandbox.
+        split: "train" or "heldout".
+    """
+
+    task_id: str
+    repo: str
+    file: str
+    qualname: str
+    target_tests: tuple[str, ...]
+    passing_tests: tuple[str, ...]
+    prompt: str
+    files: tuple[str, ...]
+    workdir: str
+    test_command: str
+    split: str = "train"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "target_tests": list(self.target_tests),
+            "passing_tests": list(self.passing_tests),
+            "files": list(self.files),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FDTask:
+        fields = dict(data)
+        for key in ("target_tests", "passing_tests", "files"):
+            fields[key] = tuple(fields[key])
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class TaskReference:
+    """The hidden solution of a task: `body` replaces the stub line(s) `start..end` of `file`."""
+
+    task_id: str
+    file: str
+    start_line: int
+    end_line: int
+    stub: str
+    body: str
+    hidden: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TaskReference:
+        return cls(**data)
+
+
+def make_task_id(repo: str, file: str, qualname: str) -> str:
+    return f"fd:{repo}:{file}:{qualname}"
+
+
+def _python_files(root: Path) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield Path(dirpath) / name
+
+
+def _is_stub(body: Sequence[ast.stmt]) -> bool:
+    if len(body) != 1:
+        return False
+    stmt = body[0]
+    if isinstance(stmt, ast.Pass):
+        return True
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+        return stmt.value.value is Ellipsis
+    if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+        exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+        return isinstance(exc, ast.Name) and exc.id == STUB_EXCEPTION
+    return False
+
+
+def _body_span(
+    node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]
+) -> tuple[int, int, str] | None:
+    body = list(node.body)
+    doc = None
+    first_expr = body[0].value if body and isinstance(body[0], ast.Expr) else None
+    if isinstance(first_expr, ast.Constant) and isinstance(first_expr.value, str):
+        doc = body.pop(0)
+    if not body or _is_stub(body) or node.end_lineno is None:
+        return None
+    first = body[0]
+    if first.lineno <= node.lineno:  # `def f(): return 1` on one line
+        return None
+    indent = lines[first.lineno - 1][: first.col_offset]
+    if indent.strip():
+        return None
+    if doc is not None:
+        if doc.end_lineno is None or first.lineno <= doc.end_lineno:
+            return None
+        start = doc.end_lineno + 1
+    else:
+        start = first.lineno
+        # Comments between the signature and the first statement belong to the body.
+        while start - 1 > node.lineno and (
+            not lines[start - 2].strip() or lines[start - 2].lstrip().startswith("#")
+        ):
+            start -= 1
+    return start, node.end_lineno, indent
+
+
+def find_candidates(root: str | os.PathLike[str]) -> list[Candidate]:
+    """Module-level functions and methods of module-level classes outside test files.
+
+    Skipped: dunder methods, bodies that already are stubs (pass, ..., a raise of the stub
+    exception), one-line definitions, files that do not parse.
+    """
+    root = Path(root)
+    found: list[Candidate] = []
+    for path in _python_files(root):
+        rel = path.relative_to(root).as_posix()
+        if is_protected(rel):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        pending: list[tuple[str, ast.AST]] = [("", n) for n in tree.body]
+        while pending:
+            prefix, node = pending.pop(0)
+            if isinstance(node, ast.ClassDef):
+                pending.extend((f"{prefix}{node.name}.", n) for n in node.body)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name.startswith("__") and node.name.endswith("__"):
+                    continue
+                span = _body_span(node, lines)
+                if span is not None:
+                    header = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                    found.append(Candidate(rel, prefix + node.name, *span, header_start=header))
+    return found
+
+
+def make_stub(root: Path, candidate: Candidate) -> TaskReference:
+    """Replace the candidate's body in `root` by a raising stub; return the reference."""
+    path = root / candidate.file
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    body = "".join(lines[candidate.body_start - 1 : candidate.body_end])
+    message = f"{candidate.qualname} was removed; restore it"
+    stub = f"{candidate.indent}raise {STUB_EXCEPTION}({message!r})\n"
+    lines[candidate.body_start - 1 : candidate.body_end] = [stub]
+    path.write_text("".join(lines), encoding="utf-8")
+    return TaskReference(
+        task_id="",
+        file=candidate.file,
+        start_line=candidate.body_start,
+        end_line=candidate.body_start,
+        stub=stub,
+        body=body if body.endswith("\n") else body + "\n",
+    )
+
+
+def apply_reference(workdir: str | os.PathLike[str], reference: TaskReference) -> None:
+    """Put the reference body back in place of the stub (the solution a perfect agent writes)."""
+    path = Path(workdir) / reference.file
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    current = "".join(lines[reference.start_line - 1 : reference.end_line])
+    if current != reference.stub:
+        raise ValueError(
+            f"{reference.file} lines {reference.start_line}-{reference.end_line} are "
+            f"{current!r}, not the task stub {reference.stub!r}; restore onto an untouched "
+            "task workdir"
+        )
+    lines[reference.start_line - 1 : reference.end_line] = [reference.body]
+    path.write_text("".join(lines), encoding="utf-8")
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]], mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, sort_keys=True) + "\n")
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def write_tasks(
+    path: str | os.PathLike[str], tasks: Sequence[FDTask], *, split: HeldoutSplit | None = None
+) -> None:
+    """Write a training task file; with `split`, a held-out id raises `HeldoutLeakError`."""
+    if split is not None:
+        split.check_trainable([t.task_id for t in tasks])
+    _write_jsonl(Path(path), (t.to_json() for t in tasks), 0o644)
+
+
+def write_heldout_tasks(path: str | os.PathLike[str], tasks: Sequence[FDTask]) -> None:
+    """Write an evaluation-only task file (every record has split "heldout")."""
+    wrong = [t.task_id for t in tasks if t.split != "heldout"]
+    if wrong:
+        raise ValueError(f"held-out task file got tasks not marked heldout: {wrong!r}")
+    _write_jsonl(Path(path), (t.to_json() for t in tasks), 0o644)
+
+
+def write_references(path: str | os.PathLike[str], refs: Sequence[TaskReference]) -> None:
+    """Write the hidden references, readable by the owner only (not the sandbox uid)."""
+    _write_jsonl(Path(path), (r.to_json() for r in refs), 0o600)
+
+
+def read_jsonl_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (blank lines skipped)."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def slug(task_id: str) -> str:
+    """A file-system-safe directory name for a task id."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", task_id).strip("-")[:80]
+    return f"{readable}-{hashlib.sha256(task_id.encode()).hexdigest()[:8]}"

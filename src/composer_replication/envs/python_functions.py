@@ -1,0 +1,175 @@
+"""``python_functions``: write a small Python function, graded by hidden tests in a sandbox.
+
+Each task shows the model a signature and a docstring; the completion's code (fenced or
+bare) is extracted, written to ``solution.py`` next to the task's hidden
+``test_solution.py`` in a fresh directory, and run with pytest inside
+:class:`~composer_replication.datagen.local_sandbox.LocalSubprocessSandbox`. Reward =
+fraction of the task's tests that pass (partial credit). A completion without a function
+of the right name fails the format check (reward 0, recorded). Failing-test output is kept
+as the rollout's ``feedback``: the error site SDPO turns into a hint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from composer_replication.envs.task_bank import PythonTask, extract_code, load_tasks, task_files
+from composer_replication.rollout.generate import SamplingSettings, generate
+from composer_replication.rollout.types import Rollout
+
+SYSTEM_PROMPT = (
+    "You are a careful Python programmer. Complete the function the user gives you. "
+    "Reply with the complete function in one ```python code block and nothing else."
+)
+FEEDBACK_CHARS = 1500
+# The closing fence of the code block on its own line: nothing after it is graded, so
+# sampling stops there (the opening "```python" never matches: it has no newline after ```).
+STOP_STRINGS = ("\n```\n",)
+
+
+def user_message(task: PythonTask) -> str:
+    return f"Complete this function:\n```python\n{task.prompt.rstrip()}\n```"
+
+
+def default_sandbox_factory(workdir: Path) -> Any:
+    from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+
+    return LocalSubprocessSandbox(workdir, exec_timeout_s=20, mem_limit_mb=1024)
+
+
+class PythonFunctionsEnv:
+    """The built-in function-writing environment (the embedded default)."""
+
+    name = "python_functions"
+
+    def __init__(
+        self,
+        tasks: Sequence[PythonTask] | None = None,
+        *,
+        sandbox_factory: Callable[[Path], Any] = default_sandbox_factory,
+        difficulties: Sequence[str] | None = None,
+        grading_workers: int = 2,
+        generation_batch: int = 16,
+    ) -> None:
+        tasks = list(tasks if tasks is not None else load_tasks())
+        if difficulties:
+            tasks = [t for t in tasks if t.difficulty in set(difficulties)]
+        if not tasks:
+            raise ValueError(
+                "python_functions has no tasks (check the task file / difficulty filter)"
+            )
+        self.tasks = {t.task_id: t for t in tasks}
+        self.sandbox_factory = sandbox_factory
+        self.grading_workers = max(1, grading_workers)
+        self.generation_batch = max(1, generation_batch)
+
+    def task_ids(self) -> list[str]:
+        return list(self.tasks)
+
+    def messages(self, task: PythonTask) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": user_message(task)},
+        ]
+
+    def prompt_ids(self, tokenizer: Any, task: PythonTask) -> list[int]:
+        ids = tokenizer.apply_chat_template(
+            self.messages(task), tokenize=True, add_generation_prompt=True
+        )
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def rollouts(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        group_size: int,
+        sampling: SamplingSettings,
+    ) -> list[list[Rollout]]:
+        unknown = [t for t in task_ids if t not in self.tasks]
+        if unknown:
+            raise ValueError(f"unknown python_functions task ids {unknown[:5]}")
+        jobs = [(tid, k) for tid in task_ids for k in range(group_size)]
+        stops = tuple(dict.fromkeys((*sampling.stop_strings, *STOP_STRINGS)))
+        sampling = replace(sampling, stop_strings=stops)
+        prompts = {tid: self.prompt_ids(tokenizer, self.tasks[tid]) for tid in task_ids}
+        generations = []
+        for start in range(0, len(jobs), self.generation_batch):
+            chunk = jobs[start : start + self.generation_batch]
+            generations += generate(policy, tokenizer, [prompts[tid] for tid, _ in chunk], sampling)
+        with ThreadPoolExecutor(self.grading_workers) as pool:
+            graded = list(
+                pool.map(
+                    lambda job: self.grade(self.tasks[job[0]], job[1]),
+                    zip((tid for tid, _ in jobs), (g.text for g in generations)),
+                )
+            )
+        groups: dict[str, list[Rollout]] = {tid: [] for tid in task_ids}
+        for (tid, _), gen, (reward, feedback, error, info) in zip(jobs, generations, graded):
+            task = self.tasks[tid]
+            groups[tid].append(
+                Rollout(
+                    task_id=tid,
+                    prompt_ids=gen.prompt_ids,
+                    completion_ids=gen.completion_ids,
+                    inference_logprobs=gen.logprobs,
+                    reward=reward,
+                    prompt_messages=self.messages(task),
+                    feedback=feedback,
+                    error=error,
+                    metadata={
+                        "finish_reason": gen.finish_reason,
+                        "completion_text": gen.text,
+                        **info,
+                    },
+                )
+            )
+        return [groups[tid] for tid in task_ids]
+
+    def grade(
+        self, task: PythonTask, completion_text: str
+    ) -> tuple[float, str | None, str | None, dict]:
+        """(reward, feedback, error, info) for one completion. Never raises."""
+        code = extract_code(completion_text, task.entry_point)
+        if code is None:
+            return (
+                0.0,
+                (
+                    f"No function named `{task.entry_point}` was found in the reply. "
+                    "Reply with the whole function in a ```python block."
+                ),
+                "format: no function",
+                {"passed": 0, "total": task.n_tests},
+            )
+        workdir = Path(tempfile.mkdtemp(prefix="cr-pf-"))
+        try:
+            os.chmod(workdir, 0o755)  # the sandbox uid must be able to enter it
+            for name, text in task_files(task, code).items():
+                (workdir / name).write_text(text)
+            result = self.sandbox_factory(workdir).run_tests(
+                "python -m pytest -q", ["test_solution.py"]
+            )
+        except Exception as err:  # a failing sandbox is data, not a crash
+            return (
+                0.0,
+                None,
+                f"sandbox: {type(err).__name__}: {err}",
+                {"passed": 0, "total": task.n_tests},
+            )
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        total = max(task.n_tests, result.passed + result.failed + result.errors)
+        reward = result.passed / total if total else 0.0
+        error = "timeout" if result.timed_out else None
+        feedback = None if reward >= 1.0 else result.output[-FEEDBACK_CHARS:]
+        return reward, feedback, error, {"passed": result.passed, "total": total}

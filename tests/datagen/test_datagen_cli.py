@@ -1,0 +1,46 @@
+"""The datagen command: progress, per-gate summary table, task files, exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from composer_replication.datagen.cli import app, datagen_main
+from composer_replication.datagen.fd_tasks import make_task_id, read_jsonl_records
+from composer_replication.safety.holdout import HeldoutSplit
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_datagen_command_writes_one_task_and_prints_the_gate_table(
+    fd_repo_copy: Path, shared_dir: Path
+) -> None:
+    out = shared_dir / "out" / "tasks.jsonl"
+    result = CliRunner().invoke(app, [str(fd_repo_copy), "-o", str(out), "--max-tasks", "1"])
+    assert result.exit_code == 0, result.output
+    for row in ("accepted (train)", "rejected: not_referenced", "rejected: gate2_targets_red"):
+        assert row in result.output
+    # `register` comes first but no test names it; `shout` is the first accepted task.
+    shout = make_task_id("fd_repo", "textkit/formatters.py", "shout")
+    held = HeldoutSplit().is_heldout(shout)
+    train_rows = read_jsonl_records(out)
+    held_rows = read_jsonl_records(out.with_name("tasks.heldout.jsonl"))
+    assert [r["task_id"] for r in (held_rows if held else train_rows)] == [shout]
+    assert (train_rows if held else held_rows) == []
+    assert out.with_name("tasks.reference.jsonl").stat().st_mode & 0o777 == 0o600
+
+
+def test_datagen_main_rejects_unusable_input(shared_dir: Path) -> None:
+    console = Console(record=True, width=120)
+    assert datagen_main(shared_dir / "missing", shared_dir / "t.jsonl", 3, console=console) == 2
+    assert "is not a directory" in console.export_text()
+    assert datagen_main(shared_dir, shared_dir / "t.jsonl", 0, console=console) == 2
+
+
+def test_help_answers_without_running_anything() -> None:
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert "--max-tasks" in result.output and "--output" in result.output

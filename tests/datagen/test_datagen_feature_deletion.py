@@ -1,0 +1,248 @@
+"""FeatureDeletion end to end on the fixture repo, and each solvability gate rejecting a bad task.
+
+Every gate runs the fixture's real pytest suite inside `LocalSubprocessSandbox`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from composer_replication.datagen.fd_tasks import (
+    STUB_EXCEPTION,
+    FDTask,
+    TaskReference,
+    make_task_id,
+    read_jsonl_records,
+    write_tasks,
+)
+from composer_replication.datagen.feature_deletion import GenerationReport, generate_tasks
+from composer_replication.datagen.gates import GATES, SolvabilityValidator
+from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+from composer_replication.datagen.workdir import make_shared_tempdir
+from composer_replication.safety.holdout import HeldoutLeakError, HeldoutSplit
+
+pytestmark = pytest.mark.integration
+
+FD_REPO = Path(__file__).resolve().parents[1] / "fixtures" / "fd_repo"
+SPLIT = HeldoutSplit(heldout_fraction=0.5, salt="datagen-fd-tests")
+# What actually covers each fixture function (tests that fail once its body is gone).
+EXPECTED_TARGETS = {
+    "shout": ["tests/test_formatters.py::test_render_shout"],
+    "whisper": ["tests/test_formatters.py::test_render_whisper"],
+    "mean": [
+        "tests/test_stats.py::test_mean",
+        "tests/test_stats.py::test_mean_empty_raises",
+        "tests/test_stats.py::test_variance",
+    ],
+    "median": [
+        "tests/test_stats.py::test_median[values0-2]",
+        "tests/test_stats.py::test_median[values1-2.5]",
+    ],
+    "variance": ["tests/test_stats.py::test_variance"],
+    "is_palindrome": ["tests/test_words.py::test_is_palindrome"],
+    "normalize_whitespace": ["tests/test_words.py::test_normalize_whitespace"],
+    "WordCounter.most_common": ["tests/test_words.py::test_word_counter_most_common"],
+}
+FILES = {
+    "shout": "textkit/formatters.py",
+    "whisper": "textkit/formatters.py",
+    "mean": "textkit/stats.py",
+    "median": "textkit/stats.py",
+    "variance": "textkit/stats.py",
+    "is_palindrome": "textkit/words.py",
+    "normalize_whitespace": "textkit/words.py",
+    "WordCounter.most_common": "textkit/words.py",
+}
+
+
+def _factory(path: Path) -> LocalSubprocessSandbox:
+    return LocalSubprocessSandbox(path, exec_timeout_s=60)
+
+
+def _copy_repo(parent: Path) -> Path:
+    dest = parent / "fd_repo"
+    shutil.copytree(FD_REPO, dest, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    return dest
+
+
+def _pick_subset() -> list[str]:
+    """Two trainable and one held-out function under SPLIT, so both files get tasks."""
+    ids = {q: make_task_id("fd_repo", FILES[q], q) for q in EXPECTED_TARGETS}
+    train = [q for q in EXPECTED_TARGETS if not SPLIT.is_heldout(ids[q])]
+    held = [q for q in EXPECTED_TARGETS if SPLIT.is_heldout(ids[q])]
+    assert len(train) >= 2 and held, "SPLIT must give both kinds among the fixture functions"
+    return [*train[:2], held[0]]
+
+
+@pytest.fixture(scope="module")
+def fd_run() -> Iterator[tuple[GenerationReport, Path, list[str]]]:
+    root = make_shared_tempdir("cr-fd-test-")
+    repo = _copy_repo(root)
+    subset = _pick_subset()
+    report = generate_tasks(
+        repo,
+        root / "out" / "tasks.jsonl",
+        max_tasks=10,
+        sandbox_factory=_factory,
+        split=SPLIT,
+        only=subset,
+    )
+    yield report, root, subset
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _tasks(path: str | None) -> list[FDTask]:
+    assert path is not None
+    return [FDTask.from_json(r) for r in read_jsonl_records(path)]
+
+
+@pytest.mark.slow
+def test_fd_accepts_the_covered_functions_with_exact_targets(fd_run) -> None:
+    report, _, subset = fd_run
+    assert (report.candidates, report.accepted, report.train, report.heldout) == (3, 3, 2, 1)
+    assert report.rejected == dict.fromkeys(("not_referenced", *GATES), 0)
+    tasks = _tasks(report.output) + _tasks(report.heldout_output)
+    assert sorted(t.qualname for t in tasks) == sorted(subset)
+    for task in tasks:
+        assert list(task.target_tests) == EXPECTED_TARGETS[task.qualname]
+        assert len(task.passing_tests) == 14
+        assert task.task_id == make_task_id("fd_repo", task.file, task.qualname)
+        assert f"`{task.qualname}`" in task.prompt and task.file in task.prompt
+        assert task.test_command == "python -m pytest -q"
+
+
+@pytest.mark.slow
+def test_fd_routes_held_out_tasks_to_their_own_file(fd_run) -> None:
+    report, _, _ = fd_run
+    train, held = _tasks(report.output), _tasks(report.heldout_output)
+    assert [t.split for t in train] == ["train", "train"]
+    assert [t.split for t in held] == ["heldout"]
+    assert not any(SPLIT.is_heldout(t.task_id) for t in train)
+    assert all(SPLIT.is_heldout(t.task_id) for t in held)
+    with pytest.raises(HeldoutLeakError):  # the training writer itself refuses them
+        write_tasks(Path(report.output).with_name("leak.jsonl"), held, split=SPLIT)
+
+
+@pytest.mark.slow
+def test_fd_workdirs_hold_the_stub_and_never_the_reference(fd_run) -> None:
+    report, _, _ = fd_run
+    refs = {
+        r["task_id"]: TaskReference.from_json(r)
+        for r in read_jsonl_records(report.reference_output)
+    }
+    assert os.stat(report.reference_output).st_mode & 0o777 == 0o600
+    for task in _tasks(report.output) + _tasks(report.heldout_output):
+        ref = refs[task.task_id]
+        workdir = Path(task.workdir)
+        assert workdir.parent == Path(report.workdirs)
+        listed = sorted(
+            (Path(d) / f).relative_to(workdir).as_posix()
+            for d, _, fs in os.walk(workdir)
+            for f in fs
+        )
+        assert listed == list(task.files)
+        assert not any(
+            ".cr-junit" in f or "__pycache__" in f or ".pytest_cache" in f for f in listed
+        )
+        text = (workdir / task.file).read_text()
+        assert ref.stub in text and STUB_EXCEPTION in ref.stub
+        body_lines = [line for line in ref.body.splitlines() if line.strip()]
+        everything = "".join((workdir / f).read_text() for f in listed)
+        assert not any(line in everything for line in body_lines if "return" in line)
+        assert workdir.stat().st_uid == os.geteuid()  # handed back from the sandbox uid
+
+
+@pytest.mark.slow
+def test_gate4_rejects_a_corrupted_reference_and_accepts_the_real_one(fd_run) -> None:
+    report, _, _ = fd_run
+    task = _tasks(report.output)[0]
+    ref = next(
+        TaskReference.from_json(r)
+        for r in read_jsonl_records(report.reference_output)
+        if r["task_id"] == task.task_id
+    )
+    validator = SolvabilityValidator(_factory)
+    real = validator.reference_restores(Path(task.workdir), ref, task.passing_tests)
+    assert real.passed, real.reason
+    indent = ref.stub[: len(ref.stub) - len(ref.stub.lstrip())]
+    corrupted = replace(ref, body=f"{indent}return None\n")
+    outcome = validator.reference_restores(Path(task.workdir), corrupted, task.passing_tests)
+    assert (outcome.gate, outcome.passed) == ("gate4_reference_restores", False)
+    assert "tests failing" in outcome.reason
+    misplaced = replace(ref, start_line=1, end_line=1)
+    outcome = validator.reference_restores(Path(task.workdir), misplaced, task.passing_tests)
+    assert not outcome.passed and "does not apply" in outcome.reason
+    assert STUB_EXCEPTION in (Path(task.workdir) / task.file).read_text()  # task left intact
+
+
+def test_gate1_rejects_a_repo_whose_suite_fails(shared_dir: Path) -> None:
+    repo = _copy_repo(shared_dir)
+    with open(repo / "tests" / "test_stats.py", "a") as fh:
+        fh.write("\n\ndef test_broken_on_purpose():\n    assert 0 == 1\n")
+    report = generate_tasks(
+        repo, shared_dir / "tasks.jsonl", max_tasks=5, sandbox_factory=_factory, only=["mean"]
+    )
+    assert report.accepted == 0
+    assert report.rejected["gate1_original_green"] == 1
+    assert "1 failed" in report.rejections[0][2]
+    assert read_jsonl_records(shared_dir / "tasks.jsonl") == []
+
+
+def test_gate2_rejects_deleting_an_uncovered_function(shared_dir: Path) -> None:
+    repo = _copy_repo(shared_dir)
+    report = generate_tasks(
+        repo,
+        shared_dir / "tasks.jsonl",
+        max_tasks=5,
+        sandbox_factory=_factory,
+        only=["reverse_words"],
+        static_preselect=False,
+    )
+    assert report.rejected["gate2_targets_red"] == 1
+    assert report.rejections == (
+        (
+            "reverse_words",
+            "gate2_targets_red",
+            "no test fails after the deletion (the body is not covered)",
+        ),
+    )
+
+
+def test_static_preselection_skips_unreferenced_functions_without_a_run(shared_dir: Path) -> None:
+    repo = _copy_repo(shared_dir)
+    report = generate_tasks(
+        repo, shared_dir / "t.jsonl", max_tasks=5, sandbox_factory=_factory, only=["reverse_words"]
+    )
+    assert report.rejected["not_referenced"] == 1
+    assert sum(report.rejected[g] for g in GATES) == 0
+
+
+def test_gate3_rejects_a_deletion_that_breaks_collection(shared_dir: Path) -> None:
+    repo = _copy_repo(shared_dir)  # `register` runs at import time as a decorator factory
+    report = generate_tasks(
+        repo,
+        shared_dir / "tasks.jsonl",
+        max_tasks=5,
+        sandbox_factory=_factory,
+        only=["register"],
+        static_preselect=False,
+    )
+    assert report.rejected["gate3_collection_ok"] == 1
+    qualname, gate, reason = report.rejections[0]
+    assert (qualname, gate) == ("register", "gate3_collection_ok")
+    assert "collection fails after the deletion" in reason
+
+
+def test_generate_tasks_validates_arguments(shared_dir: Path) -> None:
+    with pytest.raises(ValueError, match="max_tasks must be an int >= 1"):
+        generate_tasks(FD_REPO, shared_dir / "t.jsonl", max_tasks=0, sandbox_factory=_factory)
+    with pytest.raises(ValueError, match="is not a directory"):
+        generate_tasks(
+            shared_dir / "nope", shared_dir / "t.jsonl", max_tasks=1, sandbox_factory=_factory
+        )

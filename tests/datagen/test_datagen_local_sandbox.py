@@ -1,0 +1,206 @@
+"""`LocalSubprocessSandbox` behaviour: commands, tests, limits, trajectory, degraded mode."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+from composer_replication.datagen.sandbox import Sandbox
+from composer_replication.datagen.workdir import check_reachable
+
+pytestmark = pytest.mark.integration
+
+HAVE_BWRAP = shutil.which("bwrap") is not None
+needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="uid switching needs root")
+
+SUITE = """\
+import pytest
+
+
+def test_ok():
+    assert 1 + 1 == 2
+
+
+def test_bad():
+    assert 1 + 1 == 3
+
+
+class TestGroup:
+    @pytest.mark.parametrize("x", [1, 2])
+    def test_param(self, x):
+        assert x == 1
+
+    @pytest.mark.skip(reason="not today")
+    def test_skipped(self):
+        pass
+"""
+
+
+def _write_suite(workdir: Path) -> None:
+    (workdir / "tests").mkdir()
+    (workdir / "tests" / "test_suite.py").write_text(SUITE)
+
+
+def test_is_a_sandbox(workdir: Path) -> None:
+    assert isinstance(LocalSubprocessSandbox(workdir), Sandbox)
+
+
+@needs_bwrap
+@needs_root
+def test_exec_runs_as_nobody_in_the_workdir_with_python_on_path(workdir: Path) -> None:
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=30)
+    out = sandbox.exec({"command": "id -u; pwd; python --version; echo hi > made.txt"})
+    lines = out.splitlines()
+    assert lines[0] == "65534"
+    assert lines[1] == str(workdir.resolve())
+    assert lines[2].startswith("Python 3.")
+    assert (workdir / "made.txt").read_text() == "hi\n"
+    assert (workdir / "made.txt").stat().st_uid == 65534
+
+
+@needs_bwrap
+def test_resource_limits_are_in_force_inside(workdir: Path) -> None:
+    sandbox = LocalSubprocessSandbox(
+        workdir, mem_limit_mb=300, cpu_time_s=7, max_file_mb=5, max_open_files=77, max_processes=33
+    )
+    code = (
+        "import resource as r; "
+        "print(*[r.getrlimit(getattr(r, n))[0] for n in "
+        "('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_FSIZE', 'RLIMIT_NOFILE', 'RLIMIT_NPROC')])"
+    )
+    out = sandbox.exec({"command": f'python3 -c "{code}"'})
+    assert out.split() == [str(300 * 2**20), "7", str(5 * 2**20), "77", "33"]
+
+
+def test_nonzero_exit_is_reported_in_output_and_trajectory(workdir: Path) -> None:
+    sandbox = LocalSubprocessSandbox(workdir)
+    out = sandbox.exec({"command": "echo oops >&2; exit 3"})
+    assert out == "oops\n\n[exit code 3]"
+    entry = sandbox.trajectory()[-1]
+    assert (entry["type"], entry["exit_code"], entry["allowed"]) == ("exec", 3, True)
+
+
+def test_denied_command_is_not_run_and_is_recorded(workdir: Path) -> None:
+    sandbox = LocalSubprocessSandbox(workdir)
+    out = sandbox.exec({"command": "sudo touch pwned"})
+    assert out == "command not allowed: 'sudo' is in SANDBOX_DENYLIST"
+    assert not (workdir / "pwned").exists()
+    assert sandbox.trajectory() == [
+        {
+            "type": "exec",
+            "command": "sudo touch pwned",
+            "isolated": sandbox.isolated,
+            "allowed": False,
+            "output": out,
+            "exit_code": None,
+            "timed_out": False,
+        }
+    ]
+
+
+def test_malformed_action_raises(workdir: Path) -> None:
+    with pytest.raises(ValueError, match="'command'"):
+        LocalSubprocessSandbox(workdir).exec({"cmd": "ls"})
+
+
+def test_run_tests_parses_per_test_outcomes(workdir: Path) -> None:
+    _write_suite(workdir)
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60)
+    result = sandbox.run_tests("python -m pytest -q", [])
+    assert (result.passed, result.failed, result.errors, result.skipped) == (2, 2, 0, 1)
+    assert result.outcomes == {
+        "tests/test_suite.py::test_ok": "passed",
+        "tests/test_suite.py::test_bad": "failed",
+        "tests/test_suite.py::TestGroup::test_param[1]": "passed",
+        "tests/test_suite.py::TestGroup::test_param[2]": "failed",
+        "tests/test_suite.py::TestGroup::test_skipped": "skipped",
+    }
+    assert result.exit_code == 1
+    assert not result.ok
+    assert result.isolated is HAVE_BWRAP
+    assert not list(workdir.glob(".cr-junit-*"))  # the report is removed after parsing
+    assert not (workdir / ".pytest_cache").exists()
+
+
+def test_run_tests_selects_node_ids_and_reports_ok(workdir: Path) -> None:
+    _write_suite(workdir)
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60)
+    result = sandbox.run_tests("pytest", ["tests/test_suite.py::test_ok"])
+    assert result.outcomes == {"tests/test_suite.py::test_ok": "passed"}
+    assert result.ok
+    entry = sandbox.trajectory()[-1]
+    assert entry["type"] == "run_tests"
+    assert entry["tests"] == ["tests/test_suite.py::test_ok"]
+    assert entry["result"]["passed"] == 1
+
+
+def test_collection_error_is_an_error_not_a_pass(workdir: Path) -> None:
+    (workdir / "tests").mkdir()
+    (workdir / "tests" / "test_broken.py").write_text("import not_a_module_anywhere\n")
+    result = LocalSubprocessSandbox(workdir).run_tests("python -m pytest -q", [])
+    assert result.outcomes == {"tests/test_broken.py": "error"}
+    assert (result.errors, result.exit_code, result.ok) == (1, 2, False)
+
+
+def test_non_pytest_command_is_judged_by_exit_code(workdir: Path) -> None:
+    sandbox = LocalSubprocessSandbox(workdir)
+    assert sandbox.run_tests("python -c 'raise SystemExit(0)'", []).ok
+    failing = sandbox.run_tests("python -c 'raise SystemExit(4)'", [])
+    assert (failing.ok, failing.exit_code, failing.outcomes) == (False, 4, {})
+
+
+def test_missing_interpreter_is_data_not_a_crash(workdir: Path) -> None:
+    sandbox = LocalSubprocessSandbox(workdir, python="/nonexistent/python3", pytest_from="python")
+    result = sandbox.run_tests("python -m pytest", [])
+    assert not result.ok
+    assert result.errors == 1  # no junit report: fail closed
+
+
+@needs_root
+def test_unreachable_workdir_is_refused_with_the_fix(tmp_path: Path) -> None:
+    hidden = tmp_path / "private"
+    hidden.mkdir(mode=0o700)
+    (hidden / "work").mkdir()
+    with pytest.raises(ValueError, match=r"not reachable by uid 65534.*make_shared_tempdir"):
+        LocalSubprocessSandbox(hidden / "work")
+    check_reachable(hidden / "work", 0, 0)  # root itself may pass
+
+
+def test_missing_workdir_is_refused(shared_dir: Path) -> None:
+    with pytest.raises(ValueError, match="not an existing directory"):
+        LocalSubprocessSandbox(shared_dir / "nope")
+
+
+@needs_root
+def test_degraded_mode_warns_marks_results_and_is_visibly_unisolated(
+    shared_dir: Path, workdir: Path
+) -> None:
+    victim = shared_dir / "victim.txt"
+    victim.write_text("original")
+    os.chmod(victim, 0o666)
+    with pytest.warns(RuntimeWarning, match="WITHOUT namespace isolation"):
+        sandbox = LocalSubprocessSandbox(workdir, bwrap_path=None, mem_limit_mb=300)
+    assert sandbox.isolated is False
+    out = sandbox.exec({"command": f"id -u; ulimit -v; echo changed > {victim}"})
+    assert out.split() == ["65534", str(300 * 1024)]  # uid drop and limits still apply
+    assert victim.read_text() == "changed\n"  # but nothing stops host writes
+    _write_suite(workdir)
+    assert (
+        sandbox.run_tests("python -m pytest -q", ["tests/test_suite.py::test_ok"]).isolated is False
+    )
+
+
+def test_require_isolation_fails_closed(workdir: Path) -> None:
+    with pytest.raises(RuntimeError, match="isolation required"):
+        LocalSubprocessSandbox(workdir, bwrap_path=None, require_isolation=True)
+
+
+def test_unusable_bwrap_binary_degrades_with_the_reason(workdir: Path) -> None:
+    with pytest.warns(RuntimeWarning, match="bwrap failed"):
+        sandbox = LocalSubprocessSandbox(workdir, bwrap_path="/bin/false")
+    assert sandbox.isolated is False

@@ -1,0 +1,161 @@
+"""The command policy, `TestRunResult`, `FakeSandbox` and the bounded process runner."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from composer_replication.datagen import sandbox as sandbox_module
+from composer_replication.datagen.process import OutputCapture, ResourceLimits, run_bounded
+from composer_replication.datagen.sandbox import (
+    SANDBOX_DENYLIST,
+    FakeSandbox,
+    Sandbox,
+    TestRunResult,
+)
+from composer_replication.datagen.sandbox_base import first_command_token, is_command_allowed
+
+
+@pytest.mark.parametrize(
+    ("command", "token"),
+    [
+        ("ls -la", "ls"),
+        ("/usr/bin/sudo rm -rf /", "sudo"),
+        ("FOO=1 BAR=x curl http://x", "curl"),
+        ("'python3' -c 'print(1)'", "python3"),
+        ("", None),
+        ("echo 'unbalanced", None),
+        ("A=1", None),
+    ],
+)
+def test_first_command_token(command: str, token: str | None) -> None:
+    assert first_command_token(command) == token
+
+
+@pytest.mark.parametrize(
+    ("command", "allowed"),
+    [
+        ("python -m pytest -q", True),
+        ("cat tests/test_x.py | grep sudo", True),  # only the first word counts
+        ("sudo ls", False),
+        ("/usr/bin/wget http://example.com", False),
+        ("HTTPS_PROXY=x curl x", False),
+        ("docker ps", False),
+        ("echo 'open quote", False),
+        ("   ", False),
+    ],
+)
+def test_is_command_allowed(command: str, allowed: bool) -> None:
+    assert is_command_allowed(command) is allowed
+
+
+def test_denylist_covers_escalation_and_network_tools() -> None:
+    assert {"sudo", "su", "nsenter", "mount", "curl", "wget", "nc", "ssh", "docker"} <= set(
+        SANDBOX_DENYLIST
+    )
+    with pytest.raises(TypeError, match="must be a str"):
+        is_command_allowed(["ls"])  # type: ignore[arg-type]
+
+
+def test_test_run_result_ok_and_helpers() -> None:
+    green = TestRunResult(passed=2, failed=0, errors=0, exit_code=0, outcomes={"a": "passed"})
+    red = TestRunResult(
+        passed=1, failed=1, errors=0, exit_code=1, outcomes={"b": "failed", "a": "passed"}
+    )
+    assert green.ok and not red.ok
+    assert not TestRunResult(2, 0, 0, exit_code=0, timed_out=True).ok
+    assert red.ids_with("passed") == ["a"]
+    assert red.to_dict()["outcomes"] == {"b": "failed", "a": "passed"}
+    assert TestRunResult.__test__ is False
+
+
+def test_fake_sandbox_scripts_outputs_and_records() -> None:
+    fake = FakeSandbox({"ls": "a.py\n"}, default_output="?")
+    assert isinstance(fake, Sandbox)
+    fake.boot("python:3.11")
+    assert fake.exec({"command": "ls"}) == "a.py\n"
+    assert fake.exec({"command": "pwd"}) == "?"
+    assert fake.exec({"command": "sudo x"}) == "command not allowed: 'sudo' is in SANDBOX_DENYLIST"
+    assert [(e["type"], e.get("command"), e.get("allowed")) for e in fake.trajectory()] == [
+        ("boot", None, None),
+        ("exec", "ls", True),
+        ("exec", "pwd", True),
+        ("exec", "sudo x", False),
+    ]
+
+
+def test_fake_sandbox_test_results_in_order_then_repeat() -> None:
+    first = TestRunResult(0, 1, 0, exit_code=1)
+    second = TestRunResult(1, 0, 0, exit_code=0)
+    fake = FakeSandbox(test_results=[first, second])
+    assert fake.run_tests("pytest", ["t1"]) is first
+    assert fake.run_tests("pytest", []) is second
+    assert fake.run_tests("pytest", []) is second
+    assert fake.trajectory()[0]["tests"] == ["t1"]
+
+
+def test_fake_sandbox_callable_scripts_and_missing_script_error() -> None:
+    fake = FakeSandbox(
+        lambda cmd: cmd.upper(),
+        test_results=lambda cmd, tests: TestRunResult(len(tests), 0, 0, exit_code=0),
+    )
+    assert fake.exec({"command": "echo hi"}) == "ECHO HI"
+    assert fake.run_tests("pytest", ["a", "b"]).passed == 2
+    with pytest.raises(RuntimeError, match="no scripted result"):
+        FakeSandbox().run_tests("pytest", [])
+
+
+def test_sandbox_module_reexports() -> None:
+    assert set(sandbox_module.__all__) == {
+        "SANDBOX_DENYLIST",
+        "FakeSandbox",
+        "LocalSubprocessSandbox",
+        "Sandbox",
+        "TestRunResult",
+    }
+
+
+def test_output_capture_keeps_head_and_tail() -> None:
+    capture = OutputCapture(400)
+    for _ in range(20):
+        capture.add(b"a" * 50)
+    capture.add(b"b" * 1000)
+    data, truncated = capture.result()
+    assert truncated and capture.total == 2000
+    assert data.startswith(b"a" * 300) and data.endswith(b"b" * 100)
+    assert b"[... 1600 bytes of output omitted ...]" in data
+
+
+def test_output_capture_small_output_is_exact() -> None:
+    capture = OutputCapture(400)
+    capture.add(b"x" * 350)
+    capture.add(b"y" * 50)
+    assert capture.result() == (b"x" * 350 + b"y" * 50, False)
+
+
+def test_resource_limits_validate() -> None:
+    with pytest.raises(ValueError, match="mem_mb must be a positive int"):
+        ResourceLimits(mem_mb=0)
+
+
+@pytest.mark.integration
+def test_run_bounded_captures_exit_code_and_output(tmp_path) -> None:
+    code = "import sys; sys.stdout.write('a' * 1000); sys.stderr.write('b' * 1000); sys.exit(3)"
+    outcome = run_bounded(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={},
+        timeout_s=30,
+        max_output_bytes=400,
+    )
+    assert (outcome.exit_code, outcome.total_bytes, outcome.truncated) == (3, 2000, True)
+    assert outcome.output.startswith(b"a" * 300) and outcome.output.endswith(b"b" * 100)
+    assert not outcome.timed_out
+
+
+def test_run_bounded_rejects_bad_arguments(tmp_path) -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_bounded(["true"], cwd=tmp_path, env={}, timeout_s=0, max_output_bytes=100)
+    with pytest.raises(ValueError, match="max_output_bytes"):
+        run_bounded(["true"], cwd=tmp_path, env={}, timeout_s=1, max_output_bytes=10)
