@@ -74,6 +74,8 @@ def generate(
     import torch
 
     settings = settings or SamplingSettings()
+    if hasattr(model, "sample_batch"):  # a frozen endpoint sampler
+        return model.sample_batch(tokenizer, prompts, settings)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )

@@ -23,6 +23,7 @@ import torch
 
 from composer_replication.config import RunConfig
 from composer_replication.envs.base import Environment, pass_at_1
+from composer_replication.rollout.endpoint_sampler import sampling_source
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.safety import CollapseStopError, HeldOutGuard, HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
@@ -44,6 +45,7 @@ class EnvRuntime:
     sampling: SamplingSettings
     group_size: int
     curriculum: Any = None
+    sampler: Any = None  # None: the live policy samples
 
 
 @dataclass
@@ -222,8 +224,20 @@ class Trainer:
         if algo_cfg.type in ("replay_dpo", "composer"):
             path = self.config.pairs_file or getattr(algo_cfg.advantage, "pairs_path", None)
             pairs = load_default_pairs(path)
+        scorer = None
+        if getattr(algo_cfg.advantage, "model", None) == "policy":
+            # a reference that is the live policy itself (opsd): score in process
+            from composer_replication.algo import LocalPrefillScorer
+
+            scorer = LocalPrefillScorer(
+                self.policy, temperature=algo_cfg.sampling.temperature or 1.0
+            )
         algorithm = build_algorithm(
-            algo_cfg, tokenizer=self.tokenizer, pairs=pairs, rng=random.Random(self.config.seed)
+            algo_cfg,
+            tokenizer=self.tokenizer,
+            pairs=pairs,
+            scorer=scorer,
+            rng=random.Random(self.config.seed),
         )
         train_ids, heldout_ids = self.split.split(env.task_ids())
         if not train_ids or not heldout_ids:
@@ -243,6 +257,7 @@ class Trainer:
             SamplingSettings(max_new_tokens=s.max_new_tokens, temperature=s.temperature),
             s.group_size,
             DifficultyCurriculum(train_ids, split=self.split),
+            None if s.source == "policy" else sampling_source(s.source, self.policy),
         )
 
     # ------------------------------------------------------------------ state
@@ -308,7 +323,7 @@ class Trainer:
             task_ids = rt.curriculum.sample(n_tasks, rng=self.task_rng)
             self.split.check_trainable(task_ids)
             groups = rt.env.rollouts(
-                self.policy,
+                self.policy if rt.sampler is None else rt.sampler,
                 self.tokenizer,
                 task_ids,
                 group_size=rt.group_size,

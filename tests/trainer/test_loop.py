@@ -1,0 +1,256 @@
+"""The training loop end to end on the tiny model: every algorithm, the kill switch,
+held-out discipline, resume after SIGKILL, a failing sandbox, the final model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_replication.config import RunConfig
+from composer_replication.safety import CollapseStopError, HeldoutLeakError
+from composer_replication.trainer.loop import Trainer, train
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from scripted_env import ScriptedEnv  # noqa: E402
+
+VOLATILE = ("time/", "tokens_per_s/")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from composer_replication.models import save_checkpoint, tiny_policy
+
+    model, tok = tiny_policy(seed=0)
+    return str(save_checkpoint(model, tmp_path_factory.mktemp("tiny") / "model", tokenizer=tok))
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    rows = [
+        {
+            "state_id": f"s{i}",
+            "state_messages": [{"role": "user", "content": f"write f{i}"}],
+            "chosen": f"def f{i}(x):\n    return x + {i}",
+            "rejected": f"def f{i}(x):\n    pass",
+            "n_teachers_agreeing": 2,
+        }
+        for i in range(3)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _config(
+    tmp_path, tiny_dir, *, algo="grpo", env="scripted", steps=2, extra="", adv="", sampling=""
+):
+    return RunConfig.from_toml(f'''
+seed = 0
+steps = {steps}
+output_dir = "{tmp_path / "run"}"
+{extra}
+[model]
+source = "{tiny_dir}"
+[model.lora]
+r = 4
+alpha = 8
+[optim]
+lr = 1e-2
+[eval]
+every = 1
+max_tasks = 2
+[guard]
+min_steps = 100
+[checkpoint]
+every = 1
+[[envs]]
+name = "{env}"
+tasks_per_step = 2
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 8
+{sampling}
+[envs.algorithm.advantage]
+type = "{algo}"
+{adv}
+''')
+
+
+ALGORITHMS = {
+    "grpo": "",
+    "max_rl": "",
+    "reward": "",
+    "sdpo": "",
+    "echo": "",
+    "custom": 'import_path = "scripted_custom:per_token_advantages"',
+    "replay_dpo": "",
+    "composer": "",
+}
+
+
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+def test_every_algorithm_runs_two_steps(tmp_path, tiny_dir, pairs_file, algo):
+    (tmp_path / "scripted_custom.py").write_text(
+        "def per_token_advantages(group, **kw):\n"
+        "    return [[r.reward - 0.5] * len(r.completion_ids) for r in group]\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    cfg = _config(
+        tmp_path, tiny_dir, algo=algo, extra=f'pairs_file = "{pairs_file}"', adv=ALGORITHMS[algo]
+    )
+    result = train(cfg, environments={"scripted": ScriptedEnv()})
+    assert result.steps == 2
+    rows = [r for r in result.metrics if r["step"] > 0]
+    assert len(rows) == 2 and all("loss" in r for r in rows)
+    if algo in ("replay_dpo", "composer"):
+        assert rows[0]["tokens/dpo"] > 0
+    if algo not in ("replay_dpo",):
+        assert rows[0]["tokens/rl"] > 0
+    assert (result.final_model_dir / "config.json").exists()
+    assert (result.run_dir / "report" / "rewards.png").exists()
+
+
+@pytest.mark.parametrize("algo", ["opd", "opsd", "sft"])
+def test_reference_algorithms_run_with_a_local_frozen_model(tmp_path, tiny_dir, algo):
+    model_ref = f'name = "frozen"\nlocal_path = "{tiny_dir}"'
+    if algo == "sft":
+        source = f'source = {{ name = "frozen", local_path = "{tiny_dir}" }}'
+        cfg = _config(tmp_path, tiny_dir, algo=algo, sampling=source)
+    else:
+        extra_adv = f"[envs.algorithm.advantage.model]\n{model_ref}" if algo == "opd" else ""
+        cfg = _config(tmp_path, tiny_dir, algo=algo, adv=extra_adv)
+    result = train(cfg, environments={"scripted": ScriptedEnv()})
+    assert result.steps == 2
+
+
+def test_guard_stops_a_hacking_run_with_reason(tmp_path, tiny_dir):
+    cfg = _config(tmp_path, tiny_dir, steps=12)
+    data = cfg.model_dump()
+    data["guard"].update(min_steps=2, decline_patience=2, ema_alpha=0.0, max_proxy_real_gap=10.0)
+    data["eval"]["max_tasks"] = 8  # fine enough pass@1 steps to see the decline
+    cfg = RunConfig.model_validate(data)
+    with pytest.raises(CollapseStopError) as info:
+        train(cfg, environments={"scripted": ScriptedEnv(rising=True)})
+    assert "held-out" in str(info.value).lower() or "decline" in str(info.value).lower()
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    fired = [r for r in rows if r.get("guard/fired")]
+    assert fired and fired[0]["guard/reason"] == str(info.value)
+    assert (tmp_path / "run" / "checkpoints" / f"step_{fired[0]['step']:06d}").exists()
+    assert fired[0]["step"] < 12
+
+
+def test_cli_exit_code_when_the_guard_fires(tmp_path, tiny_dir):
+    toml = tmp_path / "run.toml"
+    cfg = _config(tmp_path, tiny_dir, env="scripted_env:make_env", steps=10)
+    data = cfg.model_dump(mode="json")
+    data["guard"].update(min_steps=2, decline_patience=2, ema_alpha=0.0, max_proxy_real_gap=10.0)
+    data["eval"]["max_tasks"] = 8
+    toml.write_text(_to_toml(data))
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "composer_replication.cli", "train", str(toml)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "kill switch" in proc.stdout
+
+
+def test_heldout_tasks_never_reach_training(tmp_path, tiny_dir):
+    env = ScriptedEnv(n_tasks=16)
+    cfg = _config(tmp_path, tiny_dir, steps=3)
+    trainer = Trainer(cfg, environments={"scripted": env})
+    rt = trainer.runtimes[0]
+    trainer.run()
+    train_requested = {t for kind, ids in env.calls if kind == "train" for t in ids}
+    eval_requested = {t for kind, ids in env.calls if kind == "eval" for t in ids}
+    assert train_requested and train_requested <= set(rt.train_ids)
+    assert not train_requested & set(rt.heldout_ids)
+    assert eval_requested <= set(rt.heldout_ids)
+    with pytest.raises(HeldoutLeakError):
+        rt.curriculum.add_tasks([rt.heldout_ids[0]])
+    with pytest.raises(HeldoutLeakError):
+        trainer.split.check_trainable(rt.heldout_ids[:1])
+
+
+def test_failing_sandbox_does_not_crash_the_loop(tmp_path, tiny_dir):
+    from composer_replication.envs.python_functions import PythonFunctionsEnv
+
+    def broken_sandbox(workdir):
+        raise OSError("sandbox backend is down")
+
+    class GradesTheReference(PythonFunctionsEnv):
+        # the tiny model writes no function, so grade the reference: that reaches the sandbox
+        def grade(self, task, completion_text):
+            return super().grade(task, "```python\n" + task.reference + "\n```")
+
+    env = GradesTheReference(sandbox_factory=broken_sandbox)
+    reward, _, error, _ = env.grade(env.tasks[env.task_ids()[0]], "")
+    assert reward == 0.0 and error.startswith("sandbox: OSError")
+    cfg = _config(tmp_path, tiny_dir, env="python_functions", steps=1)
+    result = train(cfg, environments={"python_functions": env})
+    row = result.metrics[-1]
+    assert result.steps == 1 and row["reward/mean"] == 0.0
+    assert row["rollouts/errors"] == row["rollouts/count"] == 4
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def test_resume_after_sigkill_reproduces_metrics(tmp_path, tiny_dir):
+    steps = 4
+    ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
+    # rising=False: rewards depend only on the samples (the env keeps no state to restore)
+    cfg = _config(ref_dir, tiny_dir, env="scripted_env:make_env", steps=steps)
+    cfg.envs[0].options["rising"] = False
+    env_vars = {**os.environ, "PYTHONPATH": str(HERE)}
+    reference = train(cfg)  # uninterrupted (in process, same code path)
+    toml = tmp_path / "kill.toml"
+    data = _config(kill_dir, tiny_dir, env="scripted_env:make_env", steps=steps).model_dump(
+        mode="json"
+    )
+    data["envs"][0]["options"]["rising"] = False
+    toml.write_text(_to_toml(data))
+    cmd = [sys.executable, "-m", "composer_replication.cli", "train", str(toml)]
+    proc = subprocess.Popen(cmd, env=env_vars, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = kill_dir / "run" / "checkpoints" / "step_000002"
+    deadline = time.time() + 300
+    while not target.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert target.exists(), "the run never reached its second checkpoint"
+    resumed = subprocess.run(
+        [*cmd, "--resume"], env=env_vars, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = [
+        json.loads(line) for line in (kill_dir / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert _strip(rows) == _strip(reference.metrics)
+
+
+def _to_toml(data) -> str:
+    from composer_replication.algo.toml_writer import dumps
+
+    def prune(obj):
+        if isinstance(obj, dict):
+            return {k: prune(v) for k, v in obj.items() if v is not None}
+        if isinstance(obj, list):
+            return [prune(v) for v in obj]
+        return obj
+
+    return dumps(prune(data))
