@@ -18,24 +18,58 @@ _LAZY: dict[str, str] = {
     "LossComponents": "composer_replication.loss",
     "build_batch": "composer_replication.batch",
     "generalized_jsd_loss": "composer_replication.opsd",
+    "ClaudeCodeIngester": "composer_replication.ingestion.claude_code",
+    "IngestionStats": "composer_replication.ingestion.claude_code",
+    "SYSTEM_PROMPT": "composer_replication.ingestion.claude_code",
+    "DEFAULT_TEACHERS": "composer_replication.teacher_replay",
+    "DPOPair": "composer_replication.teacher_replay",
+    "TeacherCallResult": "composer_replication.teacher_replay",
+    "TeacherSpec": "composer_replication.teacher_replay",
+    "TraceState": "composer_replication.teacher_replay",
+    "extract_dpo_pairs": "composer_replication.teacher_replay",
+    "replay_trace": "composer_replication.teacher_replay",
 }
 
 # True when the optional torchft dependency (DiLoCo) is importable.
 _DILOCO_AVAILABLE: bool = importlib.util.find_spec("torchft") is not None
 
 __all__ = [
+    "DEFAULT_TEACHERS",
+    "SYSTEM_PROMPT",
     "_DILOCO_AVAILABLE",
+    "ClaudeCodeIngester",
+    "DPOPair",
+    "IngestionStats",
     "LossComponents",
+    "TeacherCallResult",
+    "TeacherSpec",
+    "TraceState",
     "__version__",
     "build_batch",
     "compose_loss",
+    "extract_dpo_pairs",
     "generalized_jsd_loss",
+    "replay_trace",
 ]
 
 if TYPE_CHECKING:
     from composer_replication.batch import build_batch
+    from composer_replication.ingestion.claude_code import (
+        SYSTEM_PROMPT,
+        ClaudeCodeIngester,
+        IngestionStats,
+    )
     from composer_replication.loss import LossComponents, compose_loss
     from composer_replication.opsd import generalized_jsd_loss
+    from composer_replication.teacher_replay import (
+        DEFAULT_TEACHERS,
+        DPOPair,
+        TeacherCallResult,
+        TeacherSpec,
+        TraceState,
+        extract_dpo_pairs,
+        replay_trace,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -154,9 +154,11 @@ def version() -> None:
 
 
 def _register_subcommands() -> None:
+    from composer_replication import trace_cli
     from composer_replication.datagen.cli import datagen_command
 
     app.command("datagen")(datagen_command)
+    trace_cli.register(app)
 
 
 _register_subcommands()

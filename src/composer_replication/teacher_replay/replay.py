@@ -11,18 +11,17 @@ order, whatever order the calls finished in.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from composer_replication.teacher_replay.budget import (
     SpendBudget,
-    nanos_to_usd,
     prompt_token_upper_bound,
 )
 from composer_replication.teacher_replay.cache import ReplayCache, cache_key
@@ -34,111 +33,10 @@ from composer_replication.teacher_replay.records import (
     TeacherCallResult,
     TeacherSpec,
     TraceState,
-    error_kind,
 )
+from composer_replication.teacher_replay.summary import ReplayProgress, ReplaySummary
 
 __all__ = ["ReplayProgress", "ReplayResults", "ReplaySummary", "replay_trace"]
-
-
-@dataclass(frozen=True)
-class ReplayProgress:
-    """Passed to the `progress` callback after every finished row."""
-
-    done: int
-    total: int
-    n_cache_hits: int
-    n_errors: int
-    spend_usd: float
-    max_total_usd: float
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (the smallest value with at least q of the data at or below)."""
-    if not sorted_values:
-        return None
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-@dataclass(frozen=True)
-class ReplaySummary:
-    """Cost and latency of one replay run.
-
-    Attributes:
-        n_rows: rows returned (states x teachers).
-        n_ok: rows with a response.
-        n_cache_hits: rows served from the cache (no request, no spend this run).
-        n_calls: rows not served from the cache (attempted or refused by the budget).
-        n_requests: HTTP requests sent this run, retries included.
-        n_retries: of those, retries.
-        errors_by_kind: error rows per kind ("http_429", "timeout", ...).
-        spend_usd: spend settled this run (see `SpendBudget`); cached rows cost nothing.
-        max_total_usd: the cap.
-        overshoot_usd: settled spend above the reservations (0 when the guarantee held).
-        latency_p50_s / latency_p95_s: nearest-rank percentiles of `latency_s` over the
-            successful rows answered this run; None when there are none.
-        wall_s: wall-clock seconds of the run.
-    """
-
-    n_rows: int
-    n_ok: int
-    n_cache_hits: int
-    n_calls: int
-    n_requests: int
-    n_retries: int
-    errors_by_kind: dict[str, int]
-    spend_usd: float
-    max_total_usd: float
-    overshoot_usd: float
-    latency_p50_s: float | None
-    latency_p95_s: float | None
-    wall_s: float
-
-    @classmethod
-    def from_rows(
-        cls,
-        rows: Sequence[TeacherCallResult],
-        *,
-        max_total_usd: float = math.nan,
-        spend_usd: float | None = None,
-        overshoot_usd: float = 0.0,
-        n_requests: int | None = None,
-        n_retries: int = 0,
-        wall_s: float = 0.0,
-    ) -> ReplaySummary:
-        """Summarise rows (e.g. a results file); unknown run counters default from rows."""
-        fresh = [r for r in rows if not r.get("cached", False)]
-        latencies = sorted(r["latency_s"] for r in fresh if r["error"] is None)
-        kinds = Counter(error_kind(r["error"]) for r in rows if r["error"] is not None)
-        return cls(
-            n_rows=len(rows),
-            n_ok=sum(r["error"] is None for r in rows),
-            n_cache_hits=len(rows) - len(fresh),
-            n_calls=len(fresh),
-            n_requests=sum(r.get("attempts", 1) for r in fresh) if n_requests is None else n_requests,
-            n_retries=n_retries,
-            errors_by_kind=dict(sorted(kinds.items())),  # type: ignore[arg-type]
-            spend_usd=sum(r["cost_usd"] for r in fresh) if spend_usd is None else spend_usd,
-            max_total_usd=max_total_usd,
-            overshoot_usd=overshoot_usd,
-            latency_p50_s=_percentile(latencies, 0.50),
-            latency_p95_s=_percentile(latencies, 0.95),
-            wall_s=wall_s,
-        )
-
-    def format(self) -> str:
-        """A few human-readable lines (what the CLI prints)."""
-        errors = ", ".join(f"{k}={v}" for k, v in self.errors_by_kind.items()) or "none"
-        p50 = "-" if self.latency_p50_s is None else f"{self.latency_p50_s:.3f}s"
-        p95 = "-" if self.latency_p95_s is None else f"{self.latency_p95_s:.3f}s"
-        return (
-            f"rows {self.n_rows}: ok {self.n_ok}, cache hits {self.n_cache_hits}, "
-            f"calls {self.n_calls}, requests {self.n_requests} (retries {self.n_retries})\n"
-            f"errors: {errors}\n"
-            f"spend ${self.spend_usd:.6f} of ${self.max_total_usd:g} "
-            f"(overshoot ${self.overshoot_usd:.6f}); latency p50 {p50}, p95 {p95}; "
-            f"wall {self.wall_s:.2f}s"
-        )
 
 
 class ReplayResults(list):  # list[TeacherCallResult]
@@ -162,6 +60,13 @@ class _Run:
     stats: CallStats = field(default_factory=CallStats)
 
 
+# Request fields replay_trace owns: overriding them would change what the reservation bounds
+# (max_tokens, n), break response parsing (stream) or the cache key's meaning.
+_RESERVED_BODY_KEYS = frozenset(
+    {"model", "messages", "max_tokens", "max_completion_tokens", "n", "stream"}
+)
+
+
 def _check_teachers(teachers: Sequence[TeacherSpec]) -> list[TeacherSpec]:
     teachers = list(teachers)
     if not teachers:
@@ -178,6 +83,13 @@ def _check_teachers(teachers: Sequence[TeacherSpec]) -> list[TeacherSpec]:
             price = t.get(key)
             if not isinstance(price, int | float) or not math.isfinite(price) or price < 0:
                 raise ValueError(f"teacher {slug!r}: {key}={price!r} must be a number >= 0")
+        extra = t.get("extra_body", {})
+        clash = sorted(_RESERVED_BODY_KEYS & set(extra)) if isinstance(extra, dict) else None
+        if clash is None or clash:
+            raise ValueError(
+                f"teacher {slug!r}: extra_body must be a dict without {sorted(_RESERVED_BODY_KEYS)}"
+                f" (they are set by replay_trace or break the spend bound); got {extra!r}"
+            )
         base_url = t.get("base_url", OPENROUTER_BASE_URL)
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(
@@ -198,7 +110,9 @@ def _check_states(states: Iterable[TraceState]) -> list[TraceState]:
         seen.add(sid)
         messages = s.get("messages")
         ok = isinstance(messages, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
             for m in messages
         )
         if not ok or not messages:
@@ -247,11 +161,12 @@ def _plans(
         bound = prompt_token_upper_bound(messages)
         for t in teachers:
             base_url = t.get("base_url", OPENROUTER_BASE_URL).rstrip("/")
+            extra = t.get("extra_body", {})
             body: dict[str, Any] = {
                 "model": t.get("model", t["slug"]),
                 "messages": messages,
                 "max_tokens": max_tokens,
-                **t.get("extra_body", {}),
+                **extra,
             }
             plan = CallPlan(
                 state_id=state["state_id"],
@@ -259,7 +174,8 @@ def _plans(
                 url=f"{base_url}/chat/completions",
                 headers=headers_by_slug[t["slug"]],
                 body=body,
-                prompt_token_bound=bound,
+                # extra_body may add prompt tokens (tools, ...): its bytes join the bound
+                prompt_token_bound=bound + len(json.dumps(extra).encode()) if extra else bound,
                 max_tokens=max_tokens,
                 input_per_mtok=float(t["input_per_mtok"]),
                 output_per_mtok=float(t["output_per_mtok"]),
@@ -285,13 +201,26 @@ async def replay_trace(
 ) -> ReplayResults:
     """Ask every teacher for the next action at every state; one row per (state, teacher).
 
+    Spend guarantee: before each HTTP attempt the call reserves an upper bound of its cost,
+    (UTF-8 bytes of the prompt and of `extra_body` + 16 tokens per message) x input price +
+    `max_tokens` x output price, and it starts only if settled spend + all reservations in flight + its
+    own fit in `max_total_usd` (else it waits for calls in flight to settle, or becomes a
+    "budget_exceeded" row when nothing is in flight). After the call the reservation is
+    released and the real cost (reported usage x the TeacherSpec's prices) settled; an
+    unknown charge (timeout after sending, dropped connection, unparsable 200, no usage)
+    settles at the full reservation. Hence, exactly (integer nano-dollars):
+
+        settled spend <= max_total_usd + summary.overshoot_usd
+
+    where `overshoot_usd` sums the real costs above their reservations. It is 0 whenever
+    the provider honours `max_tokens` and adds no hidden prompt tokens, so the cap is hard;
+    the tests measure 0 under 32 concurrent calls, and measure the excess when a server
+    ignores `max_tokens`. The cap is per run: rows served from the cache cost nothing.
+
     Args:
         states: the trace's states (`TraceState`); state ids must be unique.
         teachers: `TeacherSpec`s (default `DEFAULT_TEACHERS`, all on OpenRouter).
-        max_total_usd: hard cap on this run's spend; holds under concurrency as stated in
-            `budget.SpendBudget` (settled spend <= cap + measured overshoot, and the
-            overshoot is 0 while providers honour `max_tokens`). Calls that cannot reserve
-            their bound become "budget_exceeded" rows.
+        max_total_usd: hard cap on this run's spend (the guarantee above).
         api_key: key for teachers without `api_key_env` (OpenRouter falls back to
             `$OPENROUTER_API_KEY`).
         concurrency: calls in flight at most.
@@ -354,8 +283,18 @@ async def replay_trace(
             run.n_cache_hits += 1
             finished(i, {**hit, "cached": True, "attempts": 0})
         if pending:
-            await _run_pending(plans, pending, budget, policy, rng, run, cache, finished,
-                               concurrency=concurrency, timeout_s=timeout_s)
+            await _run_pending(
+                plans,
+                pending,
+                budget,
+                policy,
+                rng,
+                run,
+                cache,
+                finished,
+                concurrency=concurrency,
+                timeout_s=timeout_s,
+            )
     finally:
         if cache is not None:
             cache.close()
@@ -395,7 +334,12 @@ async def _run_pending(
             for index in queue:
                 plan, key = plans[index]
                 row = await run_call(
-                    client, plan, budget, policy=policy, timeout_s=timeout_s, rng=rng,
+                    client,
+                    plan,
+                    budget,
+                    policy=policy,
+                    timeout_s=timeout_s,
+                    rng=rng,
                     stats=run.stats,
                 )
                 if cache is not None and row["error"] is None:

@@ -9,7 +9,7 @@ HTTP/1.1 keep-alive) in a background thread and speaks:
   message and 3 for the reply's priming, like OpenAI's accounting. With
   `honour_max_tokens=True` (default) a reply longer than `max_tokens` is cut to fit and
   finishes with "length"; False lets replies overrun (to measure budget overshoot).
-- `GET /v1/models`: the models seen so far.
+- `GET /v1/models`: the models seen so far; `GET /_stats`: `{"requests", "max_in_flight"}`.
 
 Faults for the client's error paths, consumed first-in first-out per model (or for any
 model) with `add_faults`, or decided per request by `fault_fn`: an HTTP status (with
@@ -20,6 +20,7 @@ recorded (`requests`, `request_count`) and the peak number of requests being ser
 once is kept (`max_in_flight`).
 
 What it does not do: streaming, tools, authentication beyond one optional bearer key.
+`python -m composer_replication.testing` runs one in the foreground (see `--help`).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 60  # idle keep-alive connections end instead of pinning a thread forever
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # keep test output clean
 
     def _send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
@@ -117,7 +118,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         owner = self.server.owner
-        if self.path.rstrip("/") in ("/v1/models", "/models"):
+        if self.path.rstrip("/") == "/_stats":  # counters, for a server in another process
+            self._send_json(
+                200, {"requests": owner.request_count, "max_in_flight": owner.max_in_flight}
+            )
+        elif self.path.rstrip("/") in ("/v1/models", "/models"):
             with owner._state.lock:
                 models = sorted(owner._state.models)
             data = [{"id": m, "object": "model", "owned_by": "local"} for m in models]
@@ -336,9 +341,7 @@ class LocalOpenAIServer:
             cut = self._cut_to_tokens(text, max_tokens)
             if cut != text:
                 text, finish = cut, "length"
-        prompt_tokens = 3 + sum(
-            4 + self.token_counter(str(m.get("content", ""))) for m in messages
-        )
+        prompt_tokens = 3 + sum(4 + self.token_counter(str(m.get("content", ""))) for m in messages)
         completion_tokens = self.token_counter(text)
         payload: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",

@@ -1,0 +1,25 @@
+"""Ingestion: real agent traces -> `TraceState` streams (01-api.md §7).
+
+`claude_code.ClaudeCodeIngester` reads Claude Code session files; `render` documents how
+tool calls and results appear in the chat history; `history` counts tokens and truncates
+the oldest history to a budget.
+"""
+
+from __future__ import annotations
+
+from composer_replication.ingestion.claude_code import (
+    KNOWN_VERSION_RANGE,
+    SYSTEM_PROMPT,
+    ClaudeCodeIngester,
+    IngestionStats,
+)
+from composer_replication.ingestion.history import estimate_tokens, hf_token_counter
+
+__all__ = [
+    "KNOWN_VERSION_RANGE",
+    "SYSTEM_PROMPT",
+    "ClaudeCodeIngester",
+    "IngestionStats",
+    "estimate_tokens",
+    "hf_token_counter",
+]

@@ -1,0 +1,242 @@
+"""Command-line front end of the trace pipeline: `ingest`, `replay`, `pairs`.
+
+    ingest PATH -o states.jsonl            Claude Code sessions -> TraceState JSONL
+    replay states.jsonl -o results.jsonl   teachers replay every state (spend-capped)
+    pairs results.jsonl --states states.jsonl -o pairs.jsonl [--normalize]
+
+`pairs` needs the states as well as the results: result rows carry only ids, not the
+(large) state contexts, and the pairs need both the context and the student action.
+
+Teachers for `replay` are either slugs of `DEFAULT_TEACHERS` separated by commas, or a
+JSON / TOML file of `TeacherSpec`s (for any OpenAI-compatible endpoint): a JSON list, or
+`{"teachers": [...]}`, or TOML `[[teachers]]` tables with `slug`, `input_per_mtok`,
+`output_per_mtok` and optionally `base_url`, `api_key_env`, `model`, `extra_body`.
+
+`app` is a Typer app with the three commands; `register(main_app)` adds them to another
+app as top-level commands. Imports beyond typer happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+__all__ = ["app", "ingest", "load_teachers", "pairs", "register", "replay"]
+
+app = typer.Typer(
+    name="trace",
+    help="Trace replay: ingest Claude Code sessions, replay them through teachers, make pairs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"Error: {message}", err=True)
+    return typer.Exit(code=1)
+
+
+def load_teachers(spec: str) -> list[dict[str, Any]]:
+    """Teachers from comma-separated `DEFAULT_TEACHERS` slugs or a .json / .toml file."""
+    from composer_replication.teacher_replay.records import DEFAULT_TEACHERS
+
+    path = Path(spec)
+    if path.suffix.lower() in (".json", ".toml"):
+        if not path.is_file():
+            raise FileNotFoundError(f"teachers file {spec!r} does not exist")
+        if path.suffix.lower() == ".json":
+            data: Any = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        teachers = data.get("teachers") if isinstance(data, dict) else data
+        if not isinstance(teachers, list) or not all(isinstance(t, dict) for t in teachers):
+            raise ValueError(
+                f"{spec}: expected a list of teacher tables (JSON list, {{'teachers': [...]}} "
+                "or TOML [[teachers]])"
+            )
+        return teachers
+    known = {t["slug"]: dict(t) for t in DEFAULT_TEACHERS}
+    slugs = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in slugs if s not in known]
+    if unknown or not slugs:
+        raise ValueError(
+            f"unknown teacher slug(s) {unknown or spec!r}; use {', '.join(known)} or a "
+            ".json/.toml file of TeacherSpecs"
+        )
+    return [known[s] for s in slugs]
+
+
+@app.command()
+def ingest(
+    path: Path = typer.Argument(
+        ..., help="A session .jsonl, a project folder, or ~/.claude/projects."
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the states (JSONL)."),
+    max_history_tokens: Optional[int] = typer.Option(  # noqa: UP045 - typer needs Optional on 3.10
+        None, min=1, help="Drop the oldest history beyond this many (estimated) tokens."
+    ),
+    keep_sidechain: bool = typer.Option(False, help="Also ingest subagent records and files."),
+    keep_thinking: bool = typer.Option(False, help="Keep thinking blocks in the history."),
+) -> None:
+    """Claude Code session files -> TraceState JSONL (one state per assistant turn)."""
+    from composer_replication.ingestion.claude_code import ClaudeCodeIngester
+    from composer_replication.teacher_replay.pairs import write_jsonl
+
+    ingester = ClaudeCodeIngester(
+        skip_sidechain=not keep_sidechain,
+        strip_thinking=not keep_thinking,
+        max_history_tokens=max_history_tokens,
+    )
+    try:
+        write_jsonl(ingester.ingest(path), output)
+    except FileNotFoundError as exc:
+        raise _fail(str(exc)) from exc
+    s = ingester.last_stats
+    typer.echo(
+        f"ingested {s.n_files} file(s), {s.n_records_total} records: {s.n_states_emitted} states "
+        f"({s.n_error_sites} after an error, {s.n_truncated_states} truncated) -> {output}"
+    )
+    skips = {
+        "subagent": s.skipped_subagent,
+        "subagent files": s.skipped_subagent_files,
+        "summary": s.skipped_summary,
+        "snapshot": s.skipped_snapshot,
+        "truncated": s.skipped_truncated_lines,
+        "malformed": s.skipped_malformed_lines,
+        "unknown type": s.skipped_unknown_type,
+        "other": s.skipped_other,
+    }
+    listed = ", ".join(f"{k} {v}" for k, v in skips.items() if v) or "none"
+    typer.echo(f"skipped {s.n_records_skipped} records: {listed}")
+    for warning in [*s.version_warnings, *s.warnings]:
+        typer.echo(f"warning: {warning}")
+
+
+@app.command()
+def replay(
+    states_path: Path = typer.Argument(..., help="States JSONL written by `ingest`."),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the result rows."),
+    teachers: str = typer.Option(
+        "anthropic/claude-opus-4.7,openai/gpt-5,deepseek/deepseek-v4-pro",
+        help="Comma-separated DEFAULT_TEACHERS slugs, or a .json/.toml file of TeacherSpecs.",
+    ),
+    max_usd: float = typer.Option(5.0, min=0.0, help="Hard spend cap for this run (USD)."),
+    concurrency: int = typer.Option(16, min=1, help="Calls in flight at most."),
+    cache_dir: Optional[Path] = typer.Option(  # noqa: UP045
+        None, help="Row cache for resuming (default: <output>.cache next to the output)."
+    ),
+    no_cache: bool = typer.Option(False, help="Do not read or write the row cache."),
+    max_tokens: int = typer.Option(2048, min=1, help="Completion cap per call."),
+    timeout: float = typer.Option(120.0, min=0.001, help="Seconds allowed per HTTP attempt."),
+    max_retries: int = typer.Option(4, min=0, help="Retries per call on transient errors."),
+) -> None:
+    """Replay every state through the teachers; rows keep state then teacher order."""
+    import asyncio
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from composer_replication.teacher_replay.pairs import read_jsonl, write_jsonl
+    from composer_replication.teacher_replay.replay import replay_trace
+
+    try:
+        states = list(read_jsonl(states_path))
+        teacher_specs = load_teachers(teachers)
+    except (FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    cache = None if no_cache else (cache_dir or output.with_name(output.name + ".cache"))
+    columns = (
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("spend ${task.fields[spend]:.4f} / ${task.fields[cap]:g}"),
+        TextColumn("errors {task.fields[errors]}"),
+    )
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(
+            "replay", total=len(states) * len(teacher_specs), spend=0.0, cap=max_usd, errors=0
+        )
+
+        def on_progress(p: Any) -> None:
+            bar.update(task, completed=p.done, spend=p.spend_usd, errors=p.n_errors)
+
+        try:
+            rows = asyncio.run(
+                replay_trace(
+                    states,
+                    teacher_specs,  # type: ignore[arg-type]
+                    max_usd,
+                    concurrency=concurrency,
+                    cache_dir=cache,
+                    max_tokens=max_tokens,
+                    timeout_s=timeout,
+                    max_retries=max_retries,
+                    progress=on_progress,
+                )
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise _fail(str(exc)) from exc
+    write_jsonl(rows, output)
+    typer.echo(f"{len(states)} states x {len(teacher_specs)} teachers -> {output}")
+    typer.echo(rows.summary.format())
+
+
+@app.command()
+def pairs(
+    results_path: Path = typer.Argument(..., help="Result rows written by `replay`."),
+    states_path: Path = typer.Option(..., "--states", help="The states JSONL the rows answer."),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the pairs (JSONL)."),
+    threshold: int = typer.Option(2, min=1, help="Teachers that must agree for a pair."),
+    normalize: bool = typer.Option(False, help="Normalise with data-juicer (replaysim extra)."),
+    recipe: Optional[Path] = typer.Option(  # noqa: UP045
+        None, help="data-juicer recipe for --normalize (default: the packaged recipe)."
+    ),
+) -> None:
+    """Teacher agreement against the student -> DPO pairs (optionally normalised)."""
+    from composer_replication.teacher_replay.pairs import (
+        extract_dpo_pairs,
+        read_jsonl,
+        save_pairs,
+        write_jsonl,
+    )
+
+    try:
+        states = list(read_jsonl(states_path))
+        rows = list(read_jsonl(results_path))
+        normalizer = None
+        if normalize:
+            from composer_replication.replaysim.normalize import DJNormalizer
+
+            normalizer = DJNormalizer(recipe)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    found = extract_dpo_pairs(states, rows, threshold)
+    n_errors = sum(r.get("error") is not None for r in rows)
+    typer.echo(
+        f"{len(states)} states, {len(rows)} rows ({n_errors} errors): {len(found)} pairs "
+        f"with >= {threshold} teachers agreeing against the student"
+    )
+    if normalizer is None:
+        save_pairs(found, output)
+        typer.echo(f"wrote {len(found)} pairs -> {output}")
+        return
+    normalized = normalizer.normalize(found)
+    write_jsonl((p.to_dict() for p in normalized), output)
+    st = normalizer.last_stats
+    dropped = (
+        f"{st.n_dropped_by_recipe} by the recipe, {st.n_dropped_identical} identical" if st else ""
+    )
+    typer.echo(f"wrote {len(normalized)} normalised pairs ({dropped}) -> {output}")
+
+
+def register(main_app: typer.Typer) -> None:
+    """Add `ingest`, `replay` and `pairs` to `main_app` as top-level commands."""
+    for fn in (ingest, replay, pairs):
+        main_app.command(fn.__name__)(fn)
