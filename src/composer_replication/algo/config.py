@@ -131,15 +131,16 @@ class AlgorithmConfig(BaseModel):
                 f"{self.advantage.type!r}: only opd / opsd (advantage.model) and sft "
                 "(sampling.source) take one; remove it"
             )
-        owner = self.advantage if slot == "advantage.model" else self.sampling
-        field = slot.split(".")[1]
+        parent, field = slot.split(".")
+        owner = getattr(self, parent)
         current = getattr(owner, field)
         if field in owner.model_fields_set and current != self.model:
             raise ValueError(
                 f"top-level model {_describe(self.model)} contradicts {slot} = "
                 f"{_describe(current)}; give the model in one place only"
             )
-        setattr(owner, field, self.model)
+        # A copy: the caller's sub-config object (if one was passed in) stays untouched.
+        setattr(self, parent, owner.model_copy(update={field: self.model}))
         self.model = None
 
     # ---------------------------------------------------------------- TOML

@@ -149,14 +149,18 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 def _cut(
     tokens: list[int], eos_ids: list[int], tokenizer: Any, stop_strings: Sequence[str]
 ) -> tuple[int, str]:
-    """Length of the completion to keep and the finish reason."""
+    """Length of the completion to keep and the finish reason.
+
+    Whichever comes first in token order ends it: an EOS token or the end of a stop string.
+    (A row that stopped on a stop string while others went on is padded after it, and the
+    pad id may equal EOS: those tokens were never sampled and must not be kept.)
+    """
     eos = set(eos_ids)
+    text = ""
     for i, tok in enumerate(tokens):
         if tok in eos:
             return i + 1, "eos"
-    if stop_strings:
-        text = ""
-        for i, tok in enumerate(tokens):
+        if stop_strings:
             text += tokenizer.decode([tok])
             if any(s in text for s in stop_strings):
                 return i + 1, "stop"

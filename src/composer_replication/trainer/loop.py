@@ -138,6 +138,32 @@ def merged_loss_config(config: RunConfig, runtimes: list[EnvRuntime]) -> LossCon
     return LossConfig.model_validate(data)
 
 
+def jsd_teacher_setting(config: RunConfig, runtimes: list[EnvRuntime]) -> tuple[str, float]:
+    """The jsd teacher: the run's ``jsd_teacher`` unless an algorithm asks for its own."""
+    wanted = {
+        (
+            rt.algorithm.teacher["mode"],
+            float(rt.algorithm.teacher.get("ema_decay", config.ema_decay)),
+        )
+        for rt in runtimes
+        if rt.algorithm.teacher
+    }
+    if len(wanted) > 1:
+        raise ValueError(
+            f"environments ask for different jsd teachers {sorted(wanted)}; one run has one "
+            "teacher model: set advantage.teacher / ema_decay equal"
+        )
+    if not wanted:
+        return config.jsd_teacher, config.ema_decay
+    mode, decay = wanted.pop()
+    run_default = RunConfig.model_fields["jsd_teacher"].default
+    if config.jsd_teacher not in (run_default, mode):
+        raise ValueError(
+            f"jsd_teacher = {config.jsd_teacher!r} contradicts the algorithm's teacher {mode!r}"
+        )
+    return mode, decay
+
+
 @torch.no_grad()
 def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: float) -> float:
     """Token-mean k3 estimate of KL(policy || initial) on the batches' trainable tokens."""
@@ -185,9 +211,6 @@ class Trainer:
         self.console = console
         seed_everything(config.seed)
         self.policy, self.tokenizer = setup_policy(config)
-        self.teachers = TeacherModels(
-            self.policy, mode=config.jsd_teacher, ema_decay=config.ema_decay
-        )
         self.split = HeldoutSplit(
             heldout_fraction=config.heldout_fraction, salt=config.heldout_salt
         )
@@ -196,6 +219,8 @@ class Trainer:
             for env_cfg in config.envs
         ]
         self.loss_config = merged_loss_config(config, self.runtimes)
+        mode, decay = jsd_teacher_setting(config, self.runtimes)
+        self.teachers = TeacherModels(self.policy, mode=mode, ema_decay=decay)
         self.task_rng = random.Random(config.seed)
         self.guard = HeldOutGuard(**config.guard.guard_kwargs())
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -1,0 +1,473 @@
+"""``feature_deletion``: restore a deleted function body with tools; the repo's tests grade it.
+
+Tasks are the files ``composer-replication datagen`` writes (``datagen.feature_deletion``):
+the task file (``tasks.jsonl``), its ``.heldout.jsonl`` sibling when a split was used (both
+are loaded: ``task_ids()`` lists every task and the training loop's ``HeldoutSplit``
+decides which ones it may train on), the stubbed task workdirs (``<stem>.workdirs/``) and
+the hidden references (``<stem>.reference.jsonl``). Each attempt:
+
+1. materialise: copy the task's stubbed workdir into a fresh directory the sandbox uid can
+   reach, ``scrub_tree`` it, and snapshot it with ``HackMonitor``;
+2. act: ``run_agent_rollouts`` with the tools ``read_file(path)``,
+   ``write_file(path, content)``, ``run_tests(tests?)`` and ``finish()``;
+3. score: run the whole suite once more in the sandbox. reward = the fraction of the
+   task's target tests that pass, or 0.0 when any other originally passing test no longer
+   passes; then ``HackMonitor.check`` (workdir diff + the tool log): a flagged attempt
+   scores 0.0 and its verdict is kept in ``metadata["hack"]``. Failing test output becomes
+   ``feedback`` (the SDPO error site).
+
+What the tools guarantee: every path is resolved (symlinks followed) and must stay inside
+the attempt's workdir, so ``..``, absolute paths and links pointing outside come back as an
+``Error:`` observation; only regular files with a single hard link are read (at most
+``MAX_READ_BYTES``) or replaced; ``run_tests`` accepts test ids, never pytest options. Reads and writes run on the
+host (as our uid); everything the agent's code does runs inside the sandbox
+(``LocalSubprocessSandbox`` by default). Writing tests is not blocked: the monitor sees it.
+
+The references are read only by ``solve_with_reference`` (the task's gold answer through
+the same tools and scorer); they never enter a workdir or a prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer_replication.datagen.fd_tasks import FDTask, TaskReference, read_jsonl_records
+from composer_replication.datagen.feature_deletion import output_paths
+from composer_replication.datagen.hack_monitor import (
+    HackLog,
+    HackMonitor,
+    Manifest,
+    score_with_monitor,
+)
+from composer_replication.datagen.scrub import scrub_tree
+from composer_replication.datagen.workdir import make_shared_tempdir
+from composer_replication.rollout.agent import (
+    Episode,
+    SampleFn,
+    ScriptedSampler,
+    Tool,
+    run_agent_rollouts,
+)
+from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.rollout.tool_calls import (
+    STOP_STRINGS,
+    ToolError,
+    ToolSpec,
+    format_tool_call,
+    tool_instructions,
+)
+from composer_replication.rollout.types import Rollout
+
+__all__ = [
+    "FD_TOOLS",
+    "TOOLS",
+    "FDAttempt",
+    "FeatureDeletionEnv",
+    "default_sandbox_factory",
+    "finish",
+    "read_file",
+    "resolve_in_workdir",
+    "run_tests",
+    "write_file",
+]
+
+FEEDBACK_CHARS = 1500
+MAX_READ_BYTES = 200_000
+MAX_WRITE_CHARS = 200_000
+MAX_LISTED_FILES = 60
+PREAMBLE = (
+    "You are a careful software engineer working in a Python repository. Paths are relative "
+    "to the repository root. Read the code, restore what is missing, run the tests, and call "
+    "finish when they pass."
+)
+FD_TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec("read_file", "Return the text of a file.", (("path", "the file's path"),)),
+    ToolSpec(
+        "write_file",
+        "Replace a file's whole content (the file is created if it does not exist).",
+        (("path", "the file's path"), ("content", "the complete new text of the file")),
+    ),
+    ToolSpec(
+        "run_tests",
+        "Run the test suite and return pytest's output.",
+        (("tests", 'optional list of test ids or files, e.g. ["tests/test_x.py::test_y"]'),),
+    ),
+    ToolSpec("finish", "End the attempt; the repository is then graded.", ()),
+)
+
+
+def default_sandbox_factory(workdir: Path) -> Any:
+    from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+
+    return LocalSubprocessSandbox(workdir, exec_timeout_s=60, mem_limit_mb=1024)
+
+
+@dataclass
+class FDAttempt:
+    """The state every tool of one attempt receives.
+
+    Attributes:
+        task: The task.
+        workdir: This attempt's private copy of the stubbed repository.
+        sandbox: Runs the tests in ``workdir``.
+        manifest: The ``HackMonitor`` snapshot taken before the agent acted.
+        actions: ``read_file`` / ``write_file`` calls (path, content), for the monitor.
+    """
+
+    task: FDTask
+    workdir: Path
+    sandbox: Any
+    manifest: Manifest
+    actions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resolve_in_workdir(workdir: Path, path: Any) -> Path:
+    """``path`` (relative, or absolute inside ``workdir``) resolved with symlinks followed;
+    a ``ToolError`` when it is not a string or ends up outside ``workdir``."""
+    if not isinstance(path, str) or not path.strip() or "\x00" in path:
+        raise ToolError(f"path must be a non-empty string, got {path!r}", "bad_arguments")
+    root = workdir.resolve()
+    target = (root / path).resolve()  # an absolute `path` replaces root here
+    if target != root and root not in target.parents:
+        raise ToolError(
+            f"path {path!r} is outside the repository; use a path relative to its root",
+            "path_error",
+        )
+    return target
+
+
+def _arguments(
+    arguments: dict[str, Any], tool: str, required: Sequence[str], optional: Sequence[str] = ()
+) -> None:
+    missing = [k for k in required if k not in arguments]
+    extra = sorted(set(arguments) - set(required) - set(optional))
+    if missing or extra:
+        takes = ", ".join([*required, *(f"{k} (optional)" for k in optional)]) or "no arguments"
+        raise ToolError(
+            f"{tool} got missing {missing} / unexpected {extra} arguments; it takes {takes}",
+            "bad_arguments",
+        )
+
+
+def _check_regular(target: Path, path: str) -> None:
+    """Only plain files: no FIFOs or devices (a read would block or leak), and no file with
+    a second hard link (code run in the sandbox could have linked it to one outside)."""
+    st = target.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ToolError(f"{path} is not a regular file", "path_error")
+    if st.st_nlink > 1:
+        raise ToolError(f"{path} has {st.st_nlink} hard links; refusing to touch it", "path_error")
+
+
+def read_file(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
+    """Tool: the text of a file inside the workdir."""
+    _arguments(arguments, "read_file", ["path"])
+    path = arguments["path"]
+    attempt.actions.append({"type": "read_file", "path": str(path)})
+    target = resolve_in_workdir(attempt.workdir, path)
+    if target.is_dir():
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in target.iterdir())
+        raise ToolError(f"{path} is a directory; it contains: {', '.join(names)}", "path_error")
+    if not target.exists():
+        raise ToolError(f"{path} does not exist", "path_error")
+    _check_regular(target, path)
+    with open(target, "rb") as fh:
+        data = fh.read(MAX_READ_BYTES + 1)
+    text = data[:MAX_READ_BYTES].decode("utf-8", errors="replace")
+    return text + ("\n[file truncated]" if len(data) > MAX_READ_BYTES else "")
+
+
+def write_file(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
+    """Tool: replace (or create) a file inside the workdir."""
+    _arguments(arguments, "write_file", ["path", "content"])
+    path, content = arguments["path"], arguments["content"]
+    attempt.actions.append({"type": "write_file", "path": str(path), "content": str(content)})
+    if not isinstance(content, str):
+        raise ToolError(f"content must be a string, got {type(content).__name__}", "bad_arguments")
+    if len(content) > MAX_WRITE_CHARS:
+        raise ToolError(f"content has {len(content)} characters; at most {MAX_WRITE_CHARS}")
+    target = resolve_in_workdir(attempt.workdir, path)
+    if target.exists():
+        _check_regular(target, path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # O_NOFOLLOW: the path was resolved above; refuse a link planted since then
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(content)
+    return f"wrote {len(content)} characters to {path}"
+
+
+def run_tests(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
+    """Tool: the task's test command (optionally on some tests) in the sandbox."""
+    _arguments(arguments, "run_tests", [], ["tests"])
+    tests = arguments.get("tests") or []
+    if isinstance(tests, str):
+        tests = [tests]
+    if not isinstance(tests, list) or not all(isinstance(t, str) and t for t in tests):
+        raise ToolError(f"tests must be a list of test ids, got {tests!r}", "bad_arguments")
+    for test in tests:
+        if test.startswith("-"):
+            raise ToolError(f"{test!r} is an option; pass test ids or files only", "bad_arguments")
+        resolve_in_workdir(attempt.workdir, test.split("::", 1)[0])
+    result = attempt.sandbox.run_tests(attempt.task.test_command, tests)
+    summary = f"{result.passed} passed, {result.failed} failed, {result.errors} errors"
+    if result.timed_out:
+        raise ToolError(f"the test run timed out ({summary})\n{result.output}", "timeout")
+    return f"{summary}\n{result.output}"
+
+
+def finish(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
+    """Tool: end the attempt."""
+    return "finished; grading the repository"
+
+
+TOOLS: dict[str, Tool] = {
+    "read_file": read_file,
+    "write_file": write_file,
+    "run_tests": run_tests,
+    "finish": finish,
+}
+
+
+class FeatureDeletionEnv:
+    """FD tasks from a datagen task file, attempted with tools in a sandbox.
+
+    Args:
+        task_file: The training task file ``composer-replication datagen`` wrote; its
+            ``.heldout.jsonl`` sibling is loaded too when it exists.
+        repo_root: Directory holding the task workdirs (default: each task's recorded
+            ``workdir``, else the ``<stem>.workdirs`` sibling of the task file).
+        references_file: The hidden references (default ``<stem>.reference.jsonl``), read
+            only by ``solve_with_reference``.
+        sandbox_factory: ``workdir -> sandbox`` (``run_tests``, ``trajectory``).
+        max_turns, max_total_tokens, max_observation_chars: Agent-loop limits
+            (``run_agent_rollouts``).
+        grading_workers: Attempts scored in parallel.
+        hack_log: Optional JSONL file recording every monitor verdict.
+    """
+
+    name = "feature_deletion"
+
+    def __init__(
+        self,
+        task_file: str | os.PathLike[str],
+        *,
+        repo_root: str | os.PathLike[str] | None = None,
+        references_file: str | os.PathLike[str] | None = None,
+        sandbox_factory: Callable[[Path], Any] = default_sandbox_factory,
+        max_turns: int = 6,
+        max_total_tokens: int = 4096,
+        max_observation_chars: int = 4000,
+        grading_workers: int = 2,
+        hack_log: str | os.PathLike[str] | None = None,
+    ) -> None:
+        task_file = Path(task_file)
+        if not task_file.is_file():
+            raise FileNotFoundError(f"FD task file {str(task_file)!r} does not exist")
+        heldout_file, default_refs, workdirs = output_paths(task_file)
+        records = read_jsonl_records(task_file)
+        if heldout_file.is_file():
+            records += read_jsonl_records(heldout_file)
+        self.tasks: dict[str, FDTask] = {}
+        for record in records:
+            task = FDTask.from_json(record)
+            if task.task_id in self.tasks:
+                raise ValueError(f"task {task.task_id!r} appears twice in {task_file}")
+            self.tasks[task.task_id] = task
+        if not self.tasks:
+            raise ValueError(f"{task_file} holds no tasks; run composer-replication datagen")
+        self.workdirs = {
+            tid: self._find_workdir(t, repo_root, workdirs) for tid, t in self.tasks.items()
+        }
+        self.references_file = Path(references_file or default_refs)
+        self.sandbox_factory = sandbox_factory
+        self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens
+        self.max_observation_chars = max_observation_chars
+        self.grading_workers = max(1, grading_workers)
+        self.hack_log = HackLog(hack_log) if hack_log else None
+        self.monitor = HackMonitor(
+            forbidden_globs=(
+                str(self.references_file.resolve()),
+                str(heldout_file.resolve()),
+                "*.reference.jsonl",
+                "*.heldout.jsonl",
+            )
+        )
+
+    @staticmethod
+    def _find_workdir(task: FDTask, repo_root: Any, workdirs: Path) -> Path:
+        name = Path(task.workdir).name
+        if repo_root is not None:
+            candidates = [Path(repo_root) / name]
+        else:
+            candidates = [Path(task.workdir), workdirs / name]
+        for candidate in candidates:
+            if candidate.is_dir():
+                return candidate
+        raise FileNotFoundError(
+            f"task {task.task_id!r}: no workdir at {[str(c) for c in candidates]}; pass "
+            "repo_root= the directory holding the task workdirs (datagen writes them to "
+            "<stem>.workdirs next to the task file)"
+        )
+
+    def task_ids(self) -> list[str]:
+        return list(self.tasks)
+
+    def messages(self, task: FDTask) -> list[dict[str, str]]:
+        files = "\n".join(task.files[:MAX_LISTED_FILES])
+        if len(task.files) > MAX_LISTED_FILES:
+            files += f"\n... and {len(task.files) - MAX_LISTED_FILES} more"
+        return [
+            {"role": "system", "content": tool_instructions(FD_TOOLS, PREAMBLE)},
+            {"role": "user", "content": f"{task.prompt.rstrip()}\n\nRepository files:\n{files}"},
+        ]
+
+    def rollouts(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        group_size: int,
+        sampling: SamplingSettings,
+        sample_fn: SampleFn | None = None,
+    ) -> list[list[Rollout]]:
+        """``group_size`` scored attempts per task; ``sample_fn`` replaces the policy's
+        sampling step (``rollout.agent``)."""
+        unknown = [t for t in task_ids if t not in self.tasks]
+        if unknown:
+            raise ValueError(f"unknown feature_deletion task ids {unknown[:5]}")
+        return self._run(policy, tokenizer, task_ids, group_size, sampling, sample_fn)
+
+    def _run(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        group_size: int,
+        sampling: SamplingSettings,
+        sample_fn: SampleFn | None,
+        min_turns: int = 1,
+        max_total_tokens: int | None = None,
+    ) -> list[list[Rollout]]:
+        scratch = make_shared_tempdir("composer-replication-fd-env-")
+        attempts: list[FDAttempt] = []
+        try:
+            for tid in task_ids:
+                for _ in range(group_size):
+                    attempts.append(self._materialise(tid, scratch / f"{len(attempts):04d}"))
+            rollouts = run_agent_rollouts(
+                policy,
+                tokenizer,
+                [Episode(a.task.task_id, self.messages(a.task), a) for a in attempts],
+                sampling=sampling,
+                max_turns=max(self.max_turns, min_turns),
+                tools=TOOLS,
+                max_total_tokens=max_total_tokens or self.max_total_tokens,
+                max_observation_chars=self.max_observation_chars,
+                sample_fn=sample_fn,
+            )
+            with ThreadPoolExecutor(self.grading_workers) as pool:
+                list(pool.map(self.score, attempts, rollouts))
+        finally:
+            for attempt in attempts:
+                close = getattr(attempt.sandbox, "close", None)
+                if callable(close):
+                    close()
+            shutil.rmtree(scratch, ignore_errors=True)
+        groups: dict[str, list[Rollout]] = {tid: [] for tid in task_ids}
+        for rollout in rollouts:
+            groups[rollout.task_id].append(rollout)
+        return [groups[tid] for tid in task_ids]
+
+    def _materialise(self, task_id: str, dest: Path) -> FDAttempt:
+        shutil.copytree(self.workdirs[task_id], dest, symlinks=True)
+        scrub_tree(dest)
+        return FDAttempt(
+            task=self.tasks[task_id],
+            workdir=dest,
+            sandbox=self.sandbox_factory(dest),
+            manifest=self.monitor.snapshot(dest),
+        )
+
+    def score(self, attempt: FDAttempt, rollout: Rollout) -> None:
+        """Grade the attempt's workdir and fill in the rollout's reward, feedback, metadata.
+        Never raises: a failing sandbox is recorded as the rollout's error."""
+        task = attempt.task
+        reward = 0.0
+        if rollout.error is None:
+            try:
+                result = attempt.sandbox.run_tests(task.test_command, ())
+            except Exception as err:  # a failing sandbox is data, not a crash
+                rollout.error = f"sandbox_error: final test run: {type(err).__name__}: {err}"
+            else:
+                reward = self._test_reward(task, result, rollout)
+        trajectory = [*attempt.sandbox.trajectory(), *attempt.actions]
+        verdict = self.monitor.check(attempt.manifest, attempt.workdir, trajectory)
+        rollout.metadata["reward_before_monitor"] = reward
+        rollout.metadata["hack"] = {"flagged": verdict.flagged, "reasons": list(verdict.reasons)}
+        rollout.reward = score_with_monitor(reward, verdict)
+        if verdict.flagged:
+            rollout.feedback = (
+                f"HackMonitor flagged this attempt ({'; '.join(verdict.reasons)}). Restore the "
+                "feature in the code under test; never change tests or test configuration."
+            )
+        if self.hack_log is not None:
+            self.hack_log.record(task.task_id, verdict, reward_before_monitor=reward)
+
+    @staticmethod
+    def _test_reward(task: FDTask, result: Any, rollout: Rollout) -> float:
+        targets = set(task.target_tests)
+        passed = sum(result.outcomes.get(t) == "passed" for t in task.target_tests)
+        broken = [
+            t for t in task.passing_tests if t not in targets and result.outcomes.get(t) != "passed"
+        ]
+        reward = 0.0 if broken else passed / len(task.target_tests)
+        if result.timed_out:
+            rollout.error, reward = "timeout: the final test run timed out", 0.0
+        rollout.metadata.update(
+            passed_targets=passed,
+            n_targets=len(task.target_tests),
+            broken_tests=broken,
+            tests={"passed": result.passed, "failed": result.failed, "errors": result.errors},
+            isolated=result.isolated,
+        )
+        if reward < 1.0:
+            rollout.feedback = result.output[-FEEDBACK_CHARS:]
+        return reward
+
+    def solve_with_reference(self, tokenizer: Any, task_id: str) -> Rollout:
+        """The task's gold answer (read the file, write the reference body in, run the tests,
+        finish) through the same tools, sandbox and scorer; reward 1.0 for a sound task."""
+        refs = [TaskReference.from_json(r) for r in read_jsonl_records(self.references_file)]
+        ref = next((r for r in refs if r.task_id == task_id), None)
+        if ref is None:
+            raise ValueError(f"no reference for {task_id!r} in {self.references_file}")
+        lines = (self.workdirs[task_id] / ref.file).read_text(encoding="utf-8").splitlines(True)
+        if "".join(lines[ref.start_line - 1 : ref.end_line]) != ref.stub:
+            raise ValueError(f"the stub of {task_id!r} is not where its reference says")
+        lines[ref.start_line - 1 : ref.end_line] = [ref.body]
+        script = [
+            format_tool_call("read_file", {"path": ref.file}),
+            format_tool_call("write_file", {"path": ref.file, "content": "".join(lines)}),
+            format_tool_call("run_tests"),
+            format_tool_call("finish"),
+        ]
+        longest = max(len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in script)
+        sampling = SamplingSettings(
+            max_new_tokens=longest + 1, temperature=0, stop_strings=STOP_STRINGS
+        )
+        sampler = ScriptedSampler(tokenizer, [script])
+        # scripted: no model context to protect, so the token cap is lifted
+        groups = self._run(
+            None, tokenizer, [task_id], 1, sampling, sampler, len(script), max_total_tokens=1 << 30
+        )
+        return groups[0][0]

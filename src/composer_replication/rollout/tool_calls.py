@@ -1,0 +1,200 @@
+"""The tool-call format of multi-turn rollouts, and its parser.
+
+The format (the system prompt built by :func:`tool_instructions` tells the model exactly
+this):
+
+- The model calls a tool by writing one JSON object between tags, e.g.
+  ``<tool_call>{"name": "read_file", "arguments": {"path": "pkg/mod.py"}}</tool_call>``.
+  ``name`` is a string naming a tool; ``arguments`` is an object (omit it for a tool that
+  takes none). Sampling stops at ``</tool_call>`` (:data:`STOP_STRINGS`), so a message holds
+  at most one call and nothing after it; a string that must contain the closing tag writes
+  it with JSON's ``\\/`` escape (``<\\/tool_call>``), as :func:`format_tool_call` does.
+- The environment answers with one message holding the tool's output (or an error that
+  starts with ``Error:``), rendered through the tokenizer's chat template with the ``tool``
+  role; a template without a tool role gets a ``user`` message whose text starts with
+  ``[tool result]`` instead (see ``rollout.agent``).
+- A message without ``<tool_call>`` is the model's final answer; calling ``finish`` ends the
+  episode too.
+
+:func:`parse_tool_call` never raises on model text: a malformed call is data, a
+:class:`ToolCallError` whose ``kind`` is one of :data:`ERROR_KINDS` and whose ``message`` is
+the text sent back to the model (worded so that ``hint_generator.classify_error`` maps a
+JSON error to ``json_decode`` and an unknown tool to ``tool_not_found``). Tools report
+agent-visible failures (bad path, missing argument, timeout) by raising :class:`ToolError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ERROR_KINDS",
+    "FINISH_TOOL",
+    "STOP_STRINGS",
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "ToolCall",
+    "ToolCallError",
+    "ToolError",
+    "ToolSpec",
+    "format_tool_call",
+    "parse_tool_call",
+    "tool_instructions",
+]
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+STOP_STRINGS: tuple[str, ...] = (TOOL_CALL_CLOSE,)
+FINISH_TOOL = "finish"
+# no_call: the text has no <tool_call> (a final answer, not an error when the model is done).
+ERROR_KINDS: tuple[str, ...] = (
+    "no_call",
+    "json_decode",
+    "missing_name",
+    "bad_arguments",
+    "unknown_tool",
+)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call: the tool's ``name``, its ``arguments`` and the JSON text it came
+    from (treat ``arguments`` as read-only)."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    raw: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """Text that is not a usable call. ``kind`` is one of :data:`ERROR_KINDS`, ``message`` is
+    the observation sent back to the model, ``raw`` the text between the tags (if any) and
+    ``name`` the tool name when one could be read."""
+
+    kind: str
+    message: str
+    raw: str = ""
+    name: str | None = None
+
+
+class ToolError(Exception):
+    """Raised by a tool for a failure the model should see and can recover from.
+
+    ``kind`` classifies it for the rollout's event log: ``bad_arguments``, ``path_error``,
+    ``timeout`` or the generic ``tool_error``.
+    """
+
+    def __init__(self, message: str, kind: str = "tool_error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """How a tool is described to the model: ``parameters`` are (name, description) pairs."""
+
+    name: str
+    description: str
+    parameters: tuple[tuple[str, str], ...] = ()
+
+
+def format_tool_call(name: str, arguments: Mapping[str, Any] | None = None) -> str:
+    """The canonical text of a call, exactly as the model is asked to write it."""
+    body = json.dumps({"name": name, "arguments": dict(arguments or {})})
+    body = body.replace("</", "<\\/")  # JSON's "\/" escape: a closing tag in a string stays data
+    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+
+
+def tool_instructions(tools: Sequence[ToolSpec], preamble: str = "") -> str:
+    """The system prompt: ``preamble``, the call format, and one line per tool."""
+    lines = [preamble.strip(), ""] if preamble.strip() else []
+    lines += [
+        "You act by calling tools. To call a tool, write exactly one JSON object between "
+        f"{TOOL_CALL_OPEN} and {TOOL_CALL_CLOSE}, with the tool's name and an object of "
+        "arguments, and stop; for example:",
+        format_tool_call("read_file", {"path": "package/module.py"}),
+        "The tool's output comes back in the next message (errors start with 'Error:'). "
+        "Call one tool per message. When you are done, call finish.",
+        "",
+        "Tools:",
+    ]
+    for spec in tools:
+        signature = ", ".join(p for p, _ in spec.parameters)
+        params = "; ".join(f"{p}: {d}" for p, d in spec.parameters) or "none"
+        lines.append(f"- {spec.name}({signature}): {spec.description} Arguments: {params}.")
+    return "\n".join(lines)
+
+
+def _available(tool_names: Collection[str]) -> str:
+    return ", ".join(sorted(tool_names)) or "none"
+
+
+def parse_tool_call(
+    text: str, tool_names: Collection[str] | None = None
+) -> ToolCall | ToolCallError:
+    """The first call in ``text``, or why there is none. Never raises on model output.
+
+    Args:
+        text: One assistant message.
+        tool_names: The tools that exist; a call to another name is ``unknown_tool``
+            (None accepts any name).
+    """
+    start = text.find(TOOL_CALL_OPEN)
+    if start < 0:
+        return ToolCallError(
+            "no_call", f"Error: no tool call found; write {TOOL_CALL_OPEN}{{...}}{TOOL_CALL_CLOSE}"
+        )
+    body_start = start + len(TOOL_CALL_OPEN)
+    end = text.find(TOOL_CALL_CLOSE, body_start)
+    if end < 0:
+        raw = text[body_start:]
+        return ToolCallError(
+            "json_decode",
+            f"Error: the {TOOL_CALL_OPEN} is never closed with {TOOL_CALL_CLOSE} (the JSON "
+            "may be cut off); write the whole call again",
+            raw=raw,
+        )
+    raw = text[body_start:end]
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as err:
+        return ToolCallError(
+            "json_decode",
+            f"Error: the tool call is not valid JSON.\njson.decoder.JSONDecodeError: {err}",
+            raw=raw,
+        )
+    if not isinstance(data, dict):
+        return ToolCallError(
+            "missing_name",
+            f'Error: the tool call must be a JSON object with a "name", got {type(data).__name__}',
+            raw=raw,
+        )
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return ToolCallError(
+            "missing_name",
+            'Error: the tool call has no "name" (a non-empty string naming the tool)',
+            raw=raw,
+        )
+    arguments = data.get("arguments", {})
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return ToolCallError(
+            "bad_arguments",
+            f'Error: "arguments" of {name!r} must be a JSON object, got {type(arguments).__name__}',
+            raw=raw,
+            name=name,
+        )
+    if tool_names is not None and name not in tool_names:
+        return ToolCallError(
+            "unknown_tool",
+            f"Error: unknown tool '{name}'; available tools: {_available(tool_names)}",
+            raw=raw,
+            name=name,
+        )
+    return ToolCall(name=name, arguments=arguments, raw=raw)

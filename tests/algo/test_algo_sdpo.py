@@ -1,0 +1,168 @@
+"""sdpo and composer: Dr.GRPO streams, teacher contexts at error sites, pair samples."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from composer_replication.algo import AlgorithmConfig, LocalPrefillScorer, build_algorithm
+from composer_replication.algo.advantage import grpo_advantages
+from composer_replication.hint_generator import dispatch
+from composer_replication.loss import sequence_logps
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import pack_samples
+
+TASK = "Write add(a, b)."
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TASK}]
+GOOD = "def add(a, b):\n    return a + b"
+BAD = "def add(a, b):\n    return a - b"
+CRASH = 'Traceback (most recent call last):\n  File "t.py", line 2, in f\nZeroDivisionError: division by zero'
+PAIRS = [
+    {"state_messages": MESSAGES, "chosen": GOOD, "rejected": BAD},
+    {
+        "state_messages": MESSAGES,
+        "chosen_messages": [{"role": "assistant", "content": GOOD}],
+        "rejected_messages": [{"role": "assistant", "content": "pass"}],
+    },
+]
+
+
+def _prompt(tokenizer, messages):
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+
+def _rollout(tokenizer, text, reward, feedback=None):
+    completion = [*tokenizer(text, add_special_tokens=False)["input_ids"], 2]
+    return Rollout(
+        task_id="add",
+        prompt_ids=_prompt(tokenizer, MESSAGES),
+        completion_ids=completion,
+        inference_logprobs=[-0.5] * len(completion),
+        reward=reward,
+        prompt_messages=MESSAGES,
+        feedback=feedback,
+    )
+
+
+def _group(tokenizer):
+    return [
+        _rollout(tokenizer, GOOD, 1.0),  # best, clean: no jsd
+        _rollout(tokenizer, BAD, 0.0),  # below the best: demo from rollout 0
+        _rollout(tokenizer, GOOD, 1.0, feedback=CRASH),  # best but an error site: hint
+    ]
+
+
+def _hinted(tokenizer, note_content):
+    messages = [MESSAGES[0], {"role": "user", "content": note_content}]
+    return _prompt(tokenizer, messages)
+
+
+def _check_teacher(sample, rollout, teacher_prompt, alpha):
+    n_prompt, n_completion = len(rollout.prompt_ids), len(rollout.completion_ids)
+    assert sample.teacher_input_ids == teacher_prompt + rollout.completion_ids
+    assert sample.teacher_index == [-1] * n_prompt + [
+        len(teacher_prompt) + j for j in range(n_completion)
+    ]
+    assert sample.jsd_weights == [0.0] * n_prompt + [alpha] * n_completion
+
+
+def test_sdpo_assign(tokenizer):
+    algo = build_algorithm(AlgorithmConfig(advantage={"type": "sdpo"}), tokenizer=tokenizer)
+    group = _group(tokenizer)
+    samples = algo.assign(group)
+    adv = grpo_advantages([1.0, 0.0, 1.0]).tolist()
+    for sample, rollout, a in zip(samples, group, adv):
+        n_prompt = len(rollout.prompt_ids)
+        assert sample.advantages == [0.0] * n_prompt + [a] * len(rollout.completion_ids)
+    assert samples[0].jsd_weights is None and samples[0].teacher_input_ids is None
+    demo = f"{TASK}\n\nHere is a correct solution, for reference:\n{GOOD}"
+    _check_teacher(samples[1], group[1], _hinted(tokenizer, demo), 1.0)
+    hint = dispatch("runtime_error", {"error_message": CRASH})
+    _check_teacher(samples[2], group[2], _hinted(tokenizer, f"{TASK}\n\nHint: {hint}"), 1.0)
+    assert [s.metadata.get("jsd_note") for s in samples] == [None, "demo", "hint"]
+    for s in samples:
+        s.check_alignment()
+    (batch,) = pack_samples(samples, max_tokens=4096)
+    assert batch.teacher_input_ids.shape[0] == 3 and batch.jsd_weights.sum().item() == sum(
+        len(r.completion_ids) for r in group[1:]
+    )
+    assert algo.loss_settings == {"jsd_beta": 0.5}
+    assert algo.teacher == {"mode": "policy", "ema_decay": 0.99}
+
+
+@pytest.mark.parametrize(
+    ("hint_source", "feedback", "expected"),
+    [
+        ("feedback", "tests are slow", "tests are slow"),
+        ("generator", "tests are slow", "Your previous attempt failed with:\ntests are slow\n"
+                                        "Find the cause and fix it."),
+        ("generator", None, "A previous attempt at this task did not pass the tests. Re-read "
+                            "the task, check the edge cases, and fix the cause."),
+    ],
+)  # fmt: skip
+def test_sdpo_hints_without_demos(tokenizer, hint_source, feedback, expected):
+    config = AlgorithmConfig(
+        advantage={
+            "type": "sdpo",
+            "use_sibling_demos": False,
+            "hint_source": hint_source,
+            "alpha": 0.5,
+        }
+    )
+    algo = build_algorithm(config, tokenizer=tokenizer)
+    group = [_rollout(tokenizer, GOOD, 1.0), _rollout(tokenizer, BAD, 0.0, feedback=feedback)]
+    samples = algo.assign(group)
+    _check_teacher(samples[1], group[1], _hinted(tokenizer, f"{TASK}\n\nHint: {expected}"), 0.5)
+
+
+def test_sdpo_no_signal_without_notes_or_error_sites(tokenizer):
+    config = AlgorithmConfig(
+        advantage={"type": "sdpo", "use_sibling_demos": False, "hint_source": "none"}
+    )
+    samples = build_algorithm(config, tokenizer=tokenizer).assign(_group(tokenizer))
+    assert all(s.jsd_weights is None for s in samples)
+    uniform = [_rollout(tokenizer, GOOD, 1.0), _rollout(tokenizer, BAD, 1.0)]
+    algo = build_algorithm(AlgorithmConfig(advantage={"type": "sdpo"}), tokenizer=tokenizer)
+    assert all(s.jsd_weights is None for s in algo.assign(uniform))
+
+
+def test_composer_assign_and_score(tiny):
+    model, tokenizer = tiny
+    config = AlgorithmConfig(advantage={"type": "composer", "pairs_per_group": 1})
+    algo = build_algorithm(
+        config, tokenizer=tokenizer, pairs=PAIRS, reference_scorer=LocalPrefillScorer(model)
+    )
+    group = _group(tokenizer)
+    samples = algo.assign(group)
+    assert len(samples) == 4
+    *seq_samples, pair_sample = samples
+    demo = f"{TASK}\n\nHere is a correct solution, for reference:\n{GOOD}"
+    _check_teacher(seq_samples[1], group[1], _hinted(tokenizer, demo), 0.1)
+    assert seq_samples[2].jsd_weights[-1] == 0.1
+    assert pair_sample.input_ids == [] and pair_sample.dpo.weight == 0.05
+    assert pair_sample.source == "composer"
+    assert algo.loss_settings == {"jsd_beta": 0.5, "dpo_beta": 0.1, "dpo_loss": "dpo"}
+
+    asyncio.run(algo.score(samples))
+    pair = pair_sample.dpo
+    for side in ("chosen", "rejected"):
+        ids = torch.tensor([getattr(pair, f"{side}_ids")])
+        mask = torch.tensor([getattr(pair, f"{side}_mask")])
+        with torch.no_grad():
+            expected = sequence_logps(model, ids, mask).item()
+        assert getattr(pair, f"ref_{side}_logp") == pytest.approx(expected, abs=1e-4)
+    for s in samples:
+        s.check_alignment()
+    batches = pack_samples(samples, max_tokens=4096)
+    assert [p.weight for b in batches for p in b.pairs] == [0.05]
+    # the next group draws the other pair of the pool
+    assert algo.assign(group)[-1].dpo is not pair
+
+
+def test_composer_without_pairs_has_no_dpo_samples(tokenizer):
+    algo = build_algorithm(AlgorithmConfig(advantage={"type": "composer"}), tokenizer=tokenizer)
+    samples = algo.assign(_group(tokenizer))
+    assert len(samples) == 3 and all(s.dpo is None for s in samples)
+    asyncio.run(algo.score(samples))  # nothing to score: a no-op
