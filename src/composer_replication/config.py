@@ -62,7 +62,7 @@ class ModelConfig(_Strict):
 class OptimConfig(_Strict):
     """AdamW with warm-up and a schedule, plus gradient clipping."""
 
-    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
@@ -98,10 +98,10 @@ def _default_envs() -> list[EnvConfig]:
         EnvConfig(
             name="python_functions",
             algorithm=AlgorithmConfig(
-                sampling=SamplingConfig(group_size=4, temperature=1.0, max_new_tokens=96),
+                sampling=SamplingConfig(group_size=4, temperature=1.0, max_new_tokens=80),
                 advantage=ComposerAdvantage(),
             ),
-            tasks_per_step=4,
+            tasks_per_step=2,
         )
     ]
 
@@ -109,13 +109,13 @@ def _default_envs() -> list[EnvConfig]:
 class EvalConfig(_Strict):
     """Held-out evaluation (pass@1) and when to run it."""
 
-    every: int = Field(5, ge=1, description="Evaluate every N steps (and feed the kill switch).")
+    every: int = Field(3, ge=1, description="Evaluate every N steps (and feed the kill switch).")
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
     samples_per_task: int = Field(1, ge=1, description="Samples per held-out task for pass@1.")
     temperature: float = Field(
         0.0, ge=0, description="Sampling temperature for evaluation (0 = greedy)."
     )
-    max_tasks: int | None = Field(None, ge=1, description="Cap on held-out tasks per evaluation.")
+    max_tasks: int | None = Field(12, ge=1, description="Cap on held-out tasks per evaluation (null: all).")
 
 
 class GuardConfig(_Strict):
@@ -154,7 +154,7 @@ class RunConfig(_Strict):
     """Everything a training run needs. Defaults = the embedded CPU job."""
 
     seed: int = Field(0, description="Seed for Python, NumPy and torch.")
-    steps: int = Field(16, ge=1, description="Optimizer steps.")
+    steps: int = Field(6, ge=1, description="Optimizer steps.")
     output_dir: str = Field(
         "runs/default", description="Checkpoints, metrics, report and the final model go here."
     )

@@ -1,0 +1,42 @@
+"""Every shipped run config loads, validates, and the default one equals the built-in default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from composer_replication.config import RunConfig
+
+RUNS = sorted((Path(__file__).parents[1] / "configs" / "runs").glob("*.toml"))
+
+
+def test_a_run_config_for_every_algorithm():
+    from composer_replication.algo import ALGORITHMS
+
+    names = {p.stem for p in RUNS}
+    assert set(ALGORITHMS) <= names
+    assert {"default", "embedded_long"} <= names
+
+
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: p.stem)
+def test_run_config_loads(path):
+    cfg = RunConfig.from_toml(path)
+    assert cfg.envs and cfg.steps >= 1
+    if path.stem not in ("default", "embedded_long"):
+        assert cfg.envs[0].algorithm.type == path.stem
+
+
+def test_default_toml_is_the_builtin_default():
+    assert RunConfig.from_toml(RUNS[[p.stem for p in RUNS].index("default")]) == RunConfig.default()
+
+
+def test_overrides_and_errors(tmp_path):
+    cfg = RunConfig.default(["steps=3", "optim.lr=0.001", "model.lora=null"])
+    assert cfg.steps == 3 and cfg.optim.lr == 0.001 and cfg.model.lora is None
+    with pytest.raises(ValueError, match="a.b.c=value"):
+        RunConfig.default(["steps"])
+    with pytest.raises(FileNotFoundError):
+        RunConfig.from_toml(tmp_path / "missing.toml")
+    with pytest.raises(ValueError):
+        RunConfig.default(["no_such_field=1"])
