@@ -28,7 +28,16 @@ from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.safety import CollapseStopError, HeldOutGuard, HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.metrics import MetricsLog
-from composer_replication.trainer.step import LossConfig, train_step
+from composer_replication.trainer.setup import (
+    ProgressBar,
+    jsd_teacher_setting,
+    kl_to_initial,
+    make_scheduler,
+    merged_loss_config,
+    seed_everything,
+    setup_policy,
+)
+from composer_replication.trainer.step import train_step
 from composer_replication.trainer.teachers import TeacherModels
 from composer_replication.wire import pack_samples
 
@@ -59,139 +68,6 @@ class RunResult:
     final_model_dir: Path | None
     stopped_by_guard: str | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def setup_policy(config: RunConfig) -> tuple[Any, Any]:
-    """Load the policy (and apply LoRA) as configured."""
-    from composer_replication.models import load_policy
-
-    policy, tokenizer = load_policy(config.model.source, dtype=config.model.dtype)
-    if config.model.lora is not None:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
-
-        lora = config.model.lora
-        policy = get_peft_model(
-            policy,
-            PeftLoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=list(lora.target_modules),
-                task_type="CAUSAL_LM",
-            ),
-        )
-    if config.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if config.model.lora is not None:
-            policy.enable_input_require_grads()
-    policy.train()
-    return policy, tokenizer
-
-
-def make_scheduler(optimizer: Any, config: RunConfig) -> Any:
-    warmup, total, kind = config.optim.warmup_steps, config.steps, config.optim.schedule
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return 1.0 - progress
-        import math
-
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def merged_loss_config(config: RunConfig, runtimes: list[EnvRuntime]) -> LossConfig:
-    """The run's LossConfig plus the settings the algorithms' samples assume."""
-    data = config.loss.model_dump()
-    temperatures = {rt.sampling.temperature for rt in runtimes}
-    if len(temperatures) > 1:
-        raise ValueError(
-            f"environments sample at different temperatures {sorted(temperatures)}; the "
-            "trainer recomputes log-probs at one temperature: use the same sampling.temperature"
-        )
-    data["temperature"] = temperatures.pop() or 1.0
-    seen: dict[str, tuple[Any, str]] = {}
-    for rt in runtimes:
-        for key, value in rt.algorithm.loss_settings.items():
-            if key in seen and seen[key][0] != value:
-                raise ValueError(
-                    f"environments {seen[key][1]!r} and {rt.env.name!r} need different "
-                    f"{key} ({seen[key][0]} vs {value}); set them equal"
-                )
-            seen[key] = (value, rt.env.name)
-            data[key] = value
-    return LossConfig.model_validate(data)
-
-
-def jsd_teacher_setting(config: RunConfig, runtimes: list[EnvRuntime]) -> tuple[str, float]:
-    """The jsd teacher: the run's ``jsd_teacher`` unless an algorithm asks for its own."""
-    wanted = {
-        (
-            rt.algorithm.teacher["mode"],
-            float(rt.algorithm.teacher.get("ema_decay", config.ema_decay)),
-        )
-        for rt in runtimes
-        if rt.algorithm.teacher
-    }
-    if len(wanted) > 1:
-        raise ValueError(
-            f"environments ask for different jsd teachers {sorted(wanted)}; one run has one "
-            "teacher model: set advantage.teacher / ema_decay equal"
-        )
-    if not wanted:
-        return config.jsd_teacher, config.ema_decay
-    mode, decay = wanted.pop()
-    run_default = RunConfig.model_fields["jsd_teacher"].default
-    if config.jsd_teacher not in (run_default, mode):
-        raise ValueError(
-            f"jsd_teacher = {config.jsd_teacher!r} contradicts the algorithm's teacher {mode!r}"
-        )
-    return mode, decay
-
-
-@torch.no_grad()
-def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: float) -> float:
-    """Token-mean k3 estimate of KL(policy || initial) on the batches' trainable tokens."""
-    from composer_replication.chunked_head import (
-        last_hidden_states,
-        lm_head_weight,
-        token_logprobs_from_hidden,
-    )
-
-    total, count = 0.0, 0
-    for mb in batches:
-        if mb.n_rows == 0:
-            continue
-        targets = mb.input_ids[:, 1:]
-        mask = mb.loss_mask[:, 1:] != 0
-        lps = []
-        for model in (policy, initial):
-            hidden = last_hidden_states(model, mb.input_ids, mb.attention_mask)
-            lps.append(
-                token_logprobs_from_hidden(
-                    hidden[:, :-1], lm_head_weight(model), targets, temperature=temperature
-                )
-            )
-        log_ratio = lps[1] - lps[0]  # log pi_init - log pi, on samples from pi
-        k3 = log_ratio.exp() - 1 - log_ratio
-        total += float(k3[mask].sum())
-        count += int(mask.sum())
-    return total / count if count else 0.0
 
 
 class Trainer:
@@ -439,7 +315,7 @@ class Trainer:
         if not resumed and self.config.eval.at_start:
             self.heldout_before = self.evaluate()
             self.metrics.append({"step": 0, "heldout/pass@1": self.heldout_before})
-        progress = _progress(self.console, self.config.steps, self.step)
+        progress = ProgressBar(self.console, self.config.steps, self.step)
         stopped: str | None = None
         try:
             while self.step < self.config.steps:
@@ -491,45 +367,6 @@ class Trainer:
         from composer_replication.models import save_checkpoint
 
         return save_checkpoint(self.policy, self.run_dir / "final_model", tokenizer=self.tokenizer)
-
-
-class _progress:
-    """A rich progress bar with live reward and loss (silent without a console)."""
-
-    def __init__(self, console: Any, total: int, done: int) -> None:
-        self._bar = None
-        if console is None:
-            return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self._bar = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"),
-            console=console,
-        )
-        self._task = self._bar.add_task("train", total=total, completed=done, info="")
-        self._bar.start()
-
-    def update(self, row: dict[str, Any]) -> None:
-        if self._bar is None:
-            return
-        info = f"reward {row.get('reward/mean', 0):.3f} loss {row.get('loss', 0):.4f}"
-        if row.get("heldout/pass@1") is not None:
-            info += f" held-out {row['heldout/pass@1']:.3f}"
-        self._bar.update(self._task, completed=row["step"], info=info)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def train(
