@@ -32,6 +32,11 @@ _LAZY: dict[str, str] = {
 
 # True when the optional torchft dependency (DiLoCo) is importable.
 _DILOCO_AVAILABLE: bool = importlib.util.find_spec("torchft") is not None
+# torchft's DiLoCo outer loop; None when torchft is absent (spec 01-api.md §1).
+make_diloco_outer_loop = None
+if _DILOCO_AVAILABLE:
+    del make_diloco_outer_loop
+    _LAZY["make_diloco_outer_loop"] = "composer_replication.diloco.outer_loop"
 
 __all__ = [
     "DEFAULT_TEACHERS",
@@ -49,6 +54,7 @@ __all__ = [
     "compose_loss",
     "extract_dpo_pairs",
     "generalized_jsd_loss",
+    "make_diloco_outer_loop",
     "replay_trace",
 ]
 

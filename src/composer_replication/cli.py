@@ -156,9 +156,11 @@ def version() -> None:
 def _register_subcommands() -> None:
     from composer_replication import trace_cli
     from composer_replication.datagen.cli import datagen_command
+    from composer_replication.diloco.cli import diloco_app
 
     app.command("datagen")(datagen_command)
     trace_cli.register(app)
+    app.add_typer(diloco_app, name="diloco")
 
 
 _register_subcommands()

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from composer_replication.algo import AlgorithmConfig
 from composer_replication.algo.advantage_config import ComposerAdvantage
 from composer_replication.algo.config import SamplingConfig
+from composer_replication.diloco.integration import DiLoCoConfig
 from composer_replication.trainer.step import LossConfig
 
 
@@ -115,7 +116,9 @@ class EvalConfig(_Strict):
     temperature: float = Field(
         0.0, ge=0, description="Sampling temperature for evaluation (0 = greedy)."
     )
-    max_tasks: int | None = Field(12, ge=1, description="Cap on held-out tasks per evaluation (null: all).")
+    max_tasks: int | None = Field(
+        12, ge=1, description="Cap on held-out tasks per evaluation (null: all)."
+    )
 
 
 class GuardConfig(_Strict):
@@ -179,6 +182,10 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    diloco: DiLoCoConfig = Field(
+        default_factory=DiLoCoConfig,
+        description="DiLoCo outer loop across replicas (off by default).",
+    )
     trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         default_factory=list, description="Optional experiment trackers."
     )

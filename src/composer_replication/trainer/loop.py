@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from composer_replication.config import RunConfig
+from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.envs.base import Environment, pass_at_1
 from composer_replication.rollout.endpoint_sampler import sampling_source
 from composer_replication.rollout.generate import SamplingSettings
@@ -55,6 +57,15 @@ class EnvRuntime:
     group_size: int
     curriculum: Any = None
     sampler: Any = None  # None: the live policy samples
+
+
+def diloco_rank(config: Any) -> int | None:
+    """This replica's DiLoCo rank (None when DiLoCo is off)."""
+    if not config.enabled:
+        return None
+    if config.rank is not None:
+        return int(config.rank)
+    return int(os.environ.get(config.rank_env, "0"))
 
 
 @dataclass
@@ -97,7 +108,10 @@ class Trainer:
         self.loss_config = merged_loss_config(config, self.runtimes)
         mode, decay = jsd_teacher_setting(config, self.runtimes)
         self.teachers = TeacherModels(self.policy, mode=mode, ema_decay=decay)
-        self.task_rng = random.Random(config.seed)
+        # DiLoCo replicas must see different data: offset the task stream by the rank.
+        self.task_rng = random.Random(config.seed + (diloco_rank(config.diloco) or 0))
+        self.sync = NO_SYNC
+        self._diloco_state: dict[str, Any] | None = None
         self.guard = HeldOutGuard(**config.guard.guard_kwargs())
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -170,6 +184,7 @@ class Trainer:
             "guard": self.guard.state_dict(),
             "teachers": self.teachers.state_dict(),
             "heldout_before": self.heldout_before,
+            "diloco": self.sync.state_dict(),
         }
 
     def save(self) -> Path:
@@ -197,6 +212,7 @@ class Trainer:
         self.guard.load_state_dict(extra["guard"])
         self.teachers.load_state_dict(extra["teachers"])
         self.heldout_before = extra["heldout_before"]
+        self._diloco_state = extra.get("diloco")
         self.metrics.truncate_after(self.step)
         return True
 
@@ -269,6 +285,7 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
             )
         self.optimizer.step()
+        row["diloco/synced"] = float(self.sync.after_inner_step())
         self.scheduler.step()
         self.teachers.update(self.policy)
         self.step += 1
@@ -316,25 +333,34 @@ class Trainer:
             self.heldout_before = self.evaluate()
             self.metrics.append({"step": 0, "heldout/pass@1": self.heldout_before})
         progress = ProgressBar(self.console, self.config.steps, self.step)
-        stopped: str | None = None
         try:
-            while self.step < self.config.steps:
-                row = self.train_one_step()
-                if self.step % self.config.eval.every == 0 or self.step == self.config.steps:
-                    self.guard_round(row)
-                row["time/total_s"] = time.perf_counter() - start
-                self.metrics.append(row)
-                progress.update(row)
-                if row.get("guard/fired"):
-                    stopped = row["guard/reason"]
-                    self.save()
-                    raise CollapseStopError(self.guard.last_status)
-                if self.step % self.config.checkpoint.every == 0 or self.step == self.config.steps:
-                    self.save()
+            with diloco_context(self.config.diloco, self.policy, self.optimizer) as sync:
+                self.sync = sync
+                if self._diloco_state:
+                    sync.load_state_dict(self._diloco_state)
+                self._loop(start, progress)
         finally:
+            self.sync = NO_SYNC
             progress.close()
             if self.metrics.rows():
                 write_report(self.run_dir)
+        return self._finish(start)
+
+    def _loop(self, start: float, progress: ProgressBar) -> None:
+        while self.step < self.config.steps:
+            row = self.train_one_step()
+            if self.step % self.config.eval.every == 0 or self.step == self.config.steps:
+                self.guard_round(row)
+            row["time/total_s"] = time.perf_counter() - start
+            self.metrics.append(row)
+            progress.update(row)
+            if row.get("guard/fired"):
+                self.save()
+                raise CollapseStopError(self.guard.last_status)
+            if self.step % self.config.checkpoint.every == 0 or self.step == self.config.steps:
+                self.save()
+
+    def _finish(self, start: float) -> RunResult:
         final_dir = self.save_final_model()
         heldout_after = next(
             (
@@ -358,7 +384,7 @@ class Trainer:
             self.heldout_before,
             heldout_after,
             final_dir,
-            stopped,
+            None,
             self.metrics.rows(),
         )
 

@@ -1,0 +1,289 @@
+"""``composer-replication diloco ...``: launch, watch and stop DiLoCo replica runs.
+
+``launch`` uploads the run config next to the rendezvous, then starts ``--replicas`` copies
+of ``composer-replication train CONFIG --set diloco.enabled=true ...`` through the chosen
+executor; the replicas meet through the object-store rendezvous. Launched handles go to a
+small state file (``<state-dir>/<run-id>.json``), so ``status``/``logs``/``cancel`` work
+from any later shell. Library functions ``launch``/``status``/``logs``/``cancel`` do the
+work; the typer commands in ``diloco_app`` only parse options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import typer
+
+EXECUTORS = ("local", "eks", "sagemaker", "modal", "hf_jobs")
+DEFAULT_STATE_DIR = Path(".diloco")
+TRAIN_REPLICA = "composer_replication.diloco.cli.train_replica"
+
+diloco_app = typer.Typer(
+    name="diloco",
+    help="Launch and manage DiLoCo replicas that meet through an object store.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["image=x", "volume_size_gb=200"]`` -> ``{"image": "x", "volume_size_gb": 200}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"executor option {item!r} must look like key=value")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def build_executor(name: str, run_id: str, options: dict[str, Any], state_dir: Path) -> Any:
+    """The executor ``name`` with ``options`` as its keyword arguments."""
+    from composer_replication.diloco import serverless
+
+    if name == "local":
+        return serverless.LocalProcessExecutor(state_dir / run_id, **options)
+    if name == "eks":
+        return serverless.EKSExecutor(run_id=run_id, **options)
+    if name == "sagemaker":
+        return serverless.SageMakerExecutor(run_id=run_id, **options)
+    if name == "modal":
+        return serverless.ModalExecutor(**options)
+    if name == "hf_jobs":
+        return serverless.HFJobsExecutor(**options)
+    raise ValueError(f"unknown executor {name!r}; choose one of {', '.join(EXECUTORS)}")
+
+
+def _state_path(state_dir: Path, run_id: str | None) -> Path:
+    if run_id:
+        path = state_dir / f"{run_id}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no DiLoCo run {run_id!r} in {state_dir} (see {path})")
+        return path
+    runs = sorted(state_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise FileNotFoundError(f"no DiLoCo runs recorded in {state_dir}; launch one first")
+    return runs[-1]
+
+
+def load_run(state_dir: Path, run_id: str | None = None) -> tuple[dict[str, Any], Any, list[Any]]:
+    """``(state, executor, handles)`` of ``run_id`` (default: the latest launched)."""
+    from composer_replication.diloco.serverless import ReplicaHandle
+
+    state = json.loads(_state_path(state_dir, run_id).read_text())
+    executor = build_executor(state["executor"], state["run_id"], state["options"], state_dir)
+    return state, executor, [ReplicaHandle.from_dict(h) for h in state["handles"]]
+
+
+def launch(
+    config_path: str | Path,
+    executor: str = "local",
+    replicas: int = 2,
+    *,
+    rendezvous: str | None = None,
+    overrides: list[str] | None = None,
+    gpu: str | None = None,
+    timeout: int = 3600,
+    run_id: str | None = None,
+    state_dir: Path = DEFAULT_STATE_DIR,
+    options: dict[str, Any] | None = None,
+    entrypoint: str = TRAIN_REPLICA,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Start ``replicas`` trainers of ``config_path``; returns the recorded run state."""
+    import fsspec
+
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    config_path = Path(config_path)
+    if not config_path.is_file():
+        raise FileNotFoundError(f"config {config_path} does not exist")
+    run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    state_dir = Path(state_dir).resolve()
+    if rendezvous is None:
+        if executor != "local":
+            raise ValueError(
+                f"--rendezvous is required for executor {executor!r}: an s3://, gs://, hf:// "
+                "URI every replica can reach"
+            )
+        rendezvous = (state_dir / run_id / "rendezvous").as_uri()
+    rendezvous = rendezvous.rstrip("/")
+    config_uri = f"{rendezvous}/launch/config.toml"
+    with fsspec.open(config_uri, "w", auto_mkdir=True, **(storage_options or {})) as fh:
+        fh.write(config_path.read_text())
+    args = {
+        "config_uri": config_uri,
+        "rendezvous_uri": f"{rendezvous}/allreduce",
+        "world_size": replicas,
+        "overrides": list(overrides or []),
+    }
+    if storage_options:
+        args["storage_options"] = storage_options
+    runner = build_executor(executor, run_id, dict(options or {}), state_dir)
+    handles = runner.launch_replicas(replicas, entrypoint, args, gpu=gpu, timeout=timeout)
+    state = {
+        "run_id": run_id,
+        "executor": executor,
+        "options": dict(options or {}),
+        "rendezvous": rendezvous,
+        "replicas": replicas,
+        "created": time.time(),
+        "handles": [h.to_dict() for h in handles],
+    }
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / f".{run_id}.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, state_dir / f"{run_id}.json")
+    return state
+
+
+def status(run_id: str | None = None, *, state_dir: Path = DEFAULT_STATE_DIR) -> list[dict]:
+    """``[{"rank": r, "status": s}, ...]`` for the run (default: the latest)."""
+    _, executor, handles = load_run(Path(state_dir), run_id)
+    return [{"rank": h.rank, "status": executor.poll(h)} for h in handles]
+
+
+def logs(
+    run_id: str | None = None,
+    *,
+    rank: int | None = None,
+    n_lines: int = 200,
+    state_dir: Path = DEFAULT_STATE_DIR,
+) -> dict[int, str]:
+    """The last ``n_lines`` of each replica's log (or only ``rank``'s)."""
+    _, executor, handles = load_run(Path(state_dir), run_id)
+    chosen = [h for h in handles if rank is None or h.rank == rank]
+    if not chosen:
+        raise ValueError(f"rank {rank} is not in this run (ranks 0..{len(handles) - 1})")
+    return {h.rank: executor.stream_logs(h, n_lines=n_lines) for h in chosen}
+
+
+def cancel(run_id: str | None = None, *, state_dir: Path = DEFAULT_STATE_DIR) -> int:
+    """Cancel every replica of the run; returns how many handles were cancelled."""
+    _, executor, handles = load_run(Path(state_dir), run_id)
+    for handle in handles:
+        executor.cancel(handle)
+    return len(handles)
+
+
+def train_replica(
+    config_uri: str,
+    rendezvous_uri: str,
+    world_size: int,
+    overrides: list[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """What each launched replica runs: ``composer-replication train`` with DiLoCo on."""
+    import tempfile
+
+    import fsspec
+
+    from composer_replication.diloco.serverless.replica_entrypoint import replica_rank
+
+    rank = replica_rank(int(world_size))
+    with fsspec.open(config_uri, "r", **(storage_options or {})) as fh:
+        text = fh.read()
+    config = Path(tempfile.mkdtemp(prefix="diloco-config-")) / "config.toml"
+    config.write_text(text)
+    sets = [
+        *(overrides or []),
+        "diloco.enabled=true",
+        "diloco.backend=object_store",
+        f"diloco.rendezvous={rendezvous_uri}",
+        f"diloco.world_size={int(world_size)}",
+        f"diloco.rank={rank}",
+    ]
+    if storage_options:
+        sets.append(f"diloco.storage_options={json.dumps(storage_options)}")
+    from composer_replication.cli import app
+    from composer_replication.config import RunConfig
+
+    base = RunConfig.from_toml(config, sets).output_dir
+    sets.append(f"output_dir={base.rstrip('/')}/rank_{rank}")
+    argv = ["train", str(config)]
+    for item in sets:
+        argv += ["--set", item]
+    app(argv, prog_name="composer-replication")
+
+
+# ---------------------------------------------------------------------- typer commands
+
+
+@diloco_app.command("launch")
+def launch_command(
+    config: Path = typer.Argument(..., help="Run config TOML every replica trains."),
+    executor: str = typer.Option("local", help=f"Where replicas run: {', '.join(EXECUTORS)}."),
+    replicas: int = typer.Option(2, min=1, help="How many replicas (the DiLoCo world size)."),
+    rendezvous: str | None = typer.Option(
+        None, help="Object-store URI the replicas meet at (default for local: under state-dir)."
+    ),
+    set_: list[str] = typer.Option([], "--set", help="Config override for every replica."),
+    opt: list[str] = typer.Option(
+        [], "--opt", help="Executor argument key=value, e.g. --opt image=... --opt role_arn=..."
+    ),
+    gpu: str | None = typer.Option(None, help="GPU per replica, e.g. A100, H100:8, A10G."),
+    timeout: int = typer.Option(3600, min=1, help="Hard deadline per replica, seconds."),
+    run_id: str | None = typer.Option(None, help="Run id (default: timestamp + random)."),
+    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+    entrypoint: str = typer.Option(TRAIN_REPLICA, hidden=True, help="Replica function."),
+) -> None:
+    """Start N replicas of `train CONFIG` with DiLoCo on, meeting through the rendezvous."""
+    try:
+        state = launch(
+            config,
+            executor,
+            replicas,
+            rendezvous=rendezvous,
+            overrides=set_,
+            gpu=gpu,
+            timeout=timeout,
+            run_id=run_id,
+            state_dir=state_dir,
+            options=parse_options(opt),
+            entrypoint=entrypoint,
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(f"launched run {state['run_id']}: {replicas} replicas on {executor}")
+    typer.echo(f"rendezvous: {state['rendezvous']}")
+
+
+@diloco_app.command("status")
+def status_command(
+    run_id: str | None = typer.Argument(None, help="Run id (default: the latest)."),
+    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+) -> None:
+    """Each replica's status: pending, running, succeeded, failed or cancelled."""
+    for row in status(run_id, state_dir=state_dir):
+        typer.echo(f"rank {row['rank']}: {row['status']}")
+
+
+@diloco_app.command("logs")
+def logs_command(
+    run_id: str | None = typer.Argument(None, help="Run id (default: the latest)."),
+    rank: int | None = typer.Option(None, help="Only this replica."),
+    lines: int = typer.Option(200, min=1, help="Lines per replica."),
+    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+) -> None:
+    """The tail of each replica's log."""
+    for r, text in logs(run_id, rank=rank, n_lines=lines, state_dir=state_dir).items():
+        typer.echo(f"===== rank {r} =====\n{text}")
+
+
+@diloco_app.command("cancel")
+def cancel_command(
+    run_id: str | None = typer.Argument(None, help="Run id (default: the latest)."),
+    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+) -> None:
+    """Stop every replica of the run."""
+    n = cancel(run_id, state_dir=state_dir)
+    typer.echo(f"cancelled {n} replicas")

@@ -1,0 +1,150 @@
+"""What every serverless executor shares: the handle, the Protocol, entrypoint helpers.
+
+An executor starts ``n`` replicas of one entrypoint somewhere (local processes, a
+Kubernetes Indexed Job, SageMaker training jobs, Modal functions, HF Jobs) and tells each
+its rank. The replicas never need a network between them: they meet through an
+``ObjectStoreAllReduce`` rendezvous URI passed in ``entrypoint_args``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+ReplicaStatus = Literal["pending", "running", "succeeded", "failed", "cancelled"]
+STATUSES: tuple[str, ...] = ("pending", "running", "succeeded", "failed", "cancelled")
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+RANK_ENV = "REPLICA_RANK"
+WORLD_SIZE_ENV = "REPLICA_WORLD_SIZE"
+
+
+@dataclass(frozen=True)
+class ReplicaHandle:
+    """One launched replica: its rank, the backend that runs it and backend ids."""
+
+    rank: int
+    backend_name: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "backend_name": self.backend_name, "metadata": self.metadata}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaHandle:
+        return cls(int(data["rank"]), str(data["backend_name"]), dict(data.get("metadata", {})))
+
+
+@runtime_checkable
+class ServerlessExecutor(Protocol):
+    """Launches and tracks the replicas of one DiLoCo run on one backend."""
+
+    backend_name: str
+    supports_inter_replica_network: bool
+
+    def launch_replicas(
+        self,
+        n_replicas: int,
+        entrypoint: Any,
+        entrypoint_args: dict[str, Any],
+        *,
+        gpu: str | None = None,
+        timeout: int = 3600,
+    ) -> list[ReplicaHandle]: ...
+
+    def poll(self, handle: ReplicaHandle) -> ReplicaStatus: ...
+
+    def stream_logs(self, handle: ReplicaHandle, *, n_lines: int = 200) -> str: ...
+
+    def cancel(self, handle: ReplicaHandle) -> None: ...
+
+    def collect(
+        self, handles: list[ReplicaHandle], *, timeout: float | None = None
+    ) -> list[dict[str, Any]]: ...
+
+
+def check_launch_args(n_replicas: int, timeout: float) -> None:
+    """Reject a replica count or timeout no backend can honour."""
+    if isinstance(n_replicas, bool) or not isinstance(n_replicas, int) or n_replicas < 1:
+        raise ValueError(f"n_replicas must be an int >= 1, got {n_replicas!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+
+
+def resolve_entrypoint(entrypoint: str | Callable[..., Any]) -> Callable[..., Any]:
+    """A callable from ``"pkg.module"`` (its ``main``), ``"pkg.module.function"`` or a callable."""
+    if callable(entrypoint):
+        return entrypoint
+    if not isinstance(entrypoint, str) or not entrypoint:
+        raise ValueError(
+            f"entrypoint must be a callable or a 'module' / 'module.function' string, "
+            f"got {entrypoint!r}"
+        )
+    try:
+        module = importlib.import_module(entrypoint)
+        attr = "main"
+    except ModuleNotFoundError as exc:
+        module_name, _, attr = entrypoint.rpartition(".")
+        if not module_name or exc.name not in (entrypoint, module_name, *_parents(entrypoint)):
+            raise
+        module = importlib.import_module(module_name)
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ValueError(
+            f"entrypoint {entrypoint!r}: {module.__name__} has no callable {attr!r}; pass "
+            "'module' (which must define main) or 'module.function'"
+        )
+    return function
+
+
+def _parents(dotted: str) -> list[str]:
+    parts = dotted.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def entrypoint_string(entrypoint: Any) -> str:
+    """The ``module`` / ``module.function`` string that remote backends run."""
+    if isinstance(entrypoint, str):
+        return entrypoint
+    module, name = getattr(entrypoint, "__module__", None), getattr(entrypoint, "__qualname__", "")
+    if not module or module == "__main__" or "<" in name:
+        raise ValueError(
+            f"a remote backend runs the entrypoint by import path; {entrypoint!r} has none "
+            "(defined in __main__ or a closure): pass 'module.function' instead"
+        )
+    return f"{module}.{name}"
+
+
+def scalar_env(entrypoint_args: dict[str, Any]) -> dict[str, str]:
+    """Scalar entrypoint_args as upper-cased environment variables (lists/dicts skipped)."""
+    env = {}
+    for key, value in entrypoint_args.items():
+        if isinstance(value, bool):
+            env[key.upper()] = "1" if value else "0"
+        elif isinstance(value, (str, int, float)):
+            env[key.upper()] = str(value)
+    return env
+
+
+def collect_by_polling(
+    executor: Any,
+    handles: list[ReplicaHandle],
+    timeout: float | None,
+    interval_s: float,
+    result: Callable[[ReplicaHandle, str], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Poll until every handle is terminal (or ``timeout``), then build one row per rank.
+
+    Rows of replicas still running at the deadline keep their live status.
+    """
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        statuses = {h.rank: executor.poll(h) for h in handles}
+        done = all(s in TERMINAL for s in statuses.values())
+        if done or (deadline is not None and time.monotonic() >= deadline):
+            break
+        time.sleep(interval_s)
+    return [result(h, statuses[h.rank]) for h in sorted(handles, key=lambda h: h.rank)]

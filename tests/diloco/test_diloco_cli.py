@@ -1,0 +1,143 @@
+"""The `diloco` typer sub-app: launch (local executor, real processes), status, logs,
+cancel through the state file, and what train_replica hands to `train`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from composer_replication.diloco import cli as dcli
+
+
+def echo_replica(config_uri: str, rendezvous_uri: str, world_size: int, overrides: list) -> None:
+    """A stand-in trainer: read the uploaded config, average through the rendezvous."""
+    import fsspec
+    import torch
+
+    from composer_replication.diloco.serverless.object_store import ObjectStoreAllReduce
+    from composer_replication.diloco.serverless.replica_entrypoint import replica_rank
+
+    rank = replica_rank(world_size)
+    with fsspec.open(config_uri, "r") as fh:
+        print("config:", fh.read().strip(), "overrides:", overrides)
+    t = torch.tensor([float(rank)])
+    ObjectStoreAllReduce(rendezvous_uri, rank, world_size, poll_interval_s=0.05).allreduce(t)
+    print("mean:", t.item())
+
+
+def slow_replica(**_: Any) -> None:
+    time.sleep(60)
+
+
+def test_launch_status_logs_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    config = tmp_path / "run.toml"
+    config.write_text("steps = 3\n")
+    state = tmp_path / "state"
+    runner = CliRunner()
+    result = runner.invoke(
+        dcli.diloco_app,
+        [
+            "launch",
+            str(config),
+            "--replicas",
+            "2",
+            "--run-id",
+            "r1",
+            "--state-dir",
+            str(state),
+            "--set",
+            "steps=5",
+            "--entrypoint",
+            "test_diloco_cli.echo_replica",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "launched run r1: 2 replicas on local" in result.output
+    recorded = json.loads((state / "r1.json").read_text())
+    assert recorded["executor"] == "local" and len(recorded["handles"]) == 2
+    assert recorded["rendezvous"] == (state / "r1" / "rendezvous").resolve().as_uri()
+    deadline = time.monotonic() + 60
+    while any(r["status"] == "running" for r in dcli.status("r1", state_dir=state)):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    out = runner.invoke(dcli.diloco_app, ["status", "r1", "--state-dir", str(state)]).output
+    assert out.splitlines() == ["rank 0: succeeded", "rank 1: succeeded"]
+    logs = dcli.logs("r1", state_dir=state)
+    assert "config: steps = 3 overrides: ['steps=5']" in logs[0] and "mean: 0.5" in logs[1]
+    out = runner.invoke(dcli.diloco_app, ["logs", "--rank", "1", "--state-dir", str(state)]).output
+    assert out.startswith("===== rank 1 =====") and "mean: 0.5" in out
+
+    result = runner.invoke(
+        dcli.diloco_app,
+        [
+            "launch",
+            str(config),
+            "--replicas",
+            "2",
+            "--run-id",
+            "r2",
+            "--state-dir",
+            str(state),
+            "--entrypoint",
+            "test_diloco_cli.slow_replica",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert [r["status"] for r in dcli.status(state_dir=state)] == ["running", "running"]
+    out = runner.invoke(dcli.diloco_app, ["cancel", "--state-dir", str(state)]).output
+    assert "cancelled 2 replicas" in out
+    assert [r["status"] for r in dcli.status("r2", state_dir=state)] == ["cancelled"] * 2
+
+
+def test_launch_errors(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text("")
+    with pytest.raises(ValueError, match="--rendezvous is required"):
+        dcli.launch(config, "eks", 2, state_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown executor 'slurm'"):
+        dcli.launch(config, "slurm", 2, state_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="launch one first"):
+        dcli.status(state_dir=tmp_path / "empty")
+    assert dcli.parse_options(["image=x", "volume_size_gb=200"]) == {
+        "image": "x",
+        "volume_size_gb": 200,
+    }
+    with pytest.raises(ValueError, match="key=value"):
+        dcli.parse_options(["image"])
+
+
+def test_train_replica_runs_train_with_diloco_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import composer_replication.cli as main_cli
+    import composer_replication.config as config_module
+
+    config = tmp_path / "c.toml"
+    config.write_text("steps = 2\n")
+    calls: list[list[str]] = []
+    monkeypatch.setattr(main_cli, "app", lambda argv, prog_name: calls.append(argv))
+    monkeypatch.setattr(
+        config_module.RunConfig, "from_toml", classmethod(lambda cls, p, s: NS(output_dir="runs/x"))
+    )
+    monkeypatch.setenv("REPLICA_RANK", "1")
+    dcli.train_replica(config.as_uri(), "file:///rdv/allreduce", 2, ["steps=4"])
+    [argv] = calls
+    assert argv[0] == "train" and Path(argv[1]).read_text() == "steps = 2\n"
+    sets = argv[3::2]
+    assert sets == [
+        "steps=4",
+        "diloco.enabled=true",
+        "diloco.backend=object_store",
+        "diloco.rendezvous=file:///rdv/allreduce",
+        "diloco.world_size=2",
+        "diloco.rank=1",
+        "output_dir=runs/x/rank_1",
+    ]
+    assert set(argv[2::2]) == {"--set"}
