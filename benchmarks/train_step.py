@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import gib, machine_line, measure, run_case  # noqa: E402
+from _measure import gib, machine_line, measure, run_case
 
 
 def _batch(n_seq: int, seq_len: int, vocab: int):

@@ -34,7 +34,7 @@ def test_default_toml_is_the_builtin_default():
 def test_overrides_and_errors(tmp_path):
     cfg = RunConfig.default(["steps=3", "optim.lr=0.001", "model.lora=null"])
     assert cfg.steps == 3 and cfg.optim.lr == 0.001 and cfg.model.lora is None
-    with pytest.raises(ValueError, match="a.b.c=value"):
+    with pytest.raises(ValueError, match=r"a\.b\.c=value"):
         RunConfig.default(["steps"])
     with pytest.raises(FileNotFoundError):
         RunConfig.from_toml(tmp_path / "missing.toml")
