@@ -50,9 +50,15 @@ def naive_step(model, mb, cfg) -> dict:
     logprobs = torch.log_softmax(logits / cfg.temperature, dim=-1)
     logprobs = logprobs.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
     loss_sum, count = rl_loss(
-        logprobs, mb.inference_logprobs[:, 1:], mb.advantages[:, 1:], mb.loss_mask[:, 1:],
-        mb.rl_weights[:, 1:], mask_low=cfg.mask_low, mask_high=cfg.mask_high,
-        adv_tau=cfg.adv_tau, kl_tau=cfg.kl_tau,
+        logprobs,
+        mb.inference_logprobs[:, 1:],
+        mb.advantages[:, 1:],
+        mb.loss_mask[:, 1:],
+        mb.rl_weights[:, 1:],
+        mask_low=cfg.mask_low,
+        mask_high=cfg.mask_high,
+        adv_tau=cfg.adv_tau,
+        kl_tau=cfg.kl_tau,
     )
     loss = loss_sum / count
     loss.backward()
@@ -89,11 +95,15 @@ def worker(impl: str, n_seq: int, seq_len: int, checkpointing: bool, repeats: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--n-seq", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per case (median)")
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing in both")
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing in both"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
     ns = parser.parse_args()
@@ -102,18 +112,28 @@ def main() -> None:
         return
     script = os.path.abspath(__file__)
     print(f"machine: {machine_line()}")
-    print(f"SmolLM2-135M, {ns.n_seq} x {ns.seq_len} tokens, rl (grpo) step, full fine-tune, "
-          f"activation checkpointing {'on' if ns.checkpointing else 'off'}")
-    args = {"n_seq": ns.n_seq, "seq_len": ns.seq_len, "checkpointing": ns.checkpointing,
-            "repeats": ns.repeats}
+    print(
+        f"SmolLM2-135M, {ns.n_seq} x {ns.seq_len} tokens, rl (grpo) step, full fine-tune, "
+        f"activation checkpointing {'on' if ns.checkpointing else 'off'}"
+    )
+    args = {
+        "n_seq": ns.n_seq,
+        "seq_len": ns.seq_len,
+        "checkpointing": ns.checkpointing,
+        "repeats": ns.repeats,
+    }
     naive = run_case(script, "step", {"impl": "naive", **args})
     ours = run_case(script, "step", {"impl": "ours", **args})
     for name, r in (("naive", naive), ("ours", ours)):
-        print(f"  {name:5s}: {r['seconds']:.1f} s/step ({r['tokens'] / r['seconds']:.0f} tokens/s)  "
-              f"peak extra {gib(r['peak_extra_bytes'])}  loss {r['loss']:.6f}")
-    print(f"  ratio ours/naive: time {ours['seconds'] / naive['seconds']:.3f}x (goal <= 1.05x)  "
-          f"peak memory {ours['peak_extra_bytes'] / naive['peak_extra_bytes']:.3f}x (goal <= 0.5x)  "
-          f"loss |diff| {abs(ours['loss'] - naive['loss']):.1e}")
+        print(
+            f"  {name:5s}: {r['seconds']:.1f} s/step ({r['tokens'] / r['seconds']:.0f} tokens/s)  "
+            f"peak extra {gib(r['peak_extra_bytes'])}  loss {r['loss']:.6f}"
+        )
+    print(
+        f"  ratio ours/naive: time {ours['seconds'] / naive['seconds']:.3f}x (goal <= 1.05x)  "
+        f"peak memory {ours['peak_extra_bytes'] / naive['peak_extra_bytes']:.3f}x (goal <= 0.5x)  "
+        f"loss |diff| {abs(ours['loss'] - naive['loss']):.1e}"
+    )
 
 
 if __name__ == "__main__":
