@@ -17,13 +17,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from composer_replication.algo.advantage import grpo_advantages
 from composer_replication.algo.base import (
     Algorithm,
     AlgorithmResources,
-    check_group,
-    rollout_to_sample,
-    sampled,
 )
 from composer_replication.algo.replay_dpo import (
     PairPool,
@@ -32,7 +28,7 @@ from composer_replication.algo.replay_dpo import (
     pair_sample,
 )
 from composer_replication.algo.scoring import PrefillScorer
-from composer_replication.algo.sdpo import attach_self_distillation
+from composer_replication.algo.sdpo import grpo_with_self_distillation
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import DPOPairTokens, TrainingSample
 
@@ -84,23 +80,8 @@ class ComposerAlgorithm(Algorithm):
         return {"mode": cfg.teacher, "ema_decay": cfg.ema_decay}
 
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
         cfg = self.advantage_config
-        advantages = grpo_advantages([r.reward for r in group]).tolist()
-        samples = []
-        for i, (rollout, advantage) in enumerate(zip(group, advantages)):
-            sample = rollout_to_sample(rollout, source=self.name)
-            sample.advantages = sampled(rollout, advantage)
-            attach_self_distillation(
-                sample,
-                group,
-                i,
-                tokenizer=self.tokenizer,
-                alpha=cfg.alpha,
-                use_sibling_demos=cfg.use_sibling_demos,
-                hint_source=cfg.hint_source,
-            )
-            samples.append(sample)
+        samples = grpo_with_self_distillation(self.name, group, cfg, self.tokenizer)
         if cfg.beta > 0:
             samples += [pair_sample(p, self.name) for p in self.pool.draw(cfg.pairs_per_group)]
         return samples

@@ -93,21 +93,27 @@ class SDPOAlgorithm(Algorithm):
         return {"mode": cfg.teacher, "ema_decay": cfg.ema_decay}
 
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
-        cfg = self.advantage_config
-        advantages = grpo_advantages([r.reward for r in group]).tolist()
-        samples = []
-        for i, (rollout, advantage) in enumerate(zip(group, advantages)):
-            sample = rollout_to_sample(rollout, source=self.name)
-            sample.advantages = sampled(rollout, advantage)
-            attach_self_distillation(
-                sample,
-                group,
-                i,
-                tokenizer=self.tokenizer,
-                alpha=cfg.alpha,
-                use_sibling_demos=cfg.use_sibling_demos,
-                hint_source=cfg.hint_source,
-            )
-            samples.append(sample)
-        return samples
+        return grpo_with_self_distillation(self.name, group, self.advantage_config, self.tokenizer)
+
+
+def grpo_with_self_distillation(
+    source: str, group: list[Rollout], cfg: Any, tokenizer: Any
+) -> list[TrainingSample]:
+    """Dr.GRPO advantages on every rollout + the jsd stream at error sites (sdpo, composer)."""
+    check_group(group, source)
+    advantages = grpo_advantages([r.reward for r in group]).tolist()
+    samples = []
+    for i, (rollout, advantage) in enumerate(zip(group, advantages)):
+        sample = rollout_to_sample(rollout, source=source)
+        sample.advantages = sampled(rollout, advantage)
+        attach_self_distillation(
+            sample,
+            group,
+            i,
+            tokenizer=tokenizer,
+            alpha=cfg.alpha,
+            use_sibling_demos=cfg.use_sibling_demos,
+            hint_source=cfg.hint_source,
+        )
+        samples.append(sample)
+    return samples
