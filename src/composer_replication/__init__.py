@@ -28,6 +28,10 @@ _LAZY: dict[str, str] = {
     "TraceState": "composer_replication.teacher_replay",
     "extract_dpo_pairs": "composer_replication.teacher_replay",
     "replay_trace": "composer_replication.teacher_replay",
+    "ComposerReplicationTrainer": "composer_replication.trainer.composer_trainer",
+    "PO_OBJECTIVES": "composer_replication.trainer.po_presets",
+    "make_dr_grpo_config": "composer_replication.trainer.po_presets",
+    "make_po_config": "composer_replication.trainer.po_presets",
 }
 
 # True when the optional torchft dependency (DiLoCo) is importable.
@@ -40,9 +44,11 @@ if _DILOCO_AVAILABLE:
 
 __all__ = [
     "DEFAULT_TEACHERS",
+    "PO_OBJECTIVES",
     "SYSTEM_PROMPT",
     "_DILOCO_AVAILABLE",
     "ClaudeCodeIngester",
+    "ComposerReplicationTrainer",
     "DPOPair",
     "IngestionStats",
     "LossComponents",
@@ -55,6 +61,8 @@ __all__ = [
     "extract_dpo_pairs",
     "generalized_jsd_loss",
     "make_diloco_outer_loop",
+    "make_dr_grpo_config",
+    "make_po_config",
     "replay_trace",
 ]
 
@@ -75,6 +83,12 @@ if TYPE_CHECKING:
         TraceState,
         extract_dpo_pairs,
         replay_trace,
+    )
+    from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
+    from composer_replication.trainer.po_presets import (
+        PO_OBJECTIVES,
+        make_dr_grpo_config,
+        make_po_config,
     )
 
 

@@ -75,7 +75,9 @@ def train(
     output_dir: str | None = typer.Option(
         None, help="Where the run writes (overrides output_dir)."
     ),
-    backend: str = typer.Option("native", help="Training backend: native (this framework's loop)."),
+    backend: str = typer.Option(
+        "native", help="Training backend: native (this framework's loop) or trl (GRPOTrainer)."
+    ),
 ) -> None:
     """Train a policy. With no config: the embedded default job (a few minutes on a CPU)."""
     from rich.console import Console
@@ -86,17 +88,26 @@ def train(
     console = Console()
     overrides = list(set_) + ([f"output_dir={output_dir}"] if output_dir else [])
     cfg = RunConfig.from_toml(config, overrides) if config else RunConfig.default(overrides)
-    if backend != "native":
-        raise typer.BadParameter(f"unknown backend {backend!r}; available: native")
+    if backend not in ("native", "trl"):
+        raise typer.BadParameter(f"unknown backend {backend!r}; available: native, trl")
+    if backend == "trl" and resume:
+        raise typer.BadParameter(
+            "--resume needs --backend native (the trl backend keeps no checkpoints)"
+        )
     from composer_replication.trainer.loop import train as run_training
 
     console.print(
-        f"[bold]train[/bold]: {cfg.model.source} on "
+        f"[bold]train[/bold] ({backend} backend): {cfg.model.source} on "
         f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "
         f"{cfg.steps} steps -> {cfg.output_dir}"
     )
     try:
-        result = run_training(cfg, resume=resume, console=console)
+        if backend == "trl":
+            from composer_replication.trainer.trl_backend import train_with_trl
+
+            result = train_with_trl(cfg, console=console)
+        else:
+            result = run_training(cfg, resume=resume, console=console)
     except CollapseStopError as stop:
         console.print(f"[bold red]stopped by the kill switch[/bold red]: {stop}")
         console.print(f"final checkpoint and metrics in {cfg.output_dir}")

@@ -202,8 +202,9 @@ class RunConfig(_Strict):
     @classmethod
     def from_toml(cls, source: str | Path, overrides: list[str] | None = None) -> RunConfig:
         """Load a TOML file (or text), then apply ``a.b.c=value`` overrides."""
+        is_text = isinstance(source, str) and ("\n" in source or "=" in source)
         path = Path(source)
-        if path.suffix == ".toml" or path.exists():
+        if not is_text:
             if not path.exists():
                 raise FileNotFoundError(f"config file {path} does not exist")
             data = tomllib.loads(path.read_text())

@@ -1,0 +1,428 @@
+"""``ComposerReplicationTrainer``: trl's GRPOTrainer plus the two other Composer channels.
+
+``total = trl's GRPO loss + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``
+
+- GRPO: whatever ``args`` selects (``po_presets.make_dr_grpo_config`` for Composer's Dr. GRPO).
+- ``sdpo_jsd`` (SDPO, arXiv 2601.20802): the generalized JSD (arXiv 2306.13649) between the
+  policy on the plain prompt (student, with grad) and the same policy on the prompt with a
+  hint (teacher, no grad), on the sampled tokens of completions that hit an error site.
+  Computed by ``chunked_head.jsd_from_hidden``, the function ``loss.compose_loss`` uses.
+- ``trace_replay_dpo`` (DPO, arXiv 2305.18290): preference pairs from teacher-consensus
+  trace replay, drawn alongside the prompts; ``distillation.dpo.dpo_loss`` on
+  ``loss.sequence_logps``, reference log-probs computed once per pair from the initial
+  model (at construction, before any update) and cached on the pair.
+
+Each channel is logged through trl's metrics (``sdpo_jsd``, ``trace_replay_dpo``,
+``grpo_loss``, ``sdpo/error_sites``, ``trace_replay_dpo/pairs``); like trl's own loss, the
+extra channels are divided by the gradient-accumulation steps in training.
+
+Feedback side channel. A reward function reports error-site text (failing-test output, a
+tool error) by exposing ``last_feedback``: after each call, a list with one entry per
+completion of that call (``str`` or ``None``), see ``FeedbackRewardFunc``. After trl scores a
+generation batch, the trainer turns each completion's feedback into a hint with ``hint_fn``
+(default ``default_hint``: ``hint_generator.classify_error`` + ``dispatch``), re-renders the
+prompt with the hint in the last user message and appends the SAME completion ids. The batch
+gains, per row (so trl's shuffling and splitting keep them aligned):
+
+- ``ctx_teacher_input_ids`` / ``ctx_teacher_attention_mask`` (B, P'+C): hinted prompt
+  (left-padded to P') followed by ``completion_ids``;
+- ``sdpo_loss_mask`` (B, C): aligned with ``completion_ids``; the completion mask on rows
+  with a hint, 0 elsewhere;
+- ``dpo_{chosen,rejected}_{input_ids,attention_mask,response_mask}`` (B, L), ``dpo_pair_mask``
+  (B,), ``dpo_ref_{chosen,rejected}_logps`` (B,): pair k sits on row k, rows without a pair
+  have ``dpo_pair_mask = 0``.
+
+A channel with no inputs in a micro-batch contributes nothing and logs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from trl import GRPOTrainer
+
+from composer_replication.algo.context import (
+    DEFAULT_HINT_TEMPLATE,
+    augment_messages,
+    hint_text,
+)
+from composer_replication.algo.replay_dpo import PairPool, build_pair_pool
+from composer_replication.chunked_head import jsd_from_hidden, last_hidden_states, lm_head_weight
+from composer_replication.distillation.dpo import dpo_loss
+from composer_replication.loss import sequence_logps
+from composer_replication.rollout.types import Rollout
+from composer_replication.wire import DPOPairTokens
+
+__all__ = ["ComposerReplicationTrainer", "FeedbackRewardFunc", "default_hint"]
+
+_REF_BATCH = 8  # pairs per forward when scoring the reference log-probs
+
+
+@runtime_checkable
+class FeedbackRewardFunc(Protocol):
+    """A trl reward function that also reports each completion's error-site text.
+
+    After every call, ``last_feedback`` holds one entry per completion of that call:
+    the feedback (failing tests, tool error) or ``None`` for a completion with nothing to
+    hint about. The trainer sets it to ``None`` before each generation batch.
+    """
+
+    last_feedback: list[str | None] | None
+
+    def __call__(
+        self, prompts: list[Any], completions: list[Any], **kwargs: Any
+    ) -> list[float | None]: ...
+
+
+def default_hint(feedback: str) -> str | None:
+    """The hint for one completion's feedback: the ``hint_generator`` template of
+    ``classify_error(feedback)``, else a generic hint quoting the feedback's tail (the same
+    rule as the native ``sdpo`` algorithm's ``hint_source = "generator"``)."""
+    carrier = Rollout(
+        task_id="", prompt_ids=[], completion_ids=[], inference_logprobs=[], feedback=feedback
+    )
+    return hint_text(carrier, "generator")
+
+
+class ComposerReplicationTrainer(GRPOTrainer):
+    """trl's ``GRPOTrainer`` whose loss adds Composer's SDPO and trace-replay DPO channels.
+
+    Positional and other keyword arguments are trl's (``model``, ``reward_funcs``, ``args``,
+    ``train_dataset``, ``processing_class``, ``peft_config``, ...). Extra keyword-only args:
+
+    Args:
+        alpha_sdpo: weight of the SDPO JSD channel (0 turns it off).
+        beta_replay: weight of the trace-replay DPO channel (0 turns it off).
+        sdpo_jsd_beta: the JSD's mixture coefficient in [0, 1] (0 forward KL, 1 reverse KL).
+        sdpo_temperature: softmax temperature of both JSD distributions.
+        sdpo_token_clip: clamp each token's JSD to this value (None: no clamp).
+        replay_dpo_beta: DPO's beta.
+        hint_fn: feedback text -> hint (None: no hint for that completion).
+        pairs: preference pairs (``DPOPair`` / ``NormalizedDPOPair`` objects or dicts, or
+            ``DPOPairTokens``); or ``pairs_path``, a JSONL file of them.
+        pairs_per_prompt: pairs drawn per prompt of each generation batch.
+        max_pair_length: a pair side longer than this keeps its last tokens.
+        replay_ref_model: model for the DPO reference log-probs (default: trl's reference
+            model when it has one, else the policy itself at construction time, which is
+            the initial model).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        alpha_sdpo: float = 0.1,
+        beta_replay: float = 0.05,
+        sdpo_jsd_beta: float = 0.5,
+        sdpo_temperature: float = 1.0,
+        sdpo_token_clip: float | None = None,
+        replay_dpo_beta: float = 0.1,
+        hint_fn: Callable[[str], str | None] | None = default_hint,
+        pairs: Sequence[Any] | None = None,
+        pairs_path: str | None = None,
+        pairs_per_prompt: int = 1,
+        max_pair_length: int = 2048,
+        replay_ref_model: Any | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Set and checked before trl starts, so a bad value fails fast.
+        self.alpha_sdpo, self.beta_replay = float(alpha_sdpo), float(beta_replay)
+        self.sdpo_jsd_beta, self.sdpo_temperature = float(sdpo_jsd_beta), float(sdpo_temperature)
+        self.sdpo_token_clip = None if sdpo_token_clip is None else float(sdpo_token_clip)
+        self.replay_dpo_beta, self.hint_fn = float(replay_dpo_beta), hint_fn
+        self.pairs_per_prompt = int(pairs_per_prompt)
+        self._check_settings(max_pair_length)
+        super().__init__(*args, **kwargs)
+        self._feedback_funcs = [f for f in self.reward_funcs if hasattr(f, "last_feedback")]
+        if self.alpha_sdpo > 0 and (hint_fn is None or not self._feedback_funcs):
+            _channel_off(
+                f"alpha_sdpo={alpha_sdpo} but no reward function reports feedback (a "
+                "`last_feedback` attribute, see FeedbackRewardFunc) or hint_fn is None"
+            )
+        self._pair_pool: PairPool | None = None
+        if self.beta_replay > 0:
+            pool = build_pair_pool(pairs, pairs_path, self._tokenizer, weight=1.0)
+            if not pool:
+                _channel_off(f"beta_replay={beta_replay} but no pairs (pairs= or pairs_path=)")
+            else:
+                pool = [_clip_pair(p, max_pair_length) for p in pool]
+                refs = (replay_ref_model, self.ref_model, self.model)
+                self._fill_reference_logps(pool, next(m for m in refs if m is not None))
+                self._pair_pool = PairPool(pool, random.Random(self.args.seed))
+
+    def _check_settings(self, max_pair_length: int) -> None:
+        for name in ("alpha_sdpo", "beta_replay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+        if not 0.0 <= self.sdpo_jsd_beta <= 1.0:
+            raise ValueError(f"sdpo_jsd_beta={self.sdpo_jsd_beta} must be in [0, 1]")
+        for name in ("sdpo_temperature", "replay_dpo_beta", "sdpo_token_clip"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value} must be > 0")
+        for name, value in (
+            ("pairs_per_prompt", self.pairs_per_prompt),
+            ("max_pair_length", max_pair_length),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+
+    # ------------------------------------------------------------------ batch building
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        for func in self._feedback_funcs:
+            func.last_feedback = None
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        n_rows = output["completion_ids"].shape[0]
+        if self.alpha_sdpo > 0 and self.hint_fn is not None and self._feedback_funcs:
+            hints = [(self.hint_fn(t) or None) if t else None for t in self._feedback(n_rows)]
+            self._metrics[mode]["sdpo/error_sites"].append(
+                sum(h is not None for h in hints) / max(n_rows, 1)
+            )
+            if any(hints):
+                output.update(self._teacher_fields(inputs, output, hints))
+        if self._pair_pool is not None:
+            group = self.num_generations if mode == "train" else self.num_generations_eval
+            n_pairs = min(n_rows, -(-n_rows // group) * self.pairs_per_prompt)
+            pairs = self._pair_pool.draw(n_pairs)
+            self._metrics[mode]["trace_replay_dpo/pairs"].append(float(len(pairs)))
+            output.update(self._pair_fields(pairs, n_rows))
+        return output
+
+    def _feedback(self, n_rows: int) -> list[str | None]:
+        """Per completion, the feedback of every reporting reward function, joined."""
+        merged: list[list[str]] = [[] for _ in range(n_rows)]
+        for func in self._feedback_funcs:
+            reported = func.last_feedback
+            if reported is None:
+                continue
+            if len(reported) != n_rows:
+                raise ValueError(
+                    f"reward function {type(func).__name__} reported {len(reported)} feedback "
+                    f"entries for {n_rows} completions; set last_feedback to one entry (str or "
+                    "None) per completion of the call"
+                )
+            for i, text in enumerate(reported):
+                if text:
+                    merged[i].append(str(text))
+        return ["\n".join(texts) if texts else None for texts in merged]
+
+    def _hinted_prompt_ids(self, prompt: Any, hint: str) -> list[int]:
+        if isinstance(prompt, str):
+            text = DEFAULT_HINT_TEMPLATE.format(content=prompt, hint=hint)
+            return list(self.processing_class(text=text)["input_ids"])
+        messages = augment_messages(prompt, DEFAULT_HINT_TEMPLATE, hint=hint)
+        ids = self.processing_class.apply_chat_template(
+            messages,
+            tools=self.tools or None,
+            chat_template=self.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **self.chat_template_kwargs,
+        )["input_ids"]
+        return [int(t) for t in ids]
+
+    def _teacher_fields(
+        self, inputs: list[dict[str, Any]], output: dict[str, Any], hints: list[str | None]
+    ) -> dict[str, torch.Tensor]:
+        prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
+        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
+        rows = []
+        for i, hint in enumerate(hints):
+            if hint is None:  # the plain prompt: aligned, never used by the loss
+                rows.append(prompt_ids[i][prompt_mask[i].bool()].tolist())
+            else:
+                rows.append(self._hinted_prompt_ids(inputs[i]["prompt"], hint))
+        t_prompt, t_mask = _pad(rows, self._tokenizer.pad_token_id, left=True)
+        device = completion_ids.device
+        response = completion_mask * output.get("tool_mask", torch.ones_like(completion_mask))
+        has_hint = torch.tensor([h is not None for h in hints], device=device)
+        return {
+            "ctx_teacher_input_ids": torch.cat([t_prompt.to(device), completion_ids], dim=1),
+            "ctx_teacher_attention_mask": torch.cat([t_mask.to(device), completion_mask], dim=1),
+            "sdpo_loss_mask": response * has_hint[:, None].to(response.dtype),
+        }
+
+    def _pair_fields(self, pairs: list[DPOPairTokens], n_rows: int) -> dict[str, torch.Tensor]:
+        device = self.accelerator.device
+        ids, attn, resp = _pair_rows(pairs, n_rows, self._tokenizer.pad_token_id)
+        out: dict[str, torch.Tensor] = {}
+        for k, side in enumerate(("chosen", "rejected")):
+            half = slice(k * n_rows, (k + 1) * n_rows)
+            out[f"dpo_{side}_input_ids"] = ids[half].to(device)
+            out[f"dpo_{side}_attention_mask"] = attn[half].to(device)
+            out[f"dpo_{side}_response_mask"] = resp[half].to(device)
+            refs = [getattr(p, f"ref_{side}_logp") for p in pairs] + [0.0] * (n_rows - len(pairs))
+            out[f"dpo_ref_{side}_logps"] = torch.tensor(refs, dtype=torch.float32, device=device)
+        out["dpo_pair_mask"] = (torch.arange(n_rows, device=device) < len(pairs)).long()
+        return out
+
+    @torch.no_grad()
+    def _fill_reference_logps(self, pool: list[DPOPairTokens], ref: Any) -> None:
+        """Summed response log-probs of both sides of every pair under ``ref``, cached."""
+        was_training = ref.training
+        ref.eval()
+        device = self.accelerator.device
+        try:
+            for start in range(0, len(pool), _REF_BATCH):
+                chunk = [
+                    p
+                    for p in pool[start : start + _REF_BATCH]
+                    if p.ref_chosen_logp is None or p.ref_rejected_logp is None
+                ]
+                if not chunk:
+                    continue
+                ids, attn, resp = _pair_rows(chunk, len(chunk), self._tokenizer.pad_token_id)
+                logps = self._sequence_logprobs(
+                    ref, ids.to(device), resp.to(device), attn.to(device)
+                ).tolist()
+                for k, pair in enumerate(chunk):
+                    pair.ref_chosen_logp, pair.ref_rejected_logp = logps[k], logps[len(chunk) + k]
+        finally:
+            ref.train(was_training)
+
+    # ------------------------------------------------------------------ loss
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        loss = super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        scale = 1.0 / self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        metrics = self._metrics[mode]
+        metrics["grpo_loss"].append(float(loss.detach()))
+        extra = loss.new_zeros(())
+        if self.alpha_sdpo > 0 and _has_rows(inputs, "sdpo_loss_mask"):
+            sdpo = self._compute_sdpo_loss(model, inputs)
+            metrics["sdpo_jsd"].append(float(sdpo.detach()))
+            extra = extra + self.alpha_sdpo * sdpo
+        if self.beta_replay > 0 and _has_rows(inputs, "dpo_pair_mask"):
+            replay = self._compute_trace_replay_loss(model, inputs)
+            metrics["trace_replay_dpo"].append(float(replay.detach()))
+            extra = extra + self.beta_replay * replay
+        return loss + scale * extra
+
+    def _compute_sdpo_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """Token-mean generalized JSD(student || hinted teacher) over ``sdpo_loss_mask``.
+
+        Prompts are left-padded to a common width, so completion token j sits at column
+        P + j of the student context and P' + j of the teacher context: the hidden state
+        that predicts it is at column P - 1 + j (P' - 1 + j). Only rows with a hint run.
+        """
+        mask = inputs["sdpo_loss_mask"]
+        rows = mask.any(dim=-1).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return mask.new_zeros((), dtype=torch.float32)
+        completion_ids = inputs["completion_ids"]
+        n_prompt, n_completion = inputs["prompt_ids"].shape[1], completion_ids.shape[1]
+        student_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)[rows]
+        student_attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)[rows]
+        teacher_ids = inputs["ctx_teacher_input_ids"][rows]
+        teacher_attn = inputs["ctx_teacher_attention_mask"][rows]
+        n_teacher_prompt = teacher_ids.shape[1] - n_completion
+        policy = self.accelerator.unwrap_model(model)
+        student = last_hidden_states(policy, student_ids, student_attn)
+        with torch.no_grad():
+            teacher = last_hidden_states(policy, teacher_ids, teacher_attn)
+        window = slice(n_prompt - 1, n_prompt - 1 + n_completion)
+        t_window = slice(n_teacher_prompt - 1, n_teacher_prompt - 1 + n_completion)
+        selected = mask[rows] != 0
+        per_token = jsd_from_hidden(
+            student[:, window],
+            lm_head_weight(policy),
+            teacher[:, t_window],
+            mask=selected,
+            beta=self.sdpo_jsd_beta,
+            temperature=self.sdpo_temperature,
+        )
+        if self.sdpo_token_clip is not None:
+            per_token = per_token.clamp(max=self.sdpo_token_clip)
+        return per_token.sum() / selected.sum()
+
+    def _compute_trace_replay_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """Mean DPO loss over the micro-batch's pairs (chosen and rejected in one forward)."""
+        rows = inputs["dpo_pair_mask"].nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return inputs["dpo_pair_mask"].new_zeros((), dtype=torch.float32)
+        ids, attn, resp = (
+            torch.cat([inputs[f"dpo_chosen_{part}"][rows], inputs[f"dpo_rejected_{part}"][rows]])
+            for part in ("input_ids", "attention_mask", "response_mask")
+        )
+        width = int(attn.sum(-1).max())  # both sides share one padded width: trim it
+        ids, attn, resp = ids[:, :width], attn[:, :width], resp[:, :width]
+        logps = self._sequence_logprobs(self.accelerator.unwrap_model(model), ids, resp, attn)
+        k = rows.numel()
+        return dpo_loss(
+            logps[:k],
+            logps[k:],
+            inputs["dpo_ref_chosen_logps"][rows].to(logps.dtype),
+            inputs["dpo_ref_rejected_logps"][rows].to(logps.dtype),
+            beta=self.replay_dpo_beta,
+        )
+
+    @staticmethod
+    def _sequence_logprobs(
+        model: Any,
+        input_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B,) summed log-probs of the response tokens (``loss.sequence_logps``)."""
+        return sequence_logps(model, input_ids, response_mask, attention_mask)
+
+
+def _clip_pair(pair: DPOPairTokens, max_length: int) -> DPOPairTokens:
+    """The pair with each side cut to its last ``max_length`` tokens (the response end)."""
+    if max(len(pair.chosen_ids), len(pair.rejected_ids)) <= max_length:
+        return pair
+    return dataclasses.replace(
+        pair,
+        chosen_ids=pair.chosen_ids[-max_length:],
+        chosen_mask=pair.chosen_mask[-max_length:],
+        rejected_ids=pair.rejected_ids[-max_length:],
+        rejected_mask=pair.rejected_mask[-max_length:],
+        ref_chosen_logp=None,
+        ref_rejected_logp=None,
+    )
+
+
+def _pad(
+    seqs: Sequence[Sequence[int]], value: int, *, left: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, W) padded rows and their 0/1 mask of real entries."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), int(value), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[i, cols] = torch.tensor(list(seq), dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def _pair_rows(
+    pairs: Sequence[DPOPairTokens], n_rows: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(2 n_rows, W) ids, attention and response masks: the chosen sides (pairs first, then
+    empty rows up to n_rows), then the rejected sides in the same layout; one width W."""
+    blank = n_rows - len(pairs)
+    seqs, masks = [], []
+    for side in ("chosen", "rejected"):
+        seqs += [getattr(p, f"{side}_ids") for p in pairs] + [[pad_id]] * blank
+        masks += [getattr(p, f"{side}_mask") for p in pairs] + [[0]] * blank
+    ids, attn = _pad(seqs, pad_id, left=False)
+    resp, _ = _pad(masks, 0, left=False)
+    attn[resp.sum(-1) == 0] = 0  # the empty rows
+    return ids, attn, resp
+
+
+def _has_rows(inputs: dict[str, Any], mask_key: str) -> bool:
+    return mask_key in inputs and bool(inputs[mask_key].any())
+
+
+def _channel_off(reason: str) -> None:
+    warnings.warn(f"{reason}: that channel stays 0", UserWarning, stacklevel=3)

@@ -1,0 +1,202 @@
+"""trl backend: the run config mapped onto trl, the sandbox reward, the train split, and
+one end-to-end ``train_with_trl`` run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from composer_replication.config import RunConfig
+from composer_replication.envs.python_functions import PythonFunctionsEnv
+from composer_replication.safety import HeldoutSplit
+from composer_replication.trainer.composer_trainer import default_hint
+from composer_replication.trainer.trl_backend import (
+    PythonFunctionsReward,
+    _composer_settings,
+    grpo_config_from_run,
+    train_prompt_dataset,
+    train_with_trl,
+)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return PythonFunctionsEnv(grading_workers=2)
+
+
+def _config(text: str = "") -> RunConfig:
+    return _from_text(
+        f"""
+seed = 7
+steps = 3
+[optim]
+lr = 3e-4
+betas = [0.8, 0.95]
+grad_clip = 0.5
+warmup_steps = 2
+schedule = "cosine"
+[[envs]]
+name = "python_functions"
+tasks_per_step = 3
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 24
+temperature = 0.7
+[envs.algorithm.advantage]
+{text or 'type = "composer"'}
+"""
+    )
+
+
+def _from_text(text: str) -> RunConfig:
+    # RunConfig.from_toml stats its argument as a path first; keep long TOML text short of
+    # the file-name limit by going through a file
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp()) / "run.toml"
+    path.write_text(text)
+    return RunConfig.from_toml(path)
+
+
+def test_run_config_maps_onto_a_dr_grpo_config(tmp_path):
+    args = grpo_config_from_run(_config(), tmp_path)
+    assert (args.loss_type, args.scale_rewards, args.num_iterations) == ("dr_grpo", "none", 1)
+    assert args.per_device_train_batch_size == 6 and args.num_generations == 2
+    assert args.max_completion_length == 24 and args.temperature == 0.7
+    assert (args.learning_rate, args.adam_beta1, args.adam_beta2) == (3e-4, 0.8, 0.95)
+    assert args.max_grad_norm == 0.5 and args.warmup_steps == 2
+    assert args.lr_scheduler_type == "cosine" and args.max_steps == 3 and args.seed == 7
+    assert args.bf16 is False and args.beta == 0.0
+
+
+def test_algorithm_settings_map_to_trainer_kwargs():
+    composer = _composer_settings(_config().envs[0].algorithm.advantage)
+    assert composer["alpha_sdpo"] == 0.1 and composer["beta_replay"] == 0.05
+    assert composer["replay_dpo_beta"] == 0.1 and composer["sdpo_jsd_beta"] == 0.5
+    assert composer["hint_fn"] is default_hint
+    sdpo = _composer_settings(
+        _config('type = "sdpo"\nhint_source = "none"').envs[0].algorithm.advantage
+    )
+    assert sdpo["alpha_sdpo"] == 1.0 and sdpo["beta_replay"] == 0.0 and sdpo["hint_fn"] is None
+    grpo = _composer_settings(_config('type = "grpo"').envs[0].algorithm.advantage)
+    assert grpo == {"alpha_sdpo": 0.0, "beta_replay": 0.0}
+    with pytest.raises(ValueError, match="not 'max_rl'; use --backend native"):
+        _composer_settings(_config('type = "max_rl"').envs[0].algorithm.advantage)
+    with pytest.raises(ValueError, match="teacher='ema'"):
+        _composer_settings(_config('type = "sdpo"\nteacher = "ema"').envs[0].algorithm.advantage)
+
+
+def test_prompt_dataset_holds_train_tasks_only(env):
+    split = HeldoutSplit(0.25)
+    dataset = train_prompt_dataset(env, split)
+    ids = dataset["task_id"]
+    assert set(ids) == set(split.train_ids(env.task_ids())) and ids
+    assert not any(split.is_heldout(t) for t in ids)
+    assert dataset[0]["prompt"] == env.messages(env.tasks[ids[0]])
+
+
+def test_reward_grades_in_the_sandbox_and_reports_feedback(env):
+    task = next(iter(env.tasks.values()))
+    reward = PythonFunctionsReward(env)
+    solved = [{"role": "assistant", "content": f"```python\n{task.reference}\n```"}]
+    wrong = [{"role": "assistant", "content": f"{task.prompt.rstrip()}\n    return None\n"}]
+    values = reward(
+        prompts=[None] * 3, completions=[solved, wrong, "no code"], task_id=[task.task_id] * 3
+    )
+    assert values == [1.0, 0.0, 0.0]
+    assert reward.last_feedback[0] is None
+    assert "failed" in reward.last_feedback[1]
+    assert reward.last_feedback[2].startswith(f"No function named `{task.entry_point}`")
+    assert reward.last_info[0] == {"passed": task.n_tests, "total": task.n_tests}
+    with pytest.raises(ValueError, match="needs the dataset's task_id column"):
+        reward(prompts=[None], completions=["x"])
+
+
+def test_other_environments_are_rejected():
+    cfg = RunConfig.from_toml('[[envs]]\nname = "feature_deletion"\n')
+    with pytest.raises(ValueError, match="trains one python_functions environment"):
+        train_with_trl(cfg)
+
+
+@pytest.mark.slow
+def test_train_with_trl_end_to_end(tmp_path):
+    from composer_replication.models import save_checkpoint, tiny_policy
+
+    model, tokenizer = tiny_policy(seed=0)
+    model_dir = save_checkpoint(model, tmp_path / "tiny", tokenizer=tokenizer)
+    pairs = tmp_path / "pairs.jsonl"
+    row = {
+        "state_id": "s0",
+        "state_messages": [{"role": "user", "content": "write f"}],
+        "chosen": "def f():\n    return 1",
+        "rejected": "def f():\n    pass",
+    }
+    pairs.write_text(json.dumps(row) + "\n")
+    cfg = _from_text(
+        f"""
+steps = 1
+output_dir = "{tmp_path / "run"}"
+pairs_file = "{pairs}"
+[model]
+source = "{model_dir}"
+[eval]
+at_start = false
+every = 1
+max_tasks = 1
+[[envs]]
+name = "python_functions"
+tasks_per_step = 1
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 8
+[envs.algorithm.advantage]
+type = "composer"
+"""
+    )
+    result = train_with_trl(cfg)
+    assert result.steps == 1 and result.heldout_after == 0.0
+    assert (result.final_model_dir / "config.json").is_file()
+    (step_row,) = [r for r in result.metrics if r["step"] == 1]
+    assert step_row["heldout/pass@1"] == 0.0 and step_row["guard/fired"] is False
+    assert step_row["trace_replay_dpo"] == pytest.approx(0.6931472, abs=1e-6)
+    assert step_row["sdpo/error_sites"] == 1.0  # no function in random text: all format errors
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["backend"] == "trl" and summary["steps"] == 1
+    assert summary["stopped_by_guard"] is None
+
+
+def test_guard_callback_evaluates_on_schedule_and_stops_when_the_guard_fires(tmp_path):
+    from types import SimpleNamespace
+
+    from composer_replication.rollout.types import Rollout
+    from composer_replication.trainer.metrics import MetricsLog
+    from composer_replication.trainer.trl_backend import _GuardCallback
+
+    class OneTaskEnv:
+        def rollouts(self, policy, tokenizer, ids, *, group_size, sampling):
+            self.calls = getattr(self, "calls", 0) + 1
+            return [[Rollout("t", [1], [2], [0.0], reward=1.0)] for _ in ids]
+
+    class FiringGuard:
+        def update(self, step, reward, heldout, *, entropy=None):
+            self.seen = (step, reward, heldout, entropy)
+            return SimpleNamespace(fire=step >= 4, reason="held-out collapse")
+
+    base = _config()
+    cfg = base.model_copy(update={"steps": 10, "eval": base.eval.model_copy(update={"every": 2})})
+    env, guard = OneTaskEnv(), FiringGuard()
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    callback = _GuardCallback(cfg, env, None, None, ["t"], guard, metrics)
+    for step in (1, 2, 3, 4):
+        control = SimpleNamespace(should_training_stop=False)
+        callback.on_log(SimpleNamespace(global_step=step), control, {"reward": 0.5, "entropy": 2.0})
+    assert env.calls == 2 and guard.seen == (4, 0.5, 1.0, 2.0)
+    assert control.should_training_stop is True and callback.stopped == "held-out collapse"
+    rows = metrics.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r.get("heldout/pass@1") for r in rows] == [None, 1.0, None, 1.0]
+    assert rows[1]["guard/fired"] is False and rows[3]["guard/fired"] is True
+    callback.on_log(SimpleNamespace(global_step=4), control, {"train_runtime": 1.0})
+    assert len(metrics.rows()) == 4  # the end-of-training summary is not a step row

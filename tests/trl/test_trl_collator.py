@@ -1,0 +1,208 @@
+"""ComposerDataCollator: the key contract per case, exact token layout and truncation with a
+character tokenizer, and the real tokenizer's batch consumed by compose_loss."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from composer_replication.hint_generator import dispatch
+from composer_replication.loss import compose_loss
+from composer_replication.trainer.data_collator import (
+    CollatorConfig,
+    ComposerDataCollator,
+    TokenizerLike,
+    TraceExample,
+    TraceTurn,
+)
+
+BASE_KEYS = {"input_ids", "attention_mask", "response_mask", "labels", "rewards"}
+SDPO_KEYS = {
+    "ctx_teacher_input_ids",
+    "ctx_teacher_attention_mask",
+    "ctx_teacher_response_mask",
+    "sdpo_loss_mask",
+}
+DPO_KEYS = {
+    f"dpo_{side}_{part}"
+    for side in ("chosen", "rejected")
+    for part in ("input_ids", "attention_mask", "response_mask")
+}
+EOS = 2
+
+
+class CharTokenizer:
+    """One token per character (code point + 10); a chat turn is ``[1, *role, *content]``
+    and the generation prompt is ``[1, 5]``."""
+
+    eos_token_id = EOS
+
+    def __call__(self, text, *, add_special_tokens=True):
+        return {"input_ids": [ord(c) + 10 for c in text]}
+
+    def apply_chat_template(self, conversation, *, tokenize, add_generation_prompt):
+        ids = []
+        for m in conversation:
+            ids += [1, *self(m["role"])["input_ids"], *self(m["content"])["input_ids"]]
+        return ids + ([1, 5] if add_generation_prompt else [])
+
+
+def chars(text):
+    return [ord(c) + 10 for c in text]
+
+
+def example(response="ok", error=None, reward=1.0, pair=False, turns=None, **kw):
+    return TraceExample(
+        turns=tuple(turns or (TraceTurn("user", "hi"),)),
+        response=response,
+        rewards={"final_reward": reward},
+        error=error,
+        chosen="yes" if pair else None,
+        rejected="no" if pair else None,
+        **kw,
+    )
+
+
+def prompt_ids(content="hi"):
+    return [1, *chars("user"), *chars(content), 1, 5]
+
+
+def test_char_tokenizer_satisfies_the_protocol():
+    assert isinstance(CharTokenizer(), TokenizerLike)
+
+
+def test_base_keys_exact_layout():
+    collate = ComposerDataCollator(CharTokenizer(), CollatorConfig(pad_token_id=0))
+    batch = collate([example("ok", reward=1.0), example("abcd", reward=0.25)])
+    assert set(batch) == BASE_KEYS
+    p = prompt_ids()
+    row0 = [*p, *chars("ok"), EOS]
+    row1 = [*p, *chars("abcd"), EOS]
+    assert batch["input_ids"].tolist() == [[*row0, 0, 0], row1]
+    assert batch["attention_mask"].tolist() == [[1] * len(row0) + [0, 0], [1] * len(row1)]
+    assert batch["response_mask"].tolist() == [
+        [0] * len(p) + [1] * 3 + [0, 0],
+        [0] * len(p) + [1] * 5,
+    ]
+    assert batch["labels"].tolist() == [
+        [-100] * len(p) + [*chars("ok"), EOS, -100, -100],
+        [-100] * len(p) + [*chars("abcd"), EOS],
+    ]
+    assert batch["rewards"].tolist() == [1.0, 0.25]
+    assert batch["rewards"].dtype == torch.float32
+
+
+def test_error_sites_give_sdpo_fields_only_with_a_hint_generator():
+    examples = [
+        example("ok", error="Traceback ...\nZeroDivisionError: division by zero"),
+        example(),
+    ]
+    plain = ComposerDataCollator(CharTokenizer())(examples)
+    assert set(plain) == BASE_KEYS
+    calls = []
+
+    def generator(kind, ctx):
+        calls.append((kind, ctx["error_message"]))
+        return "HINT"
+
+    batch = ComposerDataCollator(CharTokenizer(), CollatorConfig(hint_generator=generator))(
+        examples
+    )
+    assert set(batch) == BASE_KEYS | SDPO_KEYS
+    assert calls == [("runtime_error", "Traceback ...\nZeroDivisionError: division by zero")]
+    hinted = [1, *chars("user"), *chars("hi\n\nHint: HINT"), 1, 5, *chars("ok"), EOS]
+    assert batch["ctx_teacher_input_ids"][0].tolist() == hinted
+    assert batch["sdpo_loss_mask"].tolist() == [
+        batch["response_mask"][0].tolist(),
+        [0] * batch["response_mask"].shape[1],
+    ]
+    # every row's response ids are the same in both contexts (the JSD's alignment)
+    for b in range(2):
+        s = batch["input_ids"][b][batch["response_mask"][b] == 1]
+        t = batch["ctx_teacher_input_ids"][b][batch["ctx_teacher_response_mask"][b] == 1]
+        assert torch.equal(s, t)
+
+
+def test_sdpo_off_or_no_error_site_gives_no_sdpo_fields():
+    on = CollatorConfig(hint_generator=lambda kind, ctx: "HINT")
+    assert set(ComposerDataCollator(CharTokenizer(), on)([example()])) == BASE_KEYS
+    off = CollatorConfig(hint_generator=lambda kind, ctx: "HINT", enable_sdpo=False)
+    assert set(ComposerDataCollator(CharTokenizer(), off)([example(error="boom")])) == BASE_KEYS
+
+
+def test_an_error_on_the_last_observation_turn_is_an_error_site():
+    turns = (
+        TraceTurn("user", "fix it"),
+        TraceTurn("assistant", "call"),
+        TraceTurn("tool", "no", tool_name="grep", error="unknown tool 'grpe'"),
+    )
+    ex = example(turns=turns, available_tools=("grep", "ls"))
+    site = ex.error_site()
+    assert site["error_kind"] == "tool_not_found" and site["tool_name"] == "grep"
+    batch = ComposerDataCollator(CharTokenizer(), CollatorConfig(hint_generator=dispatch))([ex])
+    assert set(batch) == BASE_KEYS | SDPO_KEYS
+
+
+def test_pairs_give_dpo_fields_one_row_per_example_with_a_pair():
+    collate = ComposerDataCollator(CharTokenizer())
+    batch = collate([example(pair=True), example(), example(pair=True)])
+    assert set(batch) == BASE_KEYS | DPO_KEYS
+    p = prompt_ids()
+    assert batch["dpo_chosen_input_ids"].tolist() == [[*p, *chars("yes"), EOS]] * 2
+    assert batch["dpo_rejected_input_ids"].tolist() == [[*p, *chars("no"), EOS]] * 2
+    assert batch["dpo_rejected_response_mask"].tolist() == [[0] * len(p) + [1] * 3] * 2
+    off = ComposerDataCollator(CharTokenizer(), CollatorConfig(enable_replay_dpo=False))
+    assert set(off([example(pair=True)])) == BASE_KEYS
+
+
+def test_truncation_keeps_the_prompt_tail_and_the_response_head():
+    cfg = CollatorConfig(max_seq_len=12, max_dpo_seq_len=8, hint_generator=lambda k, c: "H")
+    ex = example("r" * 20, error="boom", pair=True, turns=(TraceTurn("user", "x" * 30),))
+    batch = ComposerDataCollator(CharTokenizer(), cfg)([ex])
+    full_prompt = [1, *chars("user"), *chars("x" * 30), 1, 5]
+    # response alone exceeds the cap: 11 response tokens and the prompt's last token
+    assert batch["input_ids"].tolist() == [[full_prompt[-1], *chars("r" * 11)]]
+    assert batch["response_mask"].tolist() == [[0] + [1] * 11]
+    assert batch["ctx_teacher_input_ids"].shape == (1, 12)
+    assert batch["dpo_chosen_input_ids"].tolist() == [[*full_prompt[-4:], *chars("yes"), EOS]]
+    assert batch["dpo_rejected_input_ids"].tolist() == [[*full_prompt[-5:], *chars("no"), EOS]]
+    short = ComposerDataCollator(CharTokenizer(), CollatorConfig(max_seq_len=9))
+    row = short([example("ab")])["input_ids"][0].tolist()
+    assert row == [*prompt_ids()[-6:], *chars("ab"), EOS]
+
+
+def test_missing_reward_and_bad_records_raise():
+    collate = ComposerDataCollator(CharTokenizer(), CollatorConfig(rlvr_reward_key="pass"))
+    with pytest.raises(ValueError, match="has no reward 'pass'"):
+        collate([example()])
+    with pytest.raises(ValueError, match="both chosen and rejected"):
+        TraceExample(turns=(TraceTurn("user", "hi"),), response="x", chosen="y")
+    with pytest.raises(ValueError, match="no turns"):
+        TraceExample(turns=(), response="x")
+    with pytest.raises(ValueError, match="role 'robot'"):
+        TraceTurn("robot", "beep")
+    with pytest.raises(ValueError, match="max_seq_len=1 must be >= 2"):
+        CollatorConfig(max_seq_len=1)
+    with pytest.raises(ValueError, match="no examples"):
+        ComposerDataCollator(CharTokenizer())([])
+
+
+def test_real_tokenizer_batch_feeds_compose_loss():
+    from composer_replication.models import tiny_policy
+
+    model, tokenizer = tiny_policy(seed=0)
+    cfg = CollatorConfig(pad_token_id=tokenizer.pad_token_id, hint_generator=dispatch)
+    examples = [
+        example("def f(x):\n    return 1 / x", error="E   ZeroDivisionError: division by zero"),
+        example("def g():\n    return 2", pair=True),
+    ]
+    batch = ComposerDataCollator(tokenizer, cfg)(examples)
+    assert set(batch) == BASE_KEYS | SDPO_KEYS | DPO_KEYS
+    parts = compose_loss(model, batch, ref_model=copy.deepcopy(model))
+    values = parts.detached()
+    assert all(math.isfinite(v) for v in values.values())
+    assert values["sdpo_jsd"] > 0
+    assert values["trace_replay_dpo"] == pytest.approx(math.log(2), abs=1e-6)
