@@ -14,12 +14,14 @@ from composer_replication.trainer.loop import train
 @pytest.mark.slow
 @pytest.mark.integration
 def test_embedded_model_one_step_of_the_default_recipe(tmp_path):
-    cfg = RunConfig.default([
-        "steps=1",
-        f"output_dir={tmp_path / 'run'}",
-        "eval.max_tasks=2",
-        "eval.every=1",
-    ])
+    cfg = RunConfig.default(
+        [
+            "steps=1",
+            f"output_dir={tmp_path / 'run'}",
+            "eval.max_tasks=2",
+            "eval.every=1",
+        ]
+    )
     data = cfg.model_dump()
     data["envs"][0]["algorithm"]["sampling"].update(group_size=2, max_new_tokens=24)
     data["envs"][0]["tasks_per_step"] = 1
