@@ -127,8 +127,11 @@ async def test_hang_becomes_a_timeout_row_and_others_survive(server):
     server.add_faults(Fault("hang", delay_s=5.0), model="local/t1")
     rows = await replay_trace(make_states(2), teachers, timeout_s=0.3, max_retries=0)
     kinds = [error_kind(r["error"]) for r in rows]
-    assert kinds == [None, "timeout", None, None]
-    assert rows[1]["cost_usd"] > 0  # the hung request may have been billed: fail closed
+    # the hang is served to whichever local/t1 request reaches the server first (row 1 or 3)
+    assert sorted(kinds, key=str) == [None, None, None, "timeout"]
+    hung = kinds.index("timeout")
+    assert rows[hung]["teacher_slug"] == "local/t1"
+    assert rows[hung]["cost_usd"] > 0  # the hung request may have been billed: fail closed
     assert rows.summary.errors_by_kind == {"timeout": 1}
 
 
