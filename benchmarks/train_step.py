@@ -7,7 +7,9 @@ same batch; the naive step computes ``model(...).logits -> log_softmax -> gather
 the very same rl component. Printed: time and peak extra memory (RSS) ratios, and the
 loss values (they must agree). ``--checkpointing`` turns on activation checkpointing in both
 (what a CPU run with long sequences would use), which leaves the LM head as the largest
-memory consumer.
+memory consumer. Both workers fix glibc's mmap threshold as the trainer does
+(:mod:`composer_replication.cpu_allocator`) so that peak RSS counts live tensors rather than
+freed blocks the heap kept; ``--glibc-defaults`` measures with glibc's dynamic threshold.
 """
 
 from __future__ import annotations
@@ -65,12 +67,17 @@ def naive_step(model, mb, cfg) -> dict:
     return {"loss": float(loss.detach())}
 
 
-def worker(impl: str, n_seq: int, seq_len: int, checkpointing: bool, repeats: int) -> dict:
+def worker(
+    impl: str, n_seq: int, seq_len: int, checkpointing: bool, repeats: int, mmap_threshold: int
+) -> dict:
     import torch
 
+    from composer_replication.cpu_allocator import set_mmap_threshold
     from composer_replication.models import load_policy
     from composer_replication.trainer.step import LossConfig, train_step
 
+    if mmap_threshold:
+        set_mmap_threshold(mmap_threshold)
     torch.manual_seed(0)
     model, _ = load_policy()
     model.train()
@@ -104,23 +111,33 @@ def main() -> None:
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing in both"
     )
+    parser.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="keep glibc's dynamic mmap threshold (RSS then includes freed heap blocks)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
         print(json.dumps(worker(**json.loads(ns.args))))
         return
+    from composer_replication.cpu_allocator import DEFAULT_MMAP_THRESHOLD
+
     script = os.path.abspath(__file__)
+    threshold = 0 if ns.glibc_defaults else DEFAULT_MMAP_THRESHOLD
     print(f"machine: {machine_line()}")
     print(
         f"SmolLM2-135M, {ns.n_seq} x {ns.seq_len} tokens, rl (grpo) step, full fine-tune, "
-        f"activation checkpointing {'on' if ns.checkpointing else 'off'}"
+        f"activation checkpointing {'on' if ns.checkpointing else 'off'}, glibc mmap threshold "
+        f"{'dynamic (glibc default)' if not threshold else f'{threshold >> 10} KiB'}"
     )
     args = {
         "n_seq": ns.n_seq,
         "seq_len": ns.seq_len,
         "checkpointing": ns.checkpointing,
         "repeats": ns.repeats,
+        "mmap_threshold": threshold,
     }
     naive = run_case(script, "step", {"impl": "naive", **args})
     ours = run_case(script, "step", {"impl": "ours", **args})

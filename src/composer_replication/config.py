@@ -172,6 +172,13 @@ class RunConfig(_Strict):
     )
     ema_decay: float = Field(0.99, ge=0, lt=1, description="EMA decay when jsd_teacher = 'ema'.")
     micro_batch_tokens: int = Field(4096, ge=1, description="Padded tokens per micro-batch.")
+    malloc_mmap_threshold: int | None = Field(
+        256 * 1024,
+        ge=0,
+        le=32 * 1024 * 1024,
+        description="glibc mmap threshold in bytes, fixed at start so freed activation "
+        "blocks return to the system (see cpu_allocator); null keeps glibc's dynamic one.",
+    )
     heldout_fraction: float = Field(
         0.25, gt=0, lt=1, description="Share of tasks held out for evaluation (never trained on)."
     )
@@ -226,6 +233,9 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ValueError(f"override {item!r} must look like a.b.c=value")
     key, raw = item.split("=", 1)
+    if key.strip().startswith("envs.") and "envs" not in data:
+        # An override inside the default environment list: spell the defaults out first.
+        data["envs"] = [env.model_dump(mode="json") for env in _default_envs()]
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
@@ -234,6 +244,11 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     for part in parts[:-1]:
         if part.isdigit() and isinstance(node, list):
+            if int(part) >= len(node):
+                raise ValueError(
+                    f"override {item!r}: index {part} is out of range (the list has "
+                    f"{len(node)} entries)"
+                )
             node = node[int(part)]
             continue
         node = node.setdefault(part, {})

@@ -1,12 +1,34 @@
 """Pieces of a Hugging Face causal LM the hidden-state losses need: the LM-head weight and
-the transformer body's final hidden states (PEFT-wrapped models included)."""
+the transformer body's final hidden states (PEFT-wrapped models included), and the
+adapter-free view of a LoRA policy that serves as its frozen initial policy."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AdapterDisabled:
+    """A LoRA policy seen with its adapters switched off: the initial policy, without a copy.
+
+    LoRA trains only the adapters, so the base weights under them stay the initial policy
+    (the adapters start at zero, arXiv 2106.09685). Every forward through this view runs
+    inside ``peft_model.disable_adapter()``; it is only ever used under ``no_grad``.
+    """
+
+    peft_model: Any
+
+    @staticmethod
+    def applies_to(model: Any) -> bool:
+        """True when ``model`` is a PEFT model whose only trainable weights are LoRA's."""
+        if not hasattr(model, "disable_adapter"):
+            return False
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        return bool(trainable) and all("lora_" in n for n in trainable)
 
 
 def lm_head_weight(model: Any) -> Tensor:
@@ -39,6 +61,9 @@ def last_hidden_states(
     model: Any, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs: Any
 ) -> Tensor:
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits."""
+    if isinstance(model, AdapterDisabled):
+        with model.peft_model.disable_adapter():
+            return last_hidden_states(model.peft_model, input_ids, attention_mask, **kwargs)
     base = _unwrap_peft(model)
     body = (
         getattr(base, base.base_model_prefix, None) if hasattr(base, "base_model_prefix") else None
@@ -50,6 +75,8 @@ def last_hidden_states(
 
 
 def _unwrap_peft(model: Any) -> Any:
+    if isinstance(model, AdapterDisabled):
+        model = model.peft_model
     # PeftModel -> LoraModel -> the transformers model (whose layers carry the adapters).
     if hasattr(model, "get_base_model"):
         return model.get_base_model()

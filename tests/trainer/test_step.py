@@ -304,3 +304,61 @@ def test_component_counts_and_config_validation():
         LossConfig(mask_low=-1)
     with pytest.raises(ValueError, match="unknown loss components"):
         LossConfig(coefficients={"kl": 1.0}).coefficient("rl")
+
+
+def test_lora_initial_policy_is_the_adapter_free_base(base_model):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from composer_replication.model_parts import AdapterDisabled, last_hidden_states
+    from composer_replication.trainer.setup import kl_to_initial
+
+    original = copy.deepcopy(base_model).eval()
+    policy = get_peft_model(
+        copy.deepcopy(base_model),
+        PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    teachers = TeacherModels(policy, mode="initial")
+    assert isinstance(teachers.initial, AdapterDisabled)  # no second copy of the weights
+    assert teachers.teacher(policy) is teachers.reference is teachers.initial
+    ids = torch.tensor([_ids(70, 12)])
+    attn = torch.ones_like(ids)
+    batches = pack_samples([_rl_sample(70)], max_tokens=64)
+    assert kl_to_initial(policy, teachers.initial, batches, 1.0) == pytest.approx(0.0, abs=1e-12)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+        want = last_hidden_states(original, ids, attn)
+        got = last_hidden_states(teachers.initial, ids, attn)
+        moved = last_hidden_states(policy, ids, attn)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert not torch.allclose(moved, want)  # the adapters are back on after the view's forward
+    assert kl_to_initial(policy, teachers.initial, batches, 1.0) > 1e-4
+    # A policy with trainable non-LoRA weights gets a real frozen copy.
+    full = TeacherModels(copy.deepcopy(base_model))
+    assert not isinstance(full.initial, AdapterDisabled)
+
+
+def test_kl_to_initial_is_the_exact_token_mean_kl(base_model):
+    from composer_replication.trainer.setup import kl_to_initial
+
+    policy = copy.deepcopy(base_model)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    samples = [_rl_sample(80), _rl_sample(81, n_completion=4)]
+    batches = pack_samples(samples, max_tokens=64)
+    got = kl_to_initial(policy, base_model, batches, 0.7)
+    total, count = 0.0, 0
+    for s in samples:
+        ids = torch.tensor([s.input_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(policy(input_ids=ids).logits[0, :-1] / 0.7, -1)
+            lq = torch.log_softmax(base_model(input_ids=ids).logits[0, :-1] / 0.7, -1)
+        kl = (lp.exp() * (lp - lq)).sum(-1)
+        mask = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
+        total += float(kl[mask].sum())
+        count += int(mask.sum())
+    assert got == pytest.approx(total / count, rel=1e-9)
+    assert got > 0

@@ -96,6 +96,10 @@ class Trainer:
         self.run_dir = Path(run_dir or config.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
+        if config.malloc_mmap_threshold is not None:
+            from composer_replication.cpu_allocator import set_mmap_threshold
+
+            set_mmap_threshold(config.malloc_mmap_threshold)
         seed_everything(config.seed)
         self.policy, self.tokenizer = setup_policy(config)
         self.split = HeldoutSplit(

@@ -5,7 +5,10 @@
 - ``ema``: an exponential moving average of the policy's weights, updated after each
   optimizer step (a slower, steadier self-teacher).
 
-The frozen initial copy doubles as the DPO reference model.
+The frozen initial copy doubles as the DPO reference model. For a LoRA policy no copy is
+made: the base weights under the adapters are the initial policy
+(:class:`~composer_replication.model_parts.AdapterDisabled`), which saves a whole model's
+memory and stays the true initial policy across resumes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import copy
 from typing import Any
 
 import torch
+
+from composer_replication.model_parts import AdapterDisabled
 
 TEACHER_MODES = ("policy", "initial", "ema")
 
@@ -35,7 +40,13 @@ class TeacherModels:
             raise ValueError(f"ema_decay={ema_decay} must be in [0, 1)")
         self.mode = mode
         self.ema_decay = ema_decay
-        self.initial = _frozen_copy(policy) if (keep_initial or mode == "initial") else None
+        self.initial: Any = None
+        if keep_initial or mode == "initial":
+            self.initial = (
+                AdapterDisabled(policy)
+                if AdapterDisabled.applies_to(policy)
+                else _frozen_copy(policy)
+            )
         self.ema = _frozen_copy(policy) if mode == "ema" else None
 
     def teacher(self, policy: Any) -> Any:

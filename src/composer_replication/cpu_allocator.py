@@ -1,0 +1,59 @@
+"""Keep a CPU training process's resident memory close to what its tensors actually use.
+
+PyTorch allocates CPU tensors with the C library's ``malloc``. glibc serves blocks below its
+mmap threshold from heap arenas and, after the first large block is freed, raises that
+threshold dynamically up to 32 MiB. A training step then allocates and frees thousands of
+activation-sized blocks (1-32 MiB) interleaved with long-lived ones (gradients, optimizer
+state); the freed blocks stay resident because live blocks sit above them in the heap.
+Measured on SmolLM2-135M (8 x 512 tokens, activation checkpointing): 2.84 GiB of peak
+extra RSS with glibc's defaults, 1.22 GiB with a fixed 256 KiB threshold, for the same
+tensors. A fixed threshold hands every large block its own mapping, returned to the
+system the moment it is freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+# glibc's mallopt parameter number (malloc.h).
+_M_MMAP_THRESHOLD = -3
+ENV_VARIABLE = "MALLOC_MMAP_THRESHOLD_"
+DEFAULT_MMAP_THRESHOLD = 256 * 1024
+
+
+def set_mmap_threshold(threshold_bytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold for this process; True when it was applied.
+
+    Does nothing (returns False) off Linux/glibc, or when the user already chose a value
+    through the ``MALLOC_MMAP_THRESHOLD_`` environment variable (theirs wins).
+
+    Raises:
+        ValueError: for a threshold outside glibc's accepted range (0 .. 32 MiB).
+    """
+    if not 0 <= threshold_bytes <= 32 * 1024 * 1024:
+        raise ValueError(
+            f"threshold_bytes={threshold_bytes} is outside 0 .. 33554432 (32 MiB), the range "
+            "glibc accepts for M_MMAP_THRESHOLD"
+        )
+    if not sys.platform.startswith("linux") or ENV_VARIABLE in os.environ:
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)))
+
+
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        return None  # musl and others: no glibc heap to tune
+    return libc
