@@ -124,9 +124,10 @@ def evaluate(
         ..., help="A model directory (e.g. a run's final_model), a .gguf file, or 'embedded'."
     ),
     env: str = typer.Option("python_functions", "--env", help="Environment to evaluate on."),
-    samples: int = typer.Option(1, min=1, help="Samples per task (pass@1 averages them)."),
-    temperature: float = typer.Option(0.0, min=0.0, help="Sampling temperature (0 = greedy)."),
-    max_new_tokens: int = typer.Option(96, min=1, help="Completion budget."),
+    samples: int = typer.Option(4, min=1, help="Samples per task (pass@1 averages them)."),
+    temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature (0 = greedy)."),
+    max_new_tokens: int = typer.Option(80, min=1, help="Completion budget."),
+    seed: int = typer.Option(0, help="Seed of the evaluation sampling."),
     heldout_fraction: float = typer.Option(0.25, help="Held-out share (must match training)."),
     split: str = typer.Option("heldout", help="Which tasks: heldout, train or all."),
     output: Path | None = typer.Option(
@@ -146,6 +147,7 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         heldout_fraction=heldout_fraction,
         split=split,
+        seed=seed,
     )
     typer.echo(
         f"{env} {split}: pass@1 {result['pass@1']:.3f} over {result['n_tasks']} tasks "

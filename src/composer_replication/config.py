@@ -108,16 +108,25 @@ def _default_envs() -> list[EnvConfig]:
 
 
 class EvalConfig(_Strict):
-    """Held-out evaluation (pass@1) and when to run it."""
+    """Held-out evaluation (pass@1) and when to run it.
+
+    The default pass@1 is the mean success of ``samples_per_task`` answers sampled at the
+    training temperature (the usual RL-for-code estimate, e.g. arXiv 2501.12948), drawn
+    with the same ``seed`` at every evaluation so that before/after differences are not
+    sampling noise; ``temperature = 0`` gives greedy pass@1 instead.
+    """
 
     every: int = Field(3, ge=1, description="Evaluate every N steps (and feed the kill switch).")
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
-    samples_per_task: int = Field(1, ge=1, description="Samples per held-out task for pass@1.")
+    samples_per_task: int = Field(4, ge=1, description="Samples per held-out task for pass@1.")
     temperature: float = Field(
-        0.0, ge=0, description="Sampling temperature for evaluation (0 = greedy)."
+        1.0, ge=0, description="Sampling temperature for evaluation (0 = greedy)."
     )
     max_tasks: int | None = Field(
-        12, ge=1, description="Cap on held-out tasks per evaluation (null: all)."
+        None, ge=1, description="Cap on held-out tasks per evaluation (null: all)."
+    )
+    seed: int = Field(
+        0, description="Seed of evaluation sampling (training's random streams are untouched)."
     )
 
 

@@ -68,6 +68,8 @@ lr = 1e-2
 [eval]
 every = 1
 max_tasks = 2
+samples_per_task = 1
+temperature = 0
 [guard]
 min_steps = 100
 [checkpoint]
@@ -313,3 +315,24 @@ def test_two_diloco_replicas_train_through_an_object_store(tmp_path, tiny_dir):
     assert (tmp_path / "replica0" / "metrics.jsonl").read_text() != (
         tmp_path / "replica1" / "metrics.jsonl"
     ).read_text()
+
+
+def test_evaluation_sampling_is_seeded_and_leaves_training_rng_alone(tmp_path, tiny_dir):
+    from composer_replication.evaluate import heldout_rollouts
+    from composer_replication.models import load_policy
+
+    policy, tok = load_policy(tiny_dir)
+    env = ScriptedEnv(n_tasks=4, max_new_tokens=6)
+    kwargs = dict(samples_per_task=3, temperature=1.0, max_new_tokens=6)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    first = heldout_rollouts(env, policy, tok, env.ids, seed=5, **kwargs)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's stream is untouched
+    again = heldout_rollouts(env, policy, tok, env.ids, seed=5, **kwargs)
+    other = heldout_rollouts(env, policy, tok, env.ids, seed=6, **kwargs)
+
+    def tokens(groups):
+        return [r.completion_ids for g in groups for r in g]
+
+    assert tokens(first) == tokens(again)
+    assert tokens(first) != tokens(other)

@@ -145,6 +145,8 @@ source = "{model_dir}"
 at_start = false
 every = 1
 max_tasks = 1
+samples_per_task = 1
+temperature = 0
 [[envs]]
 name = "python_functions"
 tasks_per_step = 1

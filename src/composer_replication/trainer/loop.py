@@ -25,6 +25,7 @@ import torch
 from composer_replication.config import RunConfig
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.envs.base import Environment, pass_at_1
+from composer_replication.evaluate import heldout_rollouts
 from composer_replication.rollout.endpoint_sampler import sampling_source
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.safety import CollapseStopError, HeldOutGuard, HeldoutSplit
@@ -228,11 +229,15 @@ class Trainer:
         groups = []
         for rt in self.runtimes:
             ids = rt.heldout_ids[: ev.max_tasks] if ev.max_tasks else rt.heldout_ids
-            settings = SamplingSettings(
-                max_new_tokens=rt.sampling.max_new_tokens, temperature=ev.temperature
-            )
-            groups += rt.env.rollouts(
-                self.policy, self.tokenizer, ids, group_size=ev.samples_per_task, sampling=settings
+            groups += heldout_rollouts(
+                rt.env,
+                self.policy,
+                self.tokenizer,
+                ids,
+                samples_per_task=ev.samples_per_task,
+                temperature=ev.temperature,
+                max_new_tokens=rt.sampling.max_new_tokens,
+                seed=ev.seed,
             )
         return pass_at_1(groups)
 

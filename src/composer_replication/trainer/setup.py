@@ -152,7 +152,8 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
             beta=1.0,
             temperature=temperature,
         )
-        total += float(per_token.sum())
+        # A KL is >= 0; float32 rounding can leave -1e-9 where the models agree.
+        total += float(per_token.clamp_min(0.0).sum())
         count += int(mask.sum())
     return total / count if count else 0.0
 
