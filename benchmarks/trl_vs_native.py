@@ -53,7 +53,8 @@ def run_config(args: dict, output_dir: str):
                 }
             ],
             "eval": {"at_start": False},
-            "micro_batch_tokens": 1 << 16,
+            "micro_batch_tokens": args["micro_batch_tokens"],
+            "malloc_mmap_threshold": args["mmap_threshold"],
         }
     )
 
@@ -151,16 +152,33 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=1024,
+        help="native micro-batch budget (the run config's default)",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=-1,
+        help="native malloc_mmap_threshold in bytes (-1, the default: glibc's dynamic one)",
+    )
     opts = parser.parse_args()
     if opts.worker:
         print(json.dumps(WORKERS[opts.worker](json.loads(opts.args))))
         return
-    args = {k: getattr(opts, k) for k in ("steps", "prompts", "group", "tokens", "full")}
+    keys = ("steps", "prompts", "group", "tokens", "full", "micro_batch_tokens", "mmap_threshold")
+    args = {k: getattr(opts, k) for k in keys}
+    if args["mmap_threshold"] < 0:
+        args["mmap_threshold"] = None
     print(machine_line())
     print(
         f"SmolLM2-135M-Instruct ({'full' if opts.full else 'LoRA r=16'}), Dr. GRPO, "
         f"{opts.prompts} prompts x {opts.group} completions x {opts.tokens} tokens, "
-        f"{opts.steps} steps (first = warm-up)"
+        f"{opts.steps} steps (first = warm-up); native: micro-batches of "
+        f"{opts.micro_batch_tokens} tokens, glibc mmap threshold "
+        f"{'dynamic' if args['mmap_threshold'] is None else args['mmap_threshold']}"
     )
     results = {}
     for side in ("native", "trl"):

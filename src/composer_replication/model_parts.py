@@ -4,6 +4,8 @@ adapter-free view of a LoRA policy that serves as its frozen initial policy."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,46 @@ class AdapterDisabled:
             return False
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         return bool(trainable) and all("lora_" in n for n in trainable)
+
+
+@contextmanager
+def lora_merged(model: Any) -> Iterator[Any]:
+    """Inside the block, a LoRA model's adapters are folded into its base weights.
+
+    Sampling then runs the plain architecture (on 2 CPU cores, SmolLM2 with r=16 adapters
+    on all seven projections generates about 1.4x slower unmerged). On exit the base
+    weights are restored bit for bit from a copy taken on entry (subtracting the adapter
+    again would leave rounding error in the frozen weights). Models without unmerged LoRA
+    layers pass through untouched. Use under ``no_grad`` only.
+    """
+    import torch
+
+    layers = [m for m in model.modules() if _is_unmerged_lora(m)]
+    if not layers:
+        yield model
+        return
+    saved = [layer.get_base_layer().weight.detach().clone() for layer in layers]
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                layer.merge()
+        yield model
+    finally:
+        with torch.no_grad():
+            for layer, weight in zip(layers, saved):
+                if layer.merged:
+                    layer.unmerge()
+                layer.get_base_layer().weight.copy_(weight)
+
+
+def _is_unmerged_lora(module: Any) -> bool:
+    return (
+        hasattr(module, "merge")
+        and hasattr(module, "get_base_layer")
+        and hasattr(module, "lora_A")
+        and not getattr(module, "merged", True)
+        and bool(getattr(module, "lora_A", None))
+    )
 
 
 def lm_head_weight(model: Any) -> Tensor:

@@ -84,3 +84,40 @@ def test_left_pad_and_bad_settings():
         SamplingSettings(max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingSettings(temperature=-1)
+
+
+def test_lora_policy_samples_merged_and_keeps_its_base_weights_exact(tiny):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from composer_replication.model_parts import lora_merged
+
+    model, tok = tiny
+    policy = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+    )
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    prompt = tok("def add(a, b):")["input_ids"]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        unmerged = policy(input_ids=ids).logits
+        with lora_merged(policy) as merged_model:
+            merged = merged_model(input_ids=ids).logits
+            assert all(m.merged for m in policy.modules() if hasattr(m, "merged"))
+        torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
+        assert not torch.equal(unmerged, model(input_ids=ids).logits)  # the adapters matter
+    gens = generate(policy, tok, [prompt], SamplingSettings(max_new_tokens=8), generator_seed=0)
+    ref = _recompute(policy, prompt, gens[0].completion_ids, 1.0)  # unmerged recomputation
+    torch.testing.assert_close(torch.tensor(gens[0].logprobs), ref, atol=1e-4, rtol=1e-4)
+    for name, p in policy.named_parameters():  # bit-exact base weights, same adapters, flags
+        assert torch.equal(p, before[name]), name
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
+    assert not any(getattr(m, "merged", False) for m in policy.modules())
+    with lora_merged(model) as same:  # a model without adapters passes through
+        assert same is model

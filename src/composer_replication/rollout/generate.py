@@ -4,7 +4,9 @@ Prompts are left-padded so every row's next token sits in the last column; sampl
 plain temperature (no top-k / top-p), so the sampler's distribution is exactly
 ``softmax(logits / temperature)`` and the log-probs returned here are the ones the
 trainer's importance ratio compares against. ``temperature=0`` is greedy decoding (its
-log-probs are then reported at temperature 1).
+log-probs are then reported at temperature 1). A LoRA policy samples with its adapters
+merged into the base weights (:func:`~composer_replication.model_parts.lora_merged`), as an
+inference engine would; the base weights are restored exactly afterwards.
 
 Each completion ends at the first EOS (kept), at the end of the first stop string (kept,
 tokens after it dropped), or at ``max_new_tokens``.
@@ -102,10 +104,12 @@ def generate(
     if settings.stop_strings:
         kwargs["stop_strings"] = list(settings.stop_strings)
         kwargs["tokenizer"] = tokenizer
+    from composer_replication.model_parts import lora_merged
+
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), lora_merged(model):
             out = model.generate(input_ids=ids, attention_mask=attn, **kwargs)
     finally:
         model.train(was_training)
