@@ -114,7 +114,13 @@ def train(
         raise typer.Exit(code=3) from stop
     before = "n/a" if result.heldout_before is None else f"{result.heldout_before:.3f}"
     after = "n/a" if result.heldout_after is None else f"{result.heldout_after:.3f}"
-    console.print(f"held-out pass@1: before {before} -> after {after}")
+    ev = cfg.eval
+    how = (
+        "greedy"
+        if ev.temperature == 0
+        else f"{ev.samples_per_task} samples/task at T={ev.temperature:g}, seed {ev.seed}"
+    )
+    console.print(f"held-out pass@1 ({how}): before {before} -> after {after}")
     console.print(f"final model: {result.final_model_dir}  report: {result.run_dir / 'report'}")
 
 

@@ -32,6 +32,8 @@ def test_embedded_model_one_step_of_the_default_recipe(tmp_path):
     assert result.steps == 1
     assert math.isfinite(row["loss"]) and row["tokens/rl"] > 0 and row["tokens/dpo"] > 0
     assert 0.0 <= row["heldout/pass@1"] <= 1.0
+    assert row["tokens/sampled"] > 0 and row["tokens_per_s/generate"] > 0
+    assert row["time/generate_s"] <= row["time/generate_score_s"]
     model = AutoModelForCausalLM.from_pretrained(result.final_model_dir)  # plain HF, LoRA merged
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert not any("lora" in name for name, _ in model.named_parameters())

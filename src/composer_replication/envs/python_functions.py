@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -103,10 +104,12 @@ class PythonFunctionsEnv:
         stops = tuple(dict.fromkeys((*sampling.stop_strings, *STOP_STRINGS)))
         sampling = replace(sampling, stop_strings=stops)
         prompts = {tid: self.prompt_ids(tokenizer, self.tasks[tid]) for tid in task_ids}
-        generations = []
+        generations, seconds = [], []
         for start in range(0, len(jobs), self.generation_batch):
             chunk = jobs[start : start + self.generation_batch]
+            t0 = time.perf_counter()
             generations += generate(policy, tokenizer, [prompts[tid] for tid, _ in chunk], sampling)
+            seconds += [(time.perf_counter() - t0) / len(chunk)] * len(chunk)
         with ThreadPoolExecutor(self.grading_workers) as pool:
             graded = list(
                 pool.map(
@@ -115,7 +118,9 @@ class PythonFunctionsEnv:
                 )
             )
         groups: dict[str, list[Rollout]] = {tid: [] for tid in task_ids}
-        for (tid, _), gen, (reward, feedback, error, info) in zip(jobs, generations, graded):
+        for (tid, _), gen, (reward, feedback, error, info), gen_s in zip(
+            jobs, generations, graded, seconds
+        ):
             task = self.tasks[tid]
             groups[tid].append(
                 Rollout(
@@ -130,6 +135,7 @@ class PythonFunctionsEnv:
                     metadata={
                         "finish_reason": gen.finish_reason,
                         "completion_text": gen.text,
+                        "generation_s": gen_s,  # this rollout's share of its batch's time
                         **info,
                     },
                 )

@@ -243,6 +243,7 @@ class Trainer:
 
     def collect(self) -> tuple[list[Any], dict[str, float]]:
         samples, rewards, errors, n_rollouts = [], [], 0, 0
+        sampled_tokens, generation_s = 0, 0.0
         t0 = time.perf_counter()
         for rt in self.runtimes:
             n_tasks = min(rt.config.tasks_per_step, len(rt.train_ids))
@@ -262,6 +263,9 @@ class Trainer:
                 rewards += [r.reward for r in group]
                 errors += sum(1 for r in group if r.error)
                 n_rollouts += len(group)
+                for r in group:
+                    sampled_tokens += sum(r.completion_mask or ())
+                    generation_s += float(r.metadata.get("generation_s", 0.0))
             asyncio.run(rt.algorithm.score(env_samples))
             samples += env_samples
             rt.curriculum.update(self.step, results)
@@ -271,7 +275,11 @@ class Trainer:
             "rollouts/errors": float(errors),
             "rollouts/count": float(n_rollouts),
             "time/generate_score_s": time.perf_counter() - t0,
+            "tokens/sampled": float(sampled_tokens),
         }
+        if generation_s > 0:  # environments that time their sampling (python_functions)
+            stats["time/generate_s"] = generation_s
+            stats["tokens_per_s/generate"] = sampled_tokens / generation_s
         return samples, stats
 
     def train_one_step(self) -> dict[str, Any]:
