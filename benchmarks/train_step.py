@@ -7,9 +7,10 @@ same batch; the naive step computes ``model(...).logits -> log_softmax -> gather
 the very same rl component. Printed: time and peak extra memory (RSS) ratios, and the
 loss values (they must agree). ``--checkpointing`` turns on activation checkpointing in both
 (what a CPU run with long sequences would use), which leaves the LM head as the largest
-memory consumer. Both workers fix glibc's mmap threshold as the trainer does
-(:mod:`composer_replication.cpu_allocator`) so that peak RSS counts live tensors rather than
-freed blocks the heap kept; ``--glibc-defaults`` measures with glibc's dynamic threshold.
+memory consumer. Both workers fix glibc's mmap threshold at 256 KiB
+(:mod:`composer_replication.cpu_allocator`; a run turns it on with
+``malloc_mmap_threshold``) so that peak RSS counts live tensors rather than freed blocks the
+heap kept; ``--glibc-defaults`` measures with glibc's dynamic threshold.
 """
 
 from __future__ import annotations

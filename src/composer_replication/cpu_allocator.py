@@ -8,7 +8,10 @@ state); the freed blocks stay resident because live blocks sit above them in the
 Measured on SmolLM2-135M (8 x 512 tokens, activation checkpointing): 2.84 GiB of peak
 extra RSS with glibc's defaults, 1.22 GiB with a fixed 256 KiB threshold, for the same
 tensors. A fixed threshold hands every large block its own mapping, returned to the
-system the moment it is freed.
+system the moment it is freed; the price is a fresh page fault on every page of every
+large allocation (about 3.4 s more per step of the LoRA loop measured in
+``benchmarks/trl_vs_native.py``), so runs leave it off unless ``malloc_mmap_threshold`` is
+set. Memory benchmarks use it to count live tensors instead of the heap's leftovers.
 """
 
 from __future__ import annotations
