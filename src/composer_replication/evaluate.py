@@ -38,6 +38,29 @@ def heldout_rollouts(
         )
 
 
+def configured_heldout_rollouts(
+    env: Any,
+    policy: Any,
+    tokenizer: Any,
+    heldout_ids: list[str],
+    eval_config: Any,
+    *,
+    max_new_tokens: int,
+) -> list[list[Any]]:
+    """:func:`heldout_rollouts` as a run's ``EvalConfig`` asks (task cap, samples, seed)."""
+    ev = eval_config
+    return heldout_rollouts(
+        env,
+        policy,
+        tokenizer,
+        heldout_ids[: ev.max_tasks] if ev.max_tasks else list(heldout_ids),
+        samples_per_task=ev.samples_per_task,
+        temperature=ev.temperature,
+        max_new_tokens=max_new_tokens,
+        seed=ev.seed,
+    )
+
+
 def evaluate_model(
     model_source: str,
     *,

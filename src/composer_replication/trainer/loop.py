@@ -25,7 +25,7 @@ import torch
 from composer_replication.config import RunConfig
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.envs.base import Environment, pass_at_1
-from composer_replication.evaluate import heldout_rollouts
+from composer_replication.evaluate import configured_heldout_rollouts
 from composer_replication.rollout.endpoint_sampler import sampling_source
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.safety import CollapseStopError, HeldOutGuard, HeldoutSplit
@@ -225,19 +225,15 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Held-out pass@1 over every environment's held-out tasks."""
-        ev = self.config.eval
         groups = []
         for rt in self.runtimes:
-            ids = rt.heldout_ids[: ev.max_tasks] if ev.max_tasks else rt.heldout_ids
-            groups += heldout_rollouts(
+            groups += configured_heldout_rollouts(
                 rt.env,
                 self.policy,
                 self.tokenizer,
-                ids,
-                samples_per_task=ev.samples_per_task,
-                temperature=ev.temperature,
+                rt.heldout_ids,
+                self.config.eval,
                 max_new_tokens=rt.sampling.max_new_tokens,
-                seed=ev.seed,
             )
         return pass_at_1(groups)
 

@@ -317,19 +317,15 @@ class _GuardCallback:
 
     def evaluate(self) -> float:
         from composer_replication.envs import pass_at_1
-        from composer_replication.evaluate import heldout_rollouts
+        from composer_replication.evaluate import configured_heldout_rollouts
 
-        ev = self.config.eval
-        ids = self.heldout_ids[: ev.max_tasks] if ev.max_tasks else self.heldout_ids
-        groups = heldout_rollouts(
+        groups = configured_heldout_rollouts(
             self.env,
             self.policy,
             self.tokenizer,
-            ids,
-            samples_per_task=ev.samples_per_task,
-            temperature=ev.temperature,
+            self.heldout_ids,
+            self.config.eval,
             max_new_tokens=self.config.envs[0].algorithm.sampling.max_new_tokens,
-            seed=ev.seed,
         )
         return pass_at_1(groups)
 
