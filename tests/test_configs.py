@@ -41,9 +41,9 @@ def test_overrides_and_errors(tmp_path):
     with pytest.raises(ValueError):
         RunConfig.default(["no_such_field=1"])
     # Overrides inside the default environment list keep the rest of its defaults.
-    cfg = RunConfig.default(["envs.0.algorithm.advantage.beta=0.5"])
+    cfg = RunConfig.default(["envs.0.algorithm.advantage.beta_replay=0.5"])
     default = RunConfig.default()
-    assert cfg.envs[0].algorithm.advantage.beta == 0.5
+    assert cfg.envs[0].algorithm.advantage.beta_replay == 0.5
     assert cfg.envs[0].algorithm.sampling == default.envs[0].algorithm.sampling
     assert cfg.envs[0].tasks_per_step == default.envs[0].tasks_per_step
     with pytest.raises(ValueError, match="index 2 is out of range"):

@@ -228,7 +228,7 @@ def test_no_grad_forward_equals_grad_forward():
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 def test_in_place_row_gradient_equals_reference(beta):
-    from composer_replication.opsd import (
+    from composer_replication.ops.jsd import (
         jsd_rows_student_grad_,
         jsd_rows_with_grads,
         log_softmax_,

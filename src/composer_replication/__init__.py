@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
 
 # True when the optional torchft dependency (DiLoCo) is importable.
 _DILOCO_AVAILABLE: bool = importlib.util.find_spec("torchft") is not None
-# torchft's DiLoCo outer loop; None when torchft is absent (spec 01-api.md §1).
+# torchft's DiLoCo outer loop; None when torchft is absent.
 make_diloco_outer_loop = None
 if _DILOCO_AVAILABLE:
     del make_diloco_outer_loop

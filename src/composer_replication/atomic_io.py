@@ -1,8 +1,9 @@
-"""Atomic directory writes: a crash leaves either the old directory or the new one.
+"""Atomic writes: a crash leaves either the old file (directory) or the new one.
 
-Used for model caches and checkpoints. A directory is built in a uniquely named sibling
-(``<target>.tmp-<pid>-<hex>``) and renamed into place; leftovers of dead processes are
-removed on the next write.
+Used for model caches, checkpoints, summaries and outputs. A directory is built in a
+uniquely named sibling (``<target>.tmp-<pid>-<hex>``) and renamed into place; leftovers of
+dead processes are removed on the next write. A file is written to a temporary sibling,
+fsynced and renamed (:func:`write_text_atomic`).
 """
 
 from __future__ import annotations
@@ -73,3 +74,23 @@ def build_dir_atomically(target: Path, build: Callable[[Path], None], *, replace
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary sibling renamed into place: a reader
+    (or a crash) sees the old file or the new one, never a torn one."""
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -94,6 +94,7 @@ def train(
         raise typer.BadParameter(
             "--resume needs --backend native (the trl backend keeps no checkpoints)"
         )
+    from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH
     from composer_replication.trainer.loop import train as run_training
 
     console.print(
@@ -111,7 +112,7 @@ def train(
     except CollapseStopError as stop:
         console.print(f"[bold red]stopped by the kill switch[/bold red]: {stop}")
         console.print(f"final checkpoint and metrics in {cfg.output_dir}")
-        raise typer.Exit(code=3) from stop
+        raise typer.Exit(code=EXIT_KILL_SWITCH) from stop
     before = "n/a" if result.heldout_before is None else f"{result.heldout_before:.3f}"
     after = "n/a" if result.heldout_after is None else f"{result.heldout_after:.3f}"
     ev = cfg.eval

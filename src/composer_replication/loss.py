@@ -1,19 +1,20 @@
-"""The three-channel Composer loss, for verification and for trainers that want it whole.
+"""The three-channel Composer loss on one batch: a thin, documented reference over
+:mod:`composer_replication.ops`, the same core the native trainer step and the trl trainer
+run.
 
 ``total = lm_ce + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``
 
-1. ``lm_ce``: next-token cross-entropy on the response tokens.
-2. ``sdpo_jsd``: generalized JSD (GKD, arXiv 2306.13649) between the policy on the plain
-   context (student, with grad) and the same policy on the hint-augmented context (teacher,
-   no grad) at the aligned response positions: self-distillation from the policy's own
-   hinted context (SDPO, arXiv 2601.20802).
-3. ``trace_replay_dpo``: DPO (arXiv 2305.18290) on (chosen, rejected) sequences from
-   teacher-consensus replay of agent traces, with reference log-probs from the frozen
-   initial model.
+1. ``lm_ce``: next-token cross-entropy on the response tokens (optional label smoothing).
+2. ``sdpo_jsd``: self-distillation (SDPO, arXiv 2601.20802): the token-mean divergence
+   between the policy on the plain context (student, with grad) and the policy on the
+   hint-augmented context (teacher, no grad) at the aligned response positions. The
+   divergence is the generalized JSD (GKD, arXiv 2306.13649) or, with ``sdpo_wrapper``,
+   TAID (arXiv 2501.16937) or entropy-aware OPD (arXiv 2603.07079).
+3. ``trace_replay_dpo``: the mean pair loss on (chosen, rejected) sequences from
+   teacher-consensus replay of agent traces: DPO (arXiv 2305.18290) against reference
+   log-probs, or SimPO (arXiv 2405.14734), reference-free.
 
-All three run on the hidden-state path of :mod:`composer_replication.chunked_head`, so the
-(B, T, V) logits are never materialised. The input dict is documented in
-:mod:`composer_replication.batch`.
+The input dict is documented in :mod:`composer_replication.batch`.
 """
 
 from __future__ import annotations
@@ -23,18 +24,36 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.chunked_head import (
-    IGNORE_INDEX,
-    jsd_from_hidden,
-    last_hidden_states,
-    lm_head_weight,
-    token_logprobs_from_hidden,
+from composer_replication.model_parts import AdapterDisabled, last_hidden_states, lm_head_weight
+from composer_replication.ops.divergence import DivergenceSettings
+from composer_replication.ops.head import IGNORE_INDEX, cross_entropy_from_hidden
+from composer_replication.ops.pairs import (
+    PairLossSettings,
+    fill_reference_logps,
+    pair_terms,
+    pairs_from_padded,
+    sequence_logps,
 )
+from composer_replication.ops.self_distillation import aligned_from_masks, divergence_terms
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from torch import Tensor
+
+__all__ = [
+    "DPO_VARIANTS",
+    "SDPO_WRAPPERS",
+    "LossComponents",
+    "compose_loss",
+    "divergence_settings",
+    "pair_loss_settings",
+    "sdpo_tokens",
+    "sequence_logps",
+]
+
+SDPO_WRAPPERS = {"none": "jsd", "taid": "taid", "entropy_opd": "entropy_opd"}
+DPO_VARIANTS = ("dpo", "simpo")
 
 _SDPO_KEYS = ("ctx_teacher_input_ids", "sdpo_loss_mask")
 _DPO_KEYS = (
@@ -42,6 +61,11 @@ _DPO_KEYS = (
     "dpo_chosen_response_mask",
     "dpo_rejected_input_ids",
     "dpo_rejected_response_mask",
+)
+# Reference log-prob keys: ours first, then the seed's spelling (sums or per-token values).
+_REF_KEYS = (
+    ("dpo_ref_chosen_logps", "dpo_ref_rejected_logps"),
+    ("dpo_chosen_ref_logprobs", "dpo_rejected_ref_logprobs"),
 )
 
 
@@ -64,6 +88,53 @@ class LossComponents:
         }
 
 
+def divergence_settings(
+    *,
+    sdpo_jsd_beta: float = 0.5,
+    sdpo_temperature: float = 1.0,
+    sdpo_token_clip: float | None = None,
+    sdpo_wrapper: str = "none",
+    taid_t: Any = None,
+    entropy_opd_h_max: float | None = None,
+    chunk_size: int | None = None,
+) -> DivergenceSettings:
+    """The SDPO channel's settings under their public names.
+
+    ``taid_t`` is a number in [0, 1] or an object with a ``t`` attribute (a
+    ``distillation.TAIDScheduler``), read at call time.
+    """
+    if sdpo_wrapper not in SDPO_WRAPPERS:
+        raise ValueError(
+            f"sdpo_wrapper={sdpo_wrapper!r} is not one of {tuple(SDPO_WRAPPERS)} ('none' is the "
+            "generalized JSD)"
+        )
+    t = getattr(taid_t, "t", taid_t)
+    return DivergenceSettings(
+        kind=SDPO_WRAPPERS[sdpo_wrapper],
+        beta=sdpo_jsd_beta,
+        temperature=sdpo_temperature,
+        token_clip=sdpo_token_clip,
+        taid_t=None if t is None else float(t),
+        h_max=entropy_opd_h_max,
+        chunk_size=chunk_size,
+    )
+
+
+def pair_loss_settings(
+    *,
+    dpo_variant: str = "dpo",
+    replay_dpo_beta: float = 0.1,
+    simpo_beta: float = 2.0,
+    simpo_gamma: float = 1.0,
+) -> PairLossSettings:
+    """The trace-replay channel's settings under their public names."""
+    if dpo_variant not in DPO_VARIANTS:
+        raise ValueError(f"dpo_variant={dpo_variant!r} is not one of {DPO_VARIANTS}")
+    return PairLossSettings(
+        variant=dpo_variant, beta=replay_dpo_beta, simpo_beta=simpo_beta, simpo_gamma=simpo_gamma
+    )
+
+
 def compose_loss(
     model: Any,
     inputs: Mapping[str, Tensor],
@@ -74,6 +145,13 @@ def compose_loss(
     sdpo_temperature: float = 1.0,
     sdpo_token_clip: float | None = None,
     replay_dpo_beta: float = 0.1,
+    lm_ce_label_smoothing: float = 0.0,
+    dpo_variant: str = "dpo",
+    sdpo_wrapper: str = "none",
+    taid_t: Any = None,
+    simpo_beta: float = 2.0,
+    simpo_gamma: float = 1.0,
+    entropy_opd_h_max: float | None = None,
     ref_model: Any | None = None,
     teacher_model: Any | None = None,
     chunk_size: int | None = None,
@@ -82,18 +160,27 @@ def compose_loss(
 
     Args:
         model: the policy, a Hugging Face causal LM (PEFT-wrapped or not).
-        inputs: the dict of :func:`composer_replication.batch.build_batch`. A channel whose
-            keys are absent contributes an exact 0 (a tensor that requires grad).
-        alpha_sdpo: weight of the SDPO JSD channel.
-        beta_replay: weight of the trace-replay DPO channel.
+        inputs: the dict of :func:`composer_replication.batch.build_batch` (or
+            ``ComposerDataCollator``). A channel whose keys are absent contributes an exact 0
+            (a tensor that requires grad).
+        alpha_sdpo: weight of the SDPO channel (>= 0).
+        beta_replay: weight of the trace-replay channel (>= 0).
         sdpo_jsd_beta: the JSD's mixture coefficient (0 forward KL, 1 reverse KL).
         sdpo_temperature: both distributions' softmax temperature.
-        sdpo_token_clip: clamp each token's JSD to this value (None: no clamp).
+        sdpo_token_clip: clamp each token's divergence to this value (None: no clamp).
         replay_dpo_beta: DPO's beta.
+        lm_ce_label_smoothing: label smoothing of channel 1, in [0, 1).
+        dpo_variant: ``"dpo"`` (reference log-probs used) or ``"simpo"`` (length-normalised,
+            reference-free, ``simpo_beta`` / ``simpo_gamma``).
+        sdpo_wrapper: ``"none"`` (generalized JSD), ``"taid"`` (TAID at ``taid_t``, a number
+            or a ``TAIDScheduler``) or ``"entropy_opd"`` (entropy-aware OPD with
+            ``entropy_opd_h_max``, default log V). The ``sdpo_loss_mask`` selects the tokens
+            in every case.
         ref_model: frozen initial model for the DPO reference log-probs when the batch does
-            not carry ``dpo_ref_chosen_logps`` / ``dpo_ref_rejected_logps``. They are
+            not carry them (``dpo_ref_chosen_logps`` / ``dpo_ref_rejected_logps``, or the
+            seed's ``dpo_chosen_ref_logprobs`` / ``dpo_rejected_ref_logprobs``). They are
             computed once and written into ``inputs`` (when it is a mutable dict), so a
-            re-used batch never pays for them twice. With neither, a PEFT policy's adapters
+            re-used batch never pays for them twice. With neither, a LoRA policy's adapters
             are disabled to recover the initial model; otherwise ``ValueError``.
         teacher_model: model for the SDPO teacher forward (default: ``model`` itself, under
             ``no_grad``: the live policy teaches itself through the hint).
@@ -105,44 +192,152 @@ def compose_loss(
     for name, value in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
-    if replay_dpo_beta <= 0:
-        raise ValueError(f"replay_dpo_beta={replay_dpo_beta} must be > 0")
+    divergence = divergence_settings(
+        sdpo_jsd_beta=sdpo_jsd_beta,
+        sdpo_temperature=sdpo_temperature,
+        sdpo_token_clip=sdpo_token_clip,
+        sdpo_wrapper=sdpo_wrapper,
+        taid_t=taid_t,
+        entropy_opd_h_max=entropy_opd_h_max,
+        chunk_size=chunk_size,
+    )
+    pair_settings = pair_loss_settings(
+        dpo_variant=dpo_variant,
+        replay_dpo_beta=replay_dpo_beta,
+        simpo_beta=simpo_beta,
+        simpo_gamma=simpo_gamma,
+    )
     if "input_ids" not in inputs or "response_mask" not in inputs:
         raise ValueError(
             "inputs needs 'input_ids' and 'response_mask' (build it with "
             "composer_replication.batch.build_batch)"
         )
     input_ids = inputs["input_ids"]
-    attention_mask = inputs.get("attention_mask")
     response_mask = inputs["response_mask"]
     _check_same_shape("response_mask", response_mask, input_ids)
 
     weight = lm_head_weight(model)
-    hidden = last_hidden_states(model, input_ids, attention_mask)
+    hidden = last_hidden_states(model, input_ids, inputs.get("attention_mask"))
+    targets = input_ids[:, 1:].masked_fill(response_mask[:, 1:] == 0, IGNORE_INDEX)
+    lm_ce = cross_entropy_from_hidden(
+        hidden[:, :-1],
+        weight,
+        targets,
+        label_smoothing=lm_ce_label_smoothing,
+        chunk_size=chunk_size,
+    )
 
-    lm_ce = _response_cross_entropy(hidden, weight, input_ids, response_mask, chunk_size)
-
+    sdpo = _graph_zero(hidden)
     if all(k in inputs for k in _SDPO_KEYS):
-        sdpo = _sdpo_jsd(
-            model if teacher_model is None else teacher_model,
+        tokens = sdpo_tokens(inputs)
+        per_token = divergence_terms(
             hidden,
             weight,
-            inputs,
-            beta=sdpo_jsd_beta,
-            temperature=sdpo_temperature,
-            token_clip=sdpo_token_clip,
-            chunk_size=chunk_size,
+            model if teacher_model is None else teacher_model,
+            inputs["ctx_teacher_input_ids"],
+            inputs.get("ctx_teacher_attention_mask"),
+            tokens,
+            divergence,
         )
-    else:
-        sdpo = _graph_zero(hidden)
+        if tokens.n_tokens:
+            sdpo = per_token.sum() / tokens.n_tokens
 
+    replay = _graph_zero(hidden)
     if all(k in inputs for k in _DPO_KEYS):
-        replay = _trace_replay_dpo(model, weight, inputs, ref_model, replay_dpo_beta, chunk_size)
-    else:
-        replay = _graph_zero(hidden)
+        pairs = _batch_pairs(inputs)
+        if pair_settings.needs_reference and pairs[0].ref_chosen_logp is None:
+            fill_reference_logps(_reference(model, ref_model), pairs, chunk_size=chunk_size)
+            if isinstance(inputs, dict):  # cache: a re-used batch never pays for them twice
+                device = input_ids.device
+                for key, side in zip(_REF_KEYS[0], ("chosen", "rejected")):
+                    values = [getattr(p, f"ref_{side}_logp") for p in pairs]
+                    inputs[key] = torch.tensor(values, dtype=torch.float32, device=device)
+        replay = pair_terms(model, pairs, pair_settings, chunk_size=chunk_size).mean()
 
     total = lm_ce + alpha_sdpo * sdpo + beta_replay * replay
     return LossComponents(lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay, total=total)
+
+
+def sdpo_tokens(inputs: Mapping[str, Tensor]) -> Any:
+    """The distilled tokens of a ``compose_loss`` batch, in both contexts.
+
+    ``sdpo_loss_mask`` has the student's shape (our layout) or the teacher's (the seed's);
+    when both contexts have one shape, the mask is read on the student side, which is also
+    right for ``build_batch(..., align_sdpo_shapes=True)`` (responses in the same columns).
+    Without ``ctx_teacher_response_mask`` the response is the last tokens of each attended
+    teacher row.
+    """
+    input_ids, response_mask = inputs["input_ids"], inputs["response_mask"]
+    t_ids = inputs["ctx_teacher_input_ids"]
+    t_attn = inputs.get("ctx_teacher_attention_mask")
+    if t_attn is None:
+        t_attn = torch.ones_like(t_ids)
+    t_resp = inputs.get("ctx_teacher_response_mask")
+    if t_resp is None:
+        t_resp = _right_aligned_response_mask(t_attn, response_mask)
+    _check_same_shape("ctx_teacher_response_mask", t_resp, t_ids)
+    mask = inputs["sdpo_loss_mask"]
+    if mask.shape == input_ids.shape:
+        student_mask = mask
+    elif mask.shape == t_ids.shape:  # the seed's layout: mark the teacher's response tokens
+        student_mask = _teacher_mask_to_student(mask, t_resp, response_mask)
+    else:
+        raise ValueError(
+            f"sdpo_loss_mask {tuple(mask.shape)} must have the student's shape "
+            f"{tuple(input_ids.shape)} or the teacher's {tuple(t_ids.shape)}"
+        )
+    return aligned_from_masks(input_ids, response_mask, t_ids, t_resp, student_mask)
+
+
+def _teacher_mask_to_student(mask: Tensor, t_resp: Tensor, response_mask: Tensor) -> Tensor:
+    # Response token k of the teacher row is response token k of the student row.
+    out = torch.zeros_like(response_mask)
+    for b in range(mask.shape[0]):
+        t_pos = t_resp[b].nonzero().squeeze(-1)
+        s_pos = response_mask[b].nonzero().squeeze(-1)
+        if t_pos.numel() == s_pos.numel():
+            out[b, s_pos] = (mask[b, t_pos] != 0).to(out.dtype)
+    return out
+
+
+def _right_aligned_response_mask(t_attn: Tensor, response_mask: Tensor) -> Tensor:
+    # Without an explicit mask, the response is the last n attended tokens of each row.
+    out = torch.zeros_like(t_attn)
+    lengths = t_attn.sum(-1)
+    counts = (response_mask != 0).sum(-1)
+    for b in range(t_attn.shape[0]):
+        end = int(lengths[b])
+        out[b, end - int(counts[b]) : end] = 1
+    return out
+
+
+def _batch_pairs(inputs: Mapping[str, Tensor]) -> list[Any]:
+    refs = next(
+        ((inputs[c], inputs[r]) for c, r in _REF_KEYS if c in inputs and r in inputs), (None, None)
+    )
+    return pairs_from_padded(
+        tuple(
+            inputs.get(f"dpo_chosen_{k}") for k in ("input_ids", "response_mask", "attention_mask")
+        ),
+        tuple(
+            inputs.get(f"dpo_rejected_{k}")
+            for k in ("input_ids", "response_mask", "attention_mask")
+        ),
+        ref_chosen=refs[0],
+        ref_rejected=refs[1],
+    )
+
+
+def _reference(model: Any, ref_model: Any | None) -> Any:
+    if ref_model is not None:
+        return ref_model
+    if AdapterDisabled.applies_to(model):  # LoRA: the base weights are the initial model
+        return AdapterDisabled(model)
+    raise ValueError(
+        "trace-replay DPO needs reference log-probs: put 'dpo_ref_chosen_logps' and "
+        "'dpo_ref_rejected_logps' in the batch, or pass ref_model= (a frozen copy of the "
+        "initial policy), or use dpo_variant='simpo' (reference-free)"
+    )
 
 
 def _graph_zero(like: Tensor) -> Tensor:
@@ -154,175 +349,3 @@ def _graph_zero(like: Tensor) -> Tensor:
 def _check_same_shape(name: str, tensor: Tensor, ref: Tensor) -> None:
     if tensor.shape != ref.shape:
         raise ValueError(f"{name} {tuple(tensor.shape)} must match {tuple(ref.shape)}")
-
-
-def _next_token_targets(input_ids: Tensor, response_mask: Tensor) -> Tensor:
-    """(B, T-1) targets: token t+1 where it is a response token, else IGNORE_INDEX."""
-    targets = input_ids[:, 1:].clone()
-    targets[response_mask[:, 1:] == 0] = IGNORE_INDEX
-    return targets
-
-
-def _response_cross_entropy(
-    hidden: Tensor, weight: Tensor, input_ids: Tensor, response_mask: Tensor, chunk: int | None
-) -> Tensor:
-    targets = _next_token_targets(input_ids, response_mask)
-    logprobs = token_logprobs_from_hidden(hidden[:, :-1], weight, targets, chunk_size=chunk)
-    n_tokens = (targets != IGNORE_INDEX).sum().clamp_min(1)
-    return -logprobs.sum() / n_tokens
-
-
-def response_positions(response_mask: Tensor) -> list[Tensor]:
-    """Per row, the positions (ascending) of the response tokens."""
-    return [row.nonzero().squeeze(-1) for row in response_mask]
-
-
-def _sdpo_jsd(
-    teacher: Any,
-    student_hidden: Tensor,
-    weight: Tensor,
-    inputs: Mapping[str, Tensor],
-    *,
-    beta: float,
-    temperature: float,
-    token_clip: float | None,
-    chunk_size: int | None,
-) -> Tensor:
-    input_ids = inputs["input_ids"]
-    response_mask = inputs["response_mask"]
-    sdpo_mask = inputs["sdpo_loss_mask"]
-    _check_same_shape("sdpo_loss_mask", sdpo_mask, input_ids)
-    t_ids = inputs["ctx_teacher_input_ids"]
-    t_attn = inputs.get("ctx_teacher_attention_mask", torch.ones_like(t_ids))
-    t_resp = inputs.get("ctx_teacher_response_mask")
-    if t_resp is None:
-        t_resp = _right_aligned_response_mask(t_attn, response_mask)
-    _check_same_shape("ctx_teacher_response_mask", t_resp, t_ids)
-
-    # Student position p predicts token p+1; gather the hidden states that predict each
-    # response token selected by sdpo_loss_mask, and the teacher's for the same tokens.
-    s_rows, t_rows = [], []
-    for b, (s_pos, t_pos) in enumerate(
-        zip(response_positions(response_mask), response_positions(t_resp))
-    ):
-        if s_pos.numel() != t_pos.numel():
-            raise ValueError(
-                f"row {b}: {s_pos.numel()} response tokens in the student context but "
-                f"{t_pos.numel()} in the teacher context; both must hold the same response"
-            )
-        if not torch.equal(input_ids[b, s_pos], t_ids[b, t_pos]):
-            raise ValueError(
-                f"row {b}: the teacher context's response tokens differ from the student's; "
-                "tokenise the response once and append the same ids to both contexts"
-            )
-        keep = (sdpo_mask[b, s_pos] != 0) & (s_pos > 0) & (t_pos > 0)
-        s_rows.append(torch.stack([torch.full_like(s_pos[keep], b), s_pos[keep] - 1]))
-        t_rows.append(torch.stack([torch.full_like(t_pos[keep], b), t_pos[keep] - 1]))
-    s_index = torch.cat(s_rows, dim=1)
-    t_index = torch.cat(t_rows, dim=1)
-    if s_index.shape[1] == 0:
-        return _graph_zero(student_hidden)
-
-    with torch.no_grad():
-        teacher_hidden = last_hidden_states(teacher, t_ids, t_attn)
-        teacher_weight = lm_head_weight(teacher)
-    student_sel = student_hidden[s_index[0], s_index[1]]
-    teacher_sel = teacher_hidden[t_index[0], t_index[1]]
-    per_token = jsd_from_hidden(
-        student_sel,
-        weight,
-        teacher_sel,
-        teacher_weight=teacher_weight,
-        beta=beta,
-        temperature=temperature,
-        chunk_size=chunk_size,
-    )
-    if token_clip is not None:
-        per_token = per_token.clamp(max=float(token_clip))
-    return per_token.sum() / per_token.numel()
-
-
-def _right_aligned_response_mask(t_attn: Tensor, response_mask: Tensor) -> Tensor:
-    # Without an explicit mask, the response is the last n tokens of each teacher row.
-    out = torch.zeros_like(t_attn)
-    lengths = t_attn.sum(-1)
-    counts = (response_mask != 0).sum(-1)
-    for b in range(t_attn.shape[0]):
-        end = int(lengths[b])
-        out[b, end - int(counts[b]) : end] = 1
-    return out
-
-
-def sequence_logps(
-    model: Any,
-    input_ids: Tensor,
-    response_mask: Tensor,
-    attention_mask: Tensor | None = None,
-    *,
-    chunk_size: int | None = None,
-) -> Tensor:
-    """(B,) summed log-probs of the response tokens, on the hidden-state path."""
-    weight = lm_head_weight(model)
-    hidden = last_hidden_states(model, input_ids, attention_mask)
-    targets = _next_token_targets(input_ids, response_mask)
-    logprobs = token_logprobs_from_hidden(hidden[:, :-1], weight, targets, chunk_size=chunk_size)
-    return logprobs.sum(-1)
-
-
-def _trace_replay_dpo(
-    model: Any,
-    weight: Tensor,
-    inputs: Mapping[str, Tensor],
-    ref_model: Any | None,
-    beta: float,
-    chunk_size: int | None,
-) -> Tensor:
-    from composer_replication.distillation.dpo import dpo_loss
-
-    chosen = _pair_side(inputs, "chosen")
-    rejected = _pair_side(inputs, "rejected")
-    ref_chosen = inputs.get("dpo_ref_chosen_logps")
-    ref_rejected = inputs.get("dpo_ref_rejected_logps")
-    if ref_chosen is None or ref_rejected is None:
-        ref_chosen, ref_rejected = _reference_logps(model, ref_model, chosen, rejected, chunk_size)
-        if isinstance(inputs, dict):  # cache: the frozen reference is computed once per batch
-            inputs["dpo_ref_chosen_logps"] = ref_chosen
-            inputs["dpo_ref_rejected_logps"] = ref_rejected
-    policy_chosen = sequence_logps(model, *chosen, chunk_size=chunk_size)
-    policy_rejected = sequence_logps(model, *rejected, chunk_size=chunk_size)
-    return dpo_loss(
-        policy_chosen,
-        policy_rejected,
-        ref_chosen.to(policy_chosen.dtype),
-        ref_rejected.to(policy_chosen.dtype),
-        beta=beta,
-    )
-
-
-def _pair_side(inputs: Mapping[str, Tensor], side: str) -> tuple[Tensor, Tensor, Tensor | None]:
-    ids = inputs[f"dpo_{side}_input_ids"]
-    resp = inputs[f"dpo_{side}_response_mask"]
-    _check_same_shape(f"dpo_{side}_response_mask", resp, ids)
-    return ids, resp, inputs.get(f"dpo_{side}_attention_mask")
-
-
-def _reference_logps(
-    model: Any, ref_model: Any | None, chosen: tuple, rejected: tuple, chunk_size: int | None
-) -> tuple[Tensor, Tensor]:
-    with torch.no_grad():
-        if ref_model is not None:
-            return (
-                sequence_logps(ref_model, *chosen, chunk_size=chunk_size),
-                sequence_logps(ref_model, *rejected, chunk_size=chunk_size),
-            )
-        if hasattr(model, "disable_adapter"):  # PEFT: the base weights are the initial model
-            with model.disable_adapter():
-                return (
-                    sequence_logps(model, *chosen, chunk_size=chunk_size),
-                    sequence_logps(model, *rejected, chunk_size=chunk_size),
-                )
-    raise ValueError(
-        "trace-replay DPO needs reference log-probs: put 'dpo_ref_chosen_logps' and "
-        "'dpo_ref_rejected_logps' in the batch, or pass ref_model= (a frozen copy of the "
-        "initial policy)"
-    )

@@ -49,7 +49,7 @@ def test_opd_builds_an_endpoint_scorer_from_the_config():
         ({"type": "opsd"}, "opsd needs tokenizer="),
         ({"type": "sdpo"}, "sdpo needs tokenizer="),
         ({"type": "composer"}, "composer needs tokenizer="),
-        ({"type": "replay_dpo"}, "replay_dpo needs pairs"),
+        ({"type": "replay_dpo"}, "tokenising preference pairs needs tokenizer="),
     ],
 )
 def test_missing_resources_are_named(advantage, message):

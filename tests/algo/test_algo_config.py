@@ -17,8 +17,8 @@ from composer_replication.algo import (
     LocalFrozenModel,
     OPSDAdvantage,
 )
-from composer_replication.algo.config import tomllib
-from composer_replication.algo.toml_writer import dumps
+from composer_replication.config.algorithm import tomllib
+from composer_replication.config.toml_writer import dumps
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "algorithms"
 ENDPOINT = {"name": "teacher-1.7b", "base_url": "http://127.0.0.1:8000/v1"}
@@ -39,23 +39,16 @@ def test_defaults_are_grpo_on_policy():
 def test_class_defaults_are_the_vetted_settings():
     composer = AlgorithmConfig(advantage={"type": "composer"}).advantage
     assert isinstance(composer, ComposerAdvantage)
-    assert (composer.alpha, composer.beta, composer.jsd_beta, composer.dpo_beta) == (
-        0.1,
-        0.05,
-        0.5,
-        0.1,
-    )
+    assert (composer.alpha_sdpo, composer.beta_replay) == (0.1, 0.05)
+    # No loss requirement by default: the run's [loss] table decides (0.5 and 0.1).
+    assert composer.loss_requirements() == {}
+    assert composer.teacher_mode == ("policy", 0.99)
     sdpo = AlgorithmConfig(advantage={"type": "sdpo"}).advantage
-    assert (sdpo.alpha, sdpo.jsd_beta, sdpo.teacher, sdpo.use_sibling_demos) == (
-        1.0,
-        0.5,
-        "policy",
-        True,
-    )
+    assert (sdpo.alpha_sdpo, sdpo.teacher, sdpo.use_sibling_demos) == (1.0, "policy", True)
     echo = AlgorithmConfig(advantage={"type": "echo"}).advantage
     assert {k: v.alpha for k, v in echo.roles.items()} == {"tool": 0.1}
     dpo = AlgorithmConfig(advantage={"type": "replay_dpo"}).advantage
-    assert (dpo.beta, dpo.loss, dpo.weight, dpo.pairs_path) == (0.1, "dpo", 1.0, None)
+    assert (dpo.beta_replay, dpo.dpo_variant, dpo.pairs_path) == (1.0, None, None)
     assert AlgorithmConfig(advantage={"type": "max_rl"}).advantage.eps == 1e-6
     opsd = AlgorithmConfig(advantage={"type": "opsd"}).advantage
     assert opsd.model == "policy"
@@ -193,8 +186,10 @@ ROUND_TRIP = [
     AlgorithmConfig(
         advantage=EchoAdvantage(roles={"tool": {"alpha": 0.2}, "user role": {"alpha": 0.0}})
     ),
-    AlgorithmConfig(advantage={"type": "replay_dpo", "loss": "simpo", "pairs_path": "p.jsonl"}),
-    AlgorithmConfig(advantage={"type": "composer", "alpha": 0.2, "pairs_per_group": 3}),
+    AlgorithmConfig(
+        advantage={"type": "replay_dpo", "dpo_variant": "simpo", "pairs_path": "p.jsonl"}
+    ),
+    AlgorithmConfig(advantage={"type": "composer", "alpha_sdpo": 0.2, "pairs_per_group": 3}),
 ]
 
 

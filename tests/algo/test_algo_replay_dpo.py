@@ -87,7 +87,7 @@ def test_replay_dpo_assign_score_and_pack(tiny, tmp_path):
             "type": "replay_dpo",
             "pairs_path": str(path),
             "pairs_per_group": 2,
-            "weight": 0.5,
+            "beta_replay": 0.5,
         }
     )
     algo = build_algorithm(config, tokenizer=tokenizer, reference_scorer=LocalPrefillScorer(model))
@@ -95,7 +95,6 @@ def test_replay_dpo_assign_score_and_pack(tiny, tmp_path):
     samples = algo.assign([rollout])
     assert len(samples) == 2 and all(s.input_ids == [] for s in samples)
     assert {s.dpo.weight for s in samples} == {0.5}
-    assert algo.loss_settings == {"dpo_beta": 0.1, "dpo_loss": "dpo"}
 
     asyncio.run(algo.score(samples))
     for pair in (s.dpo for s in samples):
@@ -134,7 +133,7 @@ def test_reference_logps_are_cached_and_count_from_token_one(tiny):
 def test_simpo_and_no_scorer_leave_reference_alone(tokenizer):
     pairs = [DPOPairTokens([1, 2], [0, 1], [1, 3], [0, 1], weight=7.0)]
     for advantage, scorer in (
-        ({"type": "replay_dpo", "loss": "simpo"}, "x"),
+        ({"type": "replay_dpo", "dpo_variant": "simpo"}, "x"),
         ({"type": "replay_dpo"}, None),
     ):
         algo = build_algorithm(

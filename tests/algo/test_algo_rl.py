@@ -202,6 +202,8 @@ def test_base_checks_and_defaults():
     with pytest.raises(ValueError, match=r"task ids \['t1', 't2'\]"):
         algo.assign([_rollout(0.0), other])
     assert algo.observation_weights(_multi_turn(0.0)) == [0.0] * 5
-    assert (algo.loss_settings, algo.teacher, algo.components) == ({}, None, ("rl",))
+    assert algo.components == ("rl",)
+    assert algo.advantage_config.loss_requirements() == {}
+    assert algo.advantage_config.teacher_mode is None
     with pytest.raises(ValueError, match=r"needs advantage\.type = 'echo'"):
         EchoAlgorithm(AlgorithmConfig())

@@ -88,8 +88,7 @@ def test_sdpo_assign(tokenizer):
     assert batch.teacher_input_ids.shape[0] == 3 and batch.jsd_weights.sum().item() == sum(
         len(r.completion_ids) for r in group[1:]
     )
-    assert algo.loss_settings == {"jsd_beta": 0.5}
-    assert algo.teacher == {"mode": "policy", "ema_decay": 0.99}
+    assert algo.advantage_config.teacher_mode == ("policy", 0.99)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +107,7 @@ def test_sdpo_hints_without_demos(tokenizer, hint_source, feedback, expected):
             "type": "sdpo",
             "use_sibling_demos": False,
             "hint_source": hint_source,
-            "alpha": 0.5,
+            "alpha_sdpo": 0.5,
         }
     )
     algo = build_algorithm(config, tokenizer=tokenizer)
@@ -143,7 +142,6 @@ def test_composer_assign_and_score(tiny):
     assert seq_samples[2].jsd_weights[-1] == 0.1
     assert pair_sample.input_ids == [] and pair_sample.dpo.weight == 0.05
     assert pair_sample.source == "composer"
-    assert algo.loss_settings == {"jsd_beta": 0.5, "dpo_beta": 0.1, "dpo_loss": "dpo"}
 
     asyncio.run(algo.score(samples))
     pair = pair_sample.dpo
@@ -161,8 +159,16 @@ def test_composer_assign_and_score(tiny):
     assert algo.assign(group)[-1].dpo is not pair
 
 
-def test_composer_without_pairs_has_no_dpo_samples(tokenizer):
+def test_composer_pairs_default_to_the_shipped_file_and_beta_replay_0_turns_them_off(tokenizer):
+    from composer_replication.algo.replay_dpo import load_pair_records
+
+    shipped = load_pair_records()
+    assert len(shipped) >= 1
     algo = build_algorithm(AlgorithmConfig(advantage={"type": "composer"}), tokenizer=tokenizer)
+    assert len(algo.pool.pairs) == len(shipped)
+    assert algo.assign(_group(tokenizer))[-1].dpo.weight == 0.05
+    off = AlgorithmConfig(advantage={"type": "composer", "beta_replay": 0.0})
+    algo = build_algorithm(off, tokenizer=tokenizer)
     samples = algo.assign(_group(tokenizer))
     assert len(samples) == 3 and all(s.dpo is None for s in samples)
     asyncio.run(algo.score(samples))  # nothing to score: a no-op

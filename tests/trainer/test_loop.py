@@ -106,9 +106,10 @@ def test_every_algorithm_runs_two_steps(tmp_path, tiny_dir, pairs_file, algo):
         "    return [[r.reward - 0.5] * len(r.completion_ids) for r in group]\n"
     )
     sys.path.insert(0, str(tmp_path))
-    cfg = _config(
-        tmp_path, tiny_dir, algo=algo, extra=f'pairs_file = "{pairs_file}"', adv=ALGORITHMS[algo]
-    )
+    adv = ALGORITHMS[algo]
+    if algo in ("replay_dpo", "composer"):
+        adv += f'\npairs_path = "{pairs_file}"'
+    cfg = _config(tmp_path, tiny_dir, algo=algo, adv=adv)
     result = train(cfg, environments={"scripted": ScriptedEnv()})
     assert result.steps == 2
     rows = [r for r in result.metrics if r["step"] > 0]
@@ -247,7 +248,7 @@ def test_resume_after_sigkill_reproduces_metrics(tmp_path, tiny_dir):
 
 
 def _to_toml(data) -> str:
-    from composer_replication.algo.toml_writer import dumps
+    from composer_replication.config.toml_writer import dumps
 
     def prune(obj):
         if isinstance(obj, dict):

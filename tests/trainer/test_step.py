@@ -155,7 +155,7 @@ def test_jsd_component_equals_full_logits_jsd(model):
     s = _jsd_sample(7)
     s.rl_weights = [0.0] * len(s.input_ids)
     s.advantages = None
-    cfg = LossConfig(jsd_beta=0.3, jsd_temperature=0.8)
+    cfg = LossConfig(sdpo_jsd_beta=0.3, sdpo_temperature=0.8)
     metrics = train_step(model, pack_samples([s], max_tokens=100), cfg)
     student = model(input_ids=torch.tensor([s.input_ids])).logits[0]
     with torch.no_grad():
@@ -196,7 +196,7 @@ def test_dpo_component_uses_cached_reference(model):
     metrics = train_step(
         model,
         pack_samples(pair_only, max_tokens=100),
-        LossConfig(dpo_beta=0.2),
+        LossConfig(replay_dpo_beta=0.2),
         reference=teachers.reference,
     )
     assert all(p.ref_chosen_logp is not None for p in pairs)
@@ -264,7 +264,7 @@ def test_steps_lower_jsd_with_frozen_initial_teacher(model):
 def test_steps_lower_dpo(model):
     teachers = TeacherModels(model)
     pairs = [TrainingSample([], [], [], dpo=_pair(50)), TrainingSample([], [], [], dpo=_pair(60))]
-    hist = _optimise(model, pairs, reference=teachers.reference, cfg=LossConfig(dpo_beta=0.5))
+    hist = _optimise(model, pairs, reference=teachers.reference, cfg=LossConfig(replay_dpo_beta=0.5))
     assert hist[0]["loss/dpo"] == pytest.approx(0.6931471805599453, rel=1e-9)  # log 2 at start
     assert hist[-1]["loss/dpo"] < 0.5 * hist[0]["loss/dpo"]
 
@@ -302,7 +302,7 @@ def test_component_counts_and_config_validation():
     assert counts == {"rl": 10, "ce": 0, "ref_kl": 0, "jsd": 0, "dpo": 0}
     with pytest.raises(ValueError):
         LossConfig(mask_low=-1)
-    with pytest.raises(ValueError, match="unknown loss components"):
+    with pytest.raises(ValueError, match="unknown components"):
         LossConfig(coefficients={"kl": 1.0}).coefficient("rl")
 
 

@@ -138,7 +138,6 @@ def test_train_with_trl_end_to_end(tmp_path):
         f"""
 steps = 1
 output_dir = "{tmp_path / "run"}"
-pairs_file = "{pairs}"
 [model]
 source = "{model_dir}"
 [eval]
@@ -155,6 +154,7 @@ group_size = 2
 max_new_tokens = 8
 [envs.algorithm.advantage]
 type = "composer"
+pairs_path = "{pairs}"
 """
     )
     result = train_with_trl(cfg)
@@ -169,12 +169,12 @@ type = "composer"
     assert summary["stopped_by_guard"] is None
 
 
-def test_guard_callback_evaluates_on_schedule_and_stops_when_the_guard_fires(tmp_path):
+def test_lifecycle_callback_evaluates_on_schedule_and_stops_when_the_guard_fires(tmp_path):
     from types import SimpleNamespace
 
     from composer_replication.rollout.types import Rollout
-    from composer_replication.trainer.metrics import MetricsLog
-    from composer_replication.trainer.trl_backend import _GuardCallback
+    from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
+    from composer_replication.trainer.trl_backend import _LifecycleCallback
 
     class OneTaskEnv:
         def rollouts(self, policy, tokenizer, ids, *, group_size, sampling):
@@ -182,23 +182,32 @@ def test_guard_callback_evaluates_on_schedule_and_stops_when_the_guard_fires(tmp
             return [[Rollout("t", [1], [2], [0.0], reward=1.0)] for _ in ids]
 
     class FiringGuard:
-        def update(self, step, reward, heldout, *, entropy=None):
+        def update(self, step, reward, heldout, *, kl_to_init=None, entropy=None):
             self.seen = (step, reward, heldout, entropy)
-            return SimpleNamespace(fire=step >= 4, reason="held-out collapse")
+            return SimpleNamespace(
+                fire=step >= 4, reason="held-out collapse", proxy_real_gap=0.0
+            )
 
     base = _config()
-    cfg = base.model_copy(update={"steps": 10, "eval": base.eval.model_copy(update={"every": 2})})
-    env, guard = OneTaskEnv(), FiringGuard()
-    metrics = MetricsLog(tmp_path / "metrics.jsonl")
-    callback = _GuardCallback(cfg, env, None, None, ["t"], guard, metrics)
+    cfg = base.model_copy(
+        update={
+            "steps": 10,
+            "eval": base.eval.model_copy(update={"every": 2}),
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    env = OneTaskEnv()
+    life = RunLifecycle(cfg, backend="trl")
+    life.guard = FiringGuard()
+    callback = _LifecycleCallback(life, None, None, [HeldoutTasks(env, ["t"], 8)])
     for step in (1, 2, 3, 4):
         control = SimpleNamespace(should_training_stop=False)
         callback.on_log(SimpleNamespace(global_step=step), control, {"reward": 0.5, "entropy": 2.0})
-    assert env.calls == 2 and guard.seen == (4, 0.5, 1.0, 2.0)
-    assert control.should_training_stop is True and callback.stopped == "held-out collapse"
-    rows = metrics.rows()
+    assert env.calls == 2 and life.guard.seen == (4, 0.5, 1.0, 2.0)
+    assert control.should_training_stop is True and life.stopped.reason == "held-out collapse"
+    rows = life.metrics.rows()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r.get("heldout/pass@1") for r in rows] == [None, 1.0, None, 1.0]
     assert rows[1]["guard/fired"] is False and rows[3]["guard/fired"] is True
     callback.on_log(SimpleNamespace(global_step=4), control, {"train_runtime": 1.0})
-    assert len(metrics.rows()) == 4  # the end-of-training summary is not a step row
+    assert len(life.metrics.rows()) == 4  # the end-of-training summary is not a step row

@@ -1,7 +1,7 @@
 """Algorithms: rollout groups in, per-token training signal (``TrainingSample``) out.
 
 ``AlgorithmConfig`` (sampling + ``advantage.type``) selects one class per algorithm;
-``build_algorithm`` constructs it with the resources it needs. See 02-algorithms.md §3.
+``build_algorithm`` constructs it with the resources it needs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,24 @@ from composer_replication.algo.advantage import (
     length_penalty,
     max_rl_advantages,
 )
-from composer_replication.algo.advantage_config import (
+from composer_replication.algo.base import Algorithm, AlgorithmResources, rollout_to_sample
+from composer_replication.algo.composer import ComposerAlgorithm
+from composer_replication.algo.custom import CustomAlgorithm
+from composer_replication.algo.echo import EchoAlgorithm
+from composer_replication.algo.grpo import GRPOAlgorithm
+from composer_replication.algo.max_rl import MaxRLAlgorithm
+from composer_replication.algo.opd import OPDAlgorithm
+from composer_replication.algo.opsd import OPSDAlgorithm
+from composer_replication.algo.replay_dpo import ReplayDPOAlgorithm, tokenize_pair
+from composer_replication.algo.reward import RewardAlgorithm
+from composer_replication.algo.scoring import (
+    EndpointPrefillScorer,
+    LocalPrefillScorer,
+    PrefillScorer,
+)
+from composer_replication.algo.sdpo import SDPOAlgorithm
+from composer_replication.algo.sft import SFTAlgorithm
+from composer_replication.config.advantage import (
     AdvantageConfig,
     ComposerAdvantage,
     CustomAdvantage,
@@ -32,29 +49,12 @@ from composer_replication.algo.advantage_config import (
     SDPOAdvantage,
     SFTAdvantage,
 )
-from composer_replication.algo.base import Algorithm, AlgorithmResources, rollout_to_sample
-from composer_replication.algo.composer import ComposerAlgorithm
-from composer_replication.algo.config import AlgorithmConfig, SamplingConfig
-from composer_replication.algo.custom import CustomAlgorithm
-from composer_replication.algo.echo import EchoAlgorithm
-from composer_replication.algo.grpo import GRPOAlgorithm
-from composer_replication.algo.max_rl import MaxRLAlgorithm
-from composer_replication.algo.opd import OPDAlgorithm
-from composer_replication.algo.opsd import OPSDAlgorithm
-from composer_replication.algo.references import (
+from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
+from composer_replication.config.references import (
     FrozenEndpoint,
     LocalFrozenModel,
     ModelReference,
 )
-from composer_replication.algo.replay_dpo import ReplayDPOAlgorithm, tokenize_pair
-from composer_replication.algo.reward import RewardAlgorithm
-from composer_replication.algo.scoring import (
-    EndpointPrefillScorer,
-    LocalPrefillScorer,
-    PrefillScorer,
-)
-from composer_replication.algo.sdpo import SDPOAlgorithm
-from composer_replication.algo.sft import SFTAlgorithm
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
@@ -82,6 +82,7 @@ def build_algorithm(
     reference_scorer: PrefillScorer | None = None,
     pairs: Sequence[Any] | None = None,
     rng: random.Random | None = None,
+    policy: Any = None,
 ) -> Algorithm:
     """The algorithm ``config.advantage.type`` names, built with what it needs.
 
@@ -90,12 +91,14 @@ def build_algorithm(
         tokenizer: the policy's tokenizer; needed by opsd, sdpo, composer (hinted / demo
             contexts) and to tokenise preference pairs (replay_dpo, composer).
         scorer: prefill scorer of the opd teacher / opsd reference; built from the config's
-            frozen reference when omitted (opsd on ``"policy"`` needs one over the policy).
+            frozen reference when omitted (opsd on ``"policy"`` scores with ``policy``).
         reference_scorer: frozen reference for DPO log-probs (replay_dpo, composer); without
             one the trainer's reference model fills them.
         pairs: preference pairs (``DPOPair`` / ``NormalizedDPOPair`` objects or dicts, or
-            ``DPOPairTokens``); overrides ``advantage.pairs_path``.
+            ``DPOPairTokens``); overrides ``advantage.pairs_path`` (whose default is the
+            shipped pairs).
         rng: randomness of pair sampling (default ``random.Random(0)``).
+        policy: the live policy (opsd's default reference scores with it in process).
 
     Raises:
         ValueError: a resource the algorithm needs is missing (the message names it).
@@ -108,6 +111,8 @@ def build_algorithm(
         reference_scorer=reference_scorer,
         pairs=pairs,
         rng=rng,
+        policy=policy,
+        temperature=config.sampling.temperature,
     )
     return ALGORITHMS[config.advantage.type].build(config, resources)
 

@@ -1,7 +1,8 @@
 """The ``Algorithm`` interface and the shared Rollout -> TrainingSample conversion.
 
 An algorithm turns a finished group of rollouts into training samples: per-token weight
-streams on the trainer's fixed loss components (02-algorithms.md §1-3). It has three hooks:
+streams on the trainer's fixed loss components (``rl``, ``ce``, ``ref_kl``, ``jsd``,
+``dpo``). It has three hooks:
 
 - ``assign(group)``: synchronous, at group finalisation; fills advantages and weights.
 - ``async score(samples)``: at ship time; fills reference log-probs that need a model
@@ -9,9 +10,11 @@ streams on the trainer's fixed loss components (02-algorithms.md §1-3). It has 
 - ``observation_weights(rollout)``: per completion token, the ``ce`` weight of
   environment-provided tokens; default 0.0 everywhere (observations are masked).
 
-``loss_settings`` and ``teacher`` tell the trainer which ``LossConfig`` values and which
-jsd teacher the algorithm's samples were made for (the trainer never branches on the
-algorithm's name; the run wires these once).
+An algorithm owns its resources: its ``build`` step takes what it needs from
+:class:`AlgorithmResources` (tokenizer, pairs, scorers, the live policy for an in-process
+reference). The loss settings and the jsd teacher it requires are declared by its config
+(``AdvantageConfig.loss_requirements`` / ``teacher_mode``) and resolved when the run config
+is validated: the trainer never branches on an algorithm's name.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from composer_replication.wire import TrainingSample
 if TYPE_CHECKING:
     import random
 
-    from composer_replication.algo.config import AlgorithmConfig
     from composer_replication.algo.scoring import PrefillScorer
+    from composer_replication.config.algorithm import AlgorithmConfig
 
 # Sample metadata keys of a pending reference-log-prob request (set by assign, used by score).
 REF_CONTEXT = "ref_context_ids"
@@ -38,13 +41,26 @@ REF_INDEX = "ref_context_index"
 
 @dataclass
 class AlgorithmResources:
-    """What ``build_algorithm`` hands an algorithm class; each takes what it needs."""
+    """What ``build_algorithm`` hands an algorithm class; each takes what it needs.
+
+    Attributes:
+        tokenizer: the policy's tokenizer.
+        scorer: prefill scorer of an opd teacher / opsd reference (built from the config's
+            frozen model when None; over ``policy`` for a ``"policy"`` reference).
+        reference_scorer: frozen reference for DPO log-probs (None: the trainer's).
+        pairs: preference pairs, overriding ``advantage.pairs_path``.
+        rng: randomness of pair sampling.
+        policy: the live policy, for references that are the policy itself.
+        temperature: sampling temperature of in-process scoring.
+    """
 
     tokenizer: Any = None
     scorer: PrefillScorer | None = None
     reference_scorer: PrefillScorer | None = None
     pairs: Sequence[Any] | None = None
     rng: random.Random | None = None
+    policy: Any = None
+    temperature: float = 1.0
 
 
 class Algorithm(ABC):
@@ -70,16 +86,6 @@ class Algorithm(ABC):
     def advantage_config(self) -> Any:
         """``config.advantage``, the algorithm's own settings."""
         return self.config.advantage
-
-    @property
-    def loss_settings(self) -> dict[str, Any]:
-        """``LossConfig`` fields this algorithm's samples assume (e.g. jsd_beta, dpo_beta)."""
-        return {}
-
-    @property
-    def teacher(self) -> dict[str, Any] | None:
-        """The jsd teacher mode (``{"mode", "ema_decay"}``), or None without a jsd channel."""
-        return None
 
     @abstractmethod
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:

@@ -2,13 +2,13 @@
 
 - Dr.GRPO advantages (arXiv 2503.20783) on every rollout's sampled tokens (``rl``);
 - SDPO self-distillation at error sites (arXiv 2601.20802; see :mod:`.sdpo`) with jsd
-  weight ``alpha`` (0.1);
+  weight ``alpha_sdpo`` (0.1);
 - ``pairs_per_group`` trace-replay DPO pairs (see :mod:`.replay_dpo`) drawn from the pair
-  pool, each with weight ``beta`` (0.05) and DPO beta ``dpo_beta``. Without pairs
-  (none given, no ``pairs_path``) the dpo channel is simply empty.
+  pool (``pairs_path``, default the shipped pairs), each with weight ``beta_replay``
+  (0.05); ``beta_replay = 0`` turns the channel off.
 
-Component coefficients multiply the component means (02-algorithms.md §1): a weight of
-``alpha`` on every jsd token is ``alpha`` times the jsd mean.
+The trainer divides each component's sum by its own token (pair) count: a weight of
+``alpha_sdpo`` on every jsd token is ``alpha_sdpo`` times the jsd mean.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from composer_replication.wire import DPOPairTokens, TrainingSample
 
 
 class ComposerAlgorithm(Algorithm):
-    """Dr.GRPO + alpha * SDPO + beta * trace-replay DPO."""
+    """Dr.GRPO + alpha_sdpo * SDPO + beta_replay * trace-replay DPO."""
 
     name = "composer"
     components = ("rl", "jsd", "dpo")
@@ -58,9 +58,11 @@ class ComposerAlgorithm(Algorithm):
         if resources.tokenizer is None:
             raise ValueError("composer needs tokenizer= to render hinted teacher contexts")
         cfg = config.advantage
-        pairs = build_pair_pool(
-            resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.beta
-        )
+        pairs = []
+        if cfg.beta_replay > 0:
+            pairs = build_pair_pool(
+                resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.beta_replay
+            )
         return cls(
             config,
             resources.tokenizer,
@@ -69,20 +71,10 @@ class ComposerAlgorithm(Algorithm):
             rng=resources.rng,
         )
 
-    @property
-    def loss_settings(self) -> dict[str, Any]:
-        cfg = self.advantage_config
-        return {"jsd_beta": cfg.jsd_beta, "dpo_beta": cfg.dpo_beta, "dpo_loss": "dpo"}
-
-    @property
-    def teacher(self) -> dict[str, Any]:
-        cfg = self.advantage_config
-        return {"mode": cfg.teacher, "ema_decay": cfg.ema_decay}
-
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         cfg = self.advantage_config
         samples = grpo_with_self_distillation(self.name, group, cfg, self.tokenizer)
-        if cfg.beta > 0:
+        if cfg.beta_replay > 0:
             samples += [pair_sample(p, self.name) for p in self.pool.draw(cfg.pairs_per_group)]
         return samples
 

@@ -23,8 +23,6 @@ from typing import Any
 from composer_replication.hint_generator import classify_error, dispatch
 from composer_replication.rollout.types import Rollout
 
-DEFAULT_HINT_TEMPLATE = "{content}\n\nHint: {hint}"
-DEFAULT_DEMO_TEMPLATE = "{content}\n\nHere is a correct solution, for reference:\n{demonstration}"
 _QUOTE_LINES, _QUOTE_CHARS = 8, 800
 
 

@@ -26,7 +26,7 @@ from composer_replication.algo.base import (
     zeros,
 )
 from composer_replication.algo.context import better_sibling, demonstration_text, teacher_context
-from composer_replication.algo.scoring import PrefillScorer, scorer_for
+from composer_replication.algo.scoring import LocalPrefillScorer, PrefillScorer, scorer_for
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -49,10 +49,12 @@ class OPSDAlgorithm(Algorithm):
         if resources.tokenizer is None:
             raise ValueError("opsd needs tokenizer= to render the demonstration context")
         scorer = resources.scorer or scorer_for(config.advantage.model)
+        if scorer is None and resources.policy is not None:  # the live policy scores itself
+            scorer = LocalPrefillScorer(resources.policy, temperature=resources.temperature)
         if scorer is None:
             raise ValueError(
-                "opsd with model = 'policy' needs scorer=: a PrefillScorer over the live "
-                "policy, e.g. LocalPrefillScorer(policy_model)"
+                "opsd with model = 'policy' needs the policy (policy=) or scorer=: a "
+                "PrefillScorer over the live policy, e.g. LocalPrefillScorer(policy_model)"
             )
         return cls(config, resources.tokenizer, scorer)
 

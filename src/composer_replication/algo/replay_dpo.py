@@ -10,7 +10,9 @@ rendered state (the assistant turn, end-of-turn token included).
 ``assign`` emits ``pairs_per_group`` pair-only samples (``input_ids=[]``) per group, drawn
 from the pool without replacement until it is exhausted, then reshuffled. ``score`` fills
 the frozen reference's summed response log-probs on each pair once (cached on the pair);
-without a ``reference_scorer`` it leaves them to the trainer's reference model.
+without a ``reference_scorer`` it leaves them to the trainer's reference model
+(:func:`composer_replication.ops.pairs.fill_reference_logps`). Without ``pairs_path`` the
+pairs shipped with the package are used.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from composer_replication.algo.base import Algorithm, AlgorithmResources
 from composer_replication.algo.context import render_prompt
 from composer_replication.algo.scoring import PrefillScorer
+from composer_replication.ops.pairs import missing_reference, set_reference_logps
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import DPOPairTokens, TrainingSample
 
@@ -75,17 +78,32 @@ def tokenize_pair(record: Any, tokenizer: Any, *, weight: float = 1.0) -> DPOPai
     return DPOPairTokens(chosen_ids, chosen_mask, rejected_ids, rejected_mask, weight=weight)
 
 
-def load_pair_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSONL pairs file (blank lines skipped)."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+#: The preference pairs shipped with the package (built from the bundled traces).
+DEFAULT_PAIRS_PATH = Path(__file__).resolve().parent.parent / "envs" / "data" / "replay_pairs.jsonl"
+
+
+def load_pair_records(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """Records of a JSONL pairs file (blank lines skipped); None: the shipped pairs."""
+    path = Path(path) if path else DEFAULT_PAIRS_PATH
+    if not path.is_file():
+        raise FileNotFoundError(f"DPO pair file {path} does not exist")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not JSON ({err})") from err
+    return rows
 
 
 def build_pair_pool(
     pairs: Sequence[Any] | None, path: str | None, tokenizer: Any, *, weight: float
 ) -> list[DPOPairTokens]:
-    """Tokenised pairs (``pairs`` if given, else the file at ``path``), each with ``weight``."""
-    records = list(pairs) if pairs is not None else (load_pair_records(path) if path else [])
+    """Tokenised pairs (``pairs`` if given, else the file at ``path``, else the shipped
+    pairs), each with ``weight``."""
+    records = list(pairs) if pairs is not None else load_pair_records(path)
     out = []
     for record in records:
         if isinstance(record, DPOPairTokens):
@@ -125,9 +143,9 @@ def pair_sample(pair: DPOPairTokens, source: str) -> TrainingSample:
 async def fill_pair_reference_logps(pairs: Sequence[DPOPairTokens], scorer: PrefillScorer) -> None:
     """Summed reference log-probs of each side's masked tokens, cached on the pairs.
 
-    Equals ``loss.sequence_logps`` under the scorer's model (token 0 never counts).
+    Equals ``ops.pairs.sequence_logps`` under the scorer's model (token 0 never counts).
     """
-    todo = [p for p in pairs if p.ref_chosen_logp is None or p.ref_rejected_logp is None]
+    todo = missing_reference(pairs)
     if not todo:
         return
     seqs, masks = [], []
@@ -140,8 +158,7 @@ async def fill_pair_reference_logps(pairs: Sequence[DPOPairTokens], scorer: Pref
         sum(v for v, m in zip(values, mask[start:]) if m)
         for values, mask, start in zip(scored, masks, starts)
     ]
-    for k, pair in enumerate(todo):
-        pair.ref_chosen_logp, pair.ref_rejected_logp = sums[2 * k], sums[2 * k + 1]
+    set_reference_logps(todo, sums[0::2], sums[1::2])
 
 
 class ReplayDPOAlgorithm(Algorithm):
@@ -165,17 +182,10 @@ class ReplayDPOAlgorithm(Algorithm):
     @classmethod
     def build(cls, config: Any, resources: AlgorithmResources) -> ReplayDPOAlgorithm:
         cfg = config.advantage
-        if resources.pairs is None and not cfg.pairs_path:
-            raise ValueError("replay_dpo needs pairs: pass pairs= or set advantage.pairs_path")
         pairs = build_pair_pool(
-            resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.weight
+            resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.beta_replay
         )
         return cls(config, pairs, reference_scorer=resources.reference_scorer, rng=resources.rng)
-
-    @property
-    def loss_settings(self) -> dict[str, Any]:
-        cfg = self.advantage_config
-        return {"dpo_beta": cfg.beta, "dpo_loss": cfg.loss}
 
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         """``pairs_per_group`` pair-only samples; the group's rollouts are not used."""
@@ -184,7 +194,7 @@ class ReplayDPOAlgorithm(Algorithm):
 
     async def score(self, samples: list[TrainingSample]) -> None:
         """Reference log-probs for DPO pairs (SimPO is reference-free: nothing to do)."""
-        if self.reference_scorer is None or self.advantage_config.loss == "simpo":
+        if self.reference_scorer is None or self.advantage_config.dpo_variant == "simpo":
             return
         pairs = [s.dpo for s in samples if s.dpo is not None]
         await fill_pair_reference_logps(pairs, self.reference_scorer)

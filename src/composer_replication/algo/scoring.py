@@ -216,7 +216,7 @@ def scorer_for(reference: Any) -> PrefillScorer | None:
     A ``FrozenEndpoint`` becomes an ``EndpointPrefillScorer`` (vLLM mode); a
     ``LocalFrozenModel`` is loaded with ``models.load_policy`` into a ``LocalPrefillScorer``.
     """
-    from composer_replication.algo.references import FrozenEndpoint, LocalFrozenModel
+    from composer_replication.config.references import FrozenEndpoint, LocalFrozenModel
 
     if isinstance(reference, FrozenEndpoint):
         return EndpointPrefillScorer(

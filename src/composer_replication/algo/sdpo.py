@@ -7,7 +7,7 @@ its prompt re-rendered with a note in the last user message, followed by the sam
 completion ids. The note is a better sibling's completion as a demonstration (when
 ``use_sibling_demos`` and one exists), else a hint (``hint_source``: ``hint_generator`` on
 the feedback, the raw feedback, or none). The trainer's ``jsd`` component (weight
-``alpha`` on the sampled tokens) matches the plain-context policy to the teacher model
+``alpha_sdpo`` on the sampled tokens) matches the plain-context policy to the teacher model
 (live policy, frozen initial policy or EMA, per ``teacher``) on that context.
 """
 
@@ -24,14 +24,13 @@ from composer_replication.algo.base import (
     sampled,
 )
 from composer_replication.algo.context import (
-    DEFAULT_DEMO_TEMPLATE,
-    DEFAULT_HINT_TEMPLATE,
     better_sibling,
     demonstration_text,
     hint_text,
     is_error_site,
     teacher_context,
 )
+from composer_replication.config.advantage import DEFAULT_DEMO_TEMPLATE, DEFAULT_HINT_TEMPLATE
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -83,15 +82,6 @@ class SDPOAlgorithm(Algorithm):
             raise ValueError(f"{cls.name} needs tokenizer= to render hinted teacher contexts")
         return cls(config, resources.tokenizer)
 
-    @property
-    def loss_settings(self) -> dict[str, Any]:
-        return {"jsd_beta": self.advantage_config.jsd_beta}
-
-    @property
-    def teacher(self) -> dict[str, Any]:
-        cfg = self.advantage_config
-        return {"mode": cfg.teacher, "ema_decay": cfg.ema_decay}
-
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         return grpo_with_self_distillation(self.name, group, self.advantage_config, self.tokenizer)
 
@@ -111,7 +101,7 @@ def grpo_with_self_distillation(
             group,
             i,
             tokenizer=tokenizer,
-            alpha=cfg.alpha,
+            alpha=cfg.alpha_sdpo,
             use_sibling_demos=cfg.use_sibling_demos,
             hint_source=cfg.hint_source,
         )

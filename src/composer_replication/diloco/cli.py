@@ -1,8 +1,9 @@
 """``composer-replication diloco ...``: launch, watch and stop DiLoCo replica runs.
 
-``launch`` uploads the run config next to the rendezvous, then starts ``--replicas`` copies
-of ``composer-replication train CONFIG --set diloco.enabled=true ...`` through the chosen
-executor; the replicas meet through the object-store rendezvous. Launched handles go to a
+``launch`` uploads the run config next to the rendezvous, then starts ``--replicas``
+trainers of it (``train_replica``: the run config with DiLoCo switched on, trained through
+the library's ``train``) through the chosen executor; the replicas meet through the
+object-store rendezvous. Launched handles go to a
 small state file (``<state-dir>/<run-id>.json``), so ``status``/``logs``/``cancel`` work
 from any later shell. Library functions ``launch``/``status``/``logs``/``cancel`` do the
 work; the typer commands in ``diloco_app`` only parse options.
@@ -182,37 +183,38 @@ def train_replica(
     overrides: list[str] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> None:
-    """What each launched replica runs: ``composer-replication train`` with DiLoCo on."""
-    import tempfile
+    """What each launched replica runs: the run config with DiLoCo on, trained in process.
 
+    The replica's output goes to ``<output_dir>/rank_<r>``; a kill-switch stop raises
+    ``CollapseStopError`` (the executor records the replica as failed).
+    """
     import fsspec
 
+    from composer_replication.config.diloco import DiLoCoConfig
+    from composer_replication.config.run import RunConfig
     from composer_replication.diloco.serverless.replica_entrypoint import replica_rank
+    from composer_replication.trainer.loop import train
 
     rank = replica_rank(int(world_size))
     with fsspec.open(config_uri, "r", **(storage_options or {})) as fh:
         text = fh.read()
-    config = Path(tempfile.mkdtemp(prefix="diloco-config-")) / "config.toml"
-    config.write_text(text)
-    sets = [
-        *(overrides or []),
-        "diloco.enabled=true",
-        "diloco.backend=object_store",
-        f"diloco.rendezvous={rendezvous_uri}",
-        f"diloco.world_size={int(world_size)}",
-        f"diloco.rank={rank}",
-    ]
+    config = RunConfig.from_toml(text, list(overrides or []))
+    diloco = config.diloco.model_dump() | {
+        "enabled": True,
+        "backend": "object_store",
+        "rendezvous": rendezvous_uri,
+        "world_size": int(world_size),
+        "rank": rank,
+    }
     if storage_options:
-        sets.append(f"diloco.storage_options={json.dumps(storage_options)}")
-    from composer_replication.cli import app
-    from composer_replication.config import RunConfig
-
-    base = RunConfig.from_toml(config, sets).output_dir
-    sets.append(f"output_dir={base.rstrip('/')}/rank_{rank}")
-    argv = ["train", str(config)]
-    for item in sets:
-        argv += ["--set", item]
-    app(argv, prog_name="composer-replication")
+        diloco["storage_options"] = dict(storage_options)
+    config = config.model_copy(
+        update={
+            "diloco": DiLoCoConfig.model_validate(diloco),
+            "output_dir": f"{config.output_dir.rstrip('/')}/rank_{rank}",
+        }
+    )
+    train(config)
 
 
 # ---------------------------------------------------------------------- typer commands

@@ -21,6 +21,8 @@ import math
 import torch
 from torch import Tensor
 
+from composer_replication.ops.divergence import entropy_opd_token_loss, finite_logprobs
+
 _REDUCTIONS = ("batchmean", "mean", "sum", "none")
 
 
@@ -46,7 +48,7 @@ def teacher_entropy(teacher_logits: Tensor) -> Tensor:
         )
     logits = teacher_logits.to(torch.promote_types(teacher_logits.dtype, torch.float32))
     log_p = torch.log_softmax(logits, dim=-1)
-    return -(log_p.exp() * _finite(log_p)).sum(dim=-1)
+    return -(log_p.exp() * finite_logprobs(log_p)).sum(dim=-1)
 
 
 def entropy_aware_opd_loss(
@@ -115,22 +117,9 @@ def entropy_aware_opd_loss(
         raise ValueError(f"entropy_aware_opd_loss: h_max must be > 0, got {h_max}")
     token_mask = _token_mask(labels, student_logits.shape[:2], student_logits.device)
 
-    dtype = torch.promote_types(
-        torch.promote_types(student_logits.dtype, teacher_logits.dtype), torch.float32
+    per_token = entropy_opd_token_loss(
+        student_logits, teacher_logits, h_max=h_max, temperature=temperature
     )
-    log_q = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
-    log_p = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
-    with torch.no_grad():
-        entropy = -(log_p.exp() * _finite(log_p)).sum(dim=-1)
-        weight = (entropy / h_max).clamp(0.0, 1.0)  # (B, T)
-
-    # Finite stand-ins for -inf keep inf - inf = NaN out of both passes: an entry masked in both
-    # models adds exactly 0 to each KL; one masked only on the side that is not the weighting
-    # distribution adds a huge finite value where the true KL is +inf.
-    safe_q, safe_p = _finite(log_q), _finite(log_p)
-    forward_kl = (log_p.exp() * (safe_p - safe_q)).sum(dim=-1)  # KL(p || q), (B, T)
-    reverse_kl = (log_q.exp() * (safe_q - safe_p)).sum(dim=-1)  # KL(q || p), (B, T)
-    per_token = weight * forward_kl + (1.0 - weight) * reverse_kl
     per_token = torch.where(token_mask, per_token, torch.zeros_like(per_token))
 
     if reduction == "none":
@@ -138,12 +127,7 @@ def entropy_aware_opd_loss(
     total = per_token.sum()
     if reduction == "sum":
         return total
-    return total / token_mask.sum().clamp(min=1).to(dtype)
-
-
-def _finite(log_probs: Tensor) -> Tensor:
-    """Replace ``-inf`` log-probs by the dtype's lowest finite value (its gradient there is 0)."""
-    return log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
+    return total / token_mask.sum().clamp(min=1).to(per_token.dtype)
 
 
 def _token_mask(labels: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor:

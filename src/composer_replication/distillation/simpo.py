@@ -23,6 +23,7 @@ def simpo_loss(
     *,
     beta: float = 2.0,
     gamma: float = 1.0,
+    reduction: str = "mean",
 ) -> Tensor:
     """SimPO loss, averaged over the batch (arXiv 2405.14734, Eq. 6).
 
@@ -34,12 +35,14 @@ def simpo_loss(
         rejected_avg_logprobs: (B,) same for the rejected responses.
         beta: reward scale, > 0. The paper's defaults are in [2.0, 2.5].
         gamma: target reward margin (in reward units, i.e. already multiplied by beta).
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` ((B,) per-pair losses).
 
     Returns:
-        0-d tensor, differentiable in both inputs.
+        0-d tensor (or (B,) for ``"none"``), differentiable in both inputs.
 
     Raises:
-        ValueError: the two inputs differ in shape, the batch is empty, or ``beta <= 0``.
+        ValueError: the two inputs differ in shape, the batch is empty, ``beta <= 0``, or
+            ``reduction`` is unknown.
     """
     if chosen_avg_logprobs.shape != rejected_avg_logprobs.shape:
         raise ValueError(
@@ -51,8 +54,13 @@ def simpo_loss(
         raise ValueError("simpo_loss: the batch is empty; pass at least one preference pair")
     if not beta > 0:
         raise ValueError(f"simpo_loss: beta must be > 0, got {beta}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"simpo_loss: reduction must be mean, sum or none, got {reduction!r}")
     margin = beta * (chosen_avg_logprobs - rejected_avg_logprobs) - gamma
-    return -F.logsigmoid(margin).mean()
+    losses = -F.logsigmoid(margin)
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.mean()
 
 
 def avg_sequence_logprob(model_logprobs: Tensor, response_mask: Tensor) -> Tensor:

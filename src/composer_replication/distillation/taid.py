@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from composer_replication.ops.divergence import taid_token_loss
+
 
 def taid_loss(
     student_logits: Tensor,
@@ -66,28 +68,9 @@ def taid_loss(
     t_value = _unit_interval_scalar(t)
     token_mask = _token_mask(mask, student_logits.shape[:2], student_logits.device)
 
-    dtype = torch.promote_types(
-        torch.promote_types(student_logits.dtype, teacher_logits.dtype), torch.float32
-    )
-    student = student_logits.to(dtype)
-    teacher = teacher_logits.to(dtype)
-    # At the endpoints the zero-weighted side is dropped, so a -inf logit is never multiplied
-    # by 0 (which would give NaN); in between this is exactly upstream's interpolation.
-    if t_value == 0.0:
-        mixed = student.detach()
-    elif t_value == 1.0:
-        mixed = teacher
-    else:
-        mixed = (1.0 - t_value) * student.detach() + t_value * teacher
-    target = torch.softmax(mixed, dim=-1)
-    # The clamp keeps -inf out of the product so the backward pass stays NaN-free; the
-    # masked_fill then zeroes those entries exactly as upstream's forward_kl does.
-    log_q = torch.log_softmax(student, dim=-1).clamp(min=torch.finfo(dtype).min)
-    cross = (target * log_q).masked_fill(torch.isinf(student), 0.0).sum(dim=-1)  # (B, T)
-
-    total = torch.where(token_mask, cross, torch.zeros_like(cross)).sum()
-    count = token_mask.sum().clamp(min=1).to(dtype)
-    return -total / count
+    per_token = taid_token_loss(student_logits, teacher_logits, t_value)  # (B, T)
+    total = torch.where(token_mask, per_token, torch.zeros_like(per_token)).sum()
+    return total / token_mask.sum().clamp(min=1).to(per_token.dtype)
 
 
 class TAIDScheduler:

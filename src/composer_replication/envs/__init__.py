@@ -8,15 +8,11 @@ or ``"pkg.module:factory"`` for a user environment (called with the config's opt
 from __future__ import annotations
 
 import importlib
-import json
-from pathlib import Path
 from typing import Any
 
 from composer_replication.envs.base import Environment, pass_at_1
 
-__all__ = ["Environment", "build_environment", "load_default_pairs", "pass_at_1"]
-
-DEFAULT_PAIRS = Path(__file__).parent / "data" / "replay_pairs.jsonl"
+__all__ = ["Environment", "build_environment", "pass_at_1"]
 
 
 def build_environment(env_config: Any) -> Environment:
@@ -41,19 +37,3 @@ def build_environment(env_config: Any) -> Environment:
         f"unknown environment {name!r}; use python_functions, feature_deletion or "
         "'pkg.module:factory'"
     )
-
-
-def load_default_pairs(path: str | Path | None = None) -> list[dict[str, Any]]:
-    """DPO pairs (JSONL of DPOPair / NormalizedDPOPair rows); default: the shipped file."""
-    path = Path(path) if path else DEFAULT_PAIRS
-    if not path.exists():
-        raise FileNotFoundError(f"DPO pair file {path} does not exist")
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not JSON ({err})") from err
-    return rows

@@ -3,14 +3,18 @@
 ``total = trl's GRPO loss + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``
 
 - GRPO: whatever ``args`` selects (``po_presets.make_dr_grpo_config`` for Composer's Dr. GRPO).
-- ``sdpo_jsd`` (SDPO, arXiv 2601.20802): the generalized JSD (arXiv 2306.13649) between the
-  policy on the plain prompt (student, with grad) and the same policy on the prompt with a
-  hint (teacher, no grad), on the sampled tokens of completions that hit an error site.
-  Computed by ``chunked_head.jsd_from_hidden``, the function ``loss.compose_loss`` uses.
-- ``trace_replay_dpo`` (DPO, arXiv 2305.18290): preference pairs from teacher-consensus
-  trace replay, drawn alongside the prompts; ``distillation.dpo.dpo_loss`` on
-  ``loss.sequence_logps``, reference log-probs computed once per pair from the initial
-  model (at construction, before any update) and cached on the pair.
+- ``sdpo_jsd`` (SDPO, arXiv 2601.20802): the token-mean divergence between the policy on
+  the plain prompt (student, with grad) and the same policy on the prompt with a hint
+  (teacher, no grad), on the sampled tokens of completions that hit an error site: the
+  generalized JSD (arXiv 2306.13649), or TAID / entropy-aware OPD with ``sdpo_wrapper``.
+- ``trace_replay_dpo``: DPO (arXiv 2305.18290) or SimPO (``dpo_variant``) on preference
+  pairs from teacher-consensus trace replay, drawn alongside the prompts; DPO reference
+  log-probs computed once per pair from the initial model (at construction, before any
+  update) and cached on the pair.
+
+Both channels are computed by :mod:`composer_replication.ops`, the core that the native
+trainer step and ``loss.compose_loss`` call too, with the same settings under the same
+names.
 
 Each channel is logged through trl's metrics (``sdpo_jsd``, ``trace_replay_dpo``,
 ``grpo_loss``, ``sdpo/error_sites``, ``trace_replay_dpo/pairs``); like trl's own loss, the
@@ -46,15 +50,19 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from trl import GRPOTrainer
 
-from composer_replication.algo.context import (
-    DEFAULT_HINT_TEMPLATE,
-    augment_messages,
-    hint_text,
-)
+from composer_replication.algo.context import augment_messages, hint_text
 from composer_replication.algo.replay_dpo import PairPool, build_pair_pool
-from composer_replication.chunked_head import jsd_from_hidden, last_hidden_states, lm_head_weight
-from composer_replication.distillation.dpo import dpo_loss
-from composer_replication.loss import sequence_logps
+from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
+from composer_replication.loss import divergence_settings, pair_loss_settings
+from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.ops.pairs import (
+    fill_reference_logps,
+    pad_rows,
+    pair_terms,
+    pairs_from_padded,
+    sequence_logps,
+)
+from composer_replication.ops.self_distillation import aligned_from_masks, divergence_terms
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import DPOPairTokens
 
@@ -100,8 +108,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
         beta_replay: weight of the trace-replay DPO channel (0 turns it off).
         sdpo_jsd_beta: the JSD's mixture coefficient in [0, 1] (0 forward KL, 1 reverse KL).
         sdpo_temperature: softmax temperature of both JSD distributions.
-        sdpo_token_clip: clamp each token's JSD to this value (None: no clamp).
+        sdpo_token_clip: clamp each token's divergence to this value (None: no clamp).
+        sdpo_wrapper: ``"none"`` (generalized JSD), ``"taid"`` (TAID at ``taid_t``, a
+            number or a ``TAIDScheduler``) or ``"entropy_opd"`` (``entropy_opd_h_max``).
         replay_dpo_beta: DPO's beta.
+        dpo_variant: ``"dpo"`` or ``"simpo"`` (reference-free; ``simpo_beta``,
+            ``simpo_gamma``).
         hint_fn: feedback text -> hint (None: no hint for that completion).
         pairs: preference pairs (``DPOPair`` / ``NormalizedDPOPair`` objects or dicts, or
             ``DPOPairTokens``); or ``pairs_path``, a JSONL file of them.
@@ -121,6 +133,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
         sdpo_temperature: float = 1.0,
         sdpo_token_clip: float | None = None,
         replay_dpo_beta: float = 0.1,
+        sdpo_wrapper: str = "none",
+        taid_t: Any = None,
+        entropy_opd_h_max: float | None = None,
+        dpo_variant: str = "dpo",
+        simpo_beta: float = 2.0,
+        simpo_gamma: float = 1.0,
         hint_fn: Callable[[str], str | None] | None = default_hint,
         pairs: Sequence[Any] | None = None,
         pairs_path: str | None = None,
@@ -134,8 +152,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.sdpo_jsd_beta, self.sdpo_temperature = float(sdpo_jsd_beta), float(sdpo_temperature)
         self.sdpo_token_clip = None if sdpo_token_clip is None else float(sdpo_token_clip)
         self.replay_dpo_beta, self.hint_fn = float(replay_dpo_beta), hint_fn
+        self.sdpo_wrapper, self.taid_t, self.entropy_opd_h_max = (
+            sdpo_wrapper,
+            taid_t,
+            entropy_opd_h_max,
+        )
+        self.dpo_variant, self.simpo_beta, self.simpo_gamma = dpo_variant, simpo_beta, simpo_gamma
         self.pairs_per_prompt = int(pairs_per_prompt)
         self._check_settings(max_pair_length)
+        self._divergence(), self._pair_settings()  # validates them under their public names
         super().__init__(*args, **kwargs)
         self._feedback_funcs = [f for f in self.reward_funcs if hasattr(f, "last_feedback")]
         if self.alpha_sdpo > 0 and (hint_fn is None or not self._feedback_funcs):
@@ -150,26 +175,40 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 _channel_off(f"beta_replay={beta_replay} but no pairs (pairs= or pairs_path=)")
             else:
                 pool = [_clip_pair(p, max_pair_length) for p in pool]
-                refs = (replay_ref_model, self.ref_model, self.model)
-                self._fill_reference_logps(pool, next(m for m in refs if m is not None))
+                if self._pair_settings().needs_reference:
+                    refs = (replay_ref_model, self.ref_model, self.model)
+                    self._fill_reference_logps(pool, next(m for m in refs if m is not None))
                 self._pair_pool = PairPool(pool, random.Random(self.args.seed))
 
     def _check_settings(self, max_pair_length: int) -> None:
         for name in ("alpha_sdpo", "beta_replay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
-        if not 0.0 <= self.sdpo_jsd_beta <= 1.0:
-            raise ValueError(f"sdpo_jsd_beta={self.sdpo_jsd_beta} must be in [0, 1]")
-        for name in ("sdpo_temperature", "replay_dpo_beta", "sdpo_token_clip"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}={value} must be > 0")
         for name, value in (
             ("pairs_per_prompt", self.pairs_per_prompt),
             ("max_pair_length", max_pair_length),
         ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+
+    def _divergence(self) -> Any:
+        """The SDPO divergence settings (``taid_t`` read now: a scheduler may move it)."""
+        return divergence_settings(
+            sdpo_jsd_beta=self.sdpo_jsd_beta,
+            sdpo_temperature=self.sdpo_temperature,
+            sdpo_token_clip=self.sdpo_token_clip,
+            sdpo_wrapper=self.sdpo_wrapper,
+            taid_t=self.taid_t,
+            entropy_opd_h_max=self.entropy_opd_h_max,
+        )
+
+    def _pair_settings(self) -> Any:
+        return pair_loss_settings(
+            dpo_variant=self.dpo_variant,
+            replay_dpo_beta=self.replay_dpo_beta,
+            simpo_beta=self.simpo_beta,
+            simpo_gamma=self.simpo_gamma,
+        )
 
     # ------------------------------------------------------------------ batch building
 
@@ -239,7 +278,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 rows.append(prompt_ids[i][prompt_mask[i].bool()].tolist())
             else:
                 rows.append(self._hinted_prompt_ids(inputs[i]["prompt"], hint))
-        t_prompt, t_mask = _pad(rows, self._tokenizer.pad_token_id, left=True)
+        t_prompt, t_mask = pad_rows(rows, self._tokenizer.pad_token_id, left=True)
         device = completion_ids.device
         response = completion_mask * output.get("tool_mask", torch.ones_like(completion_mask))
         has_hint = torch.tensor([h is not None for h in hints], device=device)
@@ -263,27 +302,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
         out["dpo_pair_mask"] = (torch.arange(n_rows, device=device) < len(pairs)).long()
         return out
 
-    @torch.no_grad()
     def _fill_reference_logps(self, pool: list[DPOPairTokens], ref: Any) -> None:
         """Summed response log-probs of both sides of every pair under ``ref``, cached."""
         was_training = ref.training
         ref.eval()
-        device = self.accelerator.device
         try:
-            for start in range(0, len(pool), _REF_BATCH):
-                chunk = [
-                    p
-                    for p in pool[start : start + _REF_BATCH]
-                    if p.ref_chosen_logp is None or p.ref_rejected_logp is None
-                ]
-                if not chunk:
-                    continue
-                ids, attn, resp = _pair_rows(chunk, len(chunk), self._tokenizer.pad_token_id)
-                logps = self._sequence_logprobs(
-                    ref, ids.to(device), resp.to(device), attn.to(device)
-                ).tolist()
-                for k, pair in enumerate(chunk):
-                    pair.ref_chosen_logp, pair.ref_rejected_logp = logps[k], logps[len(chunk) + k]
+            fill_reference_logps(ref, pool, batch_size=_REF_BATCH)
         finally:
             ref.train(was_training)
 
@@ -307,62 +331,65 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return loss + scale * extra
 
     def _compute_sdpo_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-        """Token-mean generalized JSD(student || hinted teacher) over ``sdpo_loss_mask``.
+        """Token-mean divergence(student || hinted teacher) over ``sdpo_loss_mask``.
 
         Prompts are left-padded to a common width, so completion token j sits at column
-        P + j of the student context and P' + j of the teacher context: the hidden state
-        that predicts it is at column P - 1 + j (P' - 1 + j). Only rows with a hint run.
+        P + j of the student context and P' + j of the teacher context. Only rows with a
+        hint run (the teacher forward too).
         """
         mask = inputs["sdpo_loss_mask"]
         rows = mask.any(dim=-1).nonzero().squeeze(-1)
         if rows.numel() == 0:
             return mask.new_zeros((), dtype=torch.float32)
-        completion_ids = inputs["completion_ids"]
-        n_prompt, n_completion = inputs["prompt_ids"].shape[1], completion_ids.shape[1]
-        student_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)[rows]
+        completion = inputs["completion_mask"][rows]
+        student_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)[rows]
         student_attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)[rows]
         teacher_ids = inputs["ctx_teacher_input_ids"][rows]
         teacher_attn = inputs["ctx_teacher_attention_mask"][rows]
-        n_teacher_prompt = teacher_ids.shape[1] - n_completion
-        policy = self.accelerator.unwrap_model(model)
-        student = last_hidden_states(policy, student_ids, student_attn)
-        with torch.no_grad():
-            teacher = last_hidden_states(policy, teacher_ids, teacher_attn)
-        window = slice(n_prompt - 1, n_prompt - 1 + n_completion)
-        t_window = slice(n_teacher_prompt - 1, n_teacher_prompt - 1 + n_completion)
-        selected = mask[rows] != 0
-        per_token = jsd_from_hidden(
-            student[:, window],
-            lm_head_weight(policy),
-            teacher[:, t_window],
-            mask=selected,
-            beta=self.sdpo_jsd_beta,
-            temperature=self.sdpo_temperature,
+
+        def after_prompt(values: torch.Tensor, width: int) -> torch.Tensor:
+            return torch.cat(
+                [values.new_zeros((values.shape[0], width - values.shape[1])), values], 1
+            )
+
+        tokens = aligned_from_masks(
+            student_ids,
+            after_prompt(completion, student_ids.shape[1]),
+            teacher_ids,
+            after_prompt(completion, teacher_ids.shape[1]),
+            after_prompt(mask[rows], student_ids.shape[1]),
         )
-        if self.sdpo_token_clip is not None:
-            per_token = per_token.clamp(max=self.sdpo_token_clip)
-        return per_token.sum() / selected.sum()
+        policy = self.accelerator.unwrap_model(model)
+        hidden = last_hidden_states(policy, student_ids, student_attn)
+        per_token = divergence_terms(
+            hidden,
+            lm_head_weight(policy),
+            policy,
+            teacher_ids,
+            teacher_attn,
+            tokens,
+            self._divergence(),
+        )
+        return per_token.sum() / max(tokens.n_tokens, 1)
 
     def _compute_trace_replay_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-        """Mean DPO loss over the micro-batch's pairs (chosen and rejected in one forward)."""
+        """Mean pair loss over the micro-batch's pairs (chosen and rejected in one forward)."""
         rows = inputs["dpo_pair_mask"].nonzero().squeeze(-1)
         if rows.numel() == 0:
             return inputs["dpo_pair_mask"].new_zeros((), dtype=torch.float32)
-        ids, attn, resp = (
-            torch.cat([inputs[f"dpo_chosen_{part}"][rows], inputs[f"dpo_rejected_{part}"][rows]])
-            for part in ("input_ids", "attention_mask", "response_mask")
+        pairs = pairs_from_padded(
+            *(
+                tuple(
+                    inputs[f"dpo_{side}_{part}"][rows]
+                    for part in ("input_ids", "response_mask", "attention_mask")
+                )
+                for side in ("chosen", "rejected")
+            ),
+            ref_chosen=inputs["dpo_ref_chosen_logps"][rows],
+            ref_rejected=inputs["dpo_ref_rejected_logps"][rows],
         )
-        width = int(attn.sum(-1).max())  # both sides share one padded width: trim it
-        ids, attn, resp = ids[:, :width], attn[:, :width], resp[:, :width]
-        logps = self._sequence_logprobs(self.accelerator.unwrap_model(model), ids, resp, attn)
-        k = rows.numel()
-        return dpo_loss(
-            logps[:k],
-            logps[k:],
-            inputs["dpo_ref_chosen_logps"][rows].to(logps.dtype),
-            inputs["dpo_ref_rejected_logps"][rows].to(logps.dtype),
-            beta=self.replay_dpo_beta,
-        )
+        policy = self.accelerator.unwrap_model(model)
+        return pair_terms(policy, pairs, self._pair_settings()).mean()
 
     @staticmethod
     def _sequence_logprobs(
@@ -371,7 +398,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         response_mask: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B,) summed log-probs of the response tokens (``loss.sequence_logps``)."""
+        """(B,) summed log-probs of the response tokens (``ops.pairs.sequence_logps``)."""
         return sequence_logps(model, input_ids, response_mask, attention_mask)
 
 
@@ -390,20 +417,6 @@ def _clip_pair(pair: DPOPairTokens, max_length: int) -> DPOPairTokens:
     )
 
 
-def _pad(
-    seqs: Sequence[Sequence[int]], value: int, *, left: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, W) padded rows and their 0/1 mask of real entries."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), int(value), dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
-        ids[i, cols] = torch.tensor(list(seq), dtype=torch.long)
-        mask[i, cols] = 1
-    return ids, mask
-
-
 def _pair_rows(
     pairs: Sequence[DPOPairTokens], n_rows: int, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -414,8 +427,8 @@ def _pair_rows(
     for side in ("chosen", "rejected"):
         seqs += [getattr(p, f"{side}_ids") for p in pairs] + [[pad_id]] * blank
         masks += [getattr(p, f"{side}_mask") for p in pairs] + [[0]] * blank
-    ids, attn = _pad(seqs, pad_id, left=False)
-    resp, _ = _pad(masks, 0, left=False)
+    ids, attn = pad_rows(seqs, pad_id)
+    resp, _ = pad_rows(masks, 0)
     attn[resp.sum(-1) == 0] = 0  # the empty rows
     return ids, attn, resp
 

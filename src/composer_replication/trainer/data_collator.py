@@ -32,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from composer_replication.algo.context import DEFAULT_HINT_TEMPLATE, augment_messages, render_prompt
+from composer_replication.algo.context import augment_messages, render_prompt
+from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
 from composer_replication.hint_generator import HintContext, classify_error
 
 __all__ = [

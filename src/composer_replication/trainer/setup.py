@@ -1,6 +1,6 @@
-"""Run set-up pieces of the training loop: seeding, the policy (+ LoRA), the LR schedule,
-the merged loss settings, the jsd teacher choice, the KL to the initial policy, and the
-console progress bar. Pure helpers; the loop in ``trainer.loop`` composes them."""
+"""Run set-up pieces shared by the backends: seeding, the policy (+ LoRA), the LR schedule,
+the KL to the initial policy, and the console progress bar. Helpers only; the native loop
+(``trainer.loop``) and the trl backend compose them."""
 
 from __future__ import annotations
 
@@ -10,11 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.config import RunConfig
-from composer_replication.trainer.step import LossConfig
-
 if TYPE_CHECKING:
-    from composer_replication.trainer.loop import EnvRuntime
+    from composer_replication.config.run import RunConfig
 
 
 def seed_everything(seed: int) -> None:
@@ -69,55 +66,6 @@ def make_scheduler(optimizer: Any, config: RunConfig) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def merged_loss_config(config: RunConfig, runtimes: list[EnvRuntime]) -> LossConfig:
-    """The run's LossConfig plus the settings the algorithms' samples assume."""
-    data = config.loss.model_dump()
-    temperatures = {rt.sampling.temperature for rt in runtimes}
-    if len(temperatures) > 1:
-        raise ValueError(
-            f"environments sample at different temperatures {sorted(temperatures)}; the "
-            "trainer recomputes log-probs at one temperature: use the same sampling.temperature"
-        )
-    data["temperature"] = temperatures.pop() or 1.0
-    seen: dict[str, tuple[Any, str]] = {}
-    for rt in runtimes:
-        for key, value in rt.algorithm.loss_settings.items():
-            if key in seen and seen[key][0] != value:
-                raise ValueError(
-                    f"environments {seen[key][1]!r} and {rt.env.name!r} need different "
-                    f"{key} ({seen[key][0]} vs {value}); set them equal"
-                )
-            seen[key] = (value, rt.env.name)
-            data[key] = value
-    return LossConfig.model_validate(data)
-
-
-def jsd_teacher_setting(config: RunConfig, runtimes: list[EnvRuntime]) -> tuple[str, float]:
-    """The jsd teacher: the run's ``jsd_teacher`` unless an algorithm asks for its own."""
-    wanted = {
-        (
-            rt.algorithm.teacher["mode"],
-            float(rt.algorithm.teacher.get("ema_decay", config.ema_decay)),
-        )
-        for rt in runtimes
-        if rt.algorithm.teacher
-    }
-    if len(wanted) > 1:
-        raise ValueError(
-            f"environments ask for different jsd teachers {sorted(wanted)}; one run has one "
-            "teacher model: set advantage.teacher / ema_decay equal"
-        )
-    if not wanted:
-        return config.jsd_teacher, config.ema_decay
-    mode, decay = wanted.pop()
-    run_default = RunConfig.model_fields["jsd_teacher"].default
-    if config.jsd_teacher not in (run_default, mode):
-        raise ValueError(
-            f"jsd_teacher = {config.jsd_teacher!r} contradicts the algorithm's teacher {mode!r}"
-        )
-    return mode, decay
-
-
 @torch.no_grad()
 def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: float) -> float:
     """Token-mean KL(policy || initial) in nats/token at the batches' trainable positions.
@@ -126,11 +74,8 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
     sampled before the last optimizer step, and a k1/k3 estimate on tokens the current
     policy did not sample can explode (exp of a large log-ratio) where the true KL is small.
     """
-    from composer_replication.chunked_head import (
-        jsd_from_hidden,
-        last_hidden_states,
-        lm_head_weight,
-    )
+    from composer_replication.model_parts import last_hidden_states, lm_head_weight
+    from composer_replication.ops.jsd import jsd_from_hidden
 
     total, count = 0.0, 0
     for mb in batches:

@@ -18,14 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from composer_replication.chunked_head import (
-    jsd_from_hidden,
-    last_hidden_states,
-    lm_head_weight,
-    token_logprobs_from_hidden,
-)
+from composer_replication.config.loss import COMPONENTS, LossConfig
+from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.ops.divergence import DivergenceSettings
+from composer_replication.ops.head import token_logprobs_from_hidden
+from composer_replication.ops.pairs import PairLossSettings, pair_terms
+from composer_replication.ops.self_distillation import aligned_from_index, divergence_terms
 from composer_replication.trainer.components import (
     ce_loss,
     dppo_keep_mask,
@@ -40,54 +39,38 @@ if TYPE_CHECKING:
 
     from composer_replication.wire import DPOPairTokens, MicroBatch
 
-COMPONENTS = ("rl", "ce", "ref_kl", "jsd", "dpo")
+__all__ = [
+    "COMPONENTS",
+    "LossConfig",
+    "component_counts",
+    "divergence_settings_of",
+    "pair_settings_of",
+    "train_step",
+]
 
 
-class LossConfig(BaseModel):
-    """Settings of the loss components (02-algorithms.md §1)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    mask_low: float = Field(
-        0.2, ge=0, description="DPPO trust region below: drop A<=0 tokens with dp < -mask_low."
-    )
-    mask_high: float = Field(
-        0.2, ge=0, description="DPPO trust region above: drop A>0 tokens with dp > mask_high."
-    )
-    adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term of rl.")
-    kl_tau: float = Field(1e-3, ge=0, description="Weight of the log-ratio^2 penalty (rl, ref_kl).")
-    temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature; trainer log-probs use logits / temperature."
-    )
-    jsd_beta: float = Field(
-        0.5, ge=0, le=1, description="Generalized JSD mixture (0 forward KL, 1 reverse KL)."
-    )
-    jsd_temperature: float = Field(
-        1.0, gt=0, description="Softmax temperature of both jsd distributions."
-    )
-    dpo_beta: float = Field(0.1, gt=0, description="DPO beta.")
-    dpo_loss: str = Field(
-        "dpo", pattern="^(dpo|simpo)$", description="Pair loss: 'dpo' or 'simpo'."
-    )
-    simpo_gamma: float = Field(1.0, ge=0, description="SimPO margin (dpo_loss='simpo').")
-    coefficients: dict[str, float] = Field(
-        default_factory=lambda: dict.fromkeys(COMPONENTS, 1.0),
-        description="Multiplier of each component's mean (rl, ce, ref_kl, jsd, dpo).",
-    )
-    kl_token_trust_threshold: float | None = Field(
-        None,
-        ge=0,
-        description="Mask ref_kl tokens whose k2 estimate to the reference exceeds this.",
-    )
-    chunk_size: int | None = Field(
-        None, ge=1, description="Rows per chunk on the hidden-state path."
+def divergence_settings_of(cfg: LossConfig) -> DivergenceSettings:
+    """The jsd component's divergence as ``cfg`` sets it (``taid_t`` must be resolved)."""
+    kinds = {"none": "jsd", "taid": "taid", "entropy_opd": "entropy_opd"}
+    return DivergenceSettings(
+        kind=kinds[cfg.sdpo_wrapper],
+        beta=cfg.sdpo_jsd_beta,
+        temperature=cfg.sdpo_temperature,
+        token_clip=cfg.sdpo_token_clip,
+        taid_t=cfg.taid_t,
+        h_max=cfg.entropy_opd_h_max,
+        chunk_size=cfg.chunk_size,
     )
 
-    def coefficient(self, component: str) -> float:
-        unknown = set(self.coefficients) - set(COMPONENTS)
-        if unknown:
-            raise ValueError(f"unknown loss components {sorted(unknown)}; known: {COMPONENTS}")
-        return float(self.coefficients.get(component, 1.0))
+
+def pair_settings_of(cfg: LossConfig) -> PairLossSettings:
+    """The dpo component's pair loss as ``cfg`` sets it."""
+    return PairLossSettings(
+        variant=cfg.dpo_variant,
+        beta=cfg.replay_dpo_beta,
+        simpo_beta=cfg.simpo_beta,
+        simpo_gamma=cfg.simpo_gamma,
+    )
 
 
 def component_counts(batches: Sequence[MicroBatch]) -> dict[str, int]:
@@ -183,7 +166,7 @@ def _micro_batch_losses(
             hidden[:, :-1],
             weight,
             mb.input_ids[:, 1:],
-            temperature=cfg.temperature,
+            temperature=cfg.log_temperature,
             chunk_size=cfg.chunk_size,
             return_entropy=True,
         )
@@ -252,91 +235,25 @@ def _add_token_components(
 def _jsd_sum(
     teacher: Any, hidden: Tensor, weight: Tensor, mb: MicroBatch, cfg: LossConfig
 ) -> Tensor:
-    rows, positions = (mb.jsd_weights != 0).nonzero(as_tuple=True)
-    teacher_positions = mb.teacher_index[rows, positions]
-    with torch.no_grad():
-        teacher_hidden = last_hidden_states(
-            teacher, mb.teacher_input_ids, mb.teacher_attention_mask
-        )
-        teacher_weight = lm_head_weight(teacher)
-    # Hidden state at p-1 predicts token p, in both contexts.
-    student_sel = hidden[rows, positions - 1]
-    teacher_sel = teacher_hidden[rows, teacher_positions - 1]
-    per_token = jsd_from_hidden(
-        student_sel,
+    tokens = aligned_from_index(mb.jsd_weights, mb.teacher_index)
+    per_token = divergence_terms(
+        hidden,
         weight,
-        teacher_sel,
-        teacher_weight=teacher_weight,
-        beta=cfg.jsd_beta,
-        temperature=cfg.jsd_temperature,
-        chunk_size=cfg.chunk_size,
+        teacher,
+        mb.teacher_input_ids,
+        mb.teacher_attention_mask,
+        tokens,
+        divergence_settings_of(cfg),
     )
-    value, _ = weighted_token_loss(per_token, mb.jsd_weights[rows, positions])
+    value, _ = weighted_token_loss(per_token, mb.jsd_weights[tokens.rows, tokens.student])
     return value
-
-
-def _pad(seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-    return ids, attn
-
-
-def pair_logps(
-    model: Any, pairs: Sequence[DPOPairTokens], *, chunk_size: int | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Summed response log-probs of each pair's chosen and rejected side, plus lengths."""
-    from composer_replication.loss import sequence_logps
-
-    out = []
-    for side in ("chosen", "rejected"):
-        ids, attn = _pad([getattr(p, f"{side}_ids") for p in pairs])
-        resp, _ = _pad([getattr(p, f"{side}_mask") for p in pairs])
-        out.append(sequence_logps(model, ids, resp, attn, chunk_size=chunk_size))
-        out.append(resp[:, 1:].sum(-1).clamp_min(1))
-    return out[0], out[2], out[1], out[3]
-
-
-def fill_reference_logps(
-    reference: Any, pairs: Sequence[DPOPairTokens], *, chunk_size: int | None = None
-) -> None:
-    """Compute and cache reference log-probs on the pairs that lack them (once per pair)."""
-    todo = [p for p in pairs if p.ref_chosen_logp is None or p.ref_rejected_logp is None]
-    if not todo:
-        return
-    with torch.no_grad():
-        chosen, rejected, _, _ = pair_logps(reference, todo, chunk_size=chunk_size)
-    for pair, c, r in zip(todo, chosen.tolist(), rejected.tolist()):
-        pair.ref_chosen_logp, pair.ref_rejected_logp = c, r
 
 
 def _dpo_sum(
     policy: Any, reference: Any | None, pairs: list[DPOPairTokens], cfg: LossConfig
 ) -> Tensor:
-    from composer_replication.distillation.dpo import dpo_loss
-    from composer_replication.distillation.simpo import simpo_loss
-
-    weights = torch.tensor([p.weight for p in pairs], dtype=torch.float32)
-    chosen, rejected, n_chosen, n_rejected = pair_logps(policy, pairs, chunk_size=cfg.chunk_size)
-    if cfg.dpo_loss == "simpo":  # length-normalised, reference-free (arXiv 2405.14734)
-        per_pair = torch.stack(
-            [
-                simpo_loss((c / nc)[None], (r / nr)[None], beta=cfg.dpo_beta, gamma=cfg.simpo_gamma)
-                for c, r, nc, nr in zip(chosen, rejected, n_chosen, n_rejected)
-            ]
-        )
-        return (weights * per_pair).sum()
-    if any(p.ref_chosen_logp is None or p.ref_rejected_logp is None for p in pairs):
-        if reference is None:
-            raise ValueError(
-                "a DPO pair has no reference log-probs and no reference model was given: "
-                "score the pairs first (Algorithm.score) or pass reference= to train_step"
-            )
-        fill_reference_logps(reference, pairs, chunk_size=cfg.chunk_size)
-    ref_c = torch.tensor([p.ref_chosen_logp for p in pairs], dtype=chosen.dtype)
-    ref_r = torch.tensor([p.ref_rejected_logp for p in pairs], dtype=chosen.dtype)
-    per_pair = dpo_loss(chosen, rejected, ref_c, ref_r, beta=cfg.dpo_beta, reduction="none")
-    return (weights.to(per_pair.dtype) * per_pair).sum()
+    per_pair = pair_terms(
+        policy, pairs, pair_settings_of(cfg), reference=reference, chunk_size=cfg.chunk_size
+    )
+    weights = torch.tensor([p.weight for p in pairs], dtype=per_pair.dtype, device=per_pair.device)
+    return (weights * per_pair).sum()

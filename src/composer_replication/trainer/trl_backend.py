@@ -2,7 +2,7 @@
 
 ``train_with_trl(run_config)`` reads the TOML the native loop reads and maps it onto trl:
 
-- model and LoRA: ``trainer.loop.setup_policy`` (the same policy, adapters, checkpointing);
+- model and LoRA: ``trainer.setup.setup_policy`` (the same policy, adapters, checkpointing);
 - prompts: the ``python_functions`` environment's TRAIN tasks only (``HeldoutSplit`` with
   the run's ``heldout_fraction`` / ``heldout_salt``), one dataset row per task with its chat
   ``prompt`` and ``task_id``;
@@ -11,11 +11,16 @@
   SDPO feedback (``last_feedback``);
 - objective: Dr. GRPO (``make_dr_grpo_config``); per step ``tasks_per_step`` prompts x
   ``group_size`` completions of ``max_new_tokens``, one optimizer step per generation;
-- Composer channels from the algorithm config: ``composer`` -> alpha, beta, jsd_beta,
-  dpo_beta and the pair file (``pairs_file`` or ``advantage.pairs_path``, else the shipped
-  pairs); ``sdpo`` -> alpha only; ``grpo`` -> neither;
-- held-out pass@1 before (``eval.at_start``) and every ``eval.every`` steps, fed to the same
-  ``HeldOutGuard``: a fired guard stops the run and raises ``CollapseStopError``.
+- Composer channels: the weights from the algorithm config (``composer`` -> ``alpha_sdpo``,
+  ``beta_replay`` and ``advantage.pairs_path``, else the shipped pairs; ``sdpo`` ->
+  ``alpha_sdpo`` only; ``grpo`` -> neither), every loss setting from the run's resolved
+  ``[loss]`` table under the same names (``sdpo_jsd_beta``, ``sdpo_wrapper``,
+  ``replay_dpo_beta``, ``dpo_variant``, ...); a scheduled TAID ``t`` follows the logged
+  ``sdpo_jsd``;
+- the run lifecycle of the native loop (:mod:`.lifecycle`): held-out pass@1 before
+  (``eval.at_start``) and every ``eval.every`` steps fed to the same ``HeldOutGuard``, the
+  same ``metrics.jsonl`` / ``report/`` / ``final_model/`` / ``summary.json``; a fired guard
+  stops the run and raises ``CollapseStopError``.
 
 Differences from the native loop, by design of trl: generation has no stop strings (the
 grader ignores text after the code block), sampling is trl's (no sibling demonstrations in
@@ -25,19 +30,17 @@ the SDPO teacher context: hints only), the guard gets no KL-to-initial reading, 
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from composer_replication.config import RunConfig
+    from composer_replication.config.run import RunConfig
     from composer_replication.envs.python_functions import PythonFunctionsEnv
     from composer_replication.envs.task_bank import PythonTask
     from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.loop import RunResult
+    from composer_replication.trainer.lifecycle import RunLifecycle, RunResult
 
 __all__ = [
     "PythonFunctionsReward",
@@ -124,8 +127,9 @@ def train_prompt_dataset(env: PythonFunctionsEnv, split: HeldoutSplit) -> Any:
     )
 
 
-def _composer_settings(advantage: Any) -> dict[str, Any]:
-    """Trainer kwargs (alpha, beta, JSD / DPO betas, hint source) from the algorithm."""
+def _composer_settings(run_config: RunConfig) -> dict[str, Any]:
+    """Trainer kwargs (channel weights, loss settings, hint source) of the run."""
+    advantage = run_config.envs[0].algorithm.advantage
     kind = advantage.type
     if kind not in ("grpo", "sdpo", "composer"):
         raise ValueError(
@@ -141,15 +145,29 @@ def _composer_settings(advantage: Any) -> dict[str, Any]:
         )
     from composer_replication.trainer.composer_trainer import default_hint
 
+    loss = run_config.loss
     hint_fn = {"generator": default_hint, "feedback": lambda text: text, "none": None}
     out: dict[str, Any] = {
-        "alpha_sdpo": advantage.alpha,
-        "sdpo_jsd_beta": advantage.jsd_beta,
+        "alpha_sdpo": advantage.alpha_sdpo,
+        "beta_replay": getattr(advantage, "beta_replay", 0.0),
         "hint_fn": hint_fn[advantage.hint_source],
-        "beta_replay": 0.0,
+        "sdpo_jsd_beta": loss.sdpo_jsd_beta,
+        "sdpo_temperature": loss.sdpo_temperature,
+        "sdpo_token_clip": loss.sdpo_token_clip,
+        "sdpo_wrapper": loss.sdpo_wrapper,
+        "taid_t": loss.taid_t,
+        "entropy_opd_h_max": loss.entropy_opd_h_max,
+        "replay_dpo_beta": loss.replay_dpo_beta,
+        "dpo_variant": loss.dpo_variant,
+        "simpo_beta": loss.simpo_beta,
+        "simpo_gamma": loss.simpo_gamma,
     }
-    if kind == "composer":
-        out.update(beta_replay=advantage.beta, replay_dpo_beta=advantage.dpo_beta)
+    if out["sdpo_wrapper"] == "taid" and out["taid_t"] is None:
+        from composer_replication.distillation.taid import TAIDScheduler
+
+        out["taid_t"] = TAIDScheduler(
+            max(1, run_config.steps), t_start=loss.taid_t_start, t_end=loss.taid_t_end
+        )
     return out
 
 
@@ -211,141 +229,82 @@ def _check_run(run_config: RunConfig) -> None:
 def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunResult:
     """Train ``run_config`` with ``ComposerReplicationTrainer``; returns a ``RunResult``.
 
-    Writes ``metrics.jsonl``, ``report/``, ``summary.json`` and ``final_model/`` (LoRA merged)
-    under ``run_config.output_dir``, as the native loop does. When the held-out guard fires,
-    the model is saved to ``stopped_model/`` and ``CollapseStopError`` is raised.
+    Writes what the native loop writes (``metrics.jsonl``, ``report/``, ``final_model/``,
+    ``summary.json``) through the same :class:`~composer_replication.trainer.lifecycle.
+    RunLifecycle`; when the held-out guard fires, training stops and ``CollapseStopError``
+    is raised after the final model and summary are written.
     """
-    from composer_replication.envs import build_environment, load_default_pairs
-    from composer_replication.report import write_report
-    from composer_replication.safety import CollapseStopError, HeldOutGuard, HeldoutSplit
+    from composer_replication.algo.replay_dpo import load_pair_records
+    from composer_replication.envs import build_environment
+    from composer_replication.safety import HeldoutSplit
     from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
-    from composer_replication.trainer.loop import RunResult, seed_everything, setup_policy
-    from composer_replication.trainer.metrics import MetricsLog
+    from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
+    from composer_replication.trainer.setup import seed_everything, setup_policy
 
     _check_run(run_config)
-    start = time.perf_counter()
-    run_dir = Path(run_config.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(run_config.model_dump_json(indent=2))
     env_cfg = run_config.envs[0]
-    settings = _composer_settings(env_cfg.algorithm.advantage)
+    settings = _composer_settings(run_config)
     seed_everything(run_config.seed)
     policy, tokenizer = setup_policy(run_config)
     env = build_environment(env_cfg)
     split = HeldoutSplit(run_config.heldout_fraction, run_config.heldout_salt)
-    heldout_ids = split.heldout_ids(env.task_ids())
+    heldout = [
+        HeldoutTasks(
+            env, split.heldout_ids(env.task_ids()), env_cfg.algorithm.sampling.max_new_tokens
+        )
+    ]
     if settings["beta_replay"] > 0:
-        path = run_config.pairs_file or env_cfg.algorithm.advantage.pairs_path
-        settings["pairs"] = load_default_pairs(path)
+        settings["pairs"] = load_pair_records(env_cfg.algorithm.advantage.pairs_path)
+    life = RunLifecycle(run_config, backend="trl")
     trainer = ComposerReplicationTrainer(
         model=policy,
         reward_funcs=[PythonFunctionsReward(env)],
-        args=grpo_config_from_run(run_config, run_dir / "trl"),
+        args=grpo_config_from_run(run_config, life.run_dir / "trl"),
         train_dataset=train_prompt_dataset(env, split),
         processing_class=tokenizer,
         **settings,
     )
-    metrics = MetricsLog(
-        run_dir / "metrics.jsonl", trackers=run_config.trackers, run_name=run_dir.name
-    )
-    guard = _GuardCallback(
-        run_config,
-        env,
-        policy,
-        tokenizer,
-        heldout_ids,
-        HeldOutGuard(**run_config.guard.guard_kwargs()),
-        metrics,
-    )
-    if run_config.eval.at_start:
-        guard.heldout_before = guard.evaluate()
-        metrics.append({"step": 0, "heldout/pass@1": guard.heldout_before})
-    trainer.add_callback(guard.as_trainer_callback())
+    life.evaluate_start(policy, tokenizer, heldout)
+    callback = _LifecycleCallback(life, policy, tokenizer, heldout, settings.get("taid_t"))
+    trainer.add_callback(callback.as_trainer_callback())
     if console is not None:
         console.print(f"[bold]trl[/bold]: {len(trainer.train_dataset)} train prompts")
     try:
         trainer.train()
     finally:
-        if metrics.rows():
-            write_report(run_dir)
-    from composer_replication.models import save_checkpoint
-
-    # A fired guard still leaves the model it stopped at, next to the metrics.
-    name = "final_model" if guard.stopped is None else "stopped_model"
-    final_dir = save_checkpoint(policy, run_dir / name, tokenizer=tokenizer)
-    summary = {
-        "backend": "trl",
-        "steps": trainer.state.global_step,
-        "heldout_before": guard.heldout_before,
-        "heldout_after": guard.heldout_last,
-        "final_model": str(final_dir),
-        "stopped_by_guard": guard.stopped,
-        "wall_time_s": time.perf_counter() - start,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if guard.stopped is not None:
-        raise CollapseStopError(guard.guard.last_status)
-    return RunResult(
-        run_dir,
-        trainer.state.global_step,
-        guard.heldout_before,
-        guard.heldout_last,
-        final_dir,
-        None,
-        metrics.rows(),
-    )
+        life.write_report()
+    return life.finish(policy, tokenizer, trainer.state.global_step)
 
 
-class _GuardCallback:
+class _LifecycleCallback:
     """Per logged step: a metrics row; every ``eval.every`` steps: held-out pass@1 + guard."""
 
     def __init__(
         self,
-        run_config: RunConfig,
-        env: Any,
+        life: RunLifecycle,
         policy: Any,
         tokenizer: Any,
-        heldout_ids: list[str],
-        guard: Any,
-        metrics: Any,
+        heldout: list[Any],
+        taid_schedule: Any = None,
     ) -> None:
-        self.config, self.env, self.policy, self.tokenizer = run_config, env, policy, tokenizer
-        self.heldout_ids, self.guard, self.metrics = heldout_ids, guard, metrics
-        self.heldout_before: float | None = None
-        self.heldout_last: float | None = None
-        self.stopped: str | None = None
-
-    def evaluate(self) -> float:
-        from composer_replication.envs import pass_at_1
-        from composer_replication.evaluate import configured_heldout_rollouts
-
-        groups = configured_heldout_rollouts(
-            self.env,
-            self.policy,
-            self.tokenizer,
-            self.heldout_ids,
-            self.config.eval,
-            max_new_tokens=self.config.envs[0].algorithm.sampling.max_new_tokens,
-        )
-        return pass_at_1(groups)
+        self.life, self.policy, self.tokenizer, self.heldout = life, policy, tokenizer, heldout
+        # A scheduled TAID t (a TAIDScheduler): folded in from the logged SDPO loss.
+        self.taid = taid_schedule if hasattr(taid_schedule, "update_t") else None
 
     def on_log(self, state: Any, control: Any, logs: dict[str, Any]) -> None:
         if "reward" not in logs:  # the end-of-training summary row
             return
         step = int(state.global_step)
         row = {**logs, "step": step, "reward/mean": logs["reward"]}
-        if step % self.config.eval.every == 0 or step == self.config.steps:
-            self.heldout_last = self.evaluate()
-            row["heldout/pass@1"] = self.heldout_last
-            if self.config.guard.enabled:
-                status = self.guard.update(
-                    step, float(logs["reward"]), self.heldout_last, entropy=logs.get("entropy")
-                )
-                row.update({"guard/fired": status.fire, "guard/reason": status.reason})
-                if status.fire:
-                    self.stopped = status.reason
-                    control.should_training_stop = True
-        self.metrics.append(row)
+        if self.taid is not None:
+            row["taid/t"] = self.taid.t
+            if logs.get("sdpo_jsd") is not None:
+                self.taid.update_t(float(logs["sdpo_jsd"]), step)
+        if self.life.is_eval_step(step):
+            heldout = self.life.evaluate(self.policy, self.tokenizer, self.heldout)
+            if self.life.guard_round(step, row, heldout):
+                control.should_training_stop = True
+        self.life.append(row)
 
     def as_trainer_callback(self) -> Any:
         from transformers import TrainerCallback

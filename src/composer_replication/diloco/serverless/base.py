@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from composer_replication.config.diloco import RANK_ENV as RANK_ENV
+from composer_replication.config.diloco import WORLD_SIZE_ENV as WORLD_SIZE_ENV
+
 ReplicaStatus = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 STATUSES: tuple[str, ...] = ("pending", "running", "succeeded", "failed", "cancelled")
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-RANK_ENV = "REPLICA_RANK"
-WORLD_SIZE_ENV = "REPLICA_WORLD_SIZE"
 
 
 @dataclass(frozen=True)

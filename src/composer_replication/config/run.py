@@ -3,22 +3,34 @@
 ``composer-replication train`` with no config trains SmolLM2-135M-Instruct (LoRA) on the
 ``python_functions`` environment with the ``composer`` algorithm. A TOML file overrides any
 field; ``--set a.b.c=value`` overrides single fields on the command line.
+
+Validation resolves what the environments' algorithms require of the shared settings, at
+parse time and never silently:
+- ``loss``: a loss setting an algorithm declares (``sdpo_jsd_beta``, ``replay_dpo_beta``,
+  ``dpo_variant``) fills the run's value when the user left it unset; set explicitly to
+  something else, it is an error naming both. ``loss.temperature`` follows the
+  environments' ``sampling.temperature`` the same way.
+- the jsd teacher model: one per run, owned by the algorithms (``advantage.teacher``);
+  environments that ask for different ones are an error.
+The run-level spellings ``jsd_teacher`` / ``ema_decay`` / ``pairs_file`` are deprecated: they
+fold into every algorithm that has the setting, with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from composer_replication.algo import AlgorithmConfig
-from composer_replication.algo.advantage_config import ComposerAdvantage
-from composer_replication.algo.config import SamplingConfig
-from composer_replication.diloco.integration import DiLoCoConfig
-from composer_replication.trainer.step import LossConfig
+from composer_replication.config.advantage import ComposerAdvantage
+from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
+from composer_replication.config.deprecation import ConfigDeprecationWarning
+from composer_replication.config.diloco import DiLoCoConfig
+from composer_replication.config.loss import LossConfig
 
 
 class _Strict(BaseModel):
@@ -131,7 +143,7 @@ class EvalConfig(_Strict):
 
 
 class GuardConfig(_Strict):
-    """The HeldOutGuard kill switch (spec 03-safety.md)."""
+    """The HeldOutGuard kill switch (see ``composer_replication.safety``)."""
 
     enabled: bool = True
     kl_hard_stop: float = Field(
@@ -176,10 +188,13 @@ class RunConfig(_Strict):
     )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
-    jsd_teacher: Literal["policy", "initial", "ema"] = Field(
-        "policy", description="Model behind the jsd teacher forward."
+    jsd_teacher: Literal["policy", "initial", "ema"] | None = Field(
+        None,
+        description="Deprecated: write advantage.teacher in the sdpo / composer algorithms.",
     )
-    ema_decay: float = Field(0.99, ge=0, lt=1, description="EMA decay when jsd_teacher = 'ema'.")
+    ema_decay: float | None = Field(
+        None, ge=0, lt=1, description="Deprecated: write advantage.ema_decay."
+    )
     micro_batch_tokens: int = Field(
         1024,
         ge=1,
@@ -199,7 +214,7 @@ class RunConfig(_Strict):
     )
     heldout_salt: str = Field("composer-replication", description="Salt of the held-out hash.")
     pairs_file: str | None = Field(
-        None, description="DPO pair JSONL for replay_dpo/composer (default: the shipped pairs)."
+        None, description="Deprecated: write advantage.pairs_path in replay_dpo / composer."
     )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
@@ -219,7 +234,92 @@ class RunConfig(_Strict):
             raise ValueError(f"environment names must be unique, got {names}")
         if not self.envs:
             raise ValueError("envs is empty: configure at least one environment")
+        self._fold_run_level_spellings()
+        self._resolve_loss()
+        self.teacher_mode  # noqa: B018 - validates that the environments agree
         return self
+
+    def _fold_run_level_spellings(self) -> None:
+        """Move the deprecated run-level settings into the algorithms that own them."""
+        moves = (
+            ("jsd_teacher", "teacher", "sdpo / composer"),
+            ("ema_decay", "ema_decay", "sdpo / composer"),
+            ("pairs_file", "pairs_path", "replay_dpo / composer"),
+        )
+        for run_field, field, owners in moves:
+            value = getattr(self, run_field)
+            if value is None:
+                continue
+            warnings.warn(
+                f"{run_field} is deprecated: write advantage.{field} in the {owners} "
+                "algorithms of [[envs]]",
+                ConfigDeprecationWarning,
+                stacklevel=2,
+            )
+            for i, env in enumerate(self.envs):
+                advantage = env.algorithm.advantage
+                if field not in type(advantage).model_fields:
+                    continue
+                current = getattr(advantage, field)
+                if field in advantage.model_fields_set and current != value:
+                    raise ValueError(
+                        f"{run_field} = {value!r} contradicts envs.{i}.algorithm.advantage."
+                        f"{field} = {current!r}; set it in one place (advantage.{field})"
+                    )
+                updated = advantage.model_copy(update={field: value})
+                updated.model_fields_set.add(field)
+                algorithm = env.algorithm.model_copy(update={"advantage": updated})
+                self.envs[i] = env.model_copy(update={"algorithm": algorithm})
+            setattr(self, run_field, None)
+
+    def _resolve_loss(self) -> None:
+        """Fill the loss settings the algorithms require; explicit conflicts are errors."""
+        required: dict[str, tuple[Any, str]] = {}
+        temperatures = {e.algorithm.sampling.temperature for e in self.envs}
+        if len(temperatures) > 1:
+            raise ValueError(
+                f"environments sample at different temperatures {sorted(temperatures)}; the "
+                "trainer recomputes log-probs at one temperature: use one sampling.temperature"
+            )
+        required["temperature"] = (temperatures.pop(), "envs.*.algorithm.sampling.temperature")
+        for i, env in enumerate(self.envs):
+            for key, value in env.algorithm.advantage.loss_requirements().items():
+                where = f"envs.{i}.algorithm.advantage.{key}"
+                if key in required and required[key][0] != value:
+                    raise ValueError(
+                        f"{required[key][1]} = {required[key][0]!r} and {where} = {value!r} "
+                        f"need different loss.{key}; set them equal"
+                    )
+                required[key] = (value, where)
+        explicit = self.loss.model_fields_set
+        updates = {}
+        for key, (value, where) in required.items():
+            current = getattr(self.loss, key)
+            if key in explicit and current is not None and current != value:
+                raise ValueError(
+                    f"loss.{key} = {current!r} contradicts {where} = {value!r}, which the "
+                    f"algorithm needs; remove one of them or set them equal"
+                )
+            updates[key] = value
+        self.loss = self.loss.model_copy(update=updates)
+        self.loss.model_fields_set.update(updates)
+
+    @property
+    def teacher_mode(self) -> tuple[str, float]:
+        """``(mode, ema_decay)`` of the run's jsd teacher model (one per run)."""
+        wanted = {
+            (i, env.algorithm.advantage.teacher_mode)
+            for i, env in enumerate(self.envs)
+            if env.algorithm.advantage.teacher_mode is not None
+        }
+        modes = {mode for _, mode in wanted}
+        if len(modes) > 1:
+            listed = ", ".join(f"envs.{i}: {m}" for i, m in sorted(wanted))
+            raise ValueError(
+                f"environments ask for different jsd teachers ({listed}); one run has one "
+                "teacher model: set advantage.teacher / ema_decay equal"
+            )
+        return modes.pop() if modes else ("policy", 0.99)
 
     @classmethod
     def from_toml(cls, source: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -1,17 +1,28 @@
-"""One pydantic config per algorithm, discriminated on ``type`` (02-algorithms.md §3).
+"""One pydantic config per algorithm, discriminated on ``type``.
 
 The defaults of each class ARE the algorithm's vetted setting. ``AdvantageConfig`` is the
 discriminated union that ``AlgorithmConfig.advantage`` holds.
+
+Knob names are the ones the seed API gives the same knobs (``alpha_sdpo``, ``beta_replay``,
+``sdpo_jsd_beta``, ``replay_dpo_beta``, ``dpo_variant``); the old spellings (``alpha``,
+``beta``, ``jsd_beta``, ``dpo_beta``, ``loss``, ``weight``) still parse, with a
+:class:`~composer_replication.config.deprecation.ConfigDeprecationWarning`. Loss settings an
+algorithm declares (``sdpo_jsd_beta``, ``replay_dpo_beta``, ``dpo_variant``; None = no
+requirement) are requirements on the run's ``[loss]`` table: see :meth:`loss_requirements`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from composer_replication.algo.context import DEFAULT_DEMO_TEMPLATE
-from composer_replication.algo.references import ModelReference
+from composer_replication.config.deprecation import rename_deprecated
+from composer_replication.config.references import ModelReference
+
+#: Teacher-context templates: the last user message, rewritten around a hint / a demo.
+DEFAULT_HINT_TEMPLATE = "{content}\n\nHint: {hint}"
+DEFAULT_DEMO_TEMPLATE = "{content}\n\nHere is a correct solution, for reference:\n{demonstration}"
 
 _IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
@@ -23,6 +34,26 @@ RL_TYPES = frozenset({"grpo", "max_rl", "reward", "custom", "sdpo", "echo", "com
 
 class _Advantage(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    #: Old field name -> current name, per class.
+    renames: ClassVar[dict[str, str]] = {}
+    #: Fields that are requirements on the run's loss settings (same names as LossConfig).
+    loss_fields: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data: Any) -> Any:
+        kind = data.get("type", "") if isinstance(data, dict) else ""
+        return rename_deprecated(data, cls.renames, f"advantage ({kind or cls.__name__})")
+
+    def loss_requirements(self) -> dict[str, Any]:
+        """The loss settings this algorithm's samples need (unset fields: none)."""
+        return {k: getattr(self, k) for k in self.loss_fields if getattr(self, k) is not None}
+
+    @property
+    def teacher_mode(self) -> tuple[str, float] | None:
+        """``(mode, ema_decay)`` of the jsd teacher model, or None without a jsd channel."""
+        return None
 
 
 class GRPOAdvantage(_Advantage):
@@ -133,8 +164,12 @@ class _SelfDistillation(_Advantage):
         "or an EMA of the policy.",
     )
     ema_decay: float = Field(0.99, ge=0, lt=1, description="EMA decay (teacher = 'ema').")
-    jsd_beta: float = Field(
-        0.5, ge=0, le=1, description="Generalized JSD mixture: 0 forward KL, 1 reverse KL."
+    sdpo_jsd_beta: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Required loss.sdpo_jsd_beta (JSD mixture: 0 forward KL, 1 reverse KL); "
+        "null: the run's loss setting (0.5 by default).",
     )
     use_sibling_demos: bool = Field(
         True, description="Use a better sibling's completion as the demonstration when one exists."
@@ -145,13 +180,22 @@ class _SelfDistillation(_Advantage):
         "(hint_generator on the feedback), 'feedback' (the raw feedback), 'none'.",
     )
 
+    @property
+    def teacher_mode(self) -> tuple[str, float]:
+        return self.teacher, self.ema_decay
+
 
 class SDPOAdvantage(_SelfDistillation):
     """SDPO (arXiv 2601.20802): Dr.GRPO on every rollout + JSD to the hinted policy at error
     sites."""
 
+    renames: ClassVar[dict[str, str]] = {"alpha": "alpha_sdpo", "jsd_beta": "sdpo_jsd_beta"}
+    loss_fields: ClassVar[tuple[str, ...]] = ("sdpo_jsd_beta",)
+
     type: Literal["sdpo"] = Field("sdpo", description="Algorithm name.")
-    alpha: float = Field(1.0, ge=0, description="jsd weight on an error site's sampled tokens.")
+    alpha_sdpo: float = Field(
+        1.0, ge=0, description="jsd weight on an error site's sampled tokens (the SDPO weight)."
+    )
 
 
 class SFTAdvantage(_Advantage):
@@ -187,7 +231,9 @@ class EchoAdvantage(_Advantage):
 
 class _PairFields(_Advantage):
     pairs_path: str | None = Field(
-        None, description="JSONL of DPOPair / NormalizedDPOPair records."
+        None,
+        description="JSONL of DPOPair / NormalizedDPOPair records (null: the pairs shipped "
+        "with the package).",
     )
     pairs_per_group: int = Field(1, ge=0, description="Pairs drawn from the pool per group.")
 
@@ -195,19 +241,42 @@ class _PairFields(_Advantage):
 class ReplayDPOAdvantage(_PairFields):
     """Trace-replay DPO (Composer channel 3) on teacher-consensus preference pairs."""
 
+    renames: ClassVar[dict[str, str]] = {
+        "beta": "replay_dpo_beta",
+        "loss": "dpo_variant",
+        "weight": "beta_replay",
+    }
+    loss_fields: ClassVar[tuple[str, ...]] = ("replay_dpo_beta", "dpo_variant")
+
     type: Literal["replay_dpo"] = Field("replay_dpo", description="Algorithm name.")
-    beta: float = Field(0.1, gt=0, description="DPO (or SimPO) beta.")
-    loss: Literal["dpo", "simpo"] = Field("dpo", description="Pair loss.")
-    weight: float = Field(1.0, gt=0, description="Weight of each pair in the dpo component.")
+    beta_replay: float = Field(1.0, gt=0, description="Weight of each pair in the dpo component.")
+    replay_dpo_beta: float | None = Field(
+        None, gt=0, description="Required loss.replay_dpo_beta (DPO beta); null: the run's (0.1)."
+    )
+    dpo_variant: Literal["dpo", "simpo"] | None = Field(
+        None, description="Required loss.dpo_variant ('dpo' or 'simpo'); null: the run's ('dpo')."
+    )
 
 
 class ComposerAdvantage(_SelfDistillation, _PairFields):
-    """The full recipe: Dr.GRPO + alpha * SDPO jsd + beta * trace-replay DPO."""
+    """The full recipe: Dr.GRPO + alpha_sdpo * SDPO jsd + beta_replay * trace-replay DPO."""
+
+    renames: ClassVar[dict[str, str]] = {
+        "alpha": "alpha_sdpo",
+        "beta": "beta_replay",
+        "jsd_beta": "sdpo_jsd_beta",
+        "dpo_beta": "replay_dpo_beta",
+    }
+    loss_fields: ClassVar[tuple[str, ...]] = ("sdpo_jsd_beta", "replay_dpo_beta")
 
     type: Literal["composer"] = Field("composer", description="Algorithm name.")
-    alpha: float = Field(0.1, ge=0, description="jsd weight on an error site's sampled tokens.")
-    beta: float = Field(0.05, ge=0, description="Weight of each replayed DPO pair.")
-    dpo_beta: float = Field(0.1, gt=0, description="DPO beta of the replayed pairs.")
+    alpha_sdpo: float = Field(
+        0.1, ge=0, description="jsd weight on an error site's sampled tokens (the SDPO weight)."
+    )
+    beta_replay: float = Field(0.05, ge=0, description="Weight of each replayed DPO pair.")
+    replay_dpo_beta: float | None = Field(
+        None, gt=0, description="Required loss.replay_dpo_beta (DPO beta); null: the run's (0.1)."
+    )
 
 
 AdvantageConfig = Annotated[

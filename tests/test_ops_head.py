@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_replication.chunked_head import (
+from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.ops import (
     cross_entropy_from_hidden,
     jsd_from_hidden,
-    last_hidden_states,
-    lm_head_weight,
     token_logprobs_from_hidden,
 )
 from composer_replication.opsd import generalized_jsd_loss

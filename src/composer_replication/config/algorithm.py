@@ -1,6 +1,6 @@
 """``AlgorithmConfig``: how one environment's rollouts are sampled and turned into signal.
 
-Shape (02-algorithms.md §3, as PRIME-RL after PR #2746)::
+Shape (as PRIME-RL's algorithm configs after its PR #2746)::
 
     [sampling]
     source = "policy"          # or {name, base_url[, api_key_env]} / {name, local_path}
@@ -31,14 +31,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from composer_replication.algo.advantage_config import (
+from composer_replication.config.advantage import (
     GROUP_RELATIVE,
     RL_TYPES,
     AdvantageConfig,
     GRPOAdvantage,
 )
-from composer_replication.algo.references import ModelReference, is_frozen
-from composer_replication.algo.toml_writer import dumps
+from composer_replication.config.references import ModelReference, is_frozen
+from composer_replication.config.toml_writer import dumps
 
 if sys.version_info >= (3, 11):
     import tomllib

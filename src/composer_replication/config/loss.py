@@ -1,0 +1,127 @@
+"""``LossConfig``: the settings of the trainer's loss components (the ``[loss]`` table).
+
+One owner per knob: the loss computation settings live here, under the names the seed API
+uses for the same knobs (``compose_loss`` and ``ComposerReplicationTrainer``:
+``sdpo_jsd_beta``, ``sdpo_temperature``, ``sdpo_token_clip``, ``sdpo_wrapper``, ``taid_t``,
+``entropy_opd_h_max``, ``replay_dpo_beta``, ``dpo_variant``, ``simpo_beta``,
+``simpo_gamma``). An algorithm may require a value (for example ``replay_dpo`` with
+``dpo_variant = "simpo"``); the run config then fills it in here, and a value the user set
+explicitly to something else is an error naming both (``RunConfig`` validation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from composer_replication.config.deprecation import rename_deprecated
+
+COMPONENTS = ("rl", "ce", "ref_kl", "jsd", "dpo")
+
+#: Old spelling -> current name.
+LOSS_RENAMES = {
+    "jsd_beta": "sdpo_jsd_beta",
+    "jsd_temperature": "sdpo_temperature",
+    "dpo_beta": "replay_dpo_beta",
+    "dpo_loss": "dpo_variant",
+}
+
+
+class LossConfig(BaseModel):
+    """Settings of the loss components ``rl``, ``ce``, ``ref_kl``, ``jsd`` and ``dpo``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mask_low: float = Field(
+        0.2, ge=0, description="DPPO trust region below: drop A<=0 tokens with dp < -mask_low."
+    )
+    mask_high: float = Field(
+        0.2, ge=0, description="DPPO trust region above: drop A>0 tokens with dp > mask_high."
+    )
+    adv_tau: float = Field(1.0, ge=0, description="Scale of the advantage term of rl.")
+    kl_tau: float = Field(1e-3, ge=0, description="Weight of the log-ratio^2 penalty (rl, ref_kl).")
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        description="Temperature of the trainer's log-probs (logits / temperature); null: the "
+        "environments' sampling.temperature, which it must equal.",
+    )
+    sdpo_jsd_beta: float = Field(
+        0.5, ge=0, le=1, description="jsd: generalized JSD mixture (0 forward KL, 1 reverse KL)."
+    )
+    sdpo_temperature: float = Field(
+        1.0, gt=0, description="jsd: softmax temperature of student and teacher."
+    )
+    sdpo_token_clip: float | None = Field(
+        None, gt=0, description="jsd: clamp each token's divergence to this (null: no clamp)."
+    )
+    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = Field(
+        "none",
+        description="jsd divergence: 'none' (generalized JSD), 'taid' (TAID, arXiv "
+        "2501.16937) or 'entropy_opd' (entropy-aware OPD, arXiv 2603.07079).",
+    )
+    taid_t: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="TAID interpolation t; null: TAIDScheduler over the run's steps, from "
+        "taid_t_start to taid_t_end, driven by the jsd loss.",
+    )
+    taid_t_start: float = Field(0.4, ge=0, le=1, description="TAID schedule's first t.")
+    taid_t_end: float = Field(1.0, ge=0, le=1, description="TAID schedule's last t.")
+    entropy_opd_h_max: float | None = Field(
+        None,
+        gt=0,
+        description="Entropy-aware OPD: entropy where forward KL takes over (null: log V).",
+    )
+    replay_dpo_beta: float = Field(0.1, gt=0, description="dpo: DPO beta.")
+    dpo_variant: Literal["dpo", "simpo"] = Field(
+        "dpo", description="dpo: 'dpo' (against reference log-probs) or 'simpo' (reference-free)."
+    )
+    simpo_beta: float = Field(
+        2.0, gt=0, description="dpo: SimPO reward scale (dpo_variant='simpo')."
+    )
+    simpo_gamma: float = Field(1.0, ge=0, description="dpo: SimPO margin (dpo_variant='simpo').")
+    coefficients: dict[str, float] = Field(
+        default_factory=lambda: dict.fromkeys(COMPONENTS, 1.0),
+        description="Multiplier of each component's mean (rl, ce, ref_kl, jsd, dpo), on top of "
+        "the per-token weights the algorithms set (e.g. composer's alpha_sdpo on jsd).",
+    )
+    kl_token_trust_threshold: float | None = Field(
+        None,
+        ge=0,
+        description="Mask ref_kl tokens whose k2 estimate to the reference exceeds this.",
+    )
+    chunk_size: int | None = Field(
+        None, ge=1, description="Rows per chunk on the hidden-state path."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data: Any) -> Any:
+        return rename_deprecated(data, LOSS_RENAMES, "loss")
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        unknown = set(self.coefficients) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(
+                f"loss.coefficients names unknown components {sorted(unknown)}; known: {COMPONENTS}"
+            )
+        if self.taid_t_start > self.taid_t_end:
+            raise ValueError(
+                f"loss.taid_t_start = {self.taid_t_start} is above taid_t_end = {self.taid_t_end}"
+            )
+        return self
+
+    def coefficient(self, component: str) -> float:
+        """The multiplier of ``component``'s mean (1.0 when not listed)."""
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown loss component {component!r}; known: {COMPONENTS}")
+        return float(self.coefficients.get(component, 1.0))
+
+    @property
+    def log_temperature(self) -> float:
+        """The temperature of the trainer's log-probs (1.0 before the run resolves it)."""
+        return 1.0 if self.temperature is None else float(self.temperature)

@@ -1,0 +1,55 @@
+"""Pure tensor math on hidden states: the ONE implementation of every loss piece.
+
+The native trainer step, the trl trainer (``ComposerReplicationTrainer``) and
+``loss.compose_loss`` all compute their losses here:
+
+- :mod:`.head`: per-token log-probs and cross-entropy from hidden states and the LM head,
+  in token chunks (never (B, T, V) logits);
+- :mod:`.jsd`: the generalized JSD kernel (rows of logits, or hidden states);
+- :mod:`.divergence`: the per-token student/teacher divergence (JSD, TAID, entropy-aware
+  OPD) with the per-token clip;
+- :mod:`.self_distillation`: that divergence at aligned positions of a student and a
+  teacher context (SDPO), the teacher forward included;
+- :mod:`.pairs`: pair log-probs with reference caching, and the DPO / SimPO reductions.
+"""
+
+from __future__ import annotations
+
+from composer_replication.ops.divergence import DivergenceSettings, token_divergence
+from composer_replication.ops.head import (
+    IGNORE_INDEX,
+    cross_entropy_from_hidden,
+    token_logprobs_from_hidden,
+)
+from composer_replication.ops.jsd import jsd_from_hidden
+from composer_replication.ops.pairs import (
+    PairLossSettings,
+    fill_reference_logps,
+    pair_logps,
+    pair_terms,
+    sequence_logps,
+)
+from composer_replication.ops.self_distillation import (
+    AlignedTokens,
+    aligned_from_index,
+    aligned_from_masks,
+    divergence_terms,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "AlignedTokens",
+    "DivergenceSettings",
+    "PairLossSettings",
+    "aligned_from_index",
+    "aligned_from_masks",
+    "cross_entropy_from_hidden",
+    "divergence_terms",
+    "fill_reference_logps",
+    "jsd_from_hidden",
+    "pair_logps",
+    "pair_terms",
+    "sequence_logps",
+    "token_divergence",
+    "token_logprobs_from_hidden",
+]

@@ -1,0 +1,210 @@
+"""The run lifecycle every backend shares: run directory, metrics, held-out evaluation and
+the kill switch, report, final model, summary, and how a run ends.
+
+A backend (the native loop, the trl trainer) owns only its steps. Around them,
+:class:`RunLifecycle`:
+
+- creates the run directory (after the policy has loaded: a failed start leaves nothing)
+  and writes ``config.json``;
+- evaluates held-out pass@1 over every environment's held-out tasks (seeded sampling,
+  common random numbers before/after) at the start and every ``eval.every`` steps, and
+  feeds each evaluation to the ``HeldOutGuard`` kill switch (03-safety: held-out score,
+  in-loop reward, token-mean KL to the initial policy);
+- appends one metrics row per step (``metrics.jsonl``, trackers);
+- finishes the same way for every backend: ``report/`` plots, ``final_model/`` (a plain
+  Hugging Face directory, LoRA merged) and ``summary.json``; a fired kill switch then
+  raises :class:`~composer_replication.safety.CollapseStopError` (exit code
+  :data:`EXIT_KILL_SWITCH` from the CLI).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.atomic_io import write_text_atomic
+
+if TYPE_CHECKING:
+    from composer_replication.config.run import RunConfig
+    from composer_replication.safety import TripwireStatus
+
+#: Process exit codes of ``composer-replication train``.
+EXIT_OK = 0
+EXIT_USAGE = 2  # a bad config, path or option (one line on stderr)
+EXIT_KILL_SWITCH = 3  # the held-out kill switch stopped the run
+
+BACKENDS = ("native", "trl")
+
+
+@dataclass(frozen=True)
+class HeldoutTasks:
+    """One environment's held-out tasks and how long their answers may be."""
+
+    env: Any
+    task_ids: list[str]
+    max_new_tokens: int
+
+
+@dataclass
+class RunResult:
+    """How a run ended (``summary.json`` holds the same facts)."""
+
+    run_dir: Path
+    steps: int
+    heldout_before: float | None
+    heldout_after: float | None
+    final_model_dir: Path | None
+    stopped_by_guard: str | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RunLifecycle:
+    """Run directory, evaluation + kill switch, metrics and the end of a run."""
+
+    def __init__(self, config: RunConfig, *, backend: str, run_dir: str | Path | None = None):
+        from composer_replication.safety import HeldOutGuard
+        from composer_replication.trainer.metrics import MetricsLog
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+        self.config = config
+        self.backend = backend
+        self.run_dir = Path(run_dir or config.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.run_dir / "config.json", config.model_dump_json(indent=2))
+        self.metrics = MetricsLog(
+            self.run_dir / "metrics.jsonl", trackers=config.trackers, run_name=self.run_dir.name
+        )
+        self.guard = HeldOutGuard(**config.guard.guard_kwargs())
+        self.heldout_before: float | None = None
+        self.stopped: TripwireStatus | None = None
+        self._start = time.perf_counter()
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> float:
+        """Held-out pass@1 over every environment's held-out tasks, as ``eval`` asks."""
+        from composer_replication.envs import pass_at_1
+        from composer_replication.evaluate import configured_heldout_rollouts
+
+        groups: list[Any] = []
+        for item in tasks:
+            groups += configured_heldout_rollouts(
+                item.env,
+                policy,
+                tokenizer,
+                item.task_ids,
+                self.config.eval,
+                max_new_tokens=item.max_new_tokens,
+            )
+        return pass_at_1(groups)
+
+    def evaluate_start(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> None:
+        """The initial policy's held-out pass@1 (when ``eval.at_start``), as step 0."""
+        if not self.config.eval.at_start:
+            return
+        self.heldout_before = self.evaluate(policy, tokenizer, tasks)
+        self.metrics.append({"step": 0, "heldout/pass@1": self.heldout_before})
+
+    def is_eval_step(self, step: int) -> bool:
+        return step % self.config.eval.every == 0 or step == self.config.steps
+
+    def guard_round(
+        self,
+        step: int,
+        row: dict[str, Any],
+        heldout: float,
+        *,
+        kl_to_init: float | None = None,
+    ) -> bool:
+        """Record an evaluation in ``row`` and feed the kill switch; True when it fired."""
+        row["heldout/pass@1"] = heldout
+        if kl_to_init is not None:
+            row["kl/to_init"] = kl_to_init
+        if not self.config.guard.enabled:
+            return False
+        status = self.guard.update(
+            step,
+            float(row.get("reward/mean", 0.0)),
+            heldout,
+            kl_to_init=kl_to_init,
+            entropy=row.get("entropy"),
+        )
+        row.update(
+            {
+                "guard/fired": status.fire,
+                "guard/reason": status.reason,
+                "guard/proxy_real_gap": status.proxy_real_gap,
+            }
+        )
+        if status.fire:
+            self.stopped = status
+        return status.fire
+
+    # ------------------------------------------------------------------ metrics and state
+
+    def append(self, row: dict[str, Any]) -> None:
+        row["time/total_s"] = time.perf_counter() - self._start
+        self.metrics.append(row)
+
+    def heldout_last(self) -> float | None:
+        return next(
+            (
+                r["heldout/pass@1"]
+                for r in reversed(self.metrics.rows())
+                if r.get("heldout/pass@1") is not None
+            ),
+            None,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"guard": self.guard.state_dict(), "heldout_before": self.heldout_before}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        self.guard.load_state_dict(state["guard"])
+        self.heldout_before = state["heldout_before"]
+        self.metrics.truncate_after(step)
+
+    # ------------------------------------------------------------------ the end
+
+    def write_report(self) -> None:
+        """Plots of the metrics so far (also after a failure: whatever ran is shown)."""
+        from composer_replication.report import write_report
+
+        if self.metrics.rows():
+            write_report(self.run_dir)
+
+    def finish(self, policy: Any, tokenizer: Any, steps: int) -> RunResult:
+        """Final model, summary and result; raises ``CollapseStopError`` if the kill switch
+        fired (after writing both, so the stopped model sits next to its metrics)."""
+        from composer_replication.models import save_checkpoint
+        from composer_replication.safety import CollapseStopError
+
+        final_dir = save_checkpoint(policy, self.run_dir / "final_model", tokenizer=tokenizer)
+        stopped = None if self.stopped is None else self.stopped.reason
+        heldout_after = self.heldout_last()
+        summary = {
+            "backend": self.backend,
+            "steps": steps,
+            "heldout_before": self.heldout_before,
+            "heldout_after": heldout_after,
+            "final_model": str(final_dir),
+            "stopped_by_guard": stopped,
+            "wall_time_s": time.perf_counter() - self._start,
+        }
+        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        if self.stopped is not None:
+            raise CollapseStopError(self.stopped)
+        return RunResult(
+            self.run_dir,
+            steps,
+            self.heldout_before,
+            heldout_after,
+            final_dir,
+            None,
+            self.metrics.rows(),
+        )

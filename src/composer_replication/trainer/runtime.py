@@ -1,0 +1,94 @@
+"""Typed runtime records of a run: each environment with its algorithm, task split,
+curriculum and sampling source, built from the run config.
+
+The loop only ever sees these records; it never looks at an algorithm's name. What an
+algorithm needs (pairs, scorers, the live policy as its own reference) it takes in its own
+``build`` step from :class:`~composer_replication.algo.base.AlgorithmResources`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.rollout.generate import SamplingSettings
+
+if TYPE_CHECKING:
+    from composer_replication.algo.base import Algorithm
+    from composer_replication.config.run import EnvConfig
+    from composer_replication.datagen.curriculum import DifficultyCurriculum
+    from composer_replication.envs.base import Environment
+    from composer_replication.safety.holdout import HeldoutSplit
+
+
+@dataclass
+class EnvRuntime:
+    """One environment of a run, ready to sample from.
+
+    Attributes:
+        config: the ``[[envs]]`` entry it was built from.
+        env: the environment (tasks, rollouts, grading).
+        algorithm: turns its rollout groups into training samples.
+        train_ids / heldout_ids: its task split (held-out tasks are never trained on).
+        sampling: generation settings of its rollouts.
+        group_size: rollouts per task.
+        curriculum: picks the train tasks of each step.
+        sampler: the frozen sampling source, or None when the live policy samples.
+    """
+
+    config: EnvConfig
+    env: Environment
+    algorithm: Algorithm
+    train_ids: list[str]
+    heldout_ids: list[str]
+    sampling: SamplingSettings
+    group_size: int
+    curriculum: DifficultyCurriculum
+    sampler: Any = None
+
+    def sampling_model(self, policy: Any) -> Any:
+        """The model (or endpoint) that samples this environment's rollouts."""
+        return policy if self.sampler is None else self.sampler
+
+
+def build_runtime(
+    env_config: EnvConfig,
+    *,
+    policy: Any,
+    tokenizer: Any,
+    split: HeldoutSplit,
+    seed: int,
+    env: Environment | None = None,
+) -> EnvRuntime:
+    """The runtime of one ``[[envs]]`` entry (``env`` overrides building it by name)."""
+    from composer_replication.algo import build_algorithm
+    from composer_replication.datagen.curriculum import DifficultyCurriculum
+    from composer_replication.envs import build_environment
+    from composer_replication.rollout.endpoint_sampler import sampling_source
+
+    env = env or build_environment(env_config)
+    algo_cfg = env_config.algorithm
+    algorithm = build_algorithm(
+        algo_cfg, tokenizer=tokenizer, policy=policy, rng=random.Random(seed)
+    )
+    train_ids, heldout_ids = split.split(env.task_ids())
+    if not train_ids or not heldout_ids:
+        raise ValueError(
+            f"environment {env.name!r}: the split left {len(train_ids)} train and "
+            f"{len(heldout_ids)} held-out tasks; change heldout_fraction or add tasks"
+        )
+    sampling = algo_cfg.sampling
+    return EnvRuntime(
+        config=env_config,
+        env=env,
+        algorithm=algorithm,
+        train_ids=train_ids,
+        heldout_ids=heldout_ids,
+        sampling=SamplingSettings(
+            max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature
+        ),
+        group_size=sampling.group_size,
+        curriculum=DifficultyCurriculum(train_ids, split=split),
+        sampler=None if sampling.source == "policy" else sampling_source(sampling.source, policy),
+    )
