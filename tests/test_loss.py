@@ -41,7 +41,7 @@ def _naive_components(model, ref_model, batch, alpha, beta_r, jsd_beta, temperat
     for b in range(ids.shape[0]):
         s_pos = resp[b].nonzero().squeeze(-1)
         t_pos = batch["ctx_teacher_response_mask"][b].nonzero().squeeze(-1)
-        keep = batch["sdpo_loss_mask"][b, s_pos] != 0
+        keep = batch["sdpo_loss_mask"][b, t_pos] != 0  # build_batch: the teacher's layout
         s_sel.append(logits[b, s_pos[keep] - 1])
         t_sel.append(t_logits[b, t_pos[keep] - 1])
     s_sel, t_sel = torch.cat(s_sel)[None], torch.cat(t_sel)[None]
@@ -71,7 +71,7 @@ def test_channels_equal_naive_full_logits_path(tiny):
     with torch.no_grad():  # make the policy differ from its reference so DPO is non-trivial
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    batch = build_batch(tokenizer)
+    batch = build_batch(tokenizer, ref_model=ref_model)
     comps = compose_loss(
         model,
         batch,
@@ -100,8 +100,8 @@ def test_channels_equal_naive_full_logits_path(tiny):
 
 def test_every_channel_finite_and_total_is_weighted_sum(tiny):
     model, tokenizer = tiny
-    batch = build_batch(tokenizer)
-    comps = compose_loss(model, batch, alpha_sdpo=0.1, beta_replay=0.05, ref_model=model)
+    batch = build_batch(tokenizer, ref_model=model)
+    comps = compose_loss(model, batch, alpha_sdpo=0.1, beta_replay=0.05)
     vals = comps.detached()
     assert set(vals) == {"lm_ce", "sdpo_jsd", "trace_replay_dpo", "total"}
     assert all(math.isfinite(v) for v in vals.values())
@@ -126,20 +126,27 @@ def test_missing_channels_are_exact_zero_with_grad(tiny):
     assert any(p.grad is not None and torch.any(p.grad != 0) for p in model.parameters())
 
 
+def _without_reference(batch):
+    for key in ("dpo_chosen_ref_logprobs", "dpo_rejected_ref_logprobs"):
+        batch.pop(key)
+    return batch
+
+
 def test_reference_logps_are_cached_in_the_batch(tiny):
     model, tokenizer = tiny
-    batch = build_batch(tokenizer)
-    assert "dpo_ref_chosen_logps" not in batch
+    batch = _without_reference(build_batch(tokenizer))
     compose_loss(model, batch, ref_model=model)
-    cached = batch["dpo_ref_chosen_logps"].clone()
+    cached = batch["dpo_chosen_ref_logprobs"].clone()
     assert cached.shape == (1,) and not cached.requires_grad
     compose_loss(model, batch)  # no ref_model needed any more: the cache is used
-    torch.testing.assert_close(batch["dpo_ref_chosen_logps"], cached)
+    torch.testing.assert_close(batch["dpo_chosen_ref_logprobs"], cached)
+    per_token = build_batch(tokenizer, ref_model=model)["dpo_chosen_ref_logprobs"]
+    torch.testing.assert_close(per_token.sum(-1), cached, atol=1e-5, rtol=1e-6)
 
 
 def test_dpo_without_reference_raises(tiny):
     model, tokenizer = tiny
-    batch = build_batch(tokenizer)
+    batch = _without_reference(build_batch(tokenizer))
     with pytest.raises(ValueError, match="ref_model"):
         compose_loss(model, batch)
 
@@ -177,6 +184,8 @@ def test_build_batch_keys_and_alignment(tiny):
         "dpo_rejected_input_ids",
         "dpo_rejected_attention_mask",
         "dpo_rejected_response_mask",
+        "dpo_chosen_ref_logprobs",
+        "dpo_rejected_ref_logprobs",
     }
     for b in range(2):
         s = batch["input_ids"][b][batch["response_mask"][b] == 1]
@@ -184,7 +193,8 @@ def test_build_batch_keys_and_alignment(tiny):
         assert torch.equal(s, t)
         assert s[-1] == tokenizer.eos_token_id
     assert batch["sdpo_loss_mask"][1].sum() == 0  # no hint on the second example
-    assert torch.equal(batch["sdpo_loss_mask"][0], batch["response_mask"][0])
+    assert batch["sdpo_loss_mask"].shape == batch["ctx_teacher_input_ids"].shape
+    assert torch.equal(batch["sdpo_loss_mask"][0], batch["ctx_teacher_response_mask"][0])
     with pytest.raises(ValueError, match="max_length"):
         build_batch(tokenizer, examples=[Example("p", "word " * 50)], max_length=10)
 
@@ -195,8 +205,8 @@ def test_compose_loss_on_embedded_smollm2():
 
     model, tokenizer = load_policy()
     model.train()
-    batch = build_batch(tokenizer)
-    comps = compose_loss(model, batch, ref_model=model)
+    batch = build_batch(tokenizer, ref_model=model)
+    comps = compose_loss(model, batch)
     vals = comps.detached()
     assert all(math.isfinite(v) for v in vals.values())
     # a trained instruct model puts real mass on short, correct code: CE far below log V

@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.model_parts import AdapterDisabled, last_hidden_states, lm_head_weight
-from composer_replication.ops.divergence import DivergenceSettings
+from composer_replication.ops.divergence import SDPO_WRAPPERS, divergence_settings
 from composer_replication.ops.head import IGNORE_INDEX, cross_entropy_from_hidden
 from composer_replication.ops.pairs import (
-    PairLossSettings,
+    PAIR_VARIANTS as DPO_VARIANTS,
+)
+from composer_replication.ops.pairs import (
     fill_reference_logps,
+    pair_loss_settings,
     pair_terms,
     pairs_from_padded,
     sequence_logps,
@@ -52,8 +55,6 @@ __all__ = [
     "sequence_logps",
 ]
 
-SDPO_WRAPPERS = {"none": "jsd", "taid": "taid", "entropy_opd": "entropy_opd"}
-DPO_VARIANTS = ("dpo", "simpo")
 
 _SDPO_KEYS = ("ctx_teacher_input_ids", "sdpo_loss_mask")
 _DPO_KEYS = (
@@ -62,10 +63,11 @@ _DPO_KEYS = (
     "dpo_rejected_input_ids",
     "dpo_rejected_response_mask",
 )
-# Reference log-prob keys: ours first, then the seed's spelling (sums or per-token values).
+# Reference log-prob keys ((P,) sums or (P, T) per-token values): the current names, then
+# an older spelling that is still read.
 _REF_KEYS = (
-    ("dpo_ref_chosen_logps", "dpo_ref_rejected_logps"),
     ("dpo_chosen_ref_logprobs", "dpo_rejected_ref_logprobs"),
+    ("dpo_ref_chosen_logps", "dpo_ref_rejected_logps"),
 )
 
 
@@ -86,53 +88,6 @@ class LossComponents:
             "trace_replay_dpo": float(self.trace_replay_dpo.detach()),
             "total": float(self.total.detach()),
         }
-
-
-def divergence_settings(
-    *,
-    sdpo_jsd_beta: float = 0.5,
-    sdpo_temperature: float = 1.0,
-    sdpo_token_clip: float | None = None,
-    sdpo_wrapper: str = "none",
-    taid_t: Any = None,
-    entropy_opd_h_max: float | None = None,
-    chunk_size: int | None = None,
-) -> DivergenceSettings:
-    """The SDPO channel's settings under their public names.
-
-    ``taid_t`` is a number in [0, 1] or an object with a ``t`` attribute (a
-    ``distillation.TAIDScheduler``), read at call time.
-    """
-    if sdpo_wrapper not in SDPO_WRAPPERS:
-        raise ValueError(
-            f"sdpo_wrapper={sdpo_wrapper!r} is not one of {tuple(SDPO_WRAPPERS)} ('none' is the "
-            "generalized JSD)"
-        )
-    t = getattr(taid_t, "t", taid_t)
-    return DivergenceSettings(
-        kind=SDPO_WRAPPERS[sdpo_wrapper],
-        beta=sdpo_jsd_beta,
-        temperature=sdpo_temperature,
-        token_clip=sdpo_token_clip,
-        taid_t=None if t is None else float(t),
-        h_max=entropy_opd_h_max,
-        chunk_size=chunk_size,
-    )
-
-
-def pair_loss_settings(
-    *,
-    dpo_variant: str = "dpo",
-    replay_dpo_beta: float = 0.1,
-    simpo_beta: float = 2.0,
-    simpo_gamma: float = 1.0,
-) -> PairLossSettings:
-    """The trace-replay channel's settings under their public names."""
-    if dpo_variant not in DPO_VARIANTS:
-        raise ValueError(f"dpo_variant={dpo_variant!r} is not one of {DPO_VARIANTS}")
-    return PairLossSettings(
-        variant=dpo_variant, beta=replay_dpo_beta, simpo_beta=simpo_beta, simpo_gamma=simpo_gamma
-    )
 
 
 def compose_loss(
@@ -176,12 +131,13 @@ def compose_loss(
             or a ``TAIDScheduler``) or ``"entropy_opd"`` (entropy-aware OPD with
             ``entropy_opd_h_max``, default log V). The ``sdpo_loss_mask`` selects the tokens
             in every case.
-        ref_model: frozen initial model for the DPO reference log-probs when the batch does
-            not carry them (``dpo_ref_chosen_logps`` / ``dpo_ref_rejected_logps``, or the
-            seed's ``dpo_chosen_ref_logprobs`` / ``dpo_rejected_ref_logprobs``). They are
-            computed once and written into ``inputs`` (when it is a mutable dict), so a
-            re-used batch never pays for them twice. With neither, a LoRA policy's adapters
-            are disabled to recover the initial model; otherwise ``ValueError``.
+        ref_model: frozen initial model for the DPO reference log-probs, used when the
+            batch does not carry them (``dpo_chosen_ref_logprobs`` /
+            ``dpo_rejected_ref_logprobs``: (P,) sums or (P, T) per-token values). They are
+            computed once and written into ``inputs`` as (P,) sums (when it is a mutable
+            dict), so a re-used batch never pays for them twice. With neither, a LoRA
+            policy's adapters are disabled to recover the initial model; otherwise
+            ``ValueError``.
         teacher_model: model for the SDPO teacher forward (default: ``model`` itself, under
             ``no_grad``: the live policy teaches itself through the hint).
         chunk_size: rows per chunk on the hidden-state path.
@@ -261,11 +217,12 @@ def compose_loss(
 def sdpo_tokens(inputs: Mapping[str, Tensor]) -> Any:
     """The distilled tokens of a ``compose_loss`` batch, in both contexts.
 
-    ``sdpo_loss_mask`` has the student's shape (our layout) or the teacher's (the seed's);
-    when both contexts have one shape, the mask is read on the student side, which is also
-    right for ``build_batch(..., align_sdpo_shapes=True)`` (responses in the same columns).
-    Without ``ctx_teacher_response_mask`` the response is the last tokens of each attended
-    teacher row.
+    ``sdpo_loss_mask`` marks the distilled response tokens either in the student context
+    (our collator's layout, (B, T)) or in the teacher context (``build_batch``'s layout,
+    (B, T')). When both contexts have one shape, the mask is read on the side whose response
+    tokens contain it (with ``align_sdpo_shapes=True`` both do, and agree). Without
+    ``ctx_teacher_response_mask`` the response is the last tokens of each attended teacher
+    row.
     """
     input_ids, response_mask = inputs["input_ids"], inputs["response_mask"]
     t_ids = inputs["ctx_teacher_input_ids"]
@@ -277,16 +234,22 @@ def sdpo_tokens(inputs: Mapping[str, Tensor]) -> Any:
         t_resp = _right_aligned_response_mask(t_attn, response_mask)
     _check_same_shape("ctx_teacher_response_mask", t_resp, t_ids)
     mask = inputs["sdpo_loss_mask"]
-    if mask.shape == input_ids.shape:
+    on_student = mask.shape == input_ids.shape and _within(mask, response_mask)
+    on_teacher = mask.shape == t_ids.shape and _within(mask, t_resp)
+    if on_student:
         student_mask = mask
-    elif mask.shape == t_ids.shape:  # the seed's layout: mark the teacher's response tokens
+    elif on_teacher:
         student_mask = _teacher_mask_to_student(mask, t_resp, response_mask)
     else:
         raise ValueError(
-            f"sdpo_loss_mask {tuple(mask.shape)} must have the student's shape "
-            f"{tuple(input_ids.shape)} or the teacher's {tuple(t_ids.shape)}"
+            f"sdpo_loss_mask {tuple(mask.shape)} must mark response tokens of the student "
+            f"context {tuple(input_ids.shape)} or of the teacher context {tuple(t_ids.shape)}"
         )
     return aligned_from_masks(input_ids, response_mask, t_ids, t_resp, student_mask)
+
+
+def _within(mask: Tensor, response_mask: Tensor) -> bool:
+    return not bool(((mask != 0) & (response_mask == 0)).any())
 
 
 def _teacher_mask_to_student(mask: Tensor, t_resp: Tensor, response_mask: Tensor) -> Tensor:
@@ -334,9 +297,10 @@ def _reference(model: Any, ref_model: Any | None) -> Any:
     if AdapterDisabled.applies_to(model):  # LoRA: the base weights are the initial model
         return AdapterDisabled(model)
     raise ValueError(
-        "trace-replay DPO needs reference log-probs: put 'dpo_ref_chosen_logps' and "
-        "'dpo_ref_rejected_logps' in the batch, or pass ref_model= (a frozen copy of the "
-        "initial policy), or use dpo_variant='simpo' (reference-free)"
+        "trace-replay DPO needs reference log-probs: put 'dpo_chosen_ref_logprobs' and "
+        "'dpo_rejected_ref_logprobs' in the batch (build_batch(..., ref_model=...)), or pass "
+        "ref_model= (a frozen copy of the initial policy), or use dpo_variant='simpo' "
+        "(reference-free)"
     )
 
 

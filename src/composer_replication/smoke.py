@@ -61,7 +61,7 @@ def run_smoke(
         n_parameters=sum(p.numel() for p in model.parameters()),
         load_seconds=time.perf_counter() - start,
     )
-    batch: dict[str, Any] = build_batch(tokenizer)
+    batch: dict[str, Any] = build_batch(tokenizer, ref_model=ref_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     kwargs = {"alpha_sdpo": alpha_sdpo, "beta_replay": beta_replay}
     for step in range(steps + 1):

@@ -264,7 +264,9 @@ def test_steps_lower_jsd_with_frozen_initial_teacher(model):
 def test_steps_lower_dpo(model):
     teachers = TeacherModels(model)
     pairs = [TrainingSample([], [], [], dpo=_pair(50)), TrainingSample([], [], [], dpo=_pair(60))]
-    hist = _optimise(model, pairs, reference=teachers.reference, cfg=LossConfig(replay_dpo_beta=0.5))
+    hist = _optimise(
+        model, pairs, reference=teachers.reference, cfg=LossConfig(replay_dpo_beta=0.5)
+    )
     assert hist[0]["loss/dpo"] == pytest.approx(0.6931471805599453, rel=1e-9)  # log 2 at start
     assert hist[-1]["loss/dpo"] < 0.5 * hist[0]["loss/dpo"]
 

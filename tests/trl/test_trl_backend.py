@@ -184,9 +184,7 @@ def test_lifecycle_callback_evaluates_on_schedule_and_stops_when_the_guard_fires
     class FiringGuard:
         def update(self, step, reward, heldout, *, kl_to_init=None, entropy=None):
             self.seen = (step, reward, heldout, entropy)
-            return SimpleNamespace(
-                fire=step >= 4, reason="held-out collapse", proxy_real_gap=0.0
-            )
+            return SimpleNamespace(fire=step >= 4, reason="held-out collapse", proxy_real_gap=0.0)
 
     base = _config()
     cfg = base.model_copy(

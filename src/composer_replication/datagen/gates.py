@@ -1,4 +1,4 @@
-"""The 4-gate solvability validator for FeatureDeletion tasks (02-algorithms.md section 4).
+"""The 4-gate solvability validator for FeatureDeletion tasks.
 
 A task is accepted only if:
 1. the original suite passes (otherwise no failure can be blamed on the deletion);

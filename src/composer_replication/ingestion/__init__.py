@@ -1,4 +1,4 @@
-"""Ingestion: real agent traces -> `TraceState` streams (01-api.md §7).
+"""Ingestion: real agent traces -> `TraceState` streams.
 
 `claude_code.ClaudeCodeIngester` reads Claude Code session files; `render` documents how
 tool calls and results appear in the chat history; `history` counts tokens and truncates

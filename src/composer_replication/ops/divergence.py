@@ -24,21 +24,36 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.ops.head import check_head, default_head_chunk_rows
-from composer_replication.ops.jsd import jsd_from_hidden
+from composer_replication.ops.head import default_head_chunk_rows
+from composer_replication.ops.jsd import jsd_from_hidden, teacher_head
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 DIVERGENCES = ("jsd", "taid", "entropy_opd")
+#: The public ``sdpo_wrapper`` names of the kinds.
+SDPO_WRAPPERS = {"none": "jsd", "taid": "taid", "entropy_opd": "entropy_opd"}
+#: The knobs of the self-distillation channel, named alike in ``compose_loss``,
+#: ``ComposerReplicationTrainer`` and the run config's ``[loss]`` table.
+DIVERGENCE_KNOBS = (
+    "sdpo_jsd_beta",
+    "sdpo_temperature",
+    "sdpo_token_clip",
+    "sdpo_wrapper",
+    "taid_t",
+    "entropy_opd_h_max",
+)
 
 __all__ = [
     "DIVERGENCES",
+    "DIVERGENCE_KNOBS",
+    "SDPO_WRAPPERS",
     "DivergenceSettings",
+    "divergence_settings",
     "entropy_opd_token_loss",
     "finite_logprobs",
     "taid_token_loss",
@@ -89,6 +104,38 @@ class DivergenceSettings:
             raise ValueError(f"h_max={self.h_max} must be > 0 (or None: log V)")
         if self.chunk_size is not None and int(self.chunk_size) < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
+
+
+def divergence_settings(
+    *,
+    sdpo_jsd_beta: float = 0.5,
+    sdpo_temperature: float = 1.0,
+    sdpo_token_clip: float | None = None,
+    sdpo_wrapper: str = "none",
+    taid_t: Any = None,
+    entropy_opd_h_max: float | None = None,
+    chunk_size: int | None = None,
+) -> DivergenceSettings:
+    """The SDPO channel's settings from its public knob names (:data:`DIVERGENCE_KNOBS`).
+
+    ``taid_t`` is a number in [0, 1] or an object with a ``t`` attribute (a
+    ``distillation.TAIDScheduler``), read at call time.
+    """
+    if sdpo_wrapper not in SDPO_WRAPPERS:
+        raise ValueError(
+            f"sdpo_wrapper={sdpo_wrapper!r} is not one of {tuple(SDPO_WRAPPERS)} ('none' is the "
+            "generalized JSD)"
+        )
+    t = getattr(taid_t, "t", taid_t)
+    return DivergenceSettings(
+        kind=SDPO_WRAPPERS[sdpo_wrapper],
+        beta=sdpo_jsd_beta,
+        temperature=sdpo_temperature,
+        token_clip=sdpo_token_clip,
+        taid_t=None if t is None else float(t),
+        h_max=entropy_opd_h_max,
+        chunk_size=chunk_size,
+    )
 
 
 def finite_logprobs(log_probs: Tensor) -> Tensor:
@@ -223,17 +270,7 @@ def token_divergence(
         (M,) per-token values, clamped at ``settings.token_clip`` when it is set.
     """
     cfg = settings or DivergenceSettings()
-    check_head(student_hidden, weight)
-    if teacher_hidden.shape != student_hidden.shape:
-        raise ValueError(
-            f"teacher_hidden {tuple(teacher_hidden.shape)} must match student_hidden "
-            f"{tuple(student_hidden.shape)} (align the response positions first)"
-        )
-    t_weight = (weight if teacher_weight is None else teacher_weight).detach()
-    if t_weight.shape != weight.shape:
-        raise ValueError(
-            f"teacher_weight {tuple(t_weight.shape)} must match weight {tuple(weight.shape)}"
-        )
+    t_weight = teacher_head(student_hidden, weight, teacher_hidden, teacher_weight)
     if cfg.kind == "jsd":
         values = jsd_from_hidden(
             student_hidden,

@@ -379,19 +379,10 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
         bufs = [chunk_workspace(n_rows, chunk, weight) for _ in range(4)]
         out = torch.empty(n_rows, dtype=bufs[0].dtype, device=student_hidden.device)
         hidden_factor = torch.empty_like(student_hidden) if need_h else None
+        sides = (student_hidden, weight, teacher_hidden, teacher_weight)
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
-            s_buf, t_buf, mix, scratch = (b[: stop - start] for b in bufs)
-            s_logp, t_logp = _jsd_chunk_logps(
-                s_buf,
-                student_hidden[start:stop],
-                weight,
-                t_buf,
-                teacher_hidden[start:stop],
-                teacher_weight,
-                temperature,
-                scratch,
-            )
+            s_logp, t_logp, mix, scratch = _jsd_chunk_logps(bufs, start, stop, sides, temperature)
             if need_h:
                 jsd, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
                 hidden_factor[start:stop] = grad_logits.to(weight.dtype) @ weight
@@ -414,19 +405,12 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
             grad_w = torch.zeros_like(weight)
             n_rows = student_hidden.shape[0]
             bufs = [chunk_workspace(n_rows, chunk, weight) for _ in range(4)]
+            sides = (student_hidden, weight, teacher_hidden, teacher_weight)
             for start in range(0, n_rows, chunk):
                 stop = min(start + chunk, n_rows)
-                s_buf, t_buf, mix, scratch = (b[: stop - start] for b in bufs)
                 h = student_hidden[start:stop]
-                s_logp, t_logp = _jsd_chunk_logps(
-                    s_buf,
-                    h,
-                    weight,
-                    t_buf,
-                    teacher_hidden[start:stop],
-                    teacher_weight,
-                    temperature,
-                    scratch,
+                s_logp, t_logp, mix, scratch = _jsd_chunk_logps(
+                    bufs, start, stop, sides, temperature
                 )
                 _, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
                 grad_logits.mul_(scaled[start:stop, None].to(grad_logits.dtype))
@@ -435,18 +419,38 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
 
 
 def _jsd_chunk_logps(
-    s_buf: Tensor,
-    student_h: Tensor,
-    weight: Tensor,
-    t_buf: Tensor,
-    teacher_h: Tensor,
-    teacher_weight: Tensor,
+    bufs: list[Tensor],
+    start: int,
+    stop: int,
+    sides: tuple[Tensor, Tensor, Tensor, Tensor],
     temperature: float,
-    scratch: Tensor,
-) -> tuple[Tensor, Tensor]:
-    s_logits = logits_into(s_buf, student_h, weight, temperature)
-    t_logits = logits_into(t_buf, teacher_h, teacher_weight, temperature)
-    return log_softmax_(s_logits, scratch), log_softmax_(t_logits, scratch)
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rows ``start:stop`` of ``sides`` = (student hidden, head, teacher hidden, head):
+    student and teacher log-probs in the first two of the four workspace buffers, and the
+    other two (``mix``, ``scratch``) for the row math."""
+    student_hidden, weight, teacher_hidden, teacher_weight = sides
+    s_buf, t_buf, mix, scratch = (b[: stop - start] for b in bufs)
+    s_logits = logits_into(s_buf, student_hidden[start:stop], weight, temperature)
+    t_logits = logits_into(t_buf, teacher_hidden[start:stop], teacher_weight, temperature)
+    return log_softmax_(s_logits, scratch), log_softmax_(t_logits, scratch), mix, scratch
+
+
+def teacher_head(
+    student_hidden: Tensor, weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor | None
+) -> Tensor:
+    """Check that student and teacher rows align; the detached teacher head weight."""
+    check_head(student_hidden, weight)
+    if teacher_hidden.shape != student_hidden.shape:
+        raise ValueError(
+            f"teacher_hidden {tuple(teacher_hidden.shape)} must match student_hidden "
+            f"{tuple(student_hidden.shape)} (align the response positions first)"
+        )
+    t_weight = (weight if teacher_weight is None else teacher_weight).detach()
+    if t_weight.shape != weight.shape:
+        raise ValueError(
+            f"teacher_weight {tuple(t_weight.shape)} must match weight {tuple(weight.shape)}"
+        )
+    return t_weight
 
 
 def jsd_from_hidden(
@@ -467,20 +471,10 @@ def jsd_from_hidden(
     ``mask`` is False give 0. ``beta`` and ``temperature`` as in
     :func:`composer_replication.opsd.generalized_jsd_loss`.
     """
-    check_head(student_hidden, weight)
     check_temperature(temperature)
     if not 0.0 <= float(beta) <= 1.0:
         raise ValueError(f"beta={beta} must be in [0, 1]")
-    if teacher_hidden.shape != student_hidden.shape:
-        raise ValueError(
-            f"teacher_hidden {tuple(teacher_hidden.shape)} must match student_hidden "
-            f"{tuple(student_hidden.shape)} (align the response positions first)"
-        )
-    t_weight = (weight if teacher_weight is None else teacher_weight).detach()
-    if t_weight.shape != weight.shape:
-        raise ValueError(
-            f"teacher_weight {tuple(t_weight.shape)} must match weight {tuple(weight.shape)}"
-        )
+    t_weight = teacher_head(student_hidden, weight, teacher_hidden, teacher_weight)
     lead = student_hidden.shape[:-1]
     flat_s = student_hidden.reshape(-1, student_hidden.shape[-1])
     flat_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])

@@ -30,13 +30,18 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 PAIR_VARIANTS = ("dpo", "simpo")
+#: The knobs of the trace-replay channel, named alike in ``compose_loss``,
+#: ``ComposerReplicationTrainer`` and the run config's ``[loss]`` table.
+PAIR_KNOBS = ("dpo_variant", "replay_dpo_beta", "simpo_beta", "simpo_gamma")
 
 __all__ = [
+    "PAIR_KNOBS",
     "PAIR_VARIANTS",
     "PairLossSettings",
     "fill_reference_logps",
     "pad_rows",
     "pair_logps",
+    "pair_loss_settings",
     "pair_losses",
     "pair_terms",
     "pairs_from_padded",
@@ -75,6 +80,21 @@ class PairLossSettings:
     @property
     def needs_reference(self) -> bool:
         return self.variant == "dpo"
+
+
+def pair_loss_settings(
+    *,
+    dpo_variant: str = "dpo",
+    replay_dpo_beta: float = 0.1,
+    simpo_beta: float = 2.0,
+    simpo_gamma: float = 1.0,
+) -> PairLossSettings:
+    """The trace-replay channel's settings from its public knob names (:data:`PAIR_KNOBS`)."""
+    if dpo_variant not in PAIR_VARIANTS:
+        raise ValueError(f"dpo_variant={dpo_variant!r} is not one of {PAIR_VARIANTS}")
+    return PairLossSettings(
+        variant=dpo_variant, beta=replay_dpo_beta, simpo_beta=simpo_beta, simpo_gamma=simpo_gamma
+    )
 
 
 def pad_rows(

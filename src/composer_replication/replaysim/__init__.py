@@ -1,4 +1,4 @@
-"""replaysim: normalise trace-replay DPO pairs with a data-juicer recipe (01-api.md §6).
+"""replaysim: normalise trace-replay DPO pairs with a data-juicer recipe.
 
 data-juicer is optional (the `replaysim` extra) and imported only inside `normalize` when
 a recipe actually runs; `skip_dj=True` works without it.

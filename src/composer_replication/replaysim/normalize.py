@@ -1,4 +1,4 @@
-"""Normalise DPO pairs into chat-format records with a data-juicer recipe (01-api.md §6).
+"""Normalise DPO pairs into chat-format records with a data-juicer recipe.
 
 `DJNormalizer.normalize(pairs)` runs each pair's two sides through data-juicer's executor
 as separate records (`{"text", "pair_index", "side"}`), so every mapper cleans both and

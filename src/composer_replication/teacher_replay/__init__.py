@@ -1,5 +1,5 @@
 """Trace replay: N teacher models replay a frozen trace; where they agree against the
-student, a DPO pair (01-api.md §5).
+student, a DPO pair.
 
     states (TraceState) --replay_trace--> rows (TeacherCallResult)
         --extract_dpo_pairs--> DPOPair --save_pairs--> JSONL

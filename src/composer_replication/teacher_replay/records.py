@@ -1,7 +1,7 @@
 """The typed records that cross the ingestion -> replay -> pairs boundaries.
 
 All are `TypedDict`s (plain JSON-able dicts, so rows stream to and from JSONL unchanged).
-The keys spelled out in the spec (01-api.md §5) are required; the extensions are optional
+The keys of the public record types are required; the extensions are optional
 (`NotRequired`), so code written against the spec keeps working.
 """
 

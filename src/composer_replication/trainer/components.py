@@ -3,7 +3,7 @@
 Each returns ``(loss_sum, count)``: the component's sum over its weight stream and the
 number of tokens (pairs) it counts, so the trainer can normalise every component by its own
 global count (components never dilute each other). Inputs are (B, T) or flat tensors of the
-same shape. Notation (02-algorithms.md §1): ``lp`` trainer log-prob of the sampled token,
+same shape. Notation: ``lp`` trainer log-prob of the sampled token,
 ``lp_inf`` the sampler's, ``log_r = lp - lp_inf``, ``r = exp(log_r)``,
 ``dp = exp(lp) - exp(lp_inf)``.
 

@@ -33,7 +33,7 @@ gains, per row (so trl's shuffling and splitting keep them aligned):
 - ``sdpo_loss_mask`` (B, C): aligned with ``completion_ids``; the completion mask on rows
   with a hint, 0 elsewhere;
 - ``dpo_{chosen,rejected}_{input_ids,attention_mask,response_mask}`` (B, L), ``dpo_pair_mask``
-  (B,), ``dpo_ref_{chosen,rejected}_logps`` (B,): pair k sits on row k, rows without a pair
+  (B,), ``dpo_{chosen,rejected}_ref_logprobs`` (B,): pair k sits on row k, rows without a pair
   have ``dpo_pair_mask = 0``.
 
 A channel with no inputs in a micro-batch contributes nothing and logs nothing.
@@ -53,11 +53,13 @@ from trl import GRPOTrainer
 from composer_replication.algo.context import augment_messages, hint_text
 from composer_replication.algo.replay_dpo import PairPool, build_pair_pool
 from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
-from composer_replication.loss import divergence_settings, pair_loss_settings
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.ops.divergence import DIVERGENCE_KNOBS, divergence_settings
 from composer_replication.ops.pairs import (
+    PAIR_KNOBS,
     fill_reference_logps,
     pad_rows,
+    pair_loss_settings,
     pair_terms,
     pairs_from_padded,
     sequence_logps,
@@ -193,22 +195,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _divergence(self) -> Any:
         """The SDPO divergence settings (``taid_t`` read now: a scheduler may move it)."""
-        return divergence_settings(
-            sdpo_jsd_beta=self.sdpo_jsd_beta,
-            sdpo_temperature=self.sdpo_temperature,
-            sdpo_token_clip=self.sdpo_token_clip,
-            sdpo_wrapper=self.sdpo_wrapper,
-            taid_t=self.taid_t,
-            entropy_opd_h_max=self.entropy_opd_h_max,
-        )
+        return divergence_settings(**{k: getattr(self, k) for k in DIVERGENCE_KNOBS})
 
     def _pair_settings(self) -> Any:
-        return pair_loss_settings(
-            dpo_variant=self.dpo_variant,
-            replay_dpo_beta=self.replay_dpo_beta,
-            simpo_beta=self.simpo_beta,
-            simpo_gamma=self.simpo_gamma,
-        )
+        return pair_loss_settings(**{k: getattr(self, k) for k in PAIR_KNOBS})
 
     # ------------------------------------------------------------------ batch building
 
@@ -298,7 +288,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             out[f"dpo_{side}_attention_mask"] = attn[half].to(device)
             out[f"dpo_{side}_response_mask"] = resp[half].to(device)
             refs = [getattr(p, f"ref_{side}_logp") for p in pairs] + [0.0] * (n_rows - len(pairs))
-            out[f"dpo_ref_{side}_logps"] = torch.tensor(refs, dtype=torch.float32, device=device)
+            out[f"dpo_{side}_ref_logprobs"] = torch.tensor(refs, dtype=torch.float32, device=device)
         out["dpo_pair_mask"] = (torch.arange(n_rows, device=device) < len(pairs)).long()
         return out
 
@@ -385,8 +375,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 )
                 for side in ("chosen", "rejected")
             ),
-            ref_chosen=inputs["dpo_ref_chosen_logps"][rows],
-            ref_rejected=inputs["dpo_ref_rejected_logps"][rows],
+            ref_chosen=inputs["dpo_chosen_ref_logprobs"][rows],
+            ref_rejected=inputs["dpo_rejected_ref_logprobs"][rows],
         )
         policy = self.accelerator.unwrap_model(model)
         return pair_terms(policy, pairs, self._pair_settings()).mean()

@@ -1,9 +1,13 @@
 """Agent-trace examples -> the padded batch dict of ``loss.compose_loss``.
 
 A ``TraceExample`` is one decision of an agent: the conversation so far (``turns``), the
-action taken (``response``), its rewards, optionally the error it ran into and a teacher
-preference pair for the same state. ``ComposerDataCollator(tokenizer, config)(examples)``
-builds the three channels' inputs (the key layout of :mod:`composer_replication.batch`):
+action taken (``response``), its rewards, optionally the error it ran into and teacher
+preference pairs for the same state. ``ComposerDataCollator(tokenizer, config)(examples)``
+builds the three channels' inputs (the key layout of :mod:`composer_replication.batch`).
+Examples may also be given as trace dicts (:meth:`TraceExample.from_dict`): ``trace_id``,
+``turns`` (``role`` / ``content`` messages; assistant ``tool_calls``; tool ``name`` and
+``is_error`` / ``error``), ``final_reward`` and ``dpo_pairs`` (``chosen`` / ``rejected``);
+the last assistant turn is the response trained on, the turns before it are the state.
 
 - always: ``input_ids``, ``attention_mask``, ``response_mask`` (B, T), ``labels`` (B, T)
   (``input_ids`` with ``ignore_index`` off the response) and ``rewards`` (B,) float, read
@@ -14,9 +18,9 @@ builds the three channels' inputs (the key layout of :mod:`composer_replication.
   the state with the hint added to the last user message (``algo.context.augment_messages``),
   followed by the SAME response token ids; rows without a hint keep the plain state and an
   all-zero ``sdpo_loss_mask`` row;
-- replay DPO, when ``enable_replay_dpo`` and some example carries ``chosen``/``rejected``:
+- replay DPO, when ``enable_replay_dpo`` and some example carries pairs:
   ``dpo_{chosen,rejected}_{input_ids,attention_mask,response_mask}`` (P, T''), one row per
-  example with a pair (state + that response).
+  pair (state + that response).
 
 Truncation: a prompt is cut from the left (the latest turns are kept), a response from the
 right, so that every row fits ``max_seq_len`` (``max_dpo_seq_len`` for pairs) with at least
@@ -26,6 +30,8 @@ same ids are appended to every context, so student and teacher positions align e
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -93,6 +99,7 @@ class TraceExample:
         chosen / rejected: a teacher preference pair for the same state (both or neither).
         available_tools: tool names offered to the agent (for tool hints).
         state_id: free-form id, reported in errors.
+        more_pairs: further ``(chosen, rejected)`` pairs for the same state.
     """
 
     turns: tuple[TraceTurn, ...]
@@ -104,6 +111,7 @@ class TraceExample:
     rejected: str | None = None
     available_tools: tuple[str, ...] = ()
     state_id: str = ""
+    more_pairs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.turns:
@@ -112,6 +120,53 @@ class TraceExample:
             raise ValueError(
                 f"TraceExample {self.state_id!r}: give both chosen and rejected, or neither"
             )
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every ``(chosen, rejected)`` pair of this state."""
+        first = [] if self.chosen is None else [(self.chosen, self.rejected or "")]
+        return first + list(self.more_pairs)
+
+    @classmethod
+    def from_dict(cls, trace: Mapping[str, Any]) -> TraceExample:
+        """A trace dict (``trace_id``, ``turns``, ``final_reward``, ``dpo_pairs``) as one
+        decision: the last assistant turn is the response, the turns before it the state.
+
+        Assistant ``tool_calls`` (``{"name", "arguments"}`` or OpenAI's ``{"function":
+        {...}}``) are rendered after the text as ``<tool_call name="...">`` blocks; a tool
+        turn's ``error`` (text) or ``is_error`` (its content is the error) marks an error
+        site. Raises ``ValueError`` naming the trace when it has no assistant turn.
+        """
+        trace_id = str(trace.get("trace_id", trace.get("state_id", "")))
+        raw = list(trace.get("turns") or trace.get("messages") or [])
+        last = max((i for i, t in enumerate(raw) if t.get("role") == "assistant"), default=None)
+        if last is None or last == 0:
+            raise ValueError(
+                f"trace {trace_id!r} has no assistant turn after its first turn: nothing to "
+                "train on (the last assistant turn is the response)"
+            )
+        turns = tuple(_turn_from_dict(t) for t in raw[:last])
+        rewards = dict(trace.get("rewards") or {})
+        if "final_reward" in trace:
+            rewards.setdefault("final_reward", float(trace["final_reward"]))
+        pairs = [
+            (str(p["chosen"]), str(p["rejected"]))
+            for p in trace.get("dpo_pairs") or ()
+            if p.get("chosen") is not None and p.get("rejected") is not None
+        ]
+        metadata = trace.get("metadata") or {}
+        return cls(
+            turns=turns,
+            response=_assistant_text(raw[last]),
+            rewards=rewards,
+            error=trace.get("error"),
+            error_kind=trace.get("error_kind"),
+            chosen=pairs[0][0] if pairs else None,
+            rejected=pairs[0][1] if pairs else None,
+            more_pairs=tuple(pairs[1:]),
+            available_tools=tuple(trace.get("available_tools") or metadata.get("tools") or ()),
+            state_id=trace_id,
+        )
 
     def messages(self) -> list[dict[str, str]]:
         return [t.message() for t in self.turns]
@@ -131,6 +186,35 @@ class TraceExample:
         if self.available_tools:
             ctx["available_tools"] = self.available_tools
         return ctx
+
+
+def _call_parts(call: Mapping[str, Any]) -> tuple[str, Any]:
+    function = call.get("function") if isinstance(call.get("function"), Mapping) else call
+    arguments = function.get("arguments", function.get("input", {}))
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else: the string the agent wrote
+            arguments = json.loads(arguments)
+    return str(function.get("name", "")), arguments
+
+
+def _assistant_text(turn: Mapping[str, Any]) -> str:
+    from composer_replication.ingestion.render import render_tool_call
+
+    parts = [str(turn.get("content") or "")] if turn.get("content") else []
+    parts += [render_tool_call(*_call_parts(c)) for c in turn.get("tool_calls") or ()]
+    return "\n\n".join(parts)
+
+
+def _turn_from_dict(turn: Mapping[str, Any]) -> TraceTurn:
+    role = str(turn.get("role", ""))
+    if role == "assistant":
+        return TraceTurn(role, _assistant_text(turn))
+    content = str(turn.get("content") or "")
+    error = turn.get("error")
+    if error is None and turn.get("is_error"):
+        error = content
+    name = turn.get("tool_name", turn.get("name"))
+    return TraceTurn(role, content, tool_name=name, error=None if error is None else str(error))
 
 
 HintGenerator = Callable[[str, HintContext], "str | None"]
@@ -168,9 +252,14 @@ class ComposerDataCollator:
         self.tokenizer = tokenizer
         self.config = config or CollatorConfig()
 
-    def __call__(self, examples: Sequence[TraceExample]) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, examples: Sequence[TraceExample | Mapping[str, Any]]
+    ) -> dict[str, torch.Tensor]:
         if not examples:
             raise ValueError("ComposerDataCollator got no examples")
+        examples = [
+            ex if isinstance(ex, TraceExample) else TraceExample.from_dict(ex) for ex in examples
+        ]
         cfg = self.config
         responses = [self._response_ids(ex.response) for ex in examples]
         rows = [
@@ -235,15 +324,15 @@ class ComposerDataCollator:
         return out
 
     def _dpo_fields(self, examples: Sequence[TraceExample]) -> dict[str, torch.Tensor]:
-        with_pair = [ex for ex in examples if ex.chosen is not None]
-        if not with_pair:
+        pairs = [(ex, pair) for ex in examples for pair in ex.pairs]
+        if not pairs:
             return {}
         out: dict[str, torch.Tensor] = {}
         cap = self.config.max_dpo_seq_len
-        for side in ("chosen", "rejected"):
+        for k, side in enumerate(("chosen", "rejected")):
             rows = [
-                _fit(self._prompt_ids(ex.messages()), self._response_ids(getattr(ex, side)), cap)
-                for ex in with_pair
+                _fit(self._prompt_ids(ex.messages()), self._response_ids(pair[k]), cap)
+                for ex, pair in pairs
             ]
             out.update(self._pad(rows, f"dpo_{side}_"))
         return out

@@ -8,7 +8,7 @@ A backend (the native loop, the trl trainer) owns only its steps. Around them,
   and writes ``config.json``;
 - evaluates held-out pass@1 over every environment's held-out tasks (seeded sampling,
   common random numbers before/after) at the start and every ``eval.every`` steps, and
-  feeds each evaluation to the ``HeldOutGuard`` kill switch (03-safety: held-out score,
+  feeds each evaluation to the ``HeldOutGuard`` kill switch (held-out score,
   in-loop reward, token-mean KL to the initial policy);
 - appends one metrics row per step (``metrics.jsonl``, trackers);
 - finishes the same way for every backend: ``report/`` plots, ``final_model/`` (a plain

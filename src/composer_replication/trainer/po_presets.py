@@ -44,7 +44,13 @@ if TYPE_CHECKING:
 
     from trl import GRPOConfig
 
-__all__ = ["PO_OBJECTIVES", "PO_PAPERS", "make_dr_grpo_config", "make_po_config"]
+__all__ = [
+    "PO_OBJECTIVES",
+    "PO_PAPERS",
+    "machine_defaults",
+    "make_dr_grpo_config",
+    "make_po_config",
+]
 
 
 def _preset(**knobs: Any) -> Mapping[str, Any]:
@@ -99,6 +105,8 @@ def make_po_config(objective: str = "dr_grpo", **overrides: Any) -> GRPOConfig:
 
     Overrides win over the preset (``make_po_config("dapo", epsilon_high=0.3)``); every
     other keyword goes to ``GRPOConfig`` as is (``output_dir``, ``learning_rate``, ...).
+    Device and precision follow the machine unless given (:func:`machine_defaults`: on a
+    CPU, ``use_cpu=True, bf16=False``).
 
     Raises:
         ValueError: ``objective`` is not on the menu (the message lists it).
@@ -117,7 +125,8 @@ def make_dr_grpo_config(**overrides: Any) -> GRPOConfig:
 
     Forces ``loss_type="dr_grpo"``, ``scale_rewards="none"`` and ``num_iterations=1``
     (one gradient step per generation: on-policy, so the clipped ratio is 1) unless
-    ``overrides`` sets them, then asserts that they applied.
+    ``overrides`` sets them, then asserts that they applied. Device and precision follow
+    the machine unless given (:func:`machine_defaults`).
     """
     knobs = {**_DR_GRPO_FORCED, **_pick(overrides, _DR_GRPO_FORCED)}
     return _build(knobs, overrides, label="make_dr_grpo_config")
@@ -127,8 +136,28 @@ def _pick(overrides: Mapping[str, Any], preset: Mapping[str, Any]) -> dict[str, 
     return {k: v for k, v in overrides.items() if k in preset}
 
 
+def machine_defaults(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Device and precision settings for the machine the config is built on, unless given.
+
+    trl defaults to bf16 autocast, which raises on a machine without a bf16-capable GPU;
+    on such a machine (a CPU, or a GPU without bf16) the trainer runs in the model's own
+    dtype (``bf16=False``), and without any GPU it runs on the CPU (``use_cpu=True``).
+    """
+    import torch
+
+    out: dict[str, Any] = {}
+    has_cuda = torch.cuda.is_available()
+    if "use_cpu" not in overrides and not has_cuda:
+        out["use_cpu"] = True
+    if "bf16" not in overrides and not (has_cuda and torch.cuda.is_bf16_supported()):
+        out["bf16"] = False
+    return out
+
+
 def _build(knobs: dict[str, Any], overrides: Mapping[str, Any], *, label: str) -> GRPOConfig:
     from trl import GRPOConfig
+
+    overrides = {**machine_defaults(overrides), **overrides}
 
     if "scale_rewards" in knobs:
         knobs["scale_rewards"] = _SCALE_ALIASES.get(knobs["scale_rewards"], knobs["scale_rewards"])

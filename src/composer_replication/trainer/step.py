@@ -21,9 +21,18 @@ import torch
 
 from composer_replication.config.loss import COMPONENTS, LossConfig
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
-from composer_replication.ops.divergence import DivergenceSettings
+from composer_replication.ops.divergence import (
+    DIVERGENCE_KNOBS,
+    DivergenceSettings,
+    divergence_settings,
+)
 from composer_replication.ops.head import token_logprobs_from_hidden
-from composer_replication.ops.pairs import PairLossSettings, pair_terms
+from composer_replication.ops.pairs import (
+    PAIR_KNOBS,
+    PairLossSettings,
+    pair_loss_settings,
+    pair_terms,
+)
 from composer_replication.ops.self_distillation import aligned_from_index, divergence_terms
 from composer_replication.trainer.components import (
     ce_loss,
@@ -51,26 +60,13 @@ __all__ = [
 
 def divergence_settings_of(cfg: LossConfig) -> DivergenceSettings:
     """The jsd component's divergence as ``cfg`` sets it (``taid_t`` must be resolved)."""
-    kinds = {"none": "jsd", "taid": "taid", "entropy_opd": "entropy_opd"}
-    return DivergenceSettings(
-        kind=kinds[cfg.sdpo_wrapper],
-        beta=cfg.sdpo_jsd_beta,
-        temperature=cfg.sdpo_temperature,
-        token_clip=cfg.sdpo_token_clip,
-        taid_t=cfg.taid_t,
-        h_max=cfg.entropy_opd_h_max,
-        chunk_size=cfg.chunk_size,
-    )
+    knobs = {k: getattr(cfg, k) for k in DIVERGENCE_KNOBS}
+    return divergence_settings(**knobs, chunk_size=cfg.chunk_size)
 
 
 def pair_settings_of(cfg: LossConfig) -> PairLossSettings:
     """The dpo component's pair loss as ``cfg`` sets it."""
-    return PairLossSettings(
-        variant=cfg.dpo_variant,
-        beta=cfg.replay_dpo_beta,
-        simpo_beta=cfg.simpo_beta,
-        simpo_gamma=cfg.simpo_gamma,
-    )
+    return pair_loss_settings(**{k: getattr(cfg, k) for k in PAIR_KNOBS})
 
 
 def component_counts(batches: Sequence[MicroBatch]) -> dict[str, int]:

@@ -182,14 +182,10 @@ def grpo_config_from_run(run_config: RunConfig, output_dir: str | Path) -> Any:
         optim.schedule, "constant_with_warmup" if optim.warmup_steps else "constant"
     )
     extra = {"scale_rewards": "group"} if getattr(advantage, "std_normalize", False) else {}
-    import torch
-
-    on_gpu = torch.cuda.is_available()
+    if run_config.model.dtype not in ("bfloat16", "bf16"):
+        extra["bf16"] = False  # train in the model's own dtype (device: the machine's)
     return make_dr_grpo_config(
         output_dir=str(output_dir),
-        use_cpu=not on_gpu,
-        # trl defaults to bf16 autocast, also on a CPU; train in the model's own dtype there
-        bf16=on_gpu and run_config.model.dtype in ("bfloat16", "bf16"),
         max_steps=run_config.steps,
         per_device_train_batch_size=env_cfg.tasks_per_step * sampling.group_size,
         gradient_accumulation_steps=1,

@@ -1,0 +1,157 @@
+"""Structural rules of the package, checked on its source: no import cycles between
+modules, a trainer that never branches on an algorithm's name, and no references to
+documents outside the repository."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "composer_replication"
+ALGORITHM_NAMES = (
+    "grpo",
+    "max_rl",
+    "reward",
+    "custom",
+    "opd",
+    "opsd",
+    "sdpo",
+    "sft",
+    "echo",
+    "replay_dpo",
+    "composer",
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """Package modules imported when ``path`` is imported (module level, not under
+    ``TYPE_CHECKING``, not inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    this = _module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if not _is_type_checking(node):
+                    visit(node.body)
+                    visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parent, base] if base else parent)
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+
+    visit(tree.body)
+    out = set()
+    for name in found:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != this:
+            out.add(name)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+    graph = {name: _top_level_imports(path, modules) for name, path in files.items()}
+    # Importing a.b.c imports its parent packages first.
+    for name in list(graph):
+        parent = name.rpartition(".")[0]
+        if parent in graph:
+            graph[name] = graph[name] | {parent} if parent != name else graph[name]
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_no_import_cycles_between_modules():
+    graph = _graph()
+    # A package's __init__ importing its own submodules is not a cycle of concern when the
+    # submodule does not import the package back beyond the parent edge added above.
+    for name, deps in graph.items():
+        graph[name] = {d for d in deps if not (name.startswith(d + ".") and d in graph)}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize(
+    "module", ["trainer/loop.py", "trainer/lifecycle.py", "trainer/runtime.py", "trainer/step.py"]
+)
+def test_the_trainer_never_names_an_algorithm(module):
+    tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))
+    strings = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    assert not (strings & set(ALGORITHM_NAMES)), f"{module} branches on an algorithm name"
+
+
+def test_no_citation_of_documents_outside_the_repository():
+    hits = []
+    for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parents[1] / "docs").glob("*.md")]:
+        text = path.read_text(encoding="utf-8")
+        for needle in ("01-api", "02-algorithms", "03-safety", "../shared"):
+            if needle in text:
+                hits.append(f"{path.name}: {needle}")
+    assert hits == []
