@@ -155,3 +155,30 @@ def test_no_citation_of_documents_outside_the_repository():
             if needle in text:
                 hits.append(f"{path.name}: {needle}")
     assert hits == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (
+            "composer_replication.ingestion.claude_code",
+            "composer_replication.traces.ingestion.claude_code",
+        ),
+        ("composer_replication.teacher_replay", "composer_replication.traces.teacher_replay"),
+        (
+            "composer_replication.teacher_replay.replay",
+            "composer_replication.traces.teacher_replay.replay",
+        ),
+        (
+            "composer_replication.replaysim.normalize",
+            "composer_replication.traces.replaysim.normalize",
+        ),
+        ("composer_replication.trace_cli", "composer_replication.traces.cli"),
+        ("composer_replication.datagen.sandbox", "composer_replication.sandbox"),
+        ("composer_replication.datagen.docker_sandbox", "composer_replication.sandbox.docker"),
+    ],
+)
+def test_moved_modules_keep_their_first_paths_as_the_same_objects(old, new):
+    import importlib
+
+    assert importlib.import_module(old) is importlib.import_module(new)

@@ -74,7 +74,7 @@ def test_environments_that_need_different_settings_are_rejected():
             "algorithm": {"advantage": {"type": "sdpo", "sdpo_jsd_beta": beta, "teacher": teacher}},
         }
 
-    with pytest.raises(ValueError, match="need different loss.sdpo_jsd_beta"):
+    with pytest.raises(ValueError, match=r"need different loss\.sdpo_jsd_beta"):
         RunConfig.model_validate({"envs": [env("a:x", 0.5), env("b:y", 0.7)]})
     with pytest.raises(ValueError, match="different jsd teachers"):
         RunConfig.model_validate({"envs": [env("a:x", 0.5), env("b:y", 0.5, "ema")]})

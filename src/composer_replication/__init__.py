@@ -10,7 +10,12 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from composer_replication import _moved
+
 __version__ = "0.1.0"
+
+# Modules that moved stay importable under their first public paths (see _moved).
+_moved.install()
 
 # name -> module that defines it
 _LAZY: dict[str, str] = {
@@ -18,16 +23,16 @@ _LAZY: dict[str, str] = {
     "LossComponents": "composer_replication.loss",
     "build_batch": "composer_replication.batch",
     "generalized_jsd_loss": "composer_replication.opsd",
-    "ClaudeCodeIngester": "composer_replication.ingestion.claude_code",
-    "IngestionStats": "composer_replication.ingestion.claude_code",
-    "SYSTEM_PROMPT": "composer_replication.ingestion.claude_code",
-    "DEFAULT_TEACHERS": "composer_replication.teacher_replay",
-    "DPOPair": "composer_replication.teacher_replay",
-    "TeacherCallResult": "composer_replication.teacher_replay",
-    "TeacherSpec": "composer_replication.teacher_replay",
-    "TraceState": "composer_replication.teacher_replay",
-    "extract_dpo_pairs": "composer_replication.teacher_replay",
-    "replay_trace": "composer_replication.teacher_replay",
+    "ClaudeCodeIngester": "composer_replication.traces.ingestion.claude_code",
+    "IngestionStats": "composer_replication.traces.ingestion.claude_code",
+    "SYSTEM_PROMPT": "composer_replication.traces.ingestion.claude_code",
+    "DEFAULT_TEACHERS": "composer_replication.traces.teacher_replay",
+    "DPOPair": "composer_replication.traces.teacher_replay",
+    "TeacherCallResult": "composer_replication.traces.teacher_replay",
+    "TeacherSpec": "composer_replication.traces.teacher_replay",
+    "TraceState": "composer_replication.traces.teacher_replay",
+    "extract_dpo_pairs": "composer_replication.traces.teacher_replay",
+    "replay_trace": "composer_replication.traces.teacher_replay",
     "ComposerReplicationTrainer": "composer_replication.trainer.composer_trainer",
     "PO_OBJECTIVES": "composer_replication.trainer.po_presets",
     "make_dr_grpo_config": "composer_replication.trainer.po_presets",
@@ -68,14 +73,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from composer_replication.batch import build_batch
-    from composer_replication.ingestion.claude_code import (
+    from composer_replication.loss import LossComponents, compose_loss
+    from composer_replication.opsd import generalized_jsd_loss
+    from composer_replication.traces.ingestion.claude_code import (
         SYSTEM_PROMPT,
         ClaudeCodeIngester,
         IngestionStats,
     )
-    from composer_replication.loss import LossComponents, compose_loss
-    from composer_replication.opsd import generalized_jsd_loss
-    from composer_replication.teacher_replay import (
+    from composer_replication.traces.teacher_replay import (
         DEFAULT_TEACHERS,
         DPOPair,
         TeacherCallResult,

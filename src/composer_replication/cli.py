@@ -174,9 +174,9 @@ def version() -> None:
 
 
 def _register_subcommands() -> None:
-    from composer_replication import trace_cli
     from composer_replication.datagen.cli import datagen_command
     from composer_replication.diloco.cli import diloco_app
+    from composer_replication.traces import cli as trace_cli
 
     app.command("datagen")(datagen_command)
     trace_cli.register(app)

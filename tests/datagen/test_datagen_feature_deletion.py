@@ -23,9 +23,9 @@ from composer_replication.datagen.fd_tasks import (
 )
 from composer_replication.datagen.feature_deletion import GenerationReport, generate_tasks
 from composer_replication.datagen.gates import GATES, SolvabilityValidator
-from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
-from composer_replication.datagen.workdir import make_shared_tempdir
 from composer_replication.safety.holdout import HeldoutLeakError, HeldoutSplit
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.workdir import make_shared_tempdir
 
 pytestmark = pytest.mark.integration
 

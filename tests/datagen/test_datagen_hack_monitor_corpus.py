@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from composer_replication.datagen.hack_monitor import HackMonitor
-from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
-from composer_replication.datagen.workdir import make_shared_tempdir
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.workdir import make_shared_tempdir
 
 pytestmark = pytest.mark.integration
 

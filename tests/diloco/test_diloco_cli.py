@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
@@ -113,31 +112,25 @@ def test_launch_errors(tmp_path: Path) -> None:
         dcli.parse_options(["image"])
 
 
-def test_train_replica_runs_train_with_diloco_on(
+def test_train_replica_trains_the_config_with_diloco_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import composer_replication.cli as main_cli
-    import composer_replication.config as config_module
+    import composer_replication.trainer.loop as loop
 
     config = tmp_path / "c.toml"
-    config.write_text("steps = 2\n")
-    calls: list[list[str]] = []
-    monkeypatch.setattr(main_cli, "app", lambda argv, prog_name: calls.append(argv))
-    monkeypatch.setattr(
-        config_module.RunConfig, "from_toml", classmethod(lambda cls, p, s: NS(output_dir="runs/x"))
-    )
+    config.write_text('steps = 2\noutput_dir = "runs/x"\n')
+    seen = []
+    monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg))
     monkeypatch.setenv("REPLICA_RANK", "1")
-    dcli.train_replica(config.as_uri(), "file:///rdv/allreduce", 2, ["steps=4"])
-    [argv] = calls
-    assert argv[0] == "train" and Path(argv[1]).read_text() == "steps = 2\n"
-    sets = argv[3::2]
-    assert sets == [
-        "steps=4",
-        "diloco.enabled=true",
-        "diloco.backend=object_store",
-        "diloco.rendezvous=file:///rdv/allreduce",
-        "diloco.world_size=2",
-        "diloco.rank=1",
-        "output_dir=runs/x/rank_1",
-    ]
-    assert set(argv[2::2]) == {"--set"}
+    dcli.train_replica(config.as_uri(), "file:///rdv/allreduce", 2, ["steps=4"], {"anon": True})
+    [cfg] = seen  # the library's train, called in this process: no CLI round trip
+    assert cfg.steps == 4 and cfg.output_dir == "runs/x/rank_1"
+    d = cfg.diloco
+    assert (d.enabled, d.backend, d.rendezvous, d.world_size, d.rank) == (
+        True,
+        "object_store",
+        "file:///rdv/allreduce",
+        2,
+        1,
+    )
+    assert d.storage_options == {"anon": True}

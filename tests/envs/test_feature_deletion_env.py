@@ -18,8 +18,6 @@ from composer_replication.config import EnvConfig
 from composer_replication.datagen.fd_tasks import read_jsonl_records
 from composer_replication.datagen.feature_deletion import generate_tasks
 from composer_replication.datagen.hack_monitor import Manifest
-from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
-from composer_replication.datagen.workdir import make_shared_tempdir
 from composer_replication.envs import Environment, build_environment
 from composer_replication.envs.feature_deletion import (
     FDAttempt,
@@ -32,6 +30,8 @@ from composer_replication.models import load_tokenizer, tiny_policy
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.workdir import make_shared_tempdir
 
 pytestmark = pytest.mark.integration
 

@@ -72,20 +72,26 @@ def test_run_config_maps_onto_a_dr_grpo_config(tmp_path):
 
 
 def test_algorithm_settings_map_to_trainer_kwargs():
-    composer = _composer_settings(_config().envs[0].algorithm.advantage)
+    composer = _composer_settings(_config())
     assert composer["alpha_sdpo"] == 0.1 and composer["beta_replay"] == 0.05
     assert composer["replay_dpo_beta"] == 0.1 and composer["sdpo_jsd_beta"] == 0.5
+    assert composer["dpo_variant"] == "dpo" and composer["sdpo_wrapper"] == "none"
     assert composer["hint_fn"] is default_hint
-    sdpo = _composer_settings(
-        _config('type = "sdpo"\nhint_source = "none"').envs[0].algorithm.advantage
-    )
+    sdpo = _composer_settings(_config('type = "sdpo"\nhint_source = "none"'))
     assert sdpo["alpha_sdpo"] == 1.0 and sdpo["beta_replay"] == 0.0 and sdpo["hint_fn"] is None
-    grpo = _composer_settings(_config('type = "grpo"').envs[0].algorithm.advantage)
+    grpo = _composer_settings(_config('type = "grpo"'))
     assert grpo == {"alpha_sdpo": 0.0, "beta_replay": 0.0}
     with pytest.raises(ValueError, match="not 'max_rl'; use --backend native"):
-        _composer_settings(_config('type = "max_rl"').envs[0].algorithm.advantage)
+        _composer_settings(_config('type = "max_rl"'))
     with pytest.raises(ValueError, match="teacher='ema'"):
-        _composer_settings(_config('type = "sdpo"\nteacher = "ema"').envs[0].algorithm.advantage)
+        _composer_settings(_config('type = "sdpo"\nteacher = "ema"'))
+    # loss settings come from the run's [loss] table, under the same names
+    tuned = _config('type = "composer"\nsdpo_jsd_beta = 0.3')
+    tuned = tuned.model_copy(
+        update={"loss": tuned.loss.model_copy(update={"sdpo_wrapper": "taid"})}
+    )
+    kwargs = _composer_settings(tuned)
+    assert kwargs["sdpo_jsd_beta"] == 0.3 and kwargs["taid_t"].t == pytest.approx(0.4)
 
 
 def test_prompt_dataset_holds_train_tasks_only(env):

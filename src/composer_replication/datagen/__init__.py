@@ -1,9 +1,11 @@
-"""Sandboxed task generation: sandboxes, leak scrubbing, the hack monitor, FeatureDeletion
-with its 4 solvability gates, and the difficulty curriculum.
+"""Task generation: FeatureDeletion with its 4 solvability gates, leak scrubbing, the hack
+monitor and the difficulty curriculum.
 
-Modules: `sandbox` (protocol, `LocalSubprocessSandbox`, `FakeSandbox`), `docker_sandbox`,
-`scrub`, `hack_monitor`, `feature_deletion` (+ `fd_tasks`, `gates`), `curriculum`, `cli`.
-Names below load lazily, so importing the package imports neither docker nor rich.
+Modules: `scrub`, `hack_monitor`, `feature_deletion` (+ `fd_tasks`, `gates`),
+`curriculum`, `cli`. The sandboxes live in :mod:`composer_replication.sandbox`; their
+first public paths here (`datagen.sandbox`, `datagen.docker_sandbox`) and the names below
+still reach them. Names load lazily, so importing the package imports neither docker nor
+rich.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import importlib
 from typing import Any
 
 _LAZY: dict[str, str] = {
-    "SANDBOX_DENYLIST": "composer_replication.datagen.sandbox_base",
-    "TestRunResult": "composer_replication.datagen.sandbox_base",
-    "Sandbox": "composer_replication.datagen.sandbox",
-    "FakeSandbox": "composer_replication.datagen.sandbox",
-    "LocalSubprocessSandbox": "composer_replication.datagen.local_sandbox",
-    "DockerSandbox": "composer_replication.datagen.docker_sandbox",
+    "SANDBOX_DENYLIST": "composer_replication.sandbox.base",
+    "TestRunResult": "composer_replication.sandbox.base",
+    "Sandbox": "composer_replication.sandbox.protocol",
+    "FakeSandbox": "composer_replication.sandbox.protocol",
+    "LocalSubprocessSandbox": "composer_replication.sandbox.local",
+    "DockerSandbox": "composer_replication.sandbox.docker",
     "scrub_tree": "composer_replication.datagen.scrub",
     "HackMonitor": "composer_replication.datagen.hack_monitor",
     "HackVerdict": "composer_replication.datagen.hack_monitor",

@@ -40,7 +40,7 @@ def datagen_main(
     from rich.table import Table
 
     from composer_replication.datagen.feature_deletion import generate_tasks
-    from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+    from composer_replication.sandbox.local import LocalSubprocessSandbox
 
     console = console or Console(stderr=True)
     if not Path(repo).is_dir():

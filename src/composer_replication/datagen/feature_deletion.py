@@ -46,8 +46,8 @@ from composer_replication.datagen.gates import (
 )
 from composer_replication.datagen.hack_monitor import is_protected
 from composer_replication.datagen.scrub import scrub_tree
-from composer_replication.datagen.workdir import hand_over, make_shared_tempdir
 from composer_replication.safety.holdout import HeldoutSplit
+from composer_replication.sandbox.workdir import hand_over, make_shared_tempdir
 
 __all__ = [
     "NOT_REFERENCED",

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from composer_replication.datagen.fd_tasks import TaskReference, apply_reference
-from composer_replication.datagen.sandbox import Sandbox
-from composer_replication.datagen.sandbox_base import TestRunResult
-from composer_replication.datagen.workdir import make_shared_tempdir
+from composer_replication.sandbox import Sandbox
+from composer_replication.sandbox.base import TestRunResult
+from composer_replication.sandbox.workdir import make_shared_tempdir
 
 __all__ = [
     "DEFAULT_COLLECT_COMMAND",

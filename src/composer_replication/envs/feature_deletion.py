@@ -47,7 +47,6 @@ from composer_replication.datagen.hack_monitor import (
     score_with_monitor,
 )
 from composer_replication.datagen.scrub import scrub_tree
-from composer_replication.datagen.workdir import make_shared_tempdir
 from composer_replication.rollout.agent import (
     Episode,
     SampleFn,
@@ -64,6 +63,7 @@ from composer_replication.rollout.tool_calls import (
     tool_instructions,
 )
 from composer_replication.rollout.types import Rollout
+from composer_replication.sandbox.workdir import make_shared_tempdir
 
 __all__ = [
     "FD_TOOLS",
@@ -104,7 +104,7 @@ FD_TOOLS: tuple[ToolSpec, ...] = (
 
 
 def default_sandbox_factory(workdir: Path) -> Any:
-    from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+    from composer_replication.sandbox.local import LocalSubprocessSandbox
 
     return LocalSubprocessSandbox(workdir, exec_timeout_s=60, mem_limit_mb=1024)
 

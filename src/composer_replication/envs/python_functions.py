@@ -3,7 +3,7 @@
 Each task shows the model a signature and a docstring; the completion's code (fenced or
 bare) is extracted, written to ``solution.py`` next to the task's hidden
 ``test_solution.py`` in a fresh directory, and run with pytest inside
-:class:`~composer_replication.datagen.local_sandbox.LocalSubprocessSandbox`. Reward =
+:class:`~composer_replication.sandbox.local.LocalSubprocessSandbox`. Reward =
 fraction of the task's tests that pass (partial credit). A completion without a function
 of the right name fails the format check (reward 0, recorded). Failing-test output is kept
 as the rollout's ``feedback``: the error site SDPO turns into a hint.
@@ -40,7 +40,7 @@ def user_message(task: PythonTask) -> str:
 
 
 def default_sandbox_factory(workdir: Path) -> Any:
-    from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+    from composer_replication.sandbox.local import LocalSubprocessSandbox
 
     return LocalSubprocessSandbox(workdir, exec_timeout_s=20, mem_limit_mb=1024)
 

@@ -87,21 +87,21 @@ class DivergenceSettings:
         if self.kind not in DIVERGENCES:
             raise ValueError(f"divergence kind {self.kind!r} is not one of {DIVERGENCES}")
         if not 0.0 <= float(self.beta) <= 1.0:
-            raise ValueError(f"jsd beta={self.beta} must be in [0, 1]")
+            raise ValueError(f"sdpo_jsd_beta={self.beta} must be in [0, 1]")
         if not float(self.temperature) > 0.0:
-            raise ValueError(f"temperature={self.temperature} must be > 0")
+            raise ValueError(f"sdpo_temperature={self.temperature} must be > 0")
         if self.token_clip is not None and not float(self.token_clip) > 0.0:
-            raise ValueError(f"token_clip={self.token_clip} must be > 0 (or None: no clamp)")
+            raise ValueError(f"sdpo_token_clip={self.token_clip} must be > 0 (or None: no clamp)")
         if self.kind == "taid":
             if self.taid_t is None:
                 raise ValueError(
-                    "the taid divergence needs taid_t in [0, 1] (a number, or the t of a "
+                    "sdpo_wrapper='taid' needs taid_t in [0, 1] (a number, or the t of a "
                     "TAIDScheduler)"
                 )
             if not 0.0 <= float(self.taid_t) <= 1.0:
                 raise ValueError(f"taid_t={self.taid_t} must be in [0, 1]")
         if self.h_max is not None and not float(self.h_max) > 0.0:
-            raise ValueError(f"h_max={self.h_max} must be > 0 (or None: log V)")
+            raise ValueError(f"entropy_opd_h_max={self.h_max} must be > 0 (or None: log V)")
         if self.chunk_size is not None and int(self.chunk_size) < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
 

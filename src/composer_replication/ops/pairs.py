@@ -69,9 +69,9 @@ class PairLossSettings:
 
     def __post_init__(self) -> None:
         if self.variant not in PAIR_VARIANTS:
-            raise ValueError(f"pair loss variant {self.variant!r} is not one of {PAIR_VARIANTS}")
+            raise ValueError(f"dpo_variant={self.variant!r} is not one of {PAIR_VARIANTS}")
         if not self.beta > 0:
-            raise ValueError(f"dpo beta={self.beta} must be > 0")
+            raise ValueError(f"replay_dpo_beta={self.beta} must be > 0")
         if not self.simpo_beta > 0:
             raise ValueError(f"simpo_beta={self.simpo_beta} must be > 0")
         if not self.simpo_gamma >= 0:

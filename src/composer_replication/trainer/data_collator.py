@@ -198,7 +198,7 @@ def _call_parts(call: Mapping[str, Any]) -> tuple[str, Any]:
 
 
 def _assistant_text(turn: Mapping[str, Any]) -> str:
-    from composer_replication.ingestion.render import render_tool_call
+    from composer_replication.traces.ingestion.render import render_tool_call
 
     parts = [str(turn.get("content") or "")] if turn.get("content") else []
     parts += [render_tool_call(*_call_parts(c)) for c in turn.get("tool_calls") or ()]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.pytest_support import (
+from composer_replication.sandbox.pytest_support import (
     build_pytest_argv,
     bundle_distributions,
     interpreter_bin_dir,

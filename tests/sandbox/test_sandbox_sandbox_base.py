@@ -7,14 +7,14 @@ import sys
 import pytest
 
 from composer_replication.datagen import sandbox as sandbox_module
-from composer_replication.datagen.process import OutputCapture, ResourceLimits, run_bounded
-from composer_replication.datagen.sandbox import (
+from composer_replication.sandbox import (
     SANDBOX_DENYLIST,
     FakeSandbox,
     Sandbox,
     TestRunResult,
 )
-from composer_replication.datagen.sandbox_base import first_command_token, is_command_allowed
+from composer_replication.sandbox.base import first_command_token, is_command_allowed
+from composer_replication.sandbox.process import OutputCapture, ResourceLimits, run_bounded
 
 
 @pytest.mark.parametrize(
@@ -106,14 +106,19 @@ def test_fake_sandbox_callable_scripts_and_missing_script_error() -> None:
         FakeSandbox().run_tests("pytest", [])
 
 
-def test_sandbox_module_reexports() -> None:
-    assert set(sandbox_module.__all__) == {
-        "SANDBOX_DENYLIST",
-        "FakeSandbox",
-        "LocalSubprocessSandbox",
-        "Sandbox",
-        "TestRunResult",
-    }
+def test_sandbox_module_reexports_and_the_first_public_paths() -> None:
+    import composer_replication.datagen.docker_sandbox as old_docker
+    import composer_replication.sandbox as new_module
+    import composer_replication.sandbox.docker as new_docker
+    from composer_replication.datagen.sandbox import LocalSubprocessSandbox as OldLocal
+    from composer_replication.sandbox.local import LocalSubprocessSandbox
+
+    assert {"SANDBOX_DENYLIST", "FakeSandbox", "LocalSubprocessSandbox", "Sandbox"} <= set(
+        sandbox_module.__all__
+    )
+    # the old paths are the same module objects, not copies
+    assert sandbox_module is new_module and old_docker is new_docker
+    assert OldLocal is LocalSubprocessSandbox and sandbox_module.FakeSandbox is FakeSandbox
 
 
 def test_output_capture_keeps_head_and_tail() -> None:

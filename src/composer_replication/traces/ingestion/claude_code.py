@@ -38,26 +38,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_replication.ingestion.history import (
+from composer_replication.traces.ingestion.history import (
     Entry,
     TokenCounter,
     estimate_tokens,
     merge_entries,
     truncate_history,
 )
-from composer_replication.ingestion.render import (
+from composer_replication.traces.ingestion.render import (
     render_assistant_blocks,
     render_tool_result,
     tool_result_error,
     tool_result_text,
     user_text,
 )
-from composer_replication.ingestion.stats import (
+from composer_replication.traces.ingestion.stats import (
     KNOWN_VERSION_RANGE,
     IngestionStats,
     version_warning,
 )
-from composer_replication.teacher_replay.records import ErrorSite, StateSource, TraceState
+from composer_replication.traces.teacher_replay.records import ErrorSite, StateSource, TraceState
 
 __all__ = ["KNOWN_VERSION_RANGE", "SYSTEM_PROMPT", "ClaudeCodeIngester", "IngestionStats"]
 

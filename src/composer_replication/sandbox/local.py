@@ -53,14 +53,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from composer_replication.datagen.bwrap import (
+from composer_replication.sandbox.base import (
+    SANDBOX_DENYLIST,
+    TestRunResult,
+    denied_message,
+    is_command_allowed,
+)
+from composer_replication.sandbox.bwrap import (
     BASE_PATH,
     DEFAULT_HIDE_PATHS,
     bwrap_argv,
     probe_bwrap,
 )
-from composer_replication.datagen.process import ProcessOutcome, ResourceLimits, run_bounded
-from composer_replication.datagen.pytest_support import (
+from composer_replication.sandbox.process import ProcessOutcome, ResourceLimits, run_bounded
+from composer_replication.sandbox.pytest_support import (
     JunitReport,
     build_pytest_argv,
     interpreter_bin_dir,
@@ -68,13 +74,7 @@ from composer_replication.datagen.pytest_support import (
     pytest_bundle_dir,
     support_root,
 )
-from composer_replication.datagen.sandbox_base import (
-    SANDBOX_DENYLIST,
-    TestRunResult,
-    denied_message,
-    is_command_allowed,
-)
-from composer_replication.datagen.workdir import check_reachable, hand_over
+from composer_replication.sandbox.workdir import check_reachable, hand_over
 
 __all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox", "exec_suffix"]
 

@@ -36,7 +36,7 @@ import json
 from typing import Any
 
 from composer_replication.hint_generator import classify_error
-from composer_replication.teacher_replay.records import ErrorSite
+from composer_replication.traces.teacher_replay.records import ErrorSite
 
 __all__ = [
     "CONTENT_TOOLS",

@@ -19,7 +19,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from composer_replication.teacher_replay.records import DPOPair, TeacherCallResult, TraceState
+from composer_replication.traces.teacher_replay.records import (
+    DPOPair,
+    TeacherCallResult,
+    TraceState,
+)
 
 __all__ = [
     "extract_dpo_pairs",

@@ -7,13 +7,13 @@ the oldest history to a budget.
 
 from __future__ import annotations
 
-from composer_replication.ingestion.claude_code import (
+from composer_replication.traces.ingestion.claude_code import (
     KNOWN_VERSION_RANGE,
     SYSTEM_PROMPT,
     ClaudeCodeIngester,
     IngestionStats,
 )
-from composer_replication.ingestion.history import estimate_tokens, hf_token_counter
+from composer_replication.traces.ingestion.history import estimate_tokens, hf_token_counter
 
 __all__ = [
     "KNOWN_VERSION_RANGE",

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from composer_replication.teacher_replay.records import TeacherCallResult
+from composer_replication.traces.teacher_replay.records import TeacherCallResult
 
 __all__ = ["CACHE_FILENAME", "ReplayCache", "cache_key"]
 

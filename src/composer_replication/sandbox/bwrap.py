@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from composer_replication.datagen.process import run_bounded
+from composer_replication.sandbox.process import run_bounded
 
 __all__ = ["BASE_PATH", "DEFAULT_HIDE_PATHS", "bwrap_argv", "probe_bwrap"]
 

@@ -6,7 +6,7 @@ a recipe actually runs; `skip_dj=True` works without it.
 
 from __future__ import annotations
 
-from composer_replication.replaysim.normalize import (
+from composer_replication.traces.replaysim.normalize import (
     DEFAULT_RECIPE,
     DJNormalizer,
     NormalizationStats,

@@ -1,24 +1,5 @@
-"""Sandboxes for agent commands and task tests: the `Sandbox` protocol and its backends.
-
-What the default local backend (`LocalSubprocessSandbox` with bubblewrap) protects against:
-network access (own network namespace), writes outside the task workdir (read-only root,
-private /tmp), reads of /tmp, /var/tmp, /run, /root, /home and other users' private files
-(hidden, unprivileged uid), processes outliving a command (PID namespace), fork and memory
-bombs, runaway CPU and huge files (rlimits), hangs (wall-clock kill of the process group)
-and huge outputs (bounded capture). What it does NOT protect against: kernel exploits (the
-kernel is shared; use `DockerSandbox(runtime="runsc")` or a VM for hostile code), reads of
-world-readable host files outside the hidden directories, total memory/disk across
-processes (limits are per process, no cgroup), and code under test forging the test report.
-Without bubblewrap only limits, uid drop and timeouts remain, and it says so loudly
-(`isolated=False`). Details: `local_sandbox`.
-
-A sandbox runs an agent's shell commands and the task's tests against one working
-directory and records what happened (the trajectory) for scoring and the hack monitor.
-Backends: `LocalSubprocessSandbox`, `DockerSandbox` (`docker_sandbox`, a locked-down
-container) and `FakeSandbox` (scripted, for testing the components that drive a sandbox).
-Errors inside a command are data (output text plus trajectory entry), not exceptions: a
-denied command, a timeout or a crash comes back as text the agent can read.
-"""
+"""The ``Sandbox`` protocol every backend implements, and ``FakeSandbox`` (scripted, for
+testing the components that drive a sandbox)."""
 
 from __future__ import annotations
 
@@ -26,21 +7,14 @@ import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
-from composer_replication.datagen.sandbox_base import (
+from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
     TestRunResult,
     denied_message,
     is_command_allowed,
 )
 
-__all__ = [
-    "SANDBOX_DENYLIST",
-    "FakeSandbox",
-    "LocalSubprocessSandbox",
-    "Sandbox",
-    "TestRunResult",
-]
+__all__ = ["SANDBOX_DENYLIST", "FakeSandbox", "Sandbox", "TestRunResult"]
 
 
 @runtime_checkable

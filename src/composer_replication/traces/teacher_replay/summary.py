@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from composer_replication.teacher_replay.records import TeacherCallResult, error_kind
+from composer_replication.traces.teacher_replay.records import TeacherCallResult, error_kind
 
 __all__ = ["ReplayProgress", "ReplaySummary"]
 

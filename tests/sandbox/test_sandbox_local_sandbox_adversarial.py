@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
+from composer_replication.sandbox.local import LocalSubprocessSandbox
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
-from composer_replication.datagen.sandbox import Sandbox
-from composer_replication.datagen.workdir import check_reachable
+from composer_replication.sandbox import Sandbox
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.workdir import check_reachable
 
 pytestmark = pytest.mark.integration
 

@@ -42,7 +42,7 @@ def _fail(message: str) -> typer.Exit:
 
 def load_teachers(spec: str) -> list[dict[str, Any]]:
     """Teachers from comma-separated `DEFAULT_TEACHERS` slugs or a .json / .toml file."""
-    from composer_replication.teacher_replay.records import DEFAULT_TEACHERS
+    from composer_replication.traces.teacher_replay.records import DEFAULT_TEACHERS
 
     path = Path(spec)
     if path.suffix.lower() in (".json", ".toml"):
@@ -87,8 +87,8 @@ def ingest(
     keep_thinking: bool = typer.Option(False, help="Keep thinking blocks in the history."),
 ) -> None:
     """Claude Code session files -> TraceState JSONL (one state per assistant turn)."""
-    from composer_replication.ingestion.claude_code import ClaudeCodeIngester
-    from composer_replication.teacher_replay.pairs import write_jsonl
+    from composer_replication.traces.ingestion.claude_code import ClaudeCodeIngester
+    from composer_replication.traces.teacher_replay.pairs import write_jsonl
 
     ingester = ClaudeCodeIngester(
         skip_sidechain=not keep_sidechain,
@@ -143,8 +143,8 @@ def replay(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from composer_replication.teacher_replay.pairs import read_jsonl, write_jsonl
-    from composer_replication.teacher_replay.replay import replay_trace
+    from composer_replication.traces.teacher_replay.pairs import read_jsonl, write_jsonl
+    from composer_replication.traces.teacher_replay.replay import replay_trace
 
     try:
         states = list(read_jsonl(states_path))
@@ -200,7 +200,7 @@ def pairs(
     ),
 ) -> None:
     """Teacher agreement against the student -> DPO pairs (optionally normalised)."""
-    from composer_replication.teacher_replay.pairs import (
+    from composer_replication.traces.teacher_replay.pairs import (
         extract_dpo_pairs,
         read_jsonl,
         save_pairs,
@@ -212,7 +212,7 @@ def pairs(
         rows = list(read_jsonl(results_path))
         normalizer = None
         if normalize:
-            from composer_replication.replaysim.normalize import DJNormalizer
+            from composer_replication.traces.replaysim.normalize import DJNormalizer
 
             normalizer = DJNormalizer(recipe)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from composer_replication.teacher_replay.budget import (
+from composer_replication.traces.teacher_replay.budget import (
     Reservation,
     SpendBudget,
     cost_nanos,
     nanos_to_usd,
 )
-from composer_replication.teacher_replay.records import TeacherCallResult
+from composer_replication.traces.teacher_replay.records import TeacherCallResult
 
 __all__ = ["CallPlan", "CallStats", "RetryPolicy", "parse_retry_after", "run_call"]
 

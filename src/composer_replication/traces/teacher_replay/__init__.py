@@ -11,10 +11,10 @@ Modules: `records` (the TypedDicts, `DEFAULT_TEACHERS`), `budget` (the hard spen
 
 from __future__ import annotations
 
-from composer_replication.teacher_replay.budget import SpendBudget, prompt_token_upper_bound
-from composer_replication.teacher_replay.cache import ReplayCache, cache_key
-from composer_replication.teacher_replay.client import RetryPolicy, parse_retry_after
-from composer_replication.teacher_replay.pairs import (
+from composer_replication.traces.teacher_replay.budget import SpendBudget, prompt_token_upper_bound
+from composer_replication.traces.teacher_replay.cache import ReplayCache, cache_key
+from composer_replication.traces.teacher_replay.client import RetryPolicy, parse_retry_after
+from composer_replication.traces.teacher_replay.pairs import (
     extract_dpo_pairs,
     normalize_action,
     read_jsonl,
@@ -22,7 +22,7 @@ from composer_replication.teacher_replay.pairs import (
     strip_thinking,
     write_jsonl,
 )
-from composer_replication.teacher_replay.records import (
+from composer_replication.traces.teacher_replay.records import (
     DEFAULT_TEACHERS,
     OPENROUTER_API_KEY_ENV,
     OPENROUTER_BASE_URL,
@@ -35,7 +35,7 @@ from composer_replication.teacher_replay.records import (
     TraceState,
     error_kind,
 )
-from composer_replication.teacher_replay.replay import (
+from composer_replication.traces.teacher_replay.replay import (
     ReplayProgress,
     ReplayResults,
     ReplaySummary,

@@ -20,13 +20,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer_replication.teacher_replay.budget import (
+from composer_replication.traces.teacher_replay.budget import (
     SpendBudget,
     prompt_token_upper_bound,
 )
-from composer_replication.teacher_replay.cache import ReplayCache, cache_key
-from composer_replication.teacher_replay.client import CallPlan, CallStats, RetryPolicy, run_call
-from composer_replication.teacher_replay.records import (
+from composer_replication.traces.teacher_replay.cache import ReplayCache, cache_key
+from composer_replication.traces.teacher_replay.client import (
+    CallPlan,
+    CallStats,
+    RetryPolicy,
+    run_call,
+)
+from composer_replication.traces.teacher_replay.records import (
     DEFAULT_TEACHERS,
     OPENROUTER_API_KEY_ENV,
     OPENROUTER_BASE_URL,
@@ -34,7 +39,7 @@ from composer_replication.teacher_replay.records import (
     TeacherSpec,
     TraceState,
 )
-from composer_replication.teacher_replay.summary import ReplayProgress, ReplaySummary
+from composer_replication.traces.teacher_replay.summary import ReplayProgress, ReplaySummary
 
 __all__ = ["ReplayProgress", "ReplayResults", "ReplaySummary", "replay_trace"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from composer_replication.teacher_replay.records import ChatMessage
+from composer_replication.traces.teacher_replay.records import ChatMessage
 
 __all__ = [
     "MESSAGE_OVERHEAD_TOKENS",

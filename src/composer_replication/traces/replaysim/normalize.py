@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_replication.replaysim.dj_runner import DJ_EXTRA, dj_available, run_recipe
-from composer_replication.teacher_replay.pairs import extract_dpo_pairs, normalize_action
-from composer_replication.teacher_replay.records import (
+from composer_replication.traces.replaysim.dj_runner import DJ_EXTRA, dj_available, run_recipe
+from composer_replication.traces.teacher_replay.pairs import extract_dpo_pairs, normalize_action
+from composer_replication.traces.teacher_replay.records import (
     DEFAULT_TEACHERS,
     ChatMessage,
     DPOPair,
@@ -39,7 +39,7 @@ __all__ = [
     "replay_and_normalize_trace_sync",
 ]
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "replaysim" / "default.yaml"
+DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "replaysim" / "default.yaml"
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ async def replay_and_normalize_trace(
     Returns:
         (raw rows from `replay_trace`, normalised pairs).
     """
-    from composer_replication.teacher_replay.replay import replay_trace
+    from composer_replication.traces.teacher_replay.replay import replay_trace
 
     normalizer = normalizer if normalizer is not None else DJNormalizer()
     states = list(states)

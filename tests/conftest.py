@@ -1,4 +1,4 @@
-"""Shared fixtures for the datagen tests: world-traversable temp dirs and the FD fixture repo."""
+"""Shared fixtures: world-traversable temp dirs for sandboxes and the FD fixture repo."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.local_sandbox import LocalSubprocessSandbox
-from composer_replication.datagen.workdir import make_shared_tempdir
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.workdir import make_shared_tempdir
 
-FD_REPO = Path(__file__).resolve().parents[1] / "fixtures" / "fd_repo"
+FD_REPO = Path(__file__).resolve().parent / "fixtures" / "fd_repo"
 
 
 @pytest.fixture

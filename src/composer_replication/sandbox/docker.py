@@ -23,16 +23,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from composer_replication.datagen.local_sandbox import exec_suffix
-from composer_replication.datagen.process import OutputCapture, ProcessOutcome
-from composer_replication.datagen.pytest_support import JunitReport, build_pytest_argv, parse_junit
-from composer_replication.datagen.sandbox_base import (
+from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
     TestRunResult,
     denied_message,
     is_command_allowed,
 )
-from composer_replication.datagen.workdir import hand_over
+from composer_replication.sandbox.local import exec_suffix
+from composer_replication.sandbox.process import OutputCapture, ProcessOutcome
+from composer_replication.sandbox.pytest_support import JunitReport, build_pytest_argv, parse_junit
+from composer_replication.sandbox.workdir import hand_over
 
 __all__ = ["LABEL", "DockerSandbox", "docker_client", "reap_leaked", "runsc_available"]
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.docker_sandbox import (
+from composer_replication.sandbox import Sandbox
+from composer_replication.sandbox.docker import (
     LABEL,
     DockerSandbox,
     reap_leaked,
     runsc_available,
 )
-from composer_replication.datagen.sandbox import Sandbox
 
 TEST_IMAGE = os.environ.get("CR_DOCKER_TEST_IMAGE", "python:3.11-slim")
 

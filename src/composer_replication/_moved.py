@@ -1,0 +1,58 @@
+"""Modules that moved keep their first public paths: the same module objects under both.
+
+``import composer_replication.ingestion.claude_code`` (a path users already import) finds
+:mod:`composer_replication.traces.ingestion.claude_code` and registers that very module
+object under the old name too, lazily and without a second copy: classes, functions and
+module state are identical under both names (``isinstance`` and ``monkeypatch`` work
+across them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+#: old module path -> current path (submodules follow their package).
+MOVED: dict[str, str] = {
+    "composer_replication.ingestion": "composer_replication.traces.ingestion",
+    "composer_replication.teacher_replay": "composer_replication.traces.teacher_replay",
+    "composer_replication.replaysim": "composer_replication.traces.replaysim",
+    "composer_replication.trace_cli": "composer_replication.traces.cli",
+    "composer_replication.datagen.sandbox": "composer_replication.sandbox",
+    "composer_replication.datagen.docker_sandbox": "composer_replication.sandbox.docker",
+}
+
+
+def current_name(name: str) -> str | None:
+    """The current path of module ``name`` if it lies under a moved path, else None."""
+    for old, new in MOVED.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old) :]
+    return None
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves an old module path to the module at its current path."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if current_name(fullname) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        # The module itself, not a copy: its attributes (__name__, __spec__) stay the
+        # current ones, and the import system stores it under the old name as well.
+        return importlib.import_module(current_name(spec.name) or spec.name)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module executed when it was imported under its own name."""
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once), ahead of the file-system finder."""
+    if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())

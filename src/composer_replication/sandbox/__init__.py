@@ -1,0 +1,56 @@
+"""Sandboxes for agent commands and task tests: the `Sandbox` protocol and its backends.
+
+What the default local backend (`LocalSubprocessSandbox` with bubblewrap) protects against:
+network access (own network namespace), writes outside the task workdir (read-only root,
+private /tmp), reads of /tmp, /var/tmp, /run, /root, /home and other users' private files
+(hidden, unprivileged uid), processes outliving a command (PID namespace), fork and memory
+bombs, runaway CPU and huge files (rlimits), hangs (wall-clock kill of the process group)
+and huge outputs (bounded capture). What it does NOT protect against: kernel exploits (the
+kernel is shared; use `DockerSandbox(runtime="runsc")` or a VM for hostile code), reads of
+world-readable host files outside the hidden directories, total memory/disk across
+processes (limits are per process, no cgroup), and code under test forging the test report.
+Without bubblewrap only limits, uid drop and timeouts remain, and it says so loudly
+(`isolated=False`). Details: `sandbox.local`.
+
+A sandbox runs an agent's shell commands and the task's tests against one working
+directory and records what happened (the trajectory) for scoring and the hack monitor.
+Backends: `LocalSubprocessSandbox` (`sandbox.local`), `DockerSandbox` (`sandbox.docker`, a
+locked-down container) and `FakeSandbox` (scripted, for testing the components that drive
+a sandbox). Errors inside a command are data (output text plus trajectory entry), not
+exceptions: a denied command, a timeout or a crash comes back as text the agent can read.
+
+Modules: `protocol` (``Sandbox``, ``FakeSandbox``), `base` (records and command policy
+shared by the backends), `local` + `bwrap` (the bubblewrap backend), `docker`, `process`
+(one child process with limits), `pytest_support` (pytest inside a sandbox), `workdir`.
+Names load lazily: importing the package imports neither docker nor the backends.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    "SANDBOX_DENYLIST": "composer_replication.sandbox.base",
+    "TestRunResult": "composer_replication.sandbox.base",
+    "is_command_allowed": "composer_replication.sandbox.base",
+    "Sandbox": "composer_replication.sandbox.protocol",
+    "FakeSandbox": "composer_replication.sandbox.protocol",
+    "LocalSubprocessSandbox": "composer_replication.sandbox.local",
+    "DockerSandbox": "composer_replication.sandbox.docker",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:  # AttributeError lets `import composer_replication.sandbox.x` work
+        raise AttributeError(f"module 'composer_replication.sandbox' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
