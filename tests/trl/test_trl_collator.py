@@ -206,3 +206,55 @@ def test_real_tokenizer_batch_feeds_compose_loss():
     assert all(math.isfinite(v) for v in values.values())
     assert values["sdpo_jsd"] > 0
     assert values["trace_replay_dpo"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+TRACE = {
+    "trace_id": "t-7",
+    "turns": [
+        {"role": "user", "content": "fix add"},
+        {
+            "role": "assistant",
+            "content": "running tests",
+            "tool_calls": [{"function": {"name": "bash", "arguments": '{"cmd": "pytest"}'}}],
+        },
+        {"role": "tool", "name": "bash", "content": "E   assert 1 == 2", "is_error": True},
+        {"role": "assistant", "content": "def add(a, b): return a + b"},
+    ],
+    "final_reward": 0.5,
+    "dpo_pairs": [
+        {"chosen": "good one", "rejected": "bad one"},
+        {"chosen": "good two", "rejected": "bad two"},
+    ],
+    "metadata": {"tools": ["bash"]},
+}
+
+
+def test_trace_dicts_become_examples_with_state_response_error_and_pairs():
+    ex = TraceExample.from_dict(TRACE)
+    assert ex.state_id == "t-7" and ex.response == "def add(a, b): return a + b"
+    assert [t.role for t in ex.turns] == ["user", "assistant", "tool"]
+    assert (
+        ex.turns[1].content
+        == 'running tests\n\n<tool_call name="bash">\n{"cmd": "pytest"}\n</tool_call>'
+    )
+    assert ex.turns[2].error == "E   assert 1 == 2" and ex.turns[2].tool_name == "bash"
+    assert ex.rewards == {"final_reward": 0.5} and ex.available_tools == ("bash",)
+    assert ex.pairs == [("good one", "bad one"), ("good two", "bad two")]
+    site = ex.error_site()
+    assert site["error_message"] == "E   assert 1 == 2" and site["tool_name"] == "bash"
+    with pytest.raises(ValueError, match="trace 'empty' has no assistant turn"):
+        TraceExample.from_dict({"trace_id": "empty", "turns": [{"role": "user", "content": "x"}]})
+
+
+def test_collator_takes_trace_dicts_beside_examples():
+    collator = ComposerDataCollator(
+        CharTokenizer(), CollatorConfig(hint_generator=lambda kind, ctx: "look at the assert")
+    )
+    batch = collator([TRACE, example(response="yes", reward=1.0)])
+    assert set(batch) == BASE_KEYS | SDPO_KEYS | DPO_KEYS
+    assert batch["rewards"].tolist() == [0.5, 1.0]
+    assert batch["dpo_chosen_input_ids"].shape[0] == 2  # one row per pair of the trace
+    response = batch["input_ids"][0][batch["response_mask"][0] == 1].tolist()
+    assert response == chars("def add(a, b): return a + b") + [EOS]
+    assert batch["sdpo_loss_mask"][0].sum() == len(response)  # the error site is hinted
+    assert batch["sdpo_loss_mask"][1].sum() == 0
