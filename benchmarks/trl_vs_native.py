@@ -98,7 +98,7 @@ def trl_worker(args: dict) -> dict:
 
     from composer_replication.envs.python_functions import PythonFunctionsEnv
     from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.loop import seed_everything, setup_policy
+    from composer_replication.trainer.setup import seed_everything, setup_policy
     from composer_replication.trainer.trl_backend import (
         PythonFunctionsReward,
         grpo_config_from_run,

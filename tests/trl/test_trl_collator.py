@@ -255,6 +255,6 @@ def test_collator_takes_trace_dicts_beside_examples():
     assert batch["rewards"].tolist() == [0.5, 1.0]
     assert batch["dpo_chosen_input_ids"].shape[0] == 2  # one row per pair of the trace
     response = batch["input_ids"][0][batch["response_mask"][0] == 1].tolist()
-    assert response == chars("def add(a, b): return a + b") + [EOS]
+    assert response == [*chars("def add(a, b): return a + b"), EOS]
     assert batch["sdpo_loss_mask"][0].sum() == len(response)  # the error site is hinted
     assert batch["sdpo_loss_mask"][1].sum() == 0

@@ -1,19 +1,20 @@
 """``python_functions``: write a small Python function, graded by hidden tests in a sandbox.
 
 Each task shows the model a signature and a docstring; the completion's code (fenced or
-bare) is extracted, written to ``solution.py`` next to the task's hidden
-``test_solution.py`` in a fresh directory, and run with pytest inside
-:class:`~composer_replication.sandbox.local.LocalSubprocessSandbox`. Reward =
-fraction of the task's tests that pass (partial credit). A completion without a function
-of the right name fails the format check (reward 0, recorded). Failing-test output is kept
-as the rollout's ``feedback``: the error site SDPO turns into a hint.
+bare) is extracted and graded by :func:`~composer_replication.envs.function_grader.
+grade_function`: the candidate runs in a
+:class:`~composer_replication.sandbox.local.LocalSubprocessSandbox` that cannot see the
+task bank, the hidden tests run in the grader's own process and call it through a
+plain-data channel. Reward = fraction of the task's tests that pass (partial credit); a
+timeout, crash or missing report is 0 with an error; a sandbox that never started is an
+infrastructure error (``metadata["infrastructure_error"]``, excluded from training). A
+completion without a function of the right name fails the format check (reward 0,
+recorded). Failing tests are kept as the rollout's ``feedback``: the error site SDPO turns
+into a hint. What the candidate did beside its answer is in ``metadata["hack_flags"]``.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from composer_replication.envs.task_bank import PythonTask, extract_code, load_tasks, task_files
+from composer_replication.envs.function_grader import grade_function
+from composer_replication.envs.task_bank import PythonTask, extract_code, load_tasks
 from composer_replication.rollout.generate import SamplingSettings, generate
 from composer_replication.rollout.types import Rollout
 
@@ -40,9 +42,22 @@ def user_message(task: PythonTask) -> str:
 
 
 def default_sandbox_factory(workdir: Path) -> Any:
+    from composer_replication.envs.function_grader import MAX_REPORT_BYTES, hidden_from_candidates
+    from composer_replication.sandbox.bwrap import DEFAULT_HIDE_PATHS
     from composer_replication.sandbox.local import LocalSubprocessSandbox
 
-    return LocalSubprocessSandbox(workdir, exec_timeout_s=20, mem_limit_mb=1024)
+    return LocalSubprocessSandbox(
+        workdir,
+        exec_timeout_s=20,
+        mem_limit_mb=1024,
+        max_processes=64,
+        tmp_size_mb=64,
+        shm_size_mb=16,
+        workdir_writable=False,  # the candidate writes nothing to disk
+        max_output_bytes=MAX_REPORT_BYTES,
+        pytest_from="python",  # the harness needs no pytest
+        hide_paths=(*DEFAULT_HIDE_PATHS, *hidden_from_candidates()),
+    )
 
 
 class PythonFunctionsEnv:
@@ -157,25 +172,10 @@ class PythonFunctionsEnv:
                 "format: no function",
                 {"passed": 0, "total": task.n_tests},
             )
-        workdir = Path(tempfile.mkdtemp(prefix="cr-pf-"))
-        try:
-            os.chmod(workdir, 0o755)  # the sandbox uid must be able to enter it
-            for name, text in task_files(task, code).items():
-                (workdir / name).write_text(text)
-            result = self.sandbox_factory(workdir).run_tests(
-                "python -m pytest -q", ["test_solution.py"]
-            )
-        except Exception as err:  # a failing sandbox is data, not a crash
-            return (
-                0.0,
-                None,
-                f"sandbox: {type(err).__name__}: {err}",
-                {"passed": 0, "total": task.n_tests},
-            )
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        total = max(task.n_tests, result.passed + result.failed + result.errors)
-        reward = result.passed / total if total else 0.0
-        error = "timeout" if result.timed_out else None
-        feedback = None if reward >= 1.0 else result.output[-FEEDBACK_CHARS:]
-        return reward, feedback, error, {"passed": result.passed, "total": total}
+        result = grade_function(task, code, self.sandbox_factory, feedback_chars=FEEDBACK_CHARS)
+        info: dict[str, Any] = {"passed": result.passed, "total": result.total}
+        if result.flags:
+            info["hack_flags"] = list(result.flags)
+        if result.infrastructure:
+            info["infrastructure_error"] = True
+        return result.reward, result.feedback, result.error, info

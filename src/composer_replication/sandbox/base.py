@@ -120,6 +120,8 @@ class TestRunResult:
         isolated: The run was inside an OS-level isolator (bubblewrap, container), not just
             resource limits.
         duration_s: Wall-clock seconds of the run.
+        infrastructure_error: Why the sandbox failed before the command ran (it could not
+            start, fork or mount), or None: such a run says nothing about the code under test.
     """
 
     __test__ = False  # not a pytest test class despite the name
@@ -134,6 +136,7 @@ class TestRunResult:
     timed_out: bool = False
     isolated: bool = False
     duration_s: float = 0.0
+    infrastructure_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -157,4 +160,5 @@ class TestRunResult:
             "timed_out": self.timed_out,
             "isolated": self.isolated,
             "duration_s": self.duration_s,
+            "infrastructure_error": self.infrastructure_error,
         }

@@ -1,7 +1,7 @@
 """The bubblewrap command line of `LocalSubprocessSandbox`, and a cached "does it work" probe.
 
-Mount order matters: read-only root, fresh /proc and /dev, a private size-limited /tmp, empty
-tmpfs over the hidden directories, read-only binds of what must stay visible (the pytest
+Mount order matters: read-only root, fresh /proc and /dev, a private size-limited /tmp and
+/dev/shm, empty tmpfs over the hidden directories, read-only binds of what must stay visible (the pytest
 bundle, an interpreter living under a hidden directory), the writable workdir, and only then
 the hidden tmpfs are remounted read-only (their mount points had to be created first).
 """
@@ -80,10 +80,18 @@ def bwrap_argv(
     hide_paths: Sequence[str],
     ro_binds: Sequence[str],
     python: str,
+    shm_size_mb: int = 64,
+    workdir_writable: bool = True,
 ) -> list[str]:
-    """The full bubblewrap argv that runs `inner` in `workdir` with exactly `env`."""
+    """The full bubblewrap argv that runs `inner` in `workdir` with exactly `env`.
+
+    /tmp and /dev/shm are private tmpfs of bounded size (bubblewrap's /dev would otherwise
+    hold an unbounded /dev/shm in host memory); the workdir is bound read-only when
+    ``workdir_writable`` is False.
+    """
     args = _namespace_args(bwrap)
     args += ["--size", str(tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+    args += ["--size", str(shm_size_mb * 1024 * 1024), "--tmpfs", "/dev/shm"]
     for hidden in hide_paths:
         args += ["--tmpfs", hidden]
     binds = list(ro_binds)
@@ -92,7 +100,8 @@ def bwrap_argv(
             binds.append(str(prefix))  # the interpreter must stay visible
     for path in dict.fromkeys(binds):
         args += ["--ro-bind", path, path]
-    args += ["--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
+    bind = "--bind" if workdir_writable else "--ro-bind"
+    args += [bind, str(workdir), str(workdir), "--chdir", str(workdir)]
     for hidden in hide_paths:
         args += ["--remount-ro", hidden]
     args.append("--clearenv")

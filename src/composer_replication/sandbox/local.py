@@ -14,7 +14,15 @@ What it protects against when bubblewrap works (the default when `bwrap` is inst
   still running when the command ends (daemons, orphans) dies with the PID namespace.
 - Runaway resources: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE and
   RLIMIT_NPROC (fork bombs; enforced because root is dropped), a wall-clock timeout that
-  SIGKILLs the process group, and output capture capped in memory.
+  SIGKILLs the process group, and output capture capped in memory. Where a cgroup
+  hierarchy is writable (``sandbox.cgroups``), memory and process count are also bounded for
+  the run's whole process tree (``whole_tree_limits``), so N processes cannot each take
+  ``mem_limit_mb``.
+- Each other: as root, every run gets its own uid (``sandbox.uid_pool``), so one rollout's
+  fork bomb exhausts only its own RLIMIT_NPROC budget; /tmp and /dev/shm are private,
+  size-limited tmpfs per run. A run the sandbox could not start (``bwrap: Can't fork``, a
+  failed mount) is reported as an infrastructure error (``infrastructure_error``), never as
+  a failure of the code under test.
 
 What it does NOT protect against:
 - Kernel exploits: the kernel is shared. Hostile code needs a VM or gVisor
@@ -22,11 +30,14 @@ What it does NOT protect against:
 - Reading world-readable host files outside the hidden areas: the root bind is read-only,
   not invisible. Keep secrets (e.g. FeatureDeletion reference files) unreadable for the
   sandbox uid or list them in `hide_paths`.
-- Total memory and disk: rlimits are per process (N processes may each use `mem_limit_mb`),
-  tmpfs holds up to `tmp_size_mb`, RLIMIT_FSIZE caps each file, not how many; no cgroup.
-- Sandboxes sharing a uid share one RLIMIT_NPROC budget (give concurrent ones their own
-  `run_as_uid`); CPU fairness; side channels; code under test forging the test report (it
-  runs in the same sandbox as pytest; `HackMonitor` looks for such tricks).
+- Total memory without a writable cgroup hierarchy: rlimits are then per process (N
+  processes may each use `mem_limit_mb`; `whole_tree_limits` says which held).
+- Disk in a writable workdir: RLIMIT_FSIZE caps each file, not how many (callers that need
+  a bound check the workdir's size, or bind it read-only with ``workdir_writable=False``);
+  /tmp holds up to `tmp_size_mb` and /dev/shm up to `shm_size_mb`.
+- A fixed `run_as_uid` shares one RLIMIT_NPROC budget between concurrent sandboxes; CPU
+  fairness; side channels; code under test forging a report it writes itself (graders
+  that must not trust it form the verdict outside: ``envs.function_grader``).
 Without bubblewrap (missing, or unusable because user namespaces are off) only the limits,
 the uid drop and the timeout remain: the sandbox warns loudly, results say `isolated=False`,
 and it is not a security boundary (pass `require_isolation=True` to refuse that mode).
@@ -43,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import shutil
@@ -65,6 +77,7 @@ from composer_replication.sandbox.bwrap import (
     bwrap_argv,
     probe_bwrap,
 )
+from composer_replication.sandbox.cgroups import RunCgroup, cgroup_support
 from composer_replication.sandbox.process import ProcessOutcome, ResourceLimits, run_bounded
 from composer_replication.sandbox.pytest_support import (
     JunitReport,
@@ -74,6 +87,7 @@ from composer_replication.sandbox.pytest_support import (
     pytest_bundle_dir,
     support_root,
 )
+from composer_replication.sandbox.uid_pool import lease_uid
 from composer_replication.sandbox.workdir import check_reachable, hand_over
 
 __all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox", "exec_suffix"]
@@ -81,6 +95,8 @@ __all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox", "exec_s
 log = logging.getLogger(__name__)
 
 NOBODY_UID = 65534
+#: Printed by the sandbox's own shell before the command runs (then removed from output).
+START_MARKER = "composer-replication sandbox started"
 # (python, uid, isolated) -> whether that interpreter imports pytest on its own.
 _OWN_PYTEST: dict[tuple[str, int | None, bool], bool] = {}
 
@@ -121,13 +137,17 @@ class LocalSubprocessSandbox:
         max_file_mb, max_open_files, max_processes: RLIMIT_FSIZE, _NOFILE, _NPROC.
         max_output_bytes: Output kept per call (head and tail); the rest is dropped unread.
         tmp_size_mb: Size of the private /tmp tmpfs (bubblewrap only).
+        shm_size_mb: Size of the private /dev/shm tmpfs (bubblewrap only).
+        workdir_writable: False binds the workdir read-only (nothing can be written there).
+        whole_tree_limits: Bound memory and process count of each run's whole process tree
+            with a control group when one is writable (see ``sandbox.cgroups``).
         python: Interpreter for tests and `python`/`python3` inside; default /usr/bin/python3.
         pytest_from: "auto" (the interpreter's own pytest if it has one, else the bundle),
             "bundle" or "python".
         bwrap_path: "auto" finds `bwrap` on PATH; None runs without it (limits only).
         require_isolation: Raise instead of degrading when bubblewrap is unusable.
-        run_as_uid, run_as_gid: Sandbox identity; default nobody (65534) when we are root,
-            else our own uid (we cannot switch then).
+        run_as_uid, run_as_gid: Sandbox identity; default when we are root: a uid of its
+            own for every run (``uid_pool``), else our own uid (we cannot switch then).
         hide_paths: Host directories replaced by empty tmpfs inside the sandbox.
         ro_binds: Extra host paths made visible read-only at the same place.
         env: Extra environment variables inside the sandbox.
@@ -146,6 +166,9 @@ class LocalSubprocessSandbox:
         max_processes: int = 128,
         max_output_bytes: int = 200_000,
         tmp_size_mb: int = 256,
+        shm_size_mb: int = 64,
+        workdir_writable: bool = True,
+        whole_tree_limits: bool = True,
         python: str | None = None,
         pytest_from: str = "auto",
         bwrap_path: str | os.PathLike[str] | None = "auto",
@@ -178,13 +201,28 @@ class LocalSubprocessSandbox:
         )
         self.max_output_bytes = max_output_bytes
         self.tmp_size_mb = tmp_size_mb
+        if shm_size_mb <= 0:
+            raise ValueError(f"shm_size_mb must be > 0, got {shm_size_mb!r}")
+        self.shm_size_mb = shm_size_mb
+        self.workdir_writable = workdir_writable
         self.python = python or _default_python()
         self.pytest_from = pytest_from
         self.denylist = denylist
         self.extra_env = dict(env or {})
         self.uid, self.gid = self._resolve_identity(run_as_uid, run_as_gid)
+        # As root without a fixed identity, each run leases a uid of its own.
+        self.lease_uids = run_as_uid is None and os.geteuid() == 0
+        self.cgroups = None
+        if whole_tree_limits:
+            support = cgroup_support()
+            self.cgroups = support if support.version else None
+        self.whole_tree_limits = self.cgroups is not None
         check_reachable(self.workdir, self._effective_uid(), self._effective_gid())
-        self.hide_paths = tuple(p for p in hide_paths if os.path.isdir(p) and not os.path.islink(p))
+        hidden = [str(Path(p)) for p in hide_paths if os.path.isdir(p) and not os.path.islink(p)]
+        # a directory inside another hidden one is hidden already (and could not be mounted)
+        self.hide_paths = tuple(
+            p for p in dict.fromkeys(hidden) if not any(p.startswith(q + "/") for q in hidden)
+        )
         self.ro_binds = tuple(str(Path(p).resolve()) for p in ro_binds)
         self.isolated, reason = self._resolve_bwrap(bwrap_path)
         if not self.isolated:
@@ -203,6 +241,7 @@ class LocalSubprocessSandbox:
             log.warning(message)
         self._booted = False
         self._use_bundle = False
+        self.last_infrastructure_error: str | None = None
         self._trajectory: list[dict[str, Any]] = []
 
     # identity and isolation -------------------------------------------------------------
@@ -255,41 +294,76 @@ class LocalSubprocessSandbox:
         return env
 
     def _run(self, inner: list[str], timeout_s: float | None = None) -> ProcessOutcome:
+        """Run ``inner`` in the sandbox; a run the sandbox could not start comes back with
+        ``self.last_infrastructure_error`` set (and says so in its output)."""
+        if not self.lease_uids:
+            return self._run_as(inner, timeout_s, self.uid, self.gid)
+        with lease_uid() as uid:
+            hand_over(self.workdir, uid, uid)
+            return self._run_as(inner, timeout_s, uid, uid)
+
+    def _run_as(
+        self, inner: list[str], timeout_s: float | None, uid: int | None, gid: int | None
+    ) -> ProcessOutcome:
         env = self._env()
+        # Our shell prints the marker before the command starts: without it in the output,
+        # the sandbox itself failed (no fork, no mount) and the command never ran.
+        started = ["/bin/sh", "-c", 'printf "%s\\n" "$0"; exec "$@"', START_MARKER, *inner]
         if self.bwrap is not None:
             argv = bwrap_argv(
                 self.bwrap,
-                inner,
+                started,
                 workdir=self.workdir,
                 env=env,
                 tmp_size_mb=self.tmp_size_mb,
+                shm_size_mb=self.shm_size_mb,
+                workdir_writable=self.workdir_writable,
                 hide_paths=self.hide_paths,
                 ro_binds=[*self.ro_binds, str(support_root())],
                 python=self.python,
             )
             outer_env = {"PATH": BASE_PATH}
         else:
-            argv, outer_env = inner, env
+            argv, outer_env = started, env
+        group = None
+        self.last_infrastructure_error = None
         try:
-            return run_bounded(
+            if self.cgroups is not None:
+                group = RunCgroup(
+                    self.cgroups, mem_mb=self.limits.mem_mb, max_pids=self.limits.processes
+                )
+            outcome = run_bounded(
                 argv,
                 cwd=self.workdir,
                 env=outer_env,
                 timeout_s=timeout_s or self.exec_timeout_s,
                 max_output_bytes=self.max_output_bytes,
                 limits=self.limits,
-                uid=self.uid,
-                gid=self.gid,
+                uid=uid,
+                gid=gid,
+                cgroup_procs=group.procs_files if group is not None else (),
             )
         except OSError as exc:  # e.g. the interpreter does not exist: data, not a crash
             text = f"sandbox error: could not start {inner[0]!r}: {exc}".encode()
+            self.last_infrastructure_error = text.decode()
             return ProcessOutcome(None, text, len(text), False, False, 0.0)
+        finally:
+            if group is not None:
+                group.close()
+        marker = START_MARKER.encode() + b"\n"
+        if outcome.output.startswith(marker):
+            return dataclasses.replace(outcome, output=outcome.output[len(marker) :])
+        self.last_infrastructure_error = (
+            f"the sandbox did not start the command: {outcome.text().strip()[-300:]!r}"
+        )
+        return outcome
 
     # the Sandbox protocol ---------------------------------------------------------------
     def boot(self, image: str | None = None) -> None:
         """Prepare the workdir and pick the pytest source. `image` is recorded, not used:
         this backend's "image" is the host filesystem."""
-        hand_over(self.workdir, self.uid, self.gid)
+        if not self.lease_uids:
+            hand_over(self.workdir, self.uid, self.gid)
         if not self._booted:
             self._use_bundle = self._needs_bundle()
             self._booted = True
@@ -319,7 +393,7 @@ class LocalSubprocessSandbox:
     def _ensure_booted(self) -> None:
         if not self._booted:
             self.boot(None)
-        else:
+        elif not self.lease_uids:  # (a leased uid gets the workdir at every run)
             hand_over(self.workdir, self.uid, self.gid)  # files the host added since
 
     def exec(self, action: Mapping[str, Any]) -> str:
@@ -338,6 +412,7 @@ class LocalSubprocessSandbox:
             allowed=True,
             output=text,
             exit_code=outcome.exit_code,
+            infrastructure_error=self.last_infrastructure_error,
             timed_out=outcome.timed_out,
             output_bytes=outcome.total_bytes,
             truncated=outcome.truncated,
@@ -373,6 +448,7 @@ class LocalSubprocessSandbox:
             timed_out=outcome.timed_out,
             isolated=self.isolated,
             duration_s=outcome.duration_s,
+            infrastructure_error=self.last_infrastructure_error,
         )
         self._trajectory.append(
             {

@@ -60,12 +60,30 @@ class ResourceLimits:
         ]
 
 
-def _limits_preexec(pairs: list[tuple[int, int]]) -> Callable[[], None]:
+def _child_preexec(
+    pairs: list[tuple[int, int]],
+    cgroup_procs: Sequence[str],
+    uid: int | None,
+    gid: int | None,
+) -> Callable[[], None]:
     # Runs in the forked child: only C-level calls on precomputed values (no imports, no
     # allocation-heavy work), which keeps it safe even if the parent has other threads.
+    # Order: join the cgroups while still privileged, set the rlimits, then drop to uid/gid.
+    own_pid = b"0"  # writing 0 to cgroup.procs moves the writing process itself
+
     def apply() -> None:
+        for procs in cgroup_procs:
+            fd = os.open(procs, os.O_WRONLY)
+            try:
+                os.write(fd, own_pid)
+            finally:
+                os.close(fd)
         for res, value in pairs:
             resource.setrlimit(res, (value, value))
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
 
     return apply
 
@@ -143,13 +161,15 @@ def run_bounded(
     limits: ResourceLimits | None = None,
     uid: int | None = None,
     gid: int | None = None,
+    cgroup_procs: Sequence[str] = (),
 ) -> ProcessOutcome:
     """Run `argv` to completion or until `timeout_s`, whichever comes first.
 
     The child starts a new session (its pid is the process-group id); on timeout, and after a
     normal exit (to reap background leftovers), the whole group gets SIGKILL. Processes that
     left the group with `setsid` are only caught by an outer isolator (bubblewrap's PID
-    namespace). `uid`/`gid` drop privileges (needs root).
+    namespace). `uid`/`gid` drop privileges (needs root). `cgroup_procs`: ``cgroup.procs``
+    files the child joins before it drops privileges (whole-tree memory / pids limits).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -158,9 +178,9 @@ def run_bounded(
     start = time.monotonic()
     deadline = start + timeout_s
     capture = OutputCapture(max_output_bytes)
-    privileges: dict[str, object] = {}
-    if uid is not None:
-        privileges = {"user": uid, "group": gid if gid is not None else uid, "extra_groups": []}
+    pairs = limits.as_rlimits() if limits is not None else []
+    group = gid if gid is not None else uid
+    needs_preexec = bool(pairs or cgroup_procs or uid is not None)
     proc = subprocess.Popen(
         list(argv),
         cwd=cwd,
@@ -170,8 +190,7 @@ def run_bounded(
         stderr=subprocess.STDOUT,
         start_new_session=True,
         close_fds=True,
-        preexec_fn=_limits_preexec(limits.as_rlimits()) if limits is not None else None,
-        **privileges,  # type: ignore[arg-type]
+        preexec_fn=_child_preexec(pairs, list(cgroup_procs), uid, group) if needs_preexec else None,
     )
     assert proc.stdout is not None
     fd = proc.stdout.fileno()

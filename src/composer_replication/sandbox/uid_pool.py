@@ -1,0 +1,48 @@
+"""A distinct unprivileged uid for every concurrent sandbox run.
+
+RLIMIT_NPROC counts the processes of a uid across the whole host: sandboxes that share one
+uid share one process budget, so a fork bomb in one rollout starves the others (``bwrap:
+Can't fork``) and their honest answers score 0. :func:`lease_uid` hands each run its own uid
+from a range no account uses, held by an ``flock`` on a per-uid lock file for as long as the
+run lasts, so concurrent runs in this process and in other processes never share one. A
+uid needs no account: it owns the run's workdir and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["FIRST_UID", "POOL_SIZE", "lease_uid"]
+
+FIRST_UID = 612_000
+POOL_SIZE = 256
+LOCK_DIR = Path("/dev/shm/composer-replication-uids")
+
+
+@contextlib.contextmanager
+def lease_uid(lock_dir: Path = LOCK_DIR) -> Iterator[int]:
+    """A uid no other live run holds, for the duration of the ``with`` block.
+
+    Raises ``RuntimeError`` when all ``POOL_SIZE`` uids are taken.
+    """
+    lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    start = os.getpid() % POOL_SIZE  # spread processes over the pool
+    for k in range(POOL_SIZE):
+        uid = FIRST_UID + (start + k) % POOL_SIZE
+        fd = os.open(lock_dir / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield uid
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return
+    raise RuntimeError(f"all {POOL_SIZE} sandbox uids are in use; lower the number of workers")
