@@ -52,15 +52,46 @@ def test_is_a_sandbox(workdir: Path) -> None:
 
 @needs_bwrap
 @needs_root
-def test_exec_runs_as_nobody_in_the_workdir_with_python_on_path(workdir: Path) -> None:
+def test_exec_runs_as_an_own_uid_in_the_workdir_with_python_on_path(workdir: Path) -> None:
+    from composer_replication.sandbox.uid_pool import FIRST_UID, POOL_SIZE
+
     sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=30)
     out = sandbox.exec({"command": "id -u; pwd; python --version; echo hi > made.txt"})
     lines = out.splitlines()
-    assert lines[0] == "65534"
+    uid = int(lines[0])
+    assert FIRST_UID <= uid < FIRST_UID + POOL_SIZE  # a leased uid, not a shared one
     assert lines[1] == str(workdir.resolve())
     assert lines[2].startswith("Python 3.")
     assert (workdir / "made.txt").read_text() == "hi\n"
-    assert (workdir / "made.txt").stat().st_uid == 65534
+    assert (workdir / "made.txt").stat().st_uid == uid
+    fixed = LocalSubprocessSandbox(workdir, exec_timeout_s=30, run_as_uid=65534)
+    assert fixed.exec({"command": "id -u"}).splitlines()[0] == "65534"
+
+
+@needs_bwrap
+@needs_root
+def test_concurrent_runs_get_distinct_uids(workdir: Path, shared_dir: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    dirs = [shared_dir / f"w{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+        d.chmod(0o755)
+    boxes = [LocalSubprocessSandbox(d, exec_timeout_s=30) for d in dirs]
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda b: b.exec({"command": "id -u; sleep 1"}), boxes))
+    assert len({o.splitlines()[0] for o in outs}) == 3
+
+
+@needs_bwrap
+def test_a_sandbox_that_cannot_start_reports_an_infrastructure_error(workdir: Path) -> None:
+    ok = LocalSubprocessSandbox(workdir, exec_timeout_s=30)
+    ok.exec({"command": "exit 1"})
+    assert ok.trajectory()[-1]["infrastructure_error"] is None  # the command ran and failed
+    broken = LocalSubprocessSandbox(workdir, exec_timeout_s=30, pytest_from="python")
+    broken.ro_binds = ("/nonexistent/dir",)  # a bind bubblewrap cannot make
+    result = broken.run_tests("python -m pytest -q", [])
+    assert result.infrastructure_error and "did not start" in result.infrastructure_error
 
 
 @needs_bwrap
@@ -187,7 +218,8 @@ def test_degraded_mode_warns_marks_results_and_is_visibly_unisolated(
         sandbox = LocalSubprocessSandbox(workdir, bwrap_path=None, mem_limit_mb=300)
     assert sandbox.isolated is False
     out = sandbox.exec({"command": f"id -u; ulimit -v; echo changed > {victim}"})
-    assert out.split() == ["65534", str(300 * 1024)]  # uid drop and limits still apply
+    uid, limit = out.split()
+    assert int(uid) != 0 and limit == str(300 * 1024)  # uid drop and limits still apply
     assert victim.read_text() == "changed\n"  # but nothing stops host writes
     _write_suite(workdir)
     assert (

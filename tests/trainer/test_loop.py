@@ -201,13 +201,16 @@ def test_failing_sandbox_does_not_crash_the_loop(tmp_path, tiny_dir):
             return super().grade(task, "```python\n" + task.reference + "\n```")
 
     env = GradesTheReference(sandbox_factory=broken_sandbox)
-    reward, _, error, _ = env.grade(env.tasks[env.task_ids()[0]], "")
+    reward, _, error, info = env.grade(env.tasks[env.task_ids()[0]], "")
     assert reward == 0.0 and error.startswith("sandbox: OSError")
+    assert info["infrastructure_error"] is True  # the backend, not the policy, failed
     cfg = _config(tmp_path, tiny_dir, env="python_functions", steps=1)
     result = train(cfg, environments={"python_functions": env})
     row = result.metrics[-1]
     assert result.steps == 1 and row["reward/mean"] == 0.0
     assert row["rollouts/errors"] == row["rollouts/count"] == 4
+    # left out of training: no rollout reaches the loss
+    assert row["rollouts/infrastructure_errors"] == 4 and row["tokens/rl"] == 0
 
 
 def _strip(rows):

@@ -113,7 +113,7 @@ def test_reward_grades_in_the_sandbox_and_reports_feedback(env):
     )
     assert values == [1.0, 0.0, 0.0]
     assert reward.last_feedback[0] is None
-    assert "failed" in reward.last_feedback[1]
+    assert "FAILED test_" in reward.last_feedback[1]
     assert reward.last_feedback[2].startswith(f"No function named `{task.entry_point}`")
     assert reward.last_info[0] == {"passed": task.n_tests, "total": task.n_tests}
     with pytest.raises(ValueError, match="needs the dataset's task_id column"):

@@ -162,9 +162,20 @@ class GuardConfig(_Strict):
     rise_eps: float = Field(
         1e-4, ge=0, description="Smallest EMA move that counts as rising/declining."
     )
+    hack_fraction_stop: float | None = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="Share of a step's rollouts with hack flags (what they did outside their "
+        "answer) that, for hack_patience steps in a row, stops the run; null: off.",
+    )
+    hack_patience: int = Field(
+        3, ge=1, description="Consecutive steps over hack_fraction_stop that stop the run."
+    )
 
     def guard_kwargs(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"enabled"})
+        """The ``HeldOutGuard`` settings (the hack tripwire is the run lifecycle's)."""
+        return self.model_dump(exclude={"enabled", "hack_fraction_stop", "hack_patience"})
 
 
 class CheckpointConfig(_Strict):

@@ -39,8 +39,12 @@ class Environment(Protocol):
 
 
 def pass_at_1(groups: Sequence[Sequence[Rollout]]) -> float:
-    """Share of attempts that fully solved their task (reward 1.0), over all groups."""
-    attempts = [r for group in groups for r in group]
+    """Share of attempts that fully solved their task (reward 1.0), over all groups.
+
+    Attempts whose sandbox failed before they ran (``infrastructure_error``) say nothing
+    about the policy and are left out.
+    """
+    attempts = [r for group in groups for r in group if not r.infrastructure_error]
     if not attempts:
         return 0.0
     return sum(1 for r in attempts if r.reward >= 1.0) / len(attempts)

@@ -34,7 +34,11 @@ class Rollout:
             error), the raw material of SDPO hints.
         error: why the rollout failed (sandbox error, timeout, unparsable tool call), or
             None.
-        metadata: free-form extras recorded by the environment.
+        metadata: free-form extras recorded by the environment. Two keys have a meaning
+            for the trainer: ``infrastructure_error`` (True: the sandbox failed before the
+            attempt ran; the rollout says nothing about the policy and is left out of
+            training and evaluation) and ``hack_flags`` (what the attempt did outside its
+            answer, counted in the metrics and fed to the kill switch).
     """
 
     task_id: str
@@ -65,6 +69,16 @@ class Rollout:
     def input_ids(self) -> list[int]:
         """Prompt followed by completion."""
         return [*self.prompt_ids, *self.completion_ids]
+
+    @property
+    def infrastructure_error(self) -> bool:
+        """The sandbox failed before the attempt ran (not the policy's doing)."""
+        return bool(self.metadata.get("infrastructure_error"))
+
+    @property
+    def hack_flags(self) -> list[str]:
+        """What the attempt did outside its answer (empty when nothing was seen)."""
+        return list(self.metadata.get("hack_flags") or ())
 
     @property
     def n_sampled_tokens(self) -> int:

@@ -308,7 +308,8 @@ class LocalSubprocessSandbox:
         env = self._env()
         # Our shell prints the marker before the command starts: without it in the output,
         # the sandbox itself failed (no fork, no mount) and the command never ran.
-        started = ["/bin/sh", "-c", 'printf "%s\\n" "$0"; exec "$@"', START_MARKER, *inner]
+        started = ["/bin/sh", "-c", 'printf "%s\\n" "$1"; shift; exec "$@"', "sandbox", START_MARKER]
+        started += inner
         if self.bwrap is not None:
             argv = bwrap_argv(
                 self.bwrap,
@@ -352,7 +353,11 @@ class LocalSubprocessSandbox:
                 group.close()
         marker = START_MARKER.encode() + b"\n"
         if outcome.output.startswith(marker):
-            return dataclasses.replace(outcome, output=outcome.output[len(marker) :])
+            return dataclasses.replace(
+                outcome,
+                output=outcome.output[len(marker) :],
+                total_bytes=outcome.total_bytes - len(marker),
+            )
         self.last_infrastructure_error = (
             f"the sandbox did not start the command: {outcome.text().strip()[-300:]!r}"
         )

@@ -82,6 +82,7 @@ class RunLifecycle:
         self.guard = HeldOutGuard(**config.guard.guard_kwargs())
         self.heldout_before: float | None = None
         self.stopped: TripwireStatus | None = None
+        self.hack_streak = 0
         self._start = time.perf_counter()
 
     # ------------------------------------------------------------------ evaluation
@@ -145,6 +146,35 @@ class RunLifecycle:
             self.stopped = status
         return status.fire
 
+    def hack_round(self, step: int, row: dict[str, Any]) -> bool:
+        """The hack tripwire: True (and the run stops) when the share of flagged rollouts
+        stayed above ``guard.hack_fraction_stop`` for ``guard.hack_patience`` steps."""
+        from composer_replication.safety import TripwireStatus
+
+        limit = self.config.guard.hack_fraction_stop
+        if not self.config.guard.enabled or limit is None or "hack/flagged_fraction" not in row:
+            return False
+        share = float(row["hack/flagged_fraction"])
+        self.hack_streak = self.hack_streak + 1 if share > limit else 0
+        row["guard/hack_streak"] = self.hack_streak
+        if self.hack_streak < self.config.guard.hack_patience:
+            return False
+        last = self.guard.last_status
+        self.stopped = TripwireStatus(
+            fire=True,
+            reason=(
+                f"hack flags on {share:.0%} of the rollouts (limit {limit:.0%}) for "
+                f"{self.hack_streak} steps in a row: the policy games its grader"
+            ),
+            step=step,
+            proxy_real_gap=self.guard.proxy_real_gap(),
+            in_loop_ema=last.in_loop_ema if last else 0.0,
+            heldout_ema=last.heldout_ema if last else 0.0,
+            kl_ema=last.kl_ema if last else None,
+        )
+        row.update({"guard/fired": True, "guard/reason": self.stopped.reason})
+        return True
+
     # ------------------------------------------------------------------ metrics and state
 
     def append(self, row: dict[str, Any]) -> None:
@@ -162,11 +192,16 @@ class RunLifecycle:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"guard": self.guard.state_dict(), "heldout_before": self.heldout_before}
+        return {
+            "guard": self.guard.state_dict(),
+            "heldout_before": self.heldout_before,
+            "hack_streak": self.hack_streak,
+        }
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         self.guard.load_state_dict(state["guard"])
         self.heldout_before = state["heldout_before"]
+        self.hack_streak = int(state.get("hack_streak", 0))
         self.metrics.truncate_after(step)
 
     # ------------------------------------------------------------------ the end

@@ -163,6 +163,7 @@ class Trainer:
 
     def collect(self) -> tuple[list[Any], dict[str, float]]:
         samples, rewards, errors, n_rollouts = [], [], 0, 0
+        infrastructure, flagged = 0, 0
         sampled_tokens, generation_s = 0, 0.0
         t0 = time.perf_counter()
         for rt in self.runtimes:
@@ -177,15 +178,21 @@ class Trainer:
                 sampling=rt.sampling,
             )
             env_samples, results = [], {}
-            for task_id, group in zip(task_ids, groups):
-                env_samples += rt.algorithm.assign(group)
-                results[task_id] = sum(r.reward for r in group) / max(len(group), 1)
-                rewards += [r.reward for r in group]
-                errors += sum(1 for r in group if r.error)
-                n_rollouts += len(group)
-                for r in group:
+            for task_id, sampled_group in zip(task_ids, groups):
+                # A rollout whose sandbox never ran says nothing about the policy: left out.
+                group = [r for r in sampled_group if not r.infrastructure_error]
+                infrastructure += len(sampled_group) - len(group)
+                flagged += sum(1 for r in group if r.hack_flags)
+                errors += sum(1 for r in sampled_group if r.error)
+                n_rollouts += len(sampled_group)
+                for r in sampled_group:
                     sampled_tokens += sum(r.completion_mask or ())
                     generation_s += float(r.metadata.get("generation_s", 0.0))
+                if not group:
+                    continue
+                env_samples += rt.algorithm.assign(group)
+                results[task_id] = sum(r.reward for r in group) / len(group)
+                rewards += [r.reward for r in group]
             asyncio.run(rt.algorithm.score(env_samples))
             samples += env_samples
             rt.curriculum.update(self.step, results)
@@ -194,6 +201,9 @@ class Trainer:
             "reward/solved": sum(1 for r in rewards if r >= 1.0) / len(rewards) if rewards else 0.0,
             "rollouts/errors": float(errors),
             "rollouts/count": float(n_rollouts),
+            "rollouts/infrastructure_errors": float(infrastructure),
+            "hack/flagged": float(flagged),
+            "hack/flagged_fraction": flagged / n_rollouts if n_rollouts else 0.0,
             "time/generate_score_s": time.perf_counter() - t0,
             "tokens/sampled": float(sampled_tokens),
         }
@@ -274,7 +284,8 @@ class Trainer:
     def _loop(self, progress: ProgressBar) -> None:
         while self.step < self.config.steps:
             row = self.train_one_step()
-            fired = self.life.is_eval_step(self.step) and self.guard_round(row)
+            fired = self.life.hack_round(self.step, row)
+            fired = (self.life.is_eval_step(self.step) and self.guard_round(row)) or fired
             self.life.append(row)
             progress.update(row)
             last = self.step == self.config.steps

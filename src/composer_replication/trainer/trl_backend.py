@@ -59,7 +59,10 @@ class PythonFunctionsReward:
     dataset's ``task_id`` column). Reward = share of the task's hidden tests that pass in the
     sandbox. ``last_feedback`` (the ``FeedbackRewardFunc`` side channel) holds, per
     completion, the failing-test output or the format/sandbox error, None when solved.
-    ``last_info`` holds the grader's info dicts (passed / total).
+    ``last_info`` holds the grader's info dicts (passed / total, hack flags). trl has no
+    way to leave a sample out of its loss, so a completion whose sandbox never started
+    scores 0 here (``last_info`` marks it ``infrastructure_error``); the native backend
+    leaves such rollouts out.
 
     Args:
         env: the environment whose tasks and sandbox grade the completions.
@@ -261,7 +264,9 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
         **settings,
     )
     life.evaluate_start(policy, tokenizer, heldout)
-    callback = _LifecycleCallback(life, policy, tokenizer, heldout, settings.get("taid_t"))
+    callback = _LifecycleCallback(
+        life, policy, tokenizer, heldout, settings.get("taid_t"), trainer.reward_funcs[0]
+    )
     trainer.add_callback(callback.as_trainer_callback())
     if console is not None:
         console.print(f"[bold]trl[/bold]: {len(trainer.train_dataset)} train prompts")
@@ -282,8 +287,10 @@ class _LifecycleCallback:
         tokenizer: Any,
         heldout: list[Any],
         taid_schedule: Any = None,
+        reward: Any = None,
     ) -> None:
         self.life, self.policy, self.tokenizer, self.heldout = life, policy, tokenizer, heldout
+        self.reward = reward  # its last_info carries the grader's hack flags
         # A scheduled TAID t (a TAIDScheduler): folded in from the logged SDPO loss.
         self.taid = taid_schedule if hasattr(taid_schedule, "update_t") else None
 
