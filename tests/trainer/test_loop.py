@@ -217,20 +217,24 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
-def test_resume_after_sigkill_reproduces_metrics(tmp_path, tiny_dir):
+@pytest.mark.parametrize("algo", ["grpo", "composer"])
+def test_resume_after_sigkill_reproduces_metrics_and_weights(tmp_path, tiny_dir, pairs_file, algo):
     steps = 4
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
-    # rising=False: rewards depend only on the samples (the env keeps no state to restore)
-    cfg = _config(ref_dir, tiny_dir, env="scripted_env:make_env", steps=steps)
-    cfg.envs[0].options["rising"] = False
+    adv = f'pairs_path = "{pairs_file}"' if algo == "composer" else ""
+
+    def config(run_dir):
+        cfg = _config(
+            run_dir, tiny_dir, env="scripted_env:make_env", steps=steps, algo=algo, adv=adv
+        )
+        # rising=False: rewards depend only on the samples (the env keeps no state to restore)
+        cfg.envs[0].options["rising"] = False
+        return cfg
+
     env_vars = {**os.environ, "PYTHONPATH": str(HERE)}
-    reference = train(cfg)  # uninterrupted (in process, same code path)
+    reference = train(config(ref_dir))  # uninterrupted (in process, same code path)
     toml = tmp_path / "kill.toml"
-    data = _config(kill_dir, tiny_dir, env="scripted_env:make_env", steps=steps).model_dump(
-        mode="json"
-    )
-    data["envs"][0]["options"]["rising"] = False
-    toml.write_text(_to_toml(data))
+    toml.write_text(_to_toml(config(kill_dir).model_dump(mode="json")))
     cmd = [sys.executable, "-m", "composer_replication.cli", "train", str(toml)]
     proc = subprocess.Popen(cmd, env=env_vars, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = kill_dir / "run" / "checkpoints" / "step_000002"
@@ -248,6 +252,16 @@ def test_resume_after_sigkill_reproduces_metrics(tmp_path, tiny_dir):
         json.loads(line) for line in (kill_dir / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert _strip(rows) == _strip(reference.metrics)
+    if algo == "composer":
+        assert all(r["tokens/dpo"] > 0 for r in rows if r["step"] > 0)
+    from safetensors.torch import load_file
+
+    def weights(run_dir):
+        return load_file(str(next((run_dir / "run" / "final_model").glob("*.safetensors"))))
+
+    ref_w, got_w = weights(ref_dir), weights(kill_dir)
+    assert ref_w.keys() == got_w.keys()
+    assert all(torch.equal(ref_w[k], got_w[k]) for k in ref_w)  # bit for bit
 
 
 def _to_toml(data) -> str:

@@ -94,6 +94,13 @@ class Algorithm(ABC):
     async def score(self, samples: list[TrainingSample]) -> None:  # noqa: B027
         """Fill model-dependent streams (reference log-probs) in place. Default: nothing."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue exactly (e.g. a pair pool's draw order)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
+        """Restore :meth:`state_dict`. Default: nothing to restore."""
+
     def observation_weights(self, rollout: Rollout) -> list[float]:
         """Per completion token, the ce weight of observation tokens (default all 0.0)."""
         return [0.0] * len(rollout.completion_ids)

@@ -71,6 +71,13 @@ class ComposerAlgorithm(Algorithm):
             rng=resources.rng,
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"pool": self.pool.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("pool"):
+            self.pool.load_state_dict(state["pool"])
+
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         cfg = self.advantage_config
         samples = grpo_with_self_distillation(self.name, group, cfg, self.tokenizer)

@@ -115,6 +115,12 @@ def build_pair_pool(
     return out
 
 
+def _as_state(value: Any) -> tuple:
+    """A ``random.Random`` state back from its JSON-ish form (lists for tuples)."""
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
+
+
 class PairPool:
     """Draws pairs without replacement; reshuffles (with ``rng``) when exhausted."""
 
@@ -122,6 +128,14 @@ class PairPool:
         self.pairs = list(pairs)
         self.rng = rng
         self._order: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The random state and the rest of the current pass (for an exact resume)."""
+        return {"rng": self.rng.getstate(), "order": list(self._order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(_as_state(state["rng"]))
+        self._order = [int(i) for i in state["order"]]
 
     def draw(self, k: int) -> list[DPOPairTokens]:
         out: list[DPOPairTokens] = []
@@ -186,6 +200,13 @@ class ReplayDPOAlgorithm(Algorithm):
             resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.beta_replay
         )
         return cls(config, pairs, reference_scorer=resources.reference_scorer, rng=resources.rng)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pool": self.pool.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("pool"):
+            self.pool.load_state_dict(state["pool"])
 
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         """``pairs_per_group`` pair-only samples; the group's rollouts are not used."""

@@ -308,7 +308,13 @@ class LocalSubprocessSandbox:
         env = self._env()
         # Our shell prints the marker before the command starts: without it in the output,
         # the sandbox itself failed (no fork, no mount) and the command never ran.
-        started = ["/bin/sh", "-c", 'printf "%s\\n" "$1"; shift; exec "$@"', "sandbox", START_MARKER]
+        started = [
+            "/bin/sh",
+            "-c",
+            'printf "%s\\n" "$1"; shift; exec "$@"',
+            "sandbox",
+            START_MARKER,
+        ]
         started += inner
         if self.bwrap is not None:
             argv = bwrap_argv(

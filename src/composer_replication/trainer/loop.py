@@ -120,6 +120,7 @@ class Trainer:
     def extra_state(self) -> dict[str, Any]:
         return {
             "curricula": [rt.curriculum.state_dict() for rt in self.runtimes],
+            "algorithms": [rt.algorithm.state_dict() for rt in self.runtimes],
             "task_rng": self.task_rng.getstate(),
             "lifecycle": self.life.state_dict(),
             "teachers": self.teachers.state_dict(),
@@ -148,6 +149,8 @@ class Trainer:
         extra = state["extra"]
         for rt, state_dict in zip(self.runtimes, extra["curricula"]):
             rt.curriculum.load_state_dict(state_dict)
+        for rt, state_dict in zip(self.runtimes, extra.get("algorithms", [])):
+            rt.algorithm.load_state_dict(state_dict)
         self.task_rng.setstate(extra["task_rng"])
         self.life.load_state_dict(extra["lifecycle"], self.step)
         self.teachers.load_state_dict(extra["teachers"])
