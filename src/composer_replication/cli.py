@@ -7,6 +7,7 @@ Thin: every command parses its options and calls one library function. Heavy imp
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -17,6 +18,48 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def user_error(exc: BaseException) -> str:
+    """One line for a user's mistake: a config value and what is valid, a missing file."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors()[:3]:
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            message = str(err.get("msg", "")).removeprefix("Value error, ")
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            parts.append(f"{where}: {message}{shown}" if where else message)
+        more = len(exc.errors()) - 3
+        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text
+
+
+def _run_config(
+    config: Path | None, overrides: list[str], output_dir: str | None, backend: str, resume: bool
+) -> Any:
+    from composer_replication.config import RunConfig
+
+    if backend not in ("native", "trl"):
+        raise ValueError(f"unknown backend {backend!r}; use --backend native or --backend trl")
+    if backend == "trl" and resume:
+        raise ValueError("--resume needs --backend native (the trl backend keeps no checkpoints)")
+    overrides = overrides + ([f"output_dir={output_dir}"] if output_dir else [])
+    return RunConfig.from_toml(config, overrides) if config else RunConfig.default(overrides)
+
+
+def _check_model_source(source: str) -> None:
+    """A model path that does not exist fails before anything is loaded or created."""
+    if source == "embedded" or ("/" not in source and not source.endswith(".gguf")):
+        return  # the embedded model, or a cached hub id resolved by the loader
+    if not Path(source).expanduser().exists():
+        raise FileNotFoundError(
+            f"model.source {source!r} does not exist; give a Hugging Face model directory, "
+            "a .gguf file, or 'embedded'"
+        )
 
 
 def _print_components(title: str, rows: list[tuple[str, dict[str, float]]]) -> None:
@@ -78,23 +121,23 @@ def train(
     backend: str = typer.Option(
         "native", help="Training backend: native (this framework's loop) or trl (GRPOTrainer)."
     ),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks of errors."),
 ) -> None:
     """Train a policy. With no config: the embedded default job (a few minutes on a CPU)."""
     from rich.console import Console
 
-    from composer_replication.config import RunConfig
-    from composer_replication.safety import CollapseStopError
+    from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH, EXIT_USAGE
 
     console = Console()
-    overrides = list(set_) + ([f"output_dir={output_dir}"] if output_dir else [])
-    cfg = RunConfig.from_toml(config, overrides) if config else RunConfig.default(overrides)
-    if backend not in ("native", "trl"):
-        raise typer.BadParameter(f"unknown backend {backend!r}; available: native, trl")
-    if backend == "trl" and resume:
-        raise typer.BadParameter(
-            "--resume needs --backend native (the trl backend keeps no checkpoints)"
-        )
-    from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH
+    try:
+        cfg = _run_config(config, list(set_), output_dir, backend, resume)
+        _check_model_source(cfg.model.source)
+    except Exception as exc:  # a bad config or path: one line that says what to fix
+        if debug:
+            raise
+        typer.echo(f"Error: {user_error(exc)} (--debug shows the traceback)", err=True)
+        raise typer.Exit(code=EXIT_USAGE) from None
+    from composer_replication.safety import CollapseStopError
     from composer_replication.trainer.loop import train as run_training
 
     console.print(

@@ -40,6 +40,29 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=1)
 
 
+# What each input row must hold (name -> type); other rows are skipped and counted.
+_STATE_FIELDS = {"state_id": str, "messages": list, "student_action": str}
+_RESULT_FIELDS = {"state_id": str}
+
+
+def _read_rows(path: Path, fields: dict[str, type], what: str) -> list[dict[str, Any]]:
+    """The well-formed rows of a JSONL input; bad lines and wrong-typed rows are counted
+    and reported, never a traceback."""
+    from composer_replication.traces.teacher_replay.pairs import read_jsonl
+
+    skipped: dict[str, int] = {}
+    rows = []
+    for value in read_jsonl(path, skipped=skipped):
+        if isinstance(value, dict) and all(isinstance(value.get(k), t) for k, t in fields.items()):
+            rows.append(value)
+        else:
+            skipped["wrong_type"] = skipped.get("wrong_type", 0) + 1
+    if skipped:
+        listed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(skipped.items()))
+        typer.echo(f"{what}: skipped {sum(skipped.values())} lines ({listed})", err=True)
+    return rows
+
+
 def load_teachers(spec: str) -> list[dict[str, Any]]:
     """Teachers from comma-separated `DEFAULT_TEACHERS` slugs or a .json / .toml file."""
     from composer_replication.traces.teacher_replay.records import DEFAULT_TEACHERS
@@ -95,9 +118,17 @@ def ingest(
         strip_thinking=not keep_thinking,
         max_history_tokens=max_history_tokens,
     )
+    from composer_replication.traces.teacher_replay.pairs import EmptyOutputError
+
     try:
-        write_jsonl(ingester.ingest(path), output)
-    except FileNotFoundError as exc:
+        write_jsonl(ingester.ingest(path), output, require_rows=True)
+    except EmptyOutputError as exc:
+        stats = ingester.last_stats
+        raise _fail(
+            f"{path} gave no states ({stats.n_records_total} records read, "
+            f"{stats.n_records_skipped} skipped): nothing written, {output} left untouched"
+        ) from exc
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise _fail(str(exc)) from exc
     s = ingester.last_stats
     typer.echo(
@@ -112,6 +143,7 @@ def ingest(
         "truncated": s.skipped_truncated_lines,
         "malformed": s.skipped_malformed_lines,
         "unknown type": s.skipped_unknown_type,
+        "oversized or too deep": s.skipped_oversized_lines,
         "other": s.skipped_other,
     }
     listed = ", ".join(f"{k} {v}" for k, v in skips.items() if v) or "none"
@@ -143,14 +175,17 @@ def replay(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from composer_replication.traces.teacher_replay.pairs import read_jsonl, write_jsonl
+    from composer_replication.traces.teacher_replay.pairs import check_output_path, write_jsonl
     from composer_replication.traces.teacher_replay.replay import replay_trace
 
-    try:
-        states = list(read_jsonl(states_path))
+    try:  # everything that can fail is checked before the first paid call
+        check_output_path(output)
+        states = _read_rows(states_path, _STATE_FIELDS, "states")
         teacher_specs = load_teachers(teachers)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, OSError) as exc:
         raise _fail(str(exc)) from exc
+    if not states:
+        raise _fail(f"{states_path} holds no states: nothing to replay, {output} left untouched")
     cache = None if no_cache else (cache_dir or output.with_name(output.name + ".cache"))
     columns = (
         TextColumn("replay"),
@@ -183,7 +218,7 @@ def replay(
             )
         except (RuntimeError, ValueError) as exc:
             raise _fail(str(exc)) from exc
-    write_jsonl(rows, output)
+    write_jsonl(rows, output, require_rows=True)
     typer.echo(f"{len(states)} states x {len(teacher_specs)} teachers -> {output}")
     typer.echo(rows.summary.format())
 
@@ -201,34 +236,44 @@ def pairs(
 ) -> None:
     """Teacher agreement against the student -> DPO pairs (optionally normalised)."""
     from composer_replication.traces.teacher_replay.pairs import (
+        check_output_path,
         extract_dpo_pairs,
-        read_jsonl,
-        save_pairs,
         write_jsonl,
     )
 
     try:
-        states = list(read_jsonl(states_path))
-        rows = list(read_jsonl(results_path))
+        check_output_path(output)
+        states = _read_rows(states_path, _STATE_FIELDS, "states")
+        rows = _read_rows(results_path, _RESULT_FIELDS, "results")
         normalizer = None
         if normalize:
             from composer_replication.traces.replaysim.normalize import DJNormalizer
 
             normalizer = DJNormalizer(recipe)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
         raise _fail(str(exc)) from exc
+    known = {st["state_id"] for st in states}
+    if not any(r["state_id"] in known for r in rows):
+        raise _fail(
+            f"no result row of {results_path} answers a state of {states_path} (were they made "
+            f"from different inputs?): nothing written, {output} left untouched"
+        )
     found = extract_dpo_pairs(states, rows, threshold)
     n_errors = sum(r.get("error") is not None for r in rows)
     typer.echo(
         f"{len(states)} states, {len(rows)} rows ({n_errors} errors): {len(found)} pairs "
         f"with >= {threshold} teachers agreeing against the student"
     )
+    if not found:
+        raise _fail(f"no pairs to write: {output} left untouched")
     if normalizer is None:
-        save_pairs(found, output)
+        write_jsonl(found, output, require_rows=True)
         typer.echo(f"wrote {len(found)} pairs -> {output}")
         return
     normalized = normalizer.normalize(found)
-    write_jsonl((p.to_dict() for p in normalized), output)
+    if not normalized:
+        raise _fail(f"the recipe dropped every pair: {output} left untouched")
+    write_jsonl((p.to_dict() for p in normalized), output, require_rows=True)
     st = normalizer.last_stats
     dropped = (
         f"{st.n_dropped_by_recipe} by the recipe, {st.n_dropped_identical} identical" if st else ""

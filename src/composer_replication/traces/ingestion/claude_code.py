@@ -59,6 +59,9 @@ from composer_replication.traces.ingestion.stats import (
 )
 from composer_replication.traces.teacher_replay.records import ErrorSite, StateSource, TraceState
 
+#: A record line longer than this (bytes) is skipped and counted, not parsed.
+MAX_LINE_BYTES = 64 * 1024 * 1024
+
 __all__ = ["KNOWN_VERSION_RANGE", "SYSTEM_PROMPT", "ClaudeCodeIngester", "IngestionStats"]
 
 SYSTEM_PROMPT = """\
@@ -219,8 +222,14 @@ class ClaudeCodeIngester:
     def _parse_line(
         self, raw: bytes, maybe_truncated: bool, stats: IngestionStats
     ) -> dict[str, Any] | None:
+        if len(raw) > MAX_LINE_BYTES:
+            stats.skip("skipped_oversized_lines")
+            return None
         try:
             record = json.loads(raw.decode("utf-8"))
+        except RecursionError:  # nested deeper than the parser goes: skipped, counted
+            stats.skip("skipped_oversized_lines")
+            return None
         except UnicodeDecodeError:
             stats.skip("skipped_malformed_lines")
             return None

@@ -58,6 +58,7 @@ class IngestionStats:
     skipped_unknown_type: int = 0
     skipped_other: int = 0
     skipped_subagent_files: int = 0
+    skipped_oversized_lines: int = 0
     warnings: list[str] = field(default_factory=list)
 
     def skip(self, reason: str) -> None:

@@ -94,21 +94,52 @@ def extract_dpo_pairs(
     return pairs
 
 
-def write_jsonl(rows: Iterable[Any], path: str | os.PathLike[str]) -> Path:
-    """Write rows as JSONL atomically (temp file, fsync, rename); creates parent dirs."""
-    target = Path(path)
+class EmptyOutputError(ValueError):
+    """Nothing to write: the existing output file (if any) was left untouched."""
+
+
+def write_jsonl(
+    rows: Iterable[Any], path: str | os.PathLike[str], *, require_rows: bool = False
+) -> Path:
+    """Write rows as JSONL atomically (temp file, fsync, rename); creates parent dirs.
+
+    The target is replaced only when everything was written; with ``require_rows`` an
+    empty result raises :class:`EmptyOutputError` and leaves an existing file as it was.
+    """
+    target = check_output_path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    count = 0
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             for row in rows:
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+                count += 1
             fh.flush()
             os.fsync(fh.fileno())
+        if require_rows and count == 0:
+            raise EmptyOutputError(f"nothing to write to {str(target)!r}; it was left untouched")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return target
+
+
+def check_output_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as an output file: not a directory, and its folder creatable and writable.
+
+    Call it before any paid work, so a bad ``-o`` fails at once, not after the spend.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"output {str(target)!r} is a directory; pass a file path")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {str(target)!r}: {str(parent)!r} is not writable")
     return target
 
 
@@ -117,16 +148,37 @@ def save_pairs(pairs: Sequence[DPOPair], path: str | os.PathLike[str]) -> Path:
     return write_jsonl(pairs, path)
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> Iterator[Any]:
-    """Yield the JSON value of each non-blank line; a bad line raises naming its number."""
+def read_jsonl(
+    path: str | os.PathLike[str],
+    *,
+    skipped: dict[str, int] | None = None,
+    max_line_bytes: int = 64 * 1024 * 1024,
+) -> Iterator[Any]:
+    """Yield the JSON value of each non-blank line.
+
+    Without ``skipped`` a bad line raises ``ValueError`` naming its number. With it, bad
+    lines are skipped and counted there instead: ``malformed`` (not JSON, not UTF-8),
+    ``too_deep`` (nested past the parser's limit) and ``oversized`` (over ``max_line_bytes``).
+    """
     source = Path(path)
     if not source.is_file():
         raise FileNotFoundError(f"{str(source)!r} is not a file; pass a JSONL file path")
-    with open(source, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
+
+    def bad(kind: str, lineno: int, detail: str) -> None:
+        if skipped is None:
+            raise ValueError(f"{source}:{lineno} is not valid JSON ({detail})")
+        skipped[kind] = skipped.get(kind, 0) + 1
+
+    with open(source, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            if len(raw) > max_line_bytes:
+                bad("oversized", lineno, f"a line of {len(raw)} bytes")
                 continue
             try:
-                yield json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{source}:{lineno} is not valid JSON ({exc.msg})") from exc
+                yield json.loads(raw.decode("utf-8"))
+            except RecursionError:
+                bad("too_deep", lineno, "nested too deeply")
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                bad("malformed", lineno, getattr(exc, "msg", str(exc)))
