@@ -90,23 +90,56 @@ async def test_resume_after_cancelling_midway_pays_only_for_unfinished_rows(tmp_
             replay_trace(states, teachers, cache_dir=tmp_path, concurrency=4)
         )
         cache_file = tmp_path / CACHE_FILENAME
-        while not cache_file.exists() or len(cache_file.read_bytes().splitlines()) < 20:
+        while not cache_file.exists() or cache_file.read_bytes().count(b'"row"') < 20:
             await asyncio.sleep(0.01)
         task.cancel()  # what Ctrl-C does to the run
         with pytest.raises(asyncio.CancelledError):
             await task
-        finished = {
-            (entry["row"]["state_id"], entry["row"]["teacher_slug"])
-            for entry in map(json.loads, cache_file.read_bytes().splitlines())
+        entries = list(map(json.loads, cache_file.read_bytes().splitlines()))
+        finished = {(e["row"]["state_id"], e["row"]["teacher_slug"]) for e in entries if "row" in e}
+        in_flight = {e["sent"] for e in entries if "sent" in e} - {
+            e["spent"] for e in entries if "spent" in e
         }
-        assert 20 <= len(finished) < 80
+        assert 20 <= len(finished) < 80 and 1 <= len(in_flight) <= 4
         server.reset_counts()
         rows = await replay_trace(states, teachers, cache_dir=tmp_path, concurrency=4)
         asked = [(state_of(r), r.model) for r in server.requests]
-    assert len(asked) == 80 - len(finished)  # zero requests for finished rows
-    assert not set(asked) & finished
+        # calls that were in flight may have been billed: not paid for again by default
+        unknown = [r for r in rows if (r["error"] or "").startswith("outcome_unknown")]
+        assert len(unknown) == len(in_flight)
+        assert len(asked) == 80 - len(finished) - len(in_flight)
+        assert not set(asked) & finished
+        server.reset_counts()
+        again = await replay_trace(
+            states, teachers, cache_dir=tmp_path, concurrency=4, resend_in_flight=True
+        )
+        assert len(server.requests) == len(in_flight)  # only those, on request
+        assert [r["error"] for r in again if r["error"]] == []
     assert [(r["state_id"], r["teacher_slug"]) for r in rows] == [
         (s["state_id"], t["slug"]) for s in states for t in teachers
     ]
-    assert all(r["error"] is None for r in rows)
+    assert all(r["error"] is None for r in rows if r not in unknown)
     assert rows.summary.n_cache_hits == len(finished)
+
+
+@pytest.mark.integration
+@pytest.mark.asyncio
+async def test_the_spend_cap_holds_across_runs_sharing_a_cache(server, tmp_path):
+    teachers = local_teachers(server, 1)
+    first = await replay_trace(make_states(4), teachers, max_total_usd=1.0, cache_dir=tmp_path)
+    spent = first.summary.spend_usd
+    assert spent > 0 and all(r["error"] is None for r in first)
+    # a second run through the same cache with a cap just above the first run's spend:
+    # the ledger leaves almost nothing, so the new states are refused, not paid for
+    server.reset_counts()
+    second = await replay_trace(
+        make_states(8), teachers, max_total_usd=spent * 1.01, cache_dir=tmp_path
+    )
+    assert [r["cached"] for r in second[:4]] == [True] * 4
+    assert all((r["error"] or "").startswith("budget_exceeded") for r in second[4:])
+    assert server.request_count == 0
+    from composer_replication.traces.teacher_replay.cache import ReplayCache
+
+    ledger = ReplayCache(tmp_path)
+    assert abs(ledger.prior_spend_nanos / 1e9 - spent) < 1e-9
+    ledger.close()

@@ -160,7 +160,9 @@ def replay(
         "anthropic/claude-opus-4.7,openai/gpt-5,deepseek/deepseek-v4-pro",
         help="Comma-separated DEFAULT_TEACHERS slugs, or a .json/.toml file of TeacherSpecs.",
     ),
-    max_usd: float = typer.Option(5.0, min=0.0, help="Hard spend cap for this run (USD)."),
+    max_usd: float = typer.Option(
+        5.0, min=0.0, help="Hard spend cap (USD); with a cache, over every run that used it."
+    ),
     concurrency: int = typer.Option(16, min=1, help="Calls in flight at most."),
     cache_dir: Optional[Path] = typer.Option(  # noqa: UP045
         None, help="Row cache for resuming (default: <output>.cache next to the output)."
@@ -169,6 +171,9 @@ def replay(
     max_tokens: int = typer.Option(2048, min=1, help="Completion cap per call."),
     timeout: float = typer.Option(120.0, min=0.001, help="Seconds allowed per HTTP attempt."),
     max_retries: int = typer.Option(4, min=0, help="Retries per call on transient errors."),
+    resend_in_flight: bool = typer.Option(
+        False, help="Send again calls a killed run left in flight (they may have been billed)."
+    ),
 ) -> None:
     """Replay every state through the teachers; rows keep state then teacher order."""
     import asyncio
@@ -214,6 +219,7 @@ def replay(
                     timeout_s=timeout,
                     max_retries=max_retries,
                     progress=on_progress,
+                    resend_in_flight=resend_in_flight,
                 )
             )
         except (RuntimeError, ValueError) as exc:

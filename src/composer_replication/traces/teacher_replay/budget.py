@@ -92,14 +92,16 @@ class SpendBudget:
     None (refusal) only when the amount cannot fit even with nothing in flight.
     """
 
-    def __init__(self, max_total_usd: float) -> None:
+    def __init__(self, max_total_usd: float, *, spent_before_nanos: int = 0) -> None:
         if not isinstance(max_total_usd, int | float) or not math.isfinite(max_total_usd):
             raise ValueError(f"max_total_usd={max_total_usd!r} must be a finite number >= 0")
         if max_total_usd < 0:
             raise ValueError(f"max_total_usd={max_total_usd!r} must be >= 0")
         self.max_total_usd = float(max_total_usd)
         self.cap_nanos = usd_to_nanos(max_total_usd)
-        self.settled_nanos = 0
+        # What earlier runs already spent against the same cap (a cache's ledger).
+        self.spent_before_nanos = int(spent_before_nanos)
+        self.settled_nanos = self.spent_before_nanos
         self.reserved_nanos = 0
         self.overshoot_nanos = 0
         self.n_refused = 0
@@ -107,6 +109,12 @@ class SpendBudget:
 
     @property
     def settled_usd(self) -> float:
+        """Spend settled in this run (earlier runs' spend not included)."""
+        return nanos_to_usd(self.settled_nanos - self.spent_before_nanos)
+
+    @property
+    def total_usd(self) -> float:
+        """Spend against the cap, earlier runs included."""
         return nanos_to_usd(self.settled_nanos)
 
     @property

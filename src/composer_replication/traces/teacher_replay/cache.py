@@ -11,6 +11,14 @@ cuts such a partial last line off, so later appends start on a fresh line; readi
 lines that do not parse. Only successful rows are stored: failed calls are retried on the
 next run. Two runs sharing a cache directory append safely, but may both pay for a call
 that neither had finished.
+
+Journal and ledger: a call is journaled (``{"sent": key, "nanos": reservation}``) before its
+request goes out and its charge recorded (``{"spent": key, "nanos": charged}``) when it ends,
+whatever the outcome. Opening the cache reads the ledger, the cumulative spend of every run
+that used it (``prior_spend_nanos``), so a spend cap holds across runs. A call journaled
+but never ended was in flight when a run was killed: the provider may have billed it, so it
+is charged at its reservation (written down as ``{"spent": ..., "unknown": true}``) and
+listed in ``unknown_keys``; the replay does not send it again unless asked to.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +68,15 @@ class ReplayCache:
         self.path = directory / CACHE_FILENAME
         self.n_corrupt_lines = 0
         self._rows: dict[str, TeacherCallResult] = {}
+        self._sent: dict[str, int] = {}
+        self._spent: dict[str, int] = {}
+        self.unknown_keys: set[str] = set()
         self._load()
         self._cut_partial_tail()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         # One writer thread: fsync stays off the event loop and lines stay in order.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-cache")
+        self._settle_dangling()
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -78,13 +91,64 @@ class ReplayCache:
             for raw in fh:
                 try:
                     entry = json.loads(raw.decode("utf-8"))
+                    if "sent" in entry or "spent" in entry:
+                        self._journal_entry(entry)
+                        continue
                     key, row = entry["key"], entry["row"]
                     if not isinstance(key, str) or not isinstance(row, dict):
                         raise TypeError("key/row of the wrong type")
-                except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+                except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
                     self.n_corrupt_lines += 1
                     continue
                 self._rows[key] = row  # type: ignore[assignment]
+
+    def _journal_entry(self, entry: dict[str, Any]) -> None:
+        nanos = entry["nanos"]
+        if not isinstance(nanos, int) or nanos < 0:
+            raise TypeError("a journal entry needs whole nano-dollars >= 0")
+        if "sent" in entry:
+            self._sent[str(entry["sent"])] = nanos
+            return
+        key = str(entry["spent"])
+        self._spent[key] = self._spent.get(key, 0) + nanos
+        self._sent.pop(key, None)
+        if entry.get("unknown"):
+            self.unknown_keys.add(key)
+        else:
+            self.unknown_keys.discard(key)
+
+    def _settle_dangling(self) -> None:
+        """Charge calls a killed run left in flight at their reservations (fail closed)."""
+        for key, nanos in list(self._sent.items()):
+            line = json.dumps({"spent": key, "nanos": nanos, "unknown": True}) + "\n"
+            self._append(line.encode("utf-8"))
+            self._journal_entry({"spent": key, "nanos": nanos, "unknown": True})
+        self.unknown_keys -= set(self._rows)
+
+    @property
+    def prior_spend_nanos(self) -> int:
+        """What every earlier run that used this cache spent (unknown outcomes included)."""
+        legacy = sum(
+            round(Fraction(repr(float(row.get("cost_usd") or 0.0))) * 10**9)
+            for key, row in self._rows.items()
+            if key not in self._spent
+        )
+        return sum(self._spent.values()) + legacy
+
+    async def journal_sent(self, key: str, nanos: int) -> None:
+        """Record (durably) that the call ``key`` is about to be sent."""
+        await self._write({"sent": key, "nanos": int(nanos)})
+        self._sent[key] = int(nanos)
+
+    async def journal_spent(self, key: str, nanos: int) -> None:
+        """Record (durably) what the call ``key`` was charged when it ended."""
+        await self._write({"spent": key, "nanos": int(nanos)})
+        self._journal_entry({"spent": key, "nanos": int(nanos)})
+
+    async def _write(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry, ensure_ascii=False) + "\n"
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._writer, self._append, line.encode("utf-8"))
 
     def _cut_partial_tail(self) -> None:
         """Drop an unterminated last line (a write cut by a crash)."""

@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from composer_replication.traces.teacher_replay.budget import (
@@ -203,6 +204,7 @@ async def replay_trace(
     backoff_base_s: float = 0.5,
     progress: Callable[[ReplayProgress], None] | None = None,
     seed: int | None = None,
+    resend_in_flight: bool = False,
 ) -> ReplayResults:
     """Ask every teacher for the next action at every state; one row per (state, teacher).
 
@@ -220,7 +222,8 @@ async def replay_trace(
     where `overshoot_usd` sums the real costs above their reservations. It is 0 whenever
     the provider honours `max_tokens` and adds no hidden prompt tokens, so the cap is hard;
     the tests measure 0 under 32 concurrent calls, and measure the excess when a server
-    ignores `max_tokens`. The cap is per run: rows served from the cache cost nothing.
+    ignores `max_tokens`. With a cache the cap covers every run that used it (its ledger);
+    rows served from the cache cost nothing more.
 
     Args:
         states: the trace's states (`TraceState`); state ids must be unique.
@@ -229,7 +232,13 @@ async def replay_trace(
         api_key: key for teachers without `api_key_env` (OpenRouter falls back to
             `$OPENROUTER_API_KEY`).
         concurrency: calls in flight at most.
-        cache_dir: directory of the on-disk row cache; None disables it.
+        cache_dir: directory of the on-disk row cache; None disables it. With a cache the
+            cap is cumulative: what earlier runs spent through the same cache (its ledger,
+            unknown outcomes charged at their reservations) counts against
+            ``max_total_usd`` too.
+        resend_in_flight: send again the calls an earlier, killed run left in flight
+            (they may have been billed); by default they come back as ``outcome_unknown``
+            error rows.
         max_tokens: completion cap sent with every request (and used in the reservation).
         timeout_s: total seconds allowed per HTTP attempt.
         max_retries: retries per call after the first attempt.
@@ -254,7 +263,9 @@ async def replay_trace(
         raise ValueError(f"max_retries={max_retries!r} must be an int >= 0")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
-    budget = SpendBudget(max_total_usd)
+    cache = ReplayCache(cache_dir) if cache_dir is not None else None
+    prior = cache.prior_spend_nanos if cache is not None else 0
+    budget = SpendBudget(max_total_usd, spent_before_nanos=prior)
     plans = _plans(checked_states, checked_teachers, api_key, max_tokens)
     policy = RetryPolicy(max_retries=max_retries, backoff_base_s=backoff_base_s)
     rng = random.Random(seed)
@@ -277,11 +288,14 @@ async def replay_trace(
                 )
             )
 
-    cache = ReplayCache(cache_dir) if cache_dir is not None else None
     try:
         pending: list[int] = []
-        for i, (_, key) in enumerate(plans):
+        for i, (plan, key) in enumerate(plans):
             hit = cache.get(key) if cache is not None else None
+            unknown = hit is None and cache is not None and key in cache.unknown_keys
+            if unknown and not resend_in_flight:  # it may have been billed: do not pay again
+                finished(i, _unknown_outcome_row(plan))
+                continue
             if hit is None:
                 pending.append(i)
                 continue
@@ -316,6 +330,29 @@ async def replay_trace(
     return ReplayResults(done_rows, summary)
 
 
+def _nanos(usd: float) -> int:
+    return round(Fraction(repr(float(usd))) * 10**9)
+
+
+def _unknown_outcome_row(plan: CallPlan) -> TeacherCallResult:
+    return TeacherCallResult(
+        state_id=plan.state_id,
+        teacher_slug=plan.teacher_slug,
+        response_text=None,
+        latency_s=0.0,
+        prompt_tokens=0,
+        completion_tokens=0,
+        cost_usd=0.0,
+        error=(
+            "outcome_unknown: this call was in flight when an earlier run stopped and may "
+            "have been billed (its reservation is in the spend ledger); pass "
+            "resend_in_flight=True (--resend-in-flight) to pay for it again"
+        ),
+        cached=False,
+        attempts=0,
+    )
+
+
 async def _run_pending(
     plans: list[tuple[CallPlan, str]],
     pending: list[int],
@@ -338,6 +375,8 @@ async def _run_pending(
         async def worker() -> None:
             for index in queue:
                 plan, key = plans[index]
+                if cache is not None:  # journaled before the request goes out
+                    await cache.journal_sent(key, plan.reservation_nanos)
                 row = await run_call(
                     client,
                     plan,
@@ -347,6 +386,8 @@ async def _run_pending(
                     rng=rng,
                     stats=run.stats,
                 )
+                if cache is not None:
+                    await cache.journal_spent(key, _nanos(row["cost_usd"]))
                 if cache is not None and row["error"] is None:
                     await cache.put(key, row)  # durable before it counts as finished
                 finished(index, row)
