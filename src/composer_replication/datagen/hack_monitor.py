@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from composer_replication.sandbox.files import file_kind, read_regular_file
+
 __all__ = [
     "PROTECTED_PATTERNS",
     "HackLog",
@@ -69,6 +71,8 @@ _RUNNER_FILES = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject
 _RUNNER_FILES += ("sitecustomize.py", "usercustomize.py", "*.pth")
 _SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".tox", ".venv"})
 _MAX_SCAN_BYTES = 2 * 1024 * 1024
+# A protected file larger than this is digested as "unreadable" (a change all the same).
+_MAX_DIGEST_BYTES = 64 * 1024 * 1024
 
 # (code, signal name, pattern) for content of code under test.
 _CODE_SIGNALS: tuple[tuple[str, str, re.Pattern[str]], ...] = tuple(
@@ -158,13 +162,17 @@ def score_with_monitor(reward: float, verdict: HackVerdict) -> float:
 
 
 def _digest(path: Path) -> str:
-    if path.is_symlink():  # replacing a test by a link must show up as a change
+    """The content hash of a regular file; links, FIFOs and devices by their kind (never
+    opened: a FIFO would block the monitor), so replacing a test by one shows as a change."""
+    kind = file_kind(path)
+    if kind == "link":
         return "symlink:" + os.readlink(path)
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    if kind != "file":
+        return f"special:{kind}"
+    data = read_regular_file(path, _MAX_DIGEST_BYTES)
+    if data is None:
+        return "unreadable"
+    return hashlib.sha256(data).hexdigest()
 
 
 def _count_signals(text: str) -> dict[str, int]:
@@ -196,6 +204,15 @@ class HackMonitor:
                 path = Path(dirpath) / name
                 yield path.relative_to(root).as_posix(), path
 
+    def protected_files(self, workdir: str | os.PathLike[str]) -> list[tuple[str, Path]]:
+        """(relative path, path) of every test and runner-configuration file, by lstat."""
+        root = Path(workdir)
+        return [
+            (rel, path)
+            for rel, path in self._walk(root)
+            if is_protected(rel, self.protected_patterns)
+        ]
+
     def snapshot(self, workdir: str | os.PathLike[str]) -> Manifest:
         """Hash the protected files and count suspicious patterns in the code under test."""
         root = Path(workdir)
@@ -206,10 +223,11 @@ class HackMonitor:
         for rel, path in self._walk(root):
             if is_protected(rel, self.protected_patterns):
                 protected[rel] = _digest(path)
-            elif rel.endswith(".py") and not path.is_symlink():
-                if path.stat().st_size > _MAX_SCAN_BYTES:
+            elif rel.endswith(".py") and file_kind(path) == "file":
+                data = read_regular_file(path, _MAX_SCAN_BYTES)
+                if data is None:
                     continue
-                counts = _count_signals(path.read_text(encoding="utf-8", errors="replace"))
+                counts = _count_signals(data.decode("utf-8", errors="replace"))
                 if counts:
                     signals[rel] = counts
         return Manifest(protected=protected, signals=signals)

@@ -63,6 +63,7 @@ from composer_replication.rollout.tool_calls import (
     tool_instructions,
 )
 from composer_replication.rollout.types import Rollout
+from composer_replication.sandbox.files import file_kind
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
 __all__ = [
@@ -126,6 +127,34 @@ class FDAttempt:
     sandbox: Any
     manifest: Manifest
     actions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def restore_protected(pristine: Path, workdir: Path, monitor: HackMonitor) -> list[str]:
+    """Make every test and runner-configuration file of ``workdir`` the pristine one again.
+
+    Protected files of ``pristine`` are copied over whatever is there (a file, a link, a
+    FIFO); protected files that exist only in ``workdir`` (a new ``conftest.py``) are
+    removed. Returns the relative paths it changed.
+    """
+    changed = []
+    original = {rel: path for rel, path in monitor.protected_files(pristine)}
+    current = {rel for rel, _ in monitor.protected_files(workdir)}
+    for rel in sorted(current - set(original)):
+        (workdir / rel).unlink(missing_ok=True)
+        changed.append(rel)
+    for rel, source in original.items():
+        target = workdir / rel
+        data = source.read_bytes()
+        if file_kind(target) == "file" and target.read_bytes() == data:
+            continue
+        if file_kind(target) == "dir":
+            shutil.rmtree(target)
+        elif file_kind(target) != "missing":
+            target.unlink()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        changed.append(rel)
+    return changed
 
 
 def resolve_in_workdir(workdir: Path, path: Any) -> Path:
@@ -400,20 +429,34 @@ class FeatureDeletionEnv:
 
     def score(self, attempt: FDAttempt, rollout: Rollout) -> None:
         """Grade the attempt's workdir and fill in the rollout's reward, feedback, metadata.
-        Never raises: a failing sandbox is recorded as the rollout's error."""
+
+        Trust nothing the agent could touch: the monitor judges the workdir as the agent
+        left it, then every test and runner-configuration file is restored from the
+        pristine task copy (what the agent added there is removed) and the suite runs in a
+        fresh sandbox process. Every expected test id must be in the report and the runner's
+        exit code must agree with it; a timeout, a missing report or a disagreement is 0
+        with an error. A sandbox that never started is an infrastructure error. Never raises.
+        """
         task = attempt.task
+        trajectory = [*attempt.sandbox.trajectory(), *attempt.actions]
+        verdict = self.monitor.check(attempt.manifest, attempt.workdir, trajectory)
         reward = 0.0
         if rollout.error is None:
             try:
+                restore_protected(self.workdirs[task.task_id], attempt.workdir, self.monitor)
                 result = attempt.sandbox.run_tests(task.test_command, ())
             except Exception as err:  # a failing sandbox is data, not a crash
                 rollout.error = f"sandbox_error: final test run: {type(err).__name__}: {err}"
             else:
-                reward = self._test_reward(task, result, rollout)
-        trajectory = [*attempt.sandbox.trajectory(), *attempt.actions]
-        verdict = self.monitor.check(attempt.manifest, attempt.workdir, trajectory)
+                if getattr(result, "infrastructure_error", None):
+                    rollout.error = f"sandbox did not start: {result.infrastructure_error}"
+                    rollout.metadata["infrastructure_error"] = True
+                else:
+                    reward = self._test_reward(task, result, rollout)
         rollout.metadata["reward_before_monitor"] = reward
         rollout.metadata["hack"] = {"flagged": verdict.flagged, "reasons": list(verdict.reasons)}
+        if verdict.flagged:
+            rollout.metadata["hack_flags"] = list(verdict.reasons)
         rollout.reward = score_with_monitor(reward, verdict)
         if verdict.flagged:
             rollout.feedback = (
@@ -426,17 +469,33 @@ class FeatureDeletionEnv:
     @staticmethod
     def _test_reward(task: FDTask, result: Any, rollout: Rollout) -> float:
         targets = set(task.target_tests)
+        expected = [
+            *task.passing_tests,
+            *(t for t in task.target_tests if t not in task.passing_tests),
+        ]
+        missing = [t for t in expected if t not in result.outcomes]
         passed = sum(result.outcomes.get(t) == "passed" for t in task.target_tests)
         broken = [
             t for t in task.passing_tests if t not in targets and result.outcomes.get(t) != "passed"
         ]
         reward = 0.0 if broken else passed / len(task.target_tests)
+        all_green = result.failed == 0 and result.errors == 0
         if result.timed_out:
             rollout.error, reward = "timeout: the final test run timed out", 0.0
+        elif missing:
+            rollout.error = f"missing report for {len(missing)} of {len(expected)} tests"
+            reward = 0.0
+        elif all_green != (result.exit_code == 0):
+            rollout.error = (
+                f"the runner's exit code {result.exit_code} disagrees with its report "
+                f"({result.passed} passed, {result.failed} failed, {result.errors} errors)"
+            )
+            reward = 0.0
         rollout.metadata.update(
             passed_targets=passed,
             n_targets=len(task.target_tests),
             broken_tests=broken,
+            missing_tests=missing,
             tests={"passed": result.passed, "failed": result.failed, "errors": result.errors},
             isolated=result.isolated,
         )

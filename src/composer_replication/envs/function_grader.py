@@ -42,7 +42,6 @@ __all__ = [
     "GradeResult",
     "grade_function",
     "hidden_from_candidates",
-    "read_regular_file",
     "workdir_snapshot",
 ]
 
@@ -184,40 +183,6 @@ def hidden_from_candidates() -> tuple[str, ...]:
     if package.parent.name == "src" and (package.parent.parent / "pyproject.toml").is_file():
         return (str(package.parent.parent),)
     return (str(package),)
-
-
-def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
-    """The file's bytes if it is a regular file of at most ``max_bytes``, else None.
-
-    ``lstat`` first (a symlink, FIFO or device is refused without being opened), then a
-    non-blocking, no-follow open whose ``fstat`` must match (no swap in between).
-    """
-    try:
-        before = os.lstat(path)
-    except OSError:
-        return None
-    if not stat.S_ISREG(before.st_mode) or before.st_size > max_bytes:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        now = os.fstat(fd)
-        if (now.st_ino, now.st_dev) != (before.st_ino, before.st_dev) or not stat.S_ISREG(
-            now.st_mode
-        ):
-            return None
-        chunks, size = [], 0
-        while size <= max_bytes:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return None if size > max_bytes else b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def workdir_snapshot(workdir: Path) -> dict[str, tuple[int, int, int]]:
