@@ -167,14 +167,14 @@ def test_training_changes_parameters_and_rewards_come_from_the_sandbox(trained):
     trainer, before, reward = trained
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert changed
-    # the last call graded real pytest runs: solved completions pass every test, failing
-    # ones carry pytest's failure output as feedback
+    # the last call graded in the real sandbox: solved completions pass every test, failing
+    # ones carry the failing tests as feedback
     assert reward.last_info and all(info["total"] >= 3 for info in reward.last_info)
     for info, feedback in zip(reward.last_info, reward.last_feedback):
         if info["passed"] == info["total"]:
             assert feedback is None
         else:
-            assert "failed" in feedback
+            assert "FAILED test_" in feedback
 
 
 def test_default_hint_classifies_pytest_output():
