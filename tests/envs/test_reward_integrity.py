@@ -392,3 +392,22 @@ def test_grading_threads_stay_independent_under_load(env):
     for t in threads:
         t.join()
     assert results == [1.0] * len(threads)
+
+
+def test_every_task_reference_scores_one_through_the_grader(env):
+    from concurrent.futures import ThreadPoolExecutor
+
+    tasks = list(env.tasks.values())
+    with ThreadPoolExecutor(2) as pool:
+        graded = list(pool.map(lambda t: env.grade(t, t.reference), tasks))
+    failing = {t.task_id: g for t, g in zip(tasks, graded) if g[0] != 1.0 or g[2] is not None}
+    assert failing == {}
+
+
+def test_a_test_that_calls_in_a_loop_needs_several_rounds_and_still_scores(env):
+    # pf-031 checks several years in one test: one new call is learned per round
+    task = env.tasks["pf-031-is-leap-year"]
+    assert env.grade(task, task.reference)[0] == 1.0
+    wrong = task.prompt + "    return year % 4 == 0\n"
+    reward, feedback, error, _ = env.grade(task, wrong)
+    assert 0.0 < reward < 1.0 and error is None and "FAILED" in feedback
