@@ -43,10 +43,12 @@ from composer_replication.datagen.feature_deletion import output_paths
 from composer_replication.datagen.hack_monitor import (
     HackLog,
     HackMonitor,
+    HackVerdict,
     Manifest,
     score_with_monitor,
 )
 from composer_replication.datagen.scrub import scrub_tree
+from composer_replication.envs.repository_grading import guard_spec, restore_protected
 from composer_replication.rollout.agent import (
     Episode,
     SampleFn,
@@ -63,7 +65,6 @@ from composer_replication.rollout.tool_calls import (
     tool_instructions,
 )
 from composer_replication.rollout.types import Rollout
-from composer_replication.sandbox.files import file_kind
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
 __all__ = [
@@ -127,34 +128,6 @@ class FDAttempt:
     sandbox: Any
     manifest: Manifest
     actions: list[dict[str, Any]] = field(default_factory=list)
-
-
-def restore_protected(pristine: Path, workdir: Path, monitor: HackMonitor) -> list[str]:
-    """Make every test and runner-configuration file of ``workdir`` the pristine one again.
-
-    Protected files of ``pristine`` are copied over whatever is there (a file, a link, a
-    FIFO); protected files that exist only in ``workdir`` (a new ``conftest.py``) are
-    removed. Returns the relative paths it changed.
-    """
-    changed = []
-    original = {rel: path for rel, path in monitor.protected_files(pristine)}
-    current = {rel for rel, _ in monitor.protected_files(workdir)}
-    for rel in sorted(current - set(original)):
-        (workdir / rel).unlink(missing_ok=True)
-        changed.append(rel)
-    for rel, source in original.items():
-        target = workdir / rel
-        data = source.read_bytes()
-        if file_kind(target) == "file" and target.read_bytes() == data:
-            continue
-        if file_kind(target) == "dir":
-            shutil.rmtree(target)
-        elif file_kind(target) != "missing":
-            target.unlink()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        changed.append(rel)
-    return changed
 
 
 def resolve_in_workdir(workdir: Path, path: Any) -> Path:
@@ -433,7 +406,9 @@ class FeatureDeletionEnv:
         Trust nothing the agent could touch: the monitor judges the workdir as the agent
         left it, then every test and runner-configuration file is restored from the
         pristine task copy (what the agent added there is removed) and the suite runs in a
-        fresh sandbox process. Every expected test id must be in the report and the runner's
+        fresh sandbox process under the behaviour guard (backends that support it): what
+        the agent's changed files do to the report, the tests or the runtime while tested is
+        refused and flags the attempt. Every expected test id must be in the report and the runner's
         exit code must agree with it; a timeout, a missing report or a disagreement is 0
         with an error. A sandbox that never started is an infrastructure error. Never raises.
         """
@@ -443,8 +418,12 @@ class FeatureDeletionEnv:
         reward = 0.0
         if rollout.error is None:
             try:
-                restore_protected(self.workdirs[task.task_id], attempt.workdir, self.monitor)
-                result = attempt.sandbox.run_tests(task.test_command, ())
+                pristine = self.workdirs[task.task_id]
+                restore_protected(pristine, attempt.workdir, self.monitor)
+                guard = {}
+                if getattr(attempt.sandbox, "supports_behaviour_guard", False):
+                    guard["guard"] = guard_spec(pristine, attempt.workdir, self.monitor)
+                result = attempt.sandbox.run_tests(task.test_command, (), **guard)
             except Exception as err:  # a failing sandbox is data, not a crash
                 rollout.error = f"sandbox_error: final test run: {type(err).__name__}: {err}"
             else:
@@ -453,6 +432,11 @@ class FeatureDeletionEnv:
                     rollout.metadata["infrastructure_error"] = True
                 else:
                     reward = self._test_reward(task, result, rollout)
+                    observed = list(getattr(result, "behaviour_flags", ()))
+                    if observed:  # what the guard saw the agent's code do while tested
+                        verdict = HackVerdict(
+                            True, tuple(dict.fromkeys([*verdict.reasons, *observed]))
+                        )
         rollout.metadata["reward_before_monitor"] = reward
         rollout.metadata["hack"] = {"flagged": verdict.flagged, "reasons": list(verdict.reasons)}
         if verdict.flagged:

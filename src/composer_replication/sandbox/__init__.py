@@ -7,8 +7,12 @@ private /tmp), reads of /tmp, /var/tmp, /run, /root, /home and other users' priv
 bombs, runaway CPU and huge files (rlimits), hangs (wall-clock kill of the process group)
 and huge outputs (bounded capture). What it does NOT protect against: kernel exploits (the
 kernel is shared; use `DockerSandbox(runtime="runsc")` or a VM for hostile code), reads of
-world-readable host files outside the hidden directories, total memory/disk across
-processes (limits are per process, no cgroup), and code under test forging the test report.
+world-readable host files outside the hidden directories, and the workdir's total size
+(each file is capped; the workdir's total is measured after each command, see
+`sandbox.local`). Memory and process counts hold for a run's whole process tree where a
+control group is writable (`sandbox.cgroups`), per process otherwise. A guarded test run
+(`GuardSpec`, `sandbox.behaviour_guard`) refuses what the agent's code does to the report,
+the tests or the runtime while it is tested.
 Without bubblewrap only limits, uid drop and timeouts remain, and it says so loudly
 (`isolated=False`). Details: `sandbox.local`.
 
@@ -21,7 +25,8 @@ exceptions: a denied command, a timeout or a crash comes back as text the agent 
 
 Modules: `protocol` (``Sandbox``, ``FakeSandbox``), `base` (records and command policy
 shared by the backends), `local` + `bwrap` (the bubblewrap backend), `docker`, `process`
-(one child process with limits), `pytest_support` (pytest inside a sandbox), `workdir`.
+(one child process with limits), `pytest_support` (pytest inside a sandbox), `workdir`,
+`cgroups`, `uid_pool`, `behaviour_guard` (the audit hook of guarded test runs), `files`.
 Names load lazily: importing the package imports neither docker nor the backends.
 """
 
@@ -33,6 +38,7 @@ from typing import Any
 _LAZY: dict[str, str] = {
     "SANDBOX_DENYLIST": "composer_replication.sandbox.base",
     "TestRunResult": "composer_replication.sandbox.base",
+    "GuardSpec": "composer_replication.sandbox.base",
     "is_command_allowed": "composer_replication.sandbox.base",
     "Sandbox": "composer_replication.sandbox.protocol",
     "FakeSandbox": "composer_replication.sandbox.protocol",

@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "SANDBOX_DENYLIST",
+    "GuardSpec",
     "TestRunResult",
     "denied_message",
     "first_command_token",
@@ -106,6 +107,21 @@ def denied_message(command: str) -> str:
 
 
 @dataclass(frozen=True)
+class GuardSpec:
+    """What the behaviour guard of a test run protects and whom it watches.
+
+    Attributes:
+        protected: Workdir-relative paths of the test and runner-configuration files (the
+            code under test may neither write nor read them).
+        candidates: Workdir-relative paths of the files the agent wrote or changed: the
+            code whose behaviour is judged (untouched repository code is trusted).
+    """
+
+    protected: tuple[str, ...]
+    candidates: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class TestRunResult:
     """The outcome of one test run inside a sandbox.
 
@@ -122,6 +138,8 @@ class TestRunResult:
         duration_s: Wall-clock seconds of the run.
         infrastructure_error: Why the sandbox failed before the command ran (it could not
             start, fork or mount), or None: such a run says nothing about the code under test.
+        behaviour_flags: What the behaviour guard saw the code under test do and refused
+            (``sandbox.behaviour_guard``), for guarded runs; empty otherwise.
     """
 
     __test__ = False  # not a pytest test class despite the name
@@ -137,6 +155,7 @@ class TestRunResult:
     isolated: bool = False
     duration_s: float = 0.0
     infrastructure_error: str | None = None
+    behaviour_flags: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -161,4 +180,5 @@ class TestRunResult:
             "isolated": self.isolated,
             "duration_s": self.duration_s,
             "infrastructure_error": self.infrastructure_error,
+            "behaviour_flags": list(self.behaviour_flags),
         }

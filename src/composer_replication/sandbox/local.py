@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -67,10 +68,12 @@ from typing import Any
 
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
+    GuardSpec,
     TestRunResult,
     denied_message,
     is_command_allowed,
 )
+from composer_replication.sandbox.behaviour_guard import GUARD_ENV, parse_guard_flags
 from composer_replication.sandbox.bwrap import (
     BASE_PATH,
     DEFAULT_HIDE_PATHS,
@@ -80,15 +83,17 @@ from composer_replication.sandbox.bwrap import (
 from composer_replication.sandbox.cgroups import RunCgroup, cgroup_support
 from composer_replication.sandbox.process import ProcessOutcome, ResourceLimits, run_bounded
 from composer_replication.sandbox.pytest_support import (
+    JUNIT_PREFIX,
     JunitReport,
     build_pytest_argv,
+    guard_site_dir,
     interpreter_bin_dir,
     parse_junit,
     pytest_bundle_dir,
     support_root,
 )
 from composer_replication.sandbox.uid_pool import lease_uid
-from composer_replication.sandbox.workdir import check_reachable, hand_over
+from composer_replication.sandbox.workdir import check_reachable, disk_usage, hand_over
 
 __all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox", "exec_suffix"]
 
@@ -115,6 +120,8 @@ def _command_of(action: Mapping[str, Any]) -> str:
 
 def exec_suffix(outcome: ProcessOutcome, timeout_s: float) -> str:
     """The note appended to an agent-visible output: timeout, signal or non-zero exit."""
+    if outcome.stopped:
+        return f"\n[stopped: {outcome.stopped}; process group killed]"
     if outcome.timed_out:
         return f"\n[timed out after {timeout_s:g} s; process group killed]"
     if outcome.exit_code is not None and outcome.exit_code < 0:
@@ -139,6 +146,11 @@ class LocalSubprocessSandbox:
         tmp_size_mb: Size of the private /tmp tmpfs (bubblewrap only).
         shm_size_mb: Size of the private /dev/shm tmpfs (bubblewrap only).
         workdir_writable: False binds the workdir read-only (nothing can be written there).
+        workdir_quota_mb: Disk the writable workdir may occupy in all (None: no quota). It
+            is measured every 0.1 s while a command runs and once after; a command that
+            passes it is killed, and every later command and test run is refused
+            (``over_quota`` says why). Between two measurements a command can write at
+            most what the disk takes in 0.1 s, each file at most ``max_file_mb``.
         whole_tree_limits: Bound memory and process count of each run's whole process tree
             with a control group when one is writable (see ``sandbox.cgroups``).
         python: Interpreter for tests and `python`/`python3` inside; default /usr/bin/python3.
@@ -168,6 +180,7 @@ class LocalSubprocessSandbox:
         tmp_size_mb: int = 256,
         shm_size_mb: int = 64,
         workdir_writable: bool = True,
+        workdir_quota_mb: int | None = 512,
         whole_tree_limits: bool = True,
         python: str | None = None,
         pytest_from: str = "auto",
@@ -205,6 +218,18 @@ class LocalSubprocessSandbox:
             raise ValueError(f"shm_size_mb must be > 0, got {shm_size_mb!r}")
         self.shm_size_mb = shm_size_mb
         self.workdir_writable = workdir_writable
+        self.workdir_quota_bytes: int | None = None
+        if workdir_quota_mb is not None and workdir_writable:
+            if workdir_quota_mb <= 0:
+                raise ValueError(f"workdir_quota_mb must be > 0 or None, got {workdir_quota_mb!r}")
+            self.workdir_quota_bytes = workdir_quota_mb * 1024 * 1024
+            used = disk_usage(self.workdir, self.workdir_quota_bytes)
+            if used > self.workdir_quota_bytes:
+                raise ValueError(
+                    f"workdir {str(self.workdir)!r} already occupies more than its quota of "
+                    f"{workdir_quota_mb} MB; pass a larger workdir_quota_mb (or None)"
+                )
+        self.over_quota: str | None = None
         self.python = python or _default_python()
         self.pytest_from = pytest_from
         self.denylist = denylist
@@ -278,7 +303,7 @@ class LocalSubprocessSandbox:
         self.bwrap = found
         return True, ""
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {
             "PATH": f"{interpreter_bin_dir(self.python)}:{BASE_PATH}",
             "HOME": "/tmp",
@@ -291,21 +316,32 @@ class LocalSubprocessSandbox:
         if self._use_bundle:
             env["PYTHONPATH"] = str(pytest_bundle_dir())
         env.update(self.extra_env)
+        env.update(extra or {})
         return env
 
-    def _run(self, inner: list[str], timeout_s: float | None = None) -> ProcessOutcome:
+    def _run(
+        self,
+        inner: list[str],
+        timeout_s: float | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> ProcessOutcome:
         """Run ``inner`` in the sandbox; a run the sandbox could not start comes back with
         ``self.last_infrastructure_error`` set (and says so in its output)."""
         if not self.lease_uids:
-            return self._run_as(inner, timeout_s, self.uid, self.gid)
+            return self._run_as(inner, timeout_s, self.uid, self.gid, extra_env)
         with lease_uid() as uid:
             hand_over(self.workdir, uid, uid)
-            return self._run_as(inner, timeout_s, uid, uid)
+            return self._run_as(inner, timeout_s, uid, uid, extra_env)
 
     def _run_as(
-        self, inner: list[str], timeout_s: float | None, uid: int | None, gid: int | None
+        self,
+        inner: list[str],
+        timeout_s: float | None,
+        uid: int | None,
+        gid: int | None,
+        extra_env: Mapping[str, str] | None = None,
     ) -> ProcessOutcome:
-        env = self._env()
+        env = self._env(extra_env)
         # Our shell prints the marker before the command starts: without it in the output,
         # the sandbox itself failed (no fork, no mount) and the command never ran.
         started = [
@@ -349,6 +385,7 @@ class LocalSubprocessSandbox:
                 uid=uid,
                 gid=gid,
                 cgroup_procs=group.procs_files if group is not None else (),
+                watch=self._quota_watch if self.workdir_quota_bytes is not None else None,
             )
         except OSError as exc:  # e.g. the interpreter does not exist: data, not a crash
             text = f"sandbox error: could not start {inner[0]!r}: {exc}".encode()
@@ -357,6 +394,10 @@ class LocalSubprocessSandbox:
         finally:
             if group is not None:
                 group.close()
+        if self.workdir_quota_bytes is not None and self.over_quota is None:
+            if outcome.stopped is None:
+                outcome = dataclasses.replace(outcome, stopped=self._quota_watch())
+            self.over_quota = outcome.stopped
         marker = START_MARKER.encode() + b"\n"
         if outcome.output.startswith(marker):
             return dataclasses.replace(
@@ -368,6 +409,19 @@ class LocalSubprocessSandbox:
             f"the sandbox did not start the command: {outcome.text().strip()[-300:]!r}"
         )
         return outcome
+
+    def _quota_watch(self) -> str | None:
+        quota = self.workdir_quota_bytes
+        if quota is None:
+            return None
+        used = disk_usage(self.workdir, quota)
+        if used <= quota:
+            return None
+        return f"the workdir passed its disk quota of {quota // (1024 * 1024)} MB"
+
+    def _refused(self) -> ProcessOutcome:
+        text = f"Error: {self.over_quota}; no further commands run in this workdir".encode()
+        return ProcessOutcome(None, text, len(text), False, False, 0.0, stopped=self.over_quota)
 
     # the Sandbox protocol ---------------------------------------------------------------
     def boot(self, image: str | None = None) -> None:
@@ -417,7 +471,7 @@ class LocalSubprocessSandbox:
             self._trajectory.append(entry)
             return text
         self._ensure_booted()
-        outcome = self._run(["/bin/sh", "-c", command])
+        outcome = self._refused() if self.over_quota else self._run(["/bin/sh", "-c", command])
         text = outcome.text() + exec_suffix(outcome, self.exec_timeout_s)
         entry.update(
             allowed=True,
@@ -428,25 +482,52 @@ class LocalSubprocessSandbox:
             output_bytes=outcome.total_bytes,
             truncated=outcome.truncated,
             duration_s=outcome.duration_s,
+            stopped=outcome.stopped,
         )
         self._trajectory.append(entry)
         return text
 
+    #: ``run_tests`` takes ``guard=`` (the behaviour guard runs in this backend).
+    supports_behaviour_guard = True
+
     def run_tests(
-        self, test_command: str = "python -m pytest -q", tests: Sequence[str] = ()
+        self,
+        test_command: str = "python -m pytest -q",
+        tests: Sequence[str] = (),
+        *,
+        guard: GuardSpec | None = None,
     ) -> TestRunResult:
-        """Run the test command (pytest gets a junit report) and return the parsed result."""
+        """Run the test command (pytest gets a junit report) and return the parsed result.
+
+        With ``guard``, every Python process of the run is under the behaviour guard
+        (``sandbox.behaviour_guard``): what the agent's code did to the report, the tests or
+        the runtime is refused and comes back as ``behaviour_flags``.
+        """
         self._ensure_booted()
-        junit = self.workdir / f".cr-junit-{uuid.uuid4().hex}.xml"
+        junit = self.workdir / f"{JUNIT_PREFIX}{uuid.uuid4().hex}.xml"
         argv, is_pytest = build_pytest_argv(
             test_command, list(tests), python=self.python, junit_path=str(junit)
         )
-        outcome = self._run(argv)
+        guard_env = None
+        if guard is not None:
+            config = {
+                "root": str(self.workdir),
+                "protected": list(guard.protected),
+                "candidates": list(guard.candidates),
+                "report_prefix": JUNIT_PREFIX,
+            }
+            path = [str(guard_site_dir())]
+            if self._use_bundle:
+                path.append(str(pytest_bundle_dir()))
+            guard_env = {GUARD_ENV: json.dumps(config), "PYTHONPATH": ":".join(path)}
+        outcome = self._refused() if self.over_quota else self._run(argv, extra_env=guard_env)
         report: JunitReport | None = None
         if is_pytest:
             report = parse_junit(junit) or JunitReport(errors=1)  # no report: fail closed
             with contextlib.suppress(OSError):
                 junit.unlink()
+        if outcome.stopped:  # killed part-way: whatever report exists is not a verdict
+            report = JunitReport(errors=1)
         report = report or JunitReport()
         result = TestRunResult(
             passed=report.passed,
@@ -460,6 +541,7 @@ class LocalSubprocessSandbox:
             isolated=self.isolated,
             duration_s=outcome.duration_s,
             infrastructure_error=self.last_infrastructure_error,
+            behaviour_flags=tuple(parse_guard_flags(outcome.text())) if guard is not None else (),
         )
         self._trajectory.append(
             {
@@ -467,6 +549,7 @@ class LocalSubprocessSandbox:
                 "test_command": test_command,
                 "tests": list(tests),
                 "result": result.to_dict(),
+                "stopped": outcome.stopped,
             }
         )
         return result

@@ -99,6 +99,7 @@ class ProcessOutcome:
         truncated: True when `total_bytes` exceeded the cap and the middle was dropped.
         timed_out: True when the wall-clock limit killed the process group.
         duration_s: Wall-clock seconds from spawn to reap.
+        stopped: Why the ``watch`` callback had the process group killed, or None.
     """
 
     exit_code: int | None
@@ -107,6 +108,7 @@ class ProcessOutcome:
     truncated: bool
     timed_out: bool
     duration_s: float
+    stopped: str | None = None
 
     def text(self) -> str:
         """Decoded output with a marker where bytes were dropped."""
@@ -162,6 +164,8 @@ def run_bounded(
     uid: int | None = None,
     gid: int | None = None,
     cgroup_procs: Sequence[str] = (),
+    watch: Callable[[], str | None] | None = None,
+    watch_interval_s: float = 0.1,
 ) -> ProcessOutcome:
     """Run `argv` to completion or until `timeout_s`, whichever comes first.
 
@@ -170,6 +174,8 @@ def run_bounded(
     left the group with `setsid` are only caught by an outer isolator (bubblewrap's PID
     namespace). `uid`/`gid` drop privileges (needs root). `cgroup_procs`: ``cgroup.procs``
     files the child joins before it drops privileges (whole-tree memory / pids limits).
+    ``watch`` is called every ``watch_interval_s`` while the child runs; a reason it returns
+    kills the group and comes back as ``stopped`` (e.g. a workdir over its quota).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -196,6 +202,8 @@ def run_bounded(
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
     timed_out = False
+    stopped: str | None = None
+    next_watch = start + watch_interval_s
     exited_at: float | None = None
     try:
         with selectors.DefaultSelector() as sel:
@@ -210,7 +218,15 @@ def run_bounded(
                     _kill_group(proc.pid)  # background children still in the group
                 if exited_at is not None and now - exited_at >= _EXIT_GRACE_S:
                     break
+                if watch is not None and exited_at is None and now >= next_watch:
+                    next_watch = now + watch_interval_s
+                    stopped = watch()
+                    if stopped is not None:
+                        _kill_group(proc.pid)
+                        break
                 wait = min(deadline - now, 0.05 if exited_at is not None else 0.25)
+                if watch is not None:
+                    wait = max(0.0, min(wait, next_watch - now))
                 if not sel.select(wait):
                     continue
                 try:
@@ -220,7 +236,7 @@ def run_bounded(
                 if not chunk:
                     break  # EOF: every writer is gone
                 capture.add(chunk)
-        if not timed_out:
+        if not timed_out and stopped is None:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -237,4 +253,5 @@ def run_bounded(
         truncated=truncated,
         timed_out=timed_out,
         duration_s=time.monotonic() - start,
+        stopped=stopped,
     )

@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "JUNIT_PREFIX",
     "JunitReport",
     "build_pytest_argv",
     "bundle_distributions",
+    "guard_site_dir",
     "interpreter_bin_dir",
     "parse_junit",
     "pytest_bundle_dir",
@@ -128,6 +130,26 @@ def pytest_bundle_dir() -> Path:
     return site
 
 
+def guard_site_dir() -> Path:
+    """A world-readable directory whose ``sitecustomize.py`` is the behaviour guard.
+
+    Put first on ``PYTHONPATH`` (with ``COMPOSER_REPLICATION_GUARD`` set), every Python
+    process of the run installs the guard before anything else runs.
+    """
+    from composer_replication.sandbox import behaviour_guard
+
+    target = support_root() / "guard"
+    with _LOCK:
+        if not (target / "sitecustomize.py").is_file():
+            target.mkdir(mode=0o755, exist_ok=True)
+            os.chmod(target, 0o755)
+            partial = target / "sitecustomize.py.partial"
+            shutil.copyfile(behaviour_guard.__file__, partial)
+            os.chmod(partial, 0o644)
+            os.replace(partial, target / "sitecustomize.py")
+    return target
+
+
 def interpreter_bin_dir(python: str) -> Path:
     """A directory with `python`, `python3` and `pytest` commands that run `python`."""
     name = "bin-" + hashlib.sha256(python.encode()).hexdigest()[:12]
@@ -185,6 +207,10 @@ def build_pytest_argv(
             tokens[0] = python
         return [*tokens, *tests], False
     return [python, "-m", "pytest", *_report_options(junit_path), *rest, *tests], True
+
+
+#: Every junit report the sandbox asks pytest for is named with this prefix.
+JUNIT_PREFIX = ".cr-junit-"
 
 
 def _report_options(junit_path: str) -> list[str]:

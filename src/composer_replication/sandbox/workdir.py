@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["check_reachable", "hand_over", "make_shared_tempdir"]
+__all__ = ["check_reachable", "disk_usage", "hand_over", "make_shared_tempdir"]
 
 
 def _can_traverse(st: os.stat_result, uid: int, gid: int) -> bool:
@@ -78,3 +78,28 @@ def make_shared_tempdir(prefix: str = "composer-replication-") -> Path:
     raise RuntimeError(
         "no temp directory traversable by every user (tried $TMPDIR, /tmp, /var/tmp)"
     )
+
+
+def disk_usage(root: str | os.PathLike[str], stop_above: int | None = None) -> int:
+    """Bytes of disk the tree under ``root`` occupies (allocated blocks, by ``lstat``, links
+    not followed). Stops counting once past ``stop_above`` (the answer is then a lower
+    bound above it): a quota check needs no more."""
+    total = 0
+    pending = [os.fspath(root)]
+    while pending:
+        try:
+            entries = os.scandir(pending.pop())
+        except OSError:  # vanished or unreadable meanwhile: nothing to count there
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(entry.path)
+                if stop_above is not None and total > stop_above:
+                    return total
+    return total
