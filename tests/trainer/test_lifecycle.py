@@ -53,3 +53,24 @@ def test_finish_raises_after_writing_model_and_summary(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_by_guard"].startswith("hack flags")
     assert (tmp_path / "run" / "final_model" / "config.json").is_file()
+
+
+def test_heldout_evaluation_reports_flagged_attempts_beside_pass_at_1(tmp_path):
+    from composer_replication.rollout.types import Rollout
+    from composer_replication.trainer.lifecycle import HeldoutTasks
+
+    class FlaggingEnv:
+        def rollouts(self, policy, tokenizer, ids, *, group_size, sampling):
+            forged = Rollout("a", [1], [2], [0.0], reward=0.0)
+            forged.metadata["hack_flags"] = ["forged report: unknown id"]
+            solved = Rollout("b", [1], [2], [0.0], reward=1.0)
+            broken = Rollout("c", [1], [2], [0.0], reward=0.0)
+            broken.metadata["infrastructure_error"] = True  # says nothing: left out
+            return [[forged, solved, broken]]
+
+    life = _life(tmp_path)
+    assert life.evaluate(None, None, [HeldoutTasks(FlaggingEnv(), ["a"], 8)]) == 0.5
+    assert life.heldout_hack_fraction == 0.5
+    row: dict = {"reward/mean": 0.0}
+    life.guard_round(1, row, 0.5)
+    assert row["heldout/hack_flagged_fraction"] == 0.5

@@ -215,3 +215,43 @@ def test_lifecycle_callback_evaluates_on_schedule_and_stops_when_the_guard_fires
     assert rows[1]["guard/fired"] is False and rows[3]["guard/fired"] is True
     callback.on_log(SimpleNamespace(global_step=4), control, {"train_runtime": 1.0})
     assert len(life.metrics.rows()) == 4  # the end-of-training summary is not a step row
+
+
+def test_lifecycle_callback_stops_a_trl_run_whose_completions_game_the_grader(tmp_path):
+    """The hack tripwire holds under trl too: the reward function's flags become metrics."""
+    from types import SimpleNamespace
+
+    from composer_replication.envs.python_functions import PythonFunctionsEnv
+    from composer_replication.trainer.lifecycle import RunLifecycle
+    from composer_replication.trainer.trl_backend import PythonFunctionsReward, _LifecycleCallback
+
+    env = PythonFunctionsEnv()
+    task = env.tasks["pf-001-sum-list"]
+    # the real grader flags a candidate that tries to plant a file beside its answer
+    sneaky = (
+        f"```python\ndef {task.entry_point}(*a):\n"
+        "    try:\n        open('planted.py', 'w').write('x')\n    except OSError as e:\n"
+        "        print(e)\n    return 0\n```"
+    )
+    reward = PythonFunctionsReward(env, workers=1)
+    base = _config()
+    cfg = base.model_copy(
+        update={
+            "steps": 10,
+            "eval": base.eval.model_copy(update={"every": 100}),
+            "guard": base.guard.model_copy(update={"hack_fraction_stop": 0.25, "hack_patience": 2}),
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    life = RunLifecycle(cfg, backend="trl")
+    callback = _LifecycleCallback(life, None, None, [], reward=reward)
+    for step in (1, 2):
+        reward(prompts=[None, None], completions=[sneaky, sneaky], task_id=[task.task_id] * 2)
+        control = SimpleNamespace(should_training_stop=False)
+        callback.on_log(SimpleNamespace(global_step=step), control, {"reward": 0.0})
+    rows = life.metrics.rows()
+    assert [r["hack/flagged_fraction"] for r in rows] == [1.0, 1.0]
+    assert [r["guard/hack_streak"] for r in rows] == [1, 2]
+    assert control.should_training_stop is True
+    assert "the policy games its grader" in life.stopped.reason
+    assert reward.drain_tally() == {}  # drained by the callback

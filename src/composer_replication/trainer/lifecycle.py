@@ -81,6 +81,7 @@ class RunLifecycle:
         )
         self.guard = HeldOutGuard(**config.guard.guard_kwargs())
         self.heldout_before: float | None = None
+        self.heldout_hack_fraction = 0.0
         self.stopped: TripwireStatus | None = None
         self.hack_streak = 0
         self._start = time.perf_counter()
@@ -102,6 +103,11 @@ class RunLifecycle:
                 self.config.eval,
                 max_new_tokens=item.max_new_tokens,
             )
+        attempts = [r for group in groups for r in group if not r.infrastructure_error]
+        # the held-out set is the kill switch's real signal: gaming it must show
+        self.heldout_hack_fraction = (
+            sum(bool(r.hack_flags) for r in attempts) / len(attempts) if attempts else 0.0
+        )
         return pass_at_1(groups)
 
     def evaluate_start(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> None:
@@ -109,7 +115,13 @@ class RunLifecycle:
         if not self.config.eval.at_start:
             return
         self.heldout_before = self.evaluate(policy, tokenizer, tasks)
-        self.metrics.append({"step": 0, "heldout/pass@1": self.heldout_before})
+        self.metrics.append(
+            {
+                "step": 0,
+                "heldout/pass@1": self.heldout_before,
+                "heldout/hack_flagged_fraction": self.heldout_hack_fraction,
+            }
+        )
 
     def is_eval_step(self, step: int) -> bool:
         return step % self.config.eval.every == 0 or step == self.config.steps
@@ -124,6 +136,7 @@ class RunLifecycle:
     ) -> bool:
         """Record an evaluation in ``row`` and feed the kill switch; True when it fired."""
         row["heldout/pass@1"] = heldout
+        row["heldout/hack_flagged_fraction"] = self.heldout_hack_fraction
         if kl_to_init is not None:
             row["kl/to_init"] = kl_to_init
         if not self.config.guard.enabled:

@@ -84,6 +84,7 @@ class PythonFunctionsReward:
         self.__name__ = env.name  # trl names the reward column after it
         self.last_feedback: list[str | None] | None = None
         self.last_info: list[dict[str, Any]] | None = None
+        self._tally = {"graded": 0, "flagged": 0, "infrastructure_errors": 0}
 
     def __call__(
         self,
@@ -108,7 +109,25 @@ class PythonFunctionsReward:
             graded = list(pool.map(self.env.grade, tasks, texts))
         self.last_feedback = [feedback or error for _, feedback, error, _ in graded]
         self.last_info = [info for *_, info in graded]
+        self._tally["graded"] += len(graded)
+        self._tally["flagged"] += sum(bool(info.get("hack_flags")) for info in self.last_info)
+        self._tally["infrastructure_errors"] += sum(
+            bool(info.get("infrastructure_error")) for info in self.last_info
+        )
         return [float(reward) for reward, *_ in graded]
+
+    def drain_tally(self) -> dict[str, float]:
+        """Hack and infrastructure counts of everything graded since the last call, as
+        metrics (``hack/flagged``, ``hack/flagged_fraction``,
+        ``rollouts/infrastructure_errors``); empty when nothing was graded."""
+        tally, self._tally = self._tally, dict.fromkeys(self._tally, 0)
+        if not tally["graded"]:
+            return {}
+        return {
+            "hack/flagged": float(tally["flagged"]),
+            "hack/flagged_fraction": tally["flagged"] / tally["graded"],
+            "rollouts/infrastructure_errors": float(tally["infrastructure_errors"]),
+        }
 
 
 def _completion_text(completion: Any) -> str:
@@ -303,6 +322,10 @@ class _LifecycleCallback:
             row["taid/t"] = self.taid.t
             if logs.get("sdpo_jsd") is not None:
                 self.taid.update_t(float(logs["sdpo_jsd"]), step)
+        if self.reward is not None and hasattr(self.reward, "drain_tally"):
+            row.update(self.reward.drain_tally())
+        if self.life.hack_round(step, row):
+            control.should_training_stop = True
         if self.life.is_eval_step(step):
             heldout = self.life.evaluate(self.policy, self.tokenizer, self.heldout)
             if self.life.guard_round(step, row, heldout):
