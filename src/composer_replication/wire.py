@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -79,8 +81,8 @@ class TrainingSample:
         teacher_index: per token of ``input_ids``, the index in ``teacher_input_ids`` of
             the same token (-1 where there is none); needed where ``jsd_weights`` != 0.
         dpo: an optional preference pair.
-        task_id, source: where the sample came from (metrics only; never used for
-            branching).
+        task_id, source: where the sample came from (metrics, and the held-out check of
+            ``pack_samples``; never used for branching).
     """
 
     input_ids: list[int]
@@ -201,9 +203,16 @@ class MicroBatch:
 
 
 def pack_samples(
-    samples: Sequence[TrainingSample], *, max_tokens: int, pad_id: int = 0
+    samples: Sequence[TrainingSample],
+    *,
+    max_tokens: int,
+    pad_id: int = 0,
+    split: HeldoutSplit | None = DEFAULT_SPLIT,
 ) -> list[MicroBatch]:
     """Pack samples into micro-batches of at most ``max_tokens`` padded tokens each.
+
+    A sample whose ``task_id`` ``split`` holds out raises ``HeldoutLeakError`` (the
+    project's split by default; a run passes its own; None for data with no held-out pool).
 
     Rows are right-padded to the longest sample in their micro-batch; samples are sorted
     by length first so little is wasted on padding. A sample longer than ``max_tokens``
@@ -214,6 +223,8 @@ def pack_samples(
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
     for sample in samples:
         sample.check_alignment()
+    if split is not None:
+        split.check_trainable([s.task_id for s in samples if s.task_id])
     seqs = sorted((s for s in samples if s.n_tokens), key=lambda s: s.n_tokens)
     pair_only = [s for s in samples if not s.n_tokens]
     groups: list[list[TrainingSample]] = []

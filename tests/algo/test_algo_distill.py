@@ -83,7 +83,7 @@ def test_opd_assign_and_score(tokenizer, teacher_model):
     assert s1.ref_logprobs == before
     for s in samples:
         s.check_alignment()
-    (batch,) = pack_samples(samples, max_tokens=4096)
+    (batch,) = pack_samples(samples, max_tokens=4096, split=None)
     assert batch.ref_kl_weights is not None and batch.rl_weights.sum().item() == 0
 
 
@@ -119,7 +119,7 @@ def test_opsd_demo_context_and_score(tiny):
     assert samples[1].advantages is None and samples[1].rl_weights == [0.0] * samples[1].n_tokens
     for s in samples:
         s.check_alignment()
-    pack_samples(samples, max_tokens=4096)
+    pack_samples(samples, max_tokens=4096, split=None)
 
 
 def test_opsd_template_and_missing_messages(tokenizer):

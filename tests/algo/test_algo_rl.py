@@ -38,7 +38,7 @@ def _multi_turn(reward, roles=("assistant", "assistant", "tool", "tool", "assist
 def _check_packable(samples):
     for s in samples:
         s.check_alignment()
-    batches = pack_samples(samples, max_tokens=64)
+    batches = pack_samples(samples, max_tokens=64, split=None)
     assert sum(b.n_rows for b in batches) == sum(1 for s in samples if s.input_ids)
     return batches
 

@@ -84,7 +84,7 @@ def test_sdpo_assign(tokenizer):
     assert [s.metadata.get("jsd_note") for s in samples] == [None, "demo", "hint"]
     for s in samples:
         s.check_alignment()
-    (batch,) = pack_samples(samples, max_tokens=4096)
+    (batch,) = pack_samples(samples, max_tokens=4096, split=None)
     assert batch.teacher_input_ids.shape[0] == 3 and batch.jsd_weights.sum().item() == sum(
         len(r.completion_ids) for r in group[1:]
     )
@@ -153,7 +153,7 @@ def test_composer_assign_and_score(tiny):
         assert getattr(pair, f"ref_{side}_logp") == pytest.approx(expected, abs=1e-4)
     for s in samples:
         s.check_alignment()
-    batches = pack_samples(samples, max_tokens=4096)
+    batches = pack_samples(samples, max_tokens=4096, split=None)
     assert [p.weight for b in batches for p in b.pairs] == [0.05]
     # the next group draws the other pair of the pool
     assert algo.assign(group)[-1].dpo is not pair

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from functools import partial
 
 import pytest
 
@@ -13,15 +14,18 @@ from composer_replication.safety.holdout import HeldoutLeakError, HeldoutSplit
 
 IDS = ["easy", "hard", "mid", "new"]
 
+# toy ids of no environment: a pool without a held-out part
+ToyCurriculum = partial(DifficultyCurriculum, split=None)
+
 
 def _curriculum(**kwargs: object) -> DifficultyCurriculum:
-    cur = DifficultyCurriculum(IDS, **kwargs)  # type: ignore[arg-type]
+    cur = ToyCurriculum(IDS, **kwargs)  # type: ignore[arg-type]
     cur.update(0, {"easy": [1, 1, 1, 1], "hard": [0, 0, 0, 0], "mid": [1, 0, 1, 0]})
     return cur
 
 
 def test_first_result_seeds_then_ema_with_weight_on_prior() -> None:
-    cur = DifficultyCurriculum(["t"], ema_alpha=0.75)
+    cur = ToyCurriculum(["t"], ema_alpha=0.75)
     assert cur.pass_rate("t") is None
     cur.update(0, {"t": [True, False, True, True]})
     assert cur.pass_rate("t") == 0.75
@@ -40,7 +44,7 @@ def test_weights_favour_the_learnable_band() -> None:
 
 
 def test_band_edges_are_inclusive_and_configurable() -> None:
-    cur = DifficultyCurriculum(["a", "b"], band=(0.25, 0.5), ema_alpha=0.0, outside_weight=0.0)
+    cur = ToyCurriculum(["a", "b"], band=(0.25, 0.5), ema_alpha=0.0, outside_weight=0.0)
     cur.update(0, {"a": 0.25, "b": 0.75})
     assert cur.weights() == {"a": 0.1875, "b": 0.0}
 
@@ -65,7 +69,7 @@ def test_update_twice_for_a_round_is_an_error() -> None:
 )
 def test_update_rejects_bad_results(results: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        DifficultyCurriculum(IDS).update(0, results)
+        ToyCurriculum(IDS).update(0, results)
 
 
 def test_sampling_is_deterministic_given_a_seed_or_generator() -> None:
@@ -91,14 +95,14 @@ def test_without_replacement_draws_distinct_positive_weight_tasks() -> None:
 
 
 def test_all_zero_weights_fall_back_to_uniform() -> None:
-    cur = DifficultyCurriculum(["a", "b"], unseen_weight=0.0)
+    cur = ToyCurriculum(["a", "b"], unseen_weight=0.0)
     assert sorted(cur.sample(2, seed=1)) == ["a", "b"]
 
 
 def test_state_dict_is_json_and_restores_sampling() -> None:
     cur = _curriculum()
     state = json.loads(json.dumps(cur.state_dict()))
-    fresh = DifficultyCurriculum()
+    fresh = ToyCurriculum()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == cur.state_dict()
     assert fresh.sample(3, seed=11) == cur.sample(3, seed=11)
@@ -110,9 +114,9 @@ def test_state_dict_is_json_and_restores_sampling() -> None:
 def test_load_state_dict_checks_version_and_settings() -> None:
     state = _curriculum().state_dict()
     with pytest.raises(ValueError, match="saved with settings"):
-        DifficultyCurriculum(band=(0.1, 0.9)).load_state_dict(state)
+        ToyCurriculum(band=(0.1, 0.9)).load_state_dict(state)
     with pytest.raises(ValueError, match="unsupported curriculum state version"):
-        DifficultyCurriculum().load_state_dict({**state, "version": 99})
+        ToyCurriculum().load_state_dict({**state, "version": 99})
 
 
 def test_held_out_ids_are_refused_everywhere() -> None:
@@ -121,23 +125,32 @@ def test_held_out_ids_are_refused_everywhere() -> None:
     held = next(t for t in ids if split.is_heldout(t))
     train = [t for t in ids if not split.is_heldout(t)]
     with pytest.raises(HeldoutLeakError):
-        DifficultyCurriculum([*train, held], split=split)
-    cur = DifficultyCurriculum(train, split=split)
+        ToyCurriculum([*train, held], split=split)
+    cur = ToyCurriculum(train, split=split)
     with pytest.raises(HeldoutLeakError):
         cur.add_tasks([held])
     with pytest.raises(HeldoutLeakError):
         cur.update(0, {held: 1.0})
-    leaked = DifficultyCurriculum([held]).state_dict()
+    leaked = ToyCurriculum([held]).state_dict()
     with pytest.raises(HeldoutLeakError):
-        DifficultyCurriculum(split=split).load_state_dict(leaked)
+        ToyCurriculum(split=split).load_state_dict(leaked)
 
 
 def test_invalid_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="band must satisfy"):
-        DifficultyCurriculum(band=(0.9, 0.1))
+        ToyCurriculum(band=(0.9, 0.1))
     with pytest.raises(ValueError, match="ema_alpha"):
-        DifficultyCurriculum(ema_alpha=1.0)
+        ToyCurriculum(ema_alpha=1.0)
     with pytest.raises(ValueError, match="weights must be >= 0"):
-        DifficultyCurriculum(outside_weight=-1)
+        ToyCurriculum(outside_weight=-1)
     with pytest.raises(ValueError, match="n must be an int >= 0"):
-        DifficultyCurriculum(["a"]).sample(-1)
+        ToyCurriculum(["a"]).sample(-1)
+
+
+def test_the_projects_split_is_in_force_by_default():
+    from composer_replication.safety.holdout import DEFAULT_SPLIT
+
+    held = next(t for t in (f"task-{i}" for i in range(100)) if DEFAULT_SPLIT.is_heldout(t))
+    with pytest.raises(HeldoutLeakError, match=held):
+        DifficultyCurriculum([held])
+    assert DifficultyCurriculum([held], split=None).weights()[held] > 0  # explicitly no split

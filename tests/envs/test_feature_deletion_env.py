@@ -96,7 +96,10 @@ def test_env_loads_datagen_output_and_keeps_references_out_of_the_prompt(generat
 
 
 def test_held_out_sibling_is_loaded_and_missing_workdirs_fail_early(generated: Path, tmp_path):
-    record = read_jsonl_records(generated)[0]
+    # the project's split decides which file holds the generated task
+    sibling = generated.with_name(generated.name.replace(".jsonl", ".heldout.jsonl"))
+    (record,) = read_jsonl_records(generated) + read_jsonl_records(sibling)
+    record = dict(record, split="train")
     copy = tmp_path / "tasks.jsonl"
     copy.write_text(json.dumps(record) + "\n")
     held = dict(record, task_id="fd:fd_repo:textkit/stats.py:other", split="heldout")
@@ -465,3 +468,20 @@ def test_the_guard_lets_honest_code_use_logging_tracebacks_and_generated_classes
     rollout = _attack(FeatureDeletionEnv(generated), tok, script)
     assert rollout.metadata["hack"] == {"flagged": False, "reasons": []}
     assert rollout.reward == 1.0
+
+
+def test_a_run_refuses_tasks_split_differently_from_its_own(generated: Path):
+    from composer_replication.config import EnvConfig
+    from composer_replication.safety.holdout import (
+        DEFAULT_SPLIT,
+        HeldoutSplit,
+        HeldoutSplitMismatch,
+    )
+    from composer_replication.trainer.runtime import build_runtime
+
+    env = FeatureDeletionEnv(generated)
+    assert env.recorded_split == DEFAULT_SPLIT  # datagen recorded the split it used
+    cfg = EnvConfig(name="feature_deletion", options={"task_file": str(generated)})
+    other = HeldoutSplit(0.5, "another-salt")
+    with pytest.raises(HeldoutSplitMismatch, match=r"heldout_fraction = 0\.25 and heldout_salt"):
+        build_runtime(cfg, policy=None, tokenizer=None, split=other, seed=0, env=env)

@@ -34,9 +34,13 @@ def _reference_bucket(salt: str, task_id: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def test_defaults() -> None:
+def test_defaults_are_a_run_configs_defaults() -> None:
+    from composer_replication.config import RunConfig
+
     s = HeldoutSplit()
-    assert (s.heldout_fraction, s.salt) == (0.2, "composer-replication")
+    assert (s.heldout_fraction, s.salt) == (0.25, "composer-replication")
+    run = RunConfig()
+    assert (run.heldout_fraction, run.heldout_salt) == (s.heldout_fraction, s.salt)
 
 
 def test_bucket_matches_reference_sha256() -> None:
@@ -47,7 +51,7 @@ def test_bucket_matches_reference_sha256() -> None:
 
 
 def test_golden_membership_is_stable() -> None:
-    s = HeldoutSplit()
+    s = HeldoutSplit(0.2)
     assert s.heldout_ids([f"task-{i}" for i in range(30)]) == GOLDEN_HELDOUT_OF_FIRST_30
 
 

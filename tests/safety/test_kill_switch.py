@@ -47,6 +47,9 @@ def test_all_exports() -> None:
         "kl_token_trust_filter",
         "HeldoutSplit",
         "HeldoutLeakError",
+        "HeldoutSplitMismatch",
+        "DEFAULT_SPLIT",
+        "check_same_split",
     }
     for name in safety.__all__:
         assert hasattr(safety, name)

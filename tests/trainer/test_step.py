@@ -54,7 +54,7 @@ def _grads(model):
 
 def test_rl_component_equals_naive_formula(model):
     samples = [_rl_sample(1, adv=0.7), _rl_sample(2, n_completion=4, adv=-0.4)]
-    metrics = train_step(model, pack_samples(samples, max_tokens=1000))
+    metrics = train_step(model, pack_samples(samples, max_tokens=1000, split=None))
     total, count = 0.0, 0
     for s in samples:
         lp = _naive_logprobs(model, s.input_ids)
@@ -76,8 +76,8 @@ def test_explicit_all_ones_rl_stream_equals_absent(model):
     b = copy.deepcopy(a)
     b.rl_weights = [1.0] * len(b.input_ids)
     m1 = copy.deepcopy(model)
-    r1 = train_step(model, pack_samples([a], max_tokens=100))
-    r2 = train_step(m1, pack_samples([b], max_tokens=100))
+    r1 = train_step(model, pack_samples([a], max_tokens=100, split=None))
+    r2 = train_step(m1, pack_samples([b], max_tokens=100, split=None))
     assert r1["loss/rl"] == r2["loss/rl"]
     for (n, g1), g2 in zip(_grads(model).items(), _grads(m1).values()):
         assert torch.equal(g1, g2), n
@@ -89,8 +89,8 @@ def test_ce_only_sample_does_not_change_rl_component(model):
     ce_only = TrainingSample(
         ids, [0] * 4 + [1] * 6, [0.0] * 10, rl_weights=[0.0] * 10, ce_weights=[0.0] * 4 + [1.0] * 6
     )
-    alone = train_step(copy.deepcopy(model), pack_samples([rl], max_tokens=1000))
-    mixed = train_step(model, pack_samples([rl, ce_only], max_tokens=1000))
+    alone = train_step(copy.deepcopy(model), pack_samples([rl], max_tokens=1000, split=None))
+    mixed = train_step(model, pack_samples([rl, ce_only], max_tokens=1000, split=None))
     assert mixed["loss/rl"] == pytest.approx(alone["loss/rl"], rel=1e-12)
     assert mixed["tokens/rl"] == alone["tokens/rl"]
     lp = _naive_logprobs(model, ids)
@@ -108,9 +108,9 @@ def test_overlapping_components_add_gradients(model):
     ce_only.rl_weights = [0.0] * len(s.input_ids)
     ce_only.advantages = None
     m_rl, m_ce, m_both = (copy.deepcopy(model) for _ in range(3))
-    train_step(m_rl, pack_samples([s], max_tokens=100))
-    train_step(m_ce, pack_samples([ce_only], max_tokens=100))
-    train_step(m_both, pack_samples([both], max_tokens=100))
+    train_step(m_rl, pack_samples([s], max_tokens=100, split=None))
+    train_step(m_ce, pack_samples([ce_only], max_tokens=100, split=None))
+    train_step(m_both, pack_samples([both], max_tokens=100, split=None))
     # LlamaRMSNorm computes in float32 even in a float64 model: hence the 1e-7 tolerance
     for name, g in _grads(m_both).items():
         torch.testing.assert_close(g, _grads(m_rl)[name] + _grads(m_ce)[name], atol=1e-7, rtol=1e-5)
@@ -119,7 +119,7 @@ def test_overlapping_components_add_gradients(model):
 def test_all_empty_micro_batch_returns_zero_that_backpropagates(model):
     ids = _ids(6, 8)
     empty = TrainingSample(ids, [0] * 8, [0.0] * 8, rl_weights=[0.0] * 8)
-    metrics = train_step(model, pack_samples([empty], max_tokens=100))
+    metrics = train_step(model, pack_samples([empty], max_tokens=100, split=None))
     assert metrics["loss"] == 0.0 and metrics["tokens/rl"] == 0
     grads = _grads(model)
     assert grads, "backward must run (every rank joins the all-reduce)"
@@ -130,8 +130,8 @@ def test_gradient_accumulation_equals_one_big_batch(model):
     samples = [_rl_sample(i, n_completion=3 + i, adv=(-1) ** i * 0.5) for i in range(4)]
     for s in samples[:2]:
         s.ce_weights = [0.5 * m for m in s.loss_mask]
-    one = pack_samples(samples, max_tokens=10_000)
-    many = pack_samples(samples, max_tokens=20)
+    one = pack_samples(samples, max_tokens=10_000, split=None)
+    many = pack_samples(samples, max_tokens=20, split=None)
     assert len(one) == 1 and len(many) >= 3
     m_one = copy.deepcopy(model)
     r_one = train_step(m_one, one)
@@ -156,7 +156,7 @@ def test_jsd_component_equals_full_logits_jsd(model):
     s.rl_weights = [0.0] * len(s.input_ids)
     s.advantages = None
     cfg = LossConfig(sdpo_jsd_beta=0.3, sdpo_temperature=0.8)
-    metrics = train_step(model, pack_samples([s], max_tokens=100), cfg)
+    metrics = train_step(model, pack_samples([s], max_tokens=100, split=None), cfg)
     student = model(input_ids=torch.tensor([s.input_ids])).logits[0]
     with torch.no_grad():
         teacher = model(input_ids=torch.tensor([s.teacher_input_ids])).logits[0]
@@ -195,7 +195,7 @@ def test_dpo_component_uses_cached_reference(model):
     pair_only = [TrainingSample([], [], [], dpo=p) for p in pairs]
     metrics = train_step(
         model,
-        pack_samples(pair_only, max_tokens=100),
+        pack_samples(pair_only, max_tokens=100, split=None),
         LossConfig(replay_dpo_beta=0.2),
         reference=teachers.reference,
     )
@@ -228,7 +228,9 @@ def _optimise(model, samples, steps=8, lr=3e-3, cfg=None, **kw):
     history = []
     for _ in range(steps):
         opt.zero_grad()
-        history.append(train_step(model, pack_samples(samples, max_tokens=1000), cfg, **kw))
+        history.append(
+            train_step(model, pack_samples(samples, max_tokens=1000, split=None), cfg, **kw)
+        )
         opt.step()
     return history
 
@@ -300,7 +302,7 @@ def test_ema_teacher_moves_towards_policy(model):
 
 def test_component_counts_and_config_validation():
     samples = [_rl_sample(1), _rl_sample(2, n_completion=3)]
-    counts = component_counts(pack_samples(samples, max_tokens=1000))
+    counts = component_counts(pack_samples(samples, max_tokens=1000, split=None))
     assert counts == {"rl": 10, "ce": 0, "ref_kl": 0, "jsd": 0, "dpo": 0}
     with pytest.raises(ValueError):
         LossConfig(mask_low=-1)
@@ -350,7 +352,7 @@ def test_kl_to_initial_is_the_exact_token_mean_kl(base_model):
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     samples = [_rl_sample(80), _rl_sample(81, n_completion=4)]
-    batches = pack_samples(samples, max_tokens=64)
+    batches = pack_samples(samples, max_tokens=64, split=None)
     got = kl_to_initial(policy, base_model, batches, 0.7)
     total, count = 0.0, 0
     for s in samples:

@@ -13,11 +13,9 @@ from typing import Annotated, Any
 
 import typer
 
-from composer_replication.safety.holdout import HeldoutSplit
+from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = ["app", "datagen_command", "datagen_main"]
-
-_DEFAULT_SPLIT = HeldoutSplit()
 
 
 def datagen_main(
@@ -25,7 +23,7 @@ def datagen_main(
     output: Path,
     max_tasks: int,
     *,
-    split: HeldoutSplit | None = _DEFAULT_SPLIT,
+    split: HeldoutSplit | None = DEFAULT_SPLIT,
     exec_timeout_s: float = 300.0,
     console: Any = None,
 ) -> int:

@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from composer_replication.safety.holdout import HeldoutSplit
+from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = ["DifficultyCurriculum"]
 
@@ -61,7 +61,7 @@ class DifficultyCurriculum:
         ema_alpha: float = 0.5,
         unseen_weight: float = 0.25,
         outside_weight: float = 0.01,
-        split: HeldoutSplit | None = None,
+        split: HeldoutSplit | None = DEFAULT_SPLIT,
     ) -> None:
         low, high = band
         if not 0.0 <= low < high <= 1.0:

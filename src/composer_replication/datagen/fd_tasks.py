@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_replication.datagen.hack_monitor import is_protected
-from composer_replication.safety.holdout import HeldoutSplit
+from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = [
     "Candidate",
@@ -258,12 +258,48 @@ def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]], mode: int) -> None:
 
 
 def write_tasks(
-    path: str | os.PathLike[str], tasks: Sequence[FDTask], *, split: HeldoutSplit | None = None
+    path: str | os.PathLike[str],
+    tasks: Sequence[FDTask],
+    *,
+    split: HeldoutSplit | None = DEFAULT_SPLIT,
 ) -> None:
-    """Write a training task file; with `split`, a held-out id raises `HeldoutLeakError`."""
+    """Write a training task file; a held-out id raises `HeldoutLeakError`.
+
+    The project's split is in force unless another is given; ``split=None`` writes tasks
+    of a pool that has no held-out part.
+    """
     if split is not None:
         split.check_trainable([t.task_id for t in tasks])
     _write_jsonl(Path(path), (t.to_json() for t in tasks), 0o644)
+
+
+def split_record_path(output: str | os.PathLike[str]) -> Path:
+    """Where the split a task file was made with is recorded: ``<stem>.split.json``."""
+    out = Path(output)
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(f"{stem}.split.json")
+
+
+def write_split_record(output: str | os.PathLike[str], split: HeldoutSplit) -> Path:
+    """Record (atomically) the split the tasks of ``output`` were made with."""
+    path = split_record_path(output)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(split.to_record(), sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_split_record(output: str | os.PathLike[str]) -> HeldoutSplit | None:
+    """The split recorded for the tasks of ``output``; None when none was recorded
+    (tasks made without a split, or by an older version)."""
+    path = split_record_path(output)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc}); regenerate the tasks") from exc
+    return HeldoutSplit.from_record(record, str(path))
 
 
 def write_heldout_tasks(path: str | os.PathLike[str], tasks: Sequence[FDTask]) -> None:

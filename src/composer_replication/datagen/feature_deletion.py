@@ -32,8 +32,10 @@ from composer_replication.datagen.fd_tasks import (
     make_stub,
     make_task_id,
     slug,
+    split_record_path,
     write_heldout_tasks,
     write_references,
+    write_split_record,
     write_tasks,
 )
 from composer_replication.datagen.gates import (
@@ -46,7 +48,7 @@ from composer_replication.datagen.gates import (
 )
 from composer_replication.datagen.hack_monitor import is_protected
 from composer_replication.datagen.scrub import scrub_tree
-from composer_replication.safety.holdout import HeldoutSplit
+from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 from composer_replication.sandbox.workdir import hand_over, make_shared_tempdir
 
 __all__ = [
@@ -159,7 +161,7 @@ def generate_tasks(
     *,
     max_tasks: int,
     sandbox_factory: SandboxFactory,
-    split: HeldoutSplit | None = None,
+    split: HeldoutSplit | None = DEFAULT_SPLIT,
     progress: ProgressCallback | None = None,
     only: Collection[str] | None = None,
     static_preselect: bool = True,
@@ -173,7 +175,9 @@ def generate_tasks(
             and the task workdirs (see `output_paths`).
         max_tasks: Stop after this many accepted tasks (train and held-out together).
         sandbox_factory: Builds a ready sandbox for a workdir; every gate runs in one.
-        split: With a split, held-out tasks go to the held-out file only.
+        split: Held-out tasks go to the held-out file only, and the split is recorded
+            beside the tasks (``<stem>.split.json``) so a run can check it splits the same
+            way. Default: the project's split; None: every task is a training task.
         progress: Called as `progress(done, total, message)` after each candidate.
         only: Restrict candidates to these qualified names (or `file::qualname`).
         static_preselect: Skip candidates never named in a test file without running them.
@@ -245,6 +249,9 @@ def generate_tasks(
     write_tasks(out, train, split=split)
     if split is not None:
         write_heldout_tasks(heldout_path, held)
+        write_split_record(out, split)
+    else:
+        split_record_path(out).unlink(missing_ok=True)  # an old record would lie
     write_references(reference_path, refs)
     return GenerationReport(
         repo=repo_path.name,

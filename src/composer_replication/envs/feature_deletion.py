@@ -38,7 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_replication.datagen.fd_tasks import FDTask, TaskReference, read_jsonl_records
+from composer_replication.datagen.fd_tasks import (
+    FDTask,
+    TaskReference,
+    read_jsonl_records,
+    read_split_record,
+)
 from composer_replication.datagen.feature_deletion import output_paths
 from composer_replication.datagen.hack_monitor import (
     HackLog,
@@ -277,6 +282,9 @@ class FeatureDeletionEnv:
         records = read_jsonl_records(task_file)
         if heldout_file.is_file():
             records += read_jsonl_records(heldout_file)
+        #: the split datagen made these tasks with (None: not recorded); a run checks
+        #: that it splits the same way (``trainer.runtime.build_runtime``)
+        self.recorded_split = read_split_record(task_file)
         self.tasks: dict[str, FDTask] = {}
         for record in records:
             task = FDTask.from_json(record)

@@ -7,7 +7,13 @@ importing this package never imports torch.
 
 from __future__ import annotations
 
-from composer_replication.safety.holdout import HeldoutLeakError, HeldoutSplit
+from composer_replication.safety.holdout import (
+    DEFAULT_SPLIT,
+    HeldoutLeakError,
+    HeldoutSplit,
+    HeldoutSplitMismatch,
+    check_same_split,
+)
 from composer_replication.safety.kill_switch import (
     CollapseStopError,
     HeldOutGuard,
@@ -16,10 +22,13 @@ from composer_replication.safety.kill_switch import (
 )
 
 __all__ = [
+    "DEFAULT_SPLIT",
     "CollapseStopError",
     "HeldOutGuard",
     "HeldoutLeakError",
     "HeldoutSplit",
+    "HeldoutSplitMismatch",
     "TripwireStatus",
+    "check_same_split",
     "kl_token_trust_filter",
 ]

@@ -14,7 +14,11 @@ fraction only moves tasks from train to held-out, never back.
 
 Training-batch builders and task generators call `check_trainable` / `assert_trainable`
 (or `filter_trainable`) at their boundary, so a held-out id cannot reach them through the
-public API. Pure Python (no torch import).
+public API. Wherever a task id is known, a split is in force by default (`DEFAULT_SPLIT`,
+the same fraction and salt as a run config's defaults); passing ``split=None`` is the
+explicit way to say a pool has no held-out part. Task files record the split they were
+made with (`to_record`), and a run refuses tasks split differently from its own
+(`check_same_split`). Pure Python (no torch import).
 """
 
 from __future__ import annotations
@@ -24,7 +28,19 @@ import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["HeldoutLeakError", "HeldoutSplit"]
+__all__ = [
+    "DEFAULT_HELDOUT_FRACTION",
+    "DEFAULT_HELDOUT_SALT",
+    "DEFAULT_SPLIT",
+    "HeldoutLeakError",
+    "HeldoutSplit",
+    "HeldoutSplitMismatch",
+    "check_same_split",
+]
+
+#: The project's split: a run config's `heldout_fraction` / `heldout_salt` defaults.
+DEFAULT_HELDOUT_FRACTION = 0.25
+DEFAULT_HELDOUT_SALT = "composer-replication"
 
 # How many offending ids a HeldoutLeakError message lists before summarising the rest.
 _MAX_IDS_IN_MESSAGE = 10
@@ -84,8 +100,8 @@ class HeldoutSplit:
             for the life of a project, or previously held-out tasks leak into training.
     """
 
-    heldout_fraction: float = 0.2
-    salt: str = "composer-replication"
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION
+    salt: str = DEFAULT_HELDOUT_SALT
 
     def __post_init__(self) -> None:
         f = self.heldout_fraction
@@ -139,3 +155,39 @@ class HeldoutSplit:
         """Raise `HeldoutLeakError` if the single `task_id` is held out."""
         if self.is_heldout(task_id):
             raise HeldoutLeakError([task_id])
+
+    def to_record(self) -> dict[str, object]:
+        """What a task file records about the split it was made with."""
+        return {"heldout_fraction": self.heldout_fraction, "salt": self.salt}
+
+    @classmethod
+    def from_record(cls, record: object, source: str = "split record") -> HeldoutSplit:
+        """The split a task file recorded (`to_record`); `ValueError` naming `source` when
+        the record is not one."""
+        if not isinstance(record, dict) or set(record) != {"heldout_fraction", "salt"}:
+            raise ValueError(
+                f"{source}: expected {{'heldout_fraction': float, 'salt': str}}, got {record!r}"
+            )
+        return cls(record["heldout_fraction"], record["salt"])
+
+
+class HeldoutSplitMismatch(ValueError):
+    """Tasks were split with another fraction or salt than the run that wants them: some
+    of their held-out tasks could be trained on (or the reverse)."""
+
+
+def check_same_split(recorded: HeldoutSplit, run: HeldoutSplit, source: str) -> None:
+    """Raise `HeldoutSplitMismatch` unless the tasks of `source` were split as `run` splits."""
+    if recorded == run:
+        return
+    raise HeldoutSplitMismatch(
+        f"{source} was split with heldout_fraction={recorded.heldout_fraction} and "
+        f"salt={recorded.salt!r}, but this run splits with heldout_fraction="
+        f"{run.heldout_fraction} and salt={run.salt!r}; set heldout_fraction = "
+        f"{recorded.heldout_fraction} and heldout_salt = {recorded.salt!r} in the run config "
+        "(or regenerate the tasks with the run's split)"
+    )
+
+
+#: The split in force wherever a task id is known and the caller names none.
+DEFAULT_SPLIT = HeldoutSplit()

@@ -66,6 +66,7 @@ from composer_replication.ops.pairs import (
 )
 from composer_replication.ops.self_distillation import aligned_from_masks, divergence_terms
 from composer_replication.rollout.types import Rollout
+from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 from composer_replication.wire import DPOPairTokens
 
 __all__ = ["ComposerReplicationTrainer", "FeedbackRewardFunc", "default_hint"]
@@ -99,6 +100,16 @@ def default_hint(feedback: str) -> str | None:
     return hint_text(carrier, "generator")
 
 
+def _check_dataset_split(dataset: Any, split: HeldoutSplit | None) -> None:
+    """Refuse a training dataset that holds a held-out task (by its ``task_id`` column)."""
+    if split is None or dataset is None:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or "task_id" not in columns:
+        return
+    split.check_trainable([str(t) for t in dataset["task_id"] if t])
+
+
 class ComposerReplicationTrainer(GRPOTrainer):
     """trl's ``GRPOTrainer`` whose loss adds Composer's SDPO and trace-replay DPO channels.
 
@@ -124,6 +135,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         replay_ref_model: model for the DPO reference log-probs (default: trl's reference
             model when it has one, else the policy itself at construction time, which is
             the initial model).
+        split: a ``train_dataset`` with a ``task_id`` column may hold no task this split
+            holds out (``HeldoutLeakError`` at construction); the project's split by default,
+            None for a dataset of tasks with no held-out pool.
     """
 
     def __init__(
@@ -147,6 +161,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         pairs_per_prompt: int = 1,
         max_pair_length: int = 2048,
         replay_ref_model: Any | None = None,
+        split: HeldoutSplit | None = DEFAULT_SPLIT,
         **kwargs: Any,
     ) -> None:
         # Set and checked before trl starts, so a bad value fails fast.
@@ -163,6 +178,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.pairs_per_prompt = int(pairs_per_prompt)
         self._check_settings(max_pair_length)
         self._divergence(), self._pair_settings()  # validates them under their public names
+        _check_dataset_split(kwargs.get("train_dataset"), split)
         super().__init__(*args, **kwargs)
         self._feedback_funcs = [f for f in self.reward_funcs if hasattr(f, "last_feedback")]
         if self.alpha_sdpo > 0 and (hint_fn is None or not self._feedback_funcs):

@@ -41,6 +41,7 @@ import torch
 from composer_replication.algo.context import augment_messages, render_prompt
 from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
 from composer_replication.hint_generator import HintContext, classify_error
+from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = [
     "CollatorConfig",
@@ -100,6 +101,8 @@ class TraceExample:
         available_tools: tool names offered to the agent (for tool hints).
         state_id: free-form id, reported in errors.
         more_pairs: further ``(chosen, rejected)`` pairs for the same state.
+        task_id: the environment task the trace worked on, when known: a held-out task is
+            refused by the collator (``CollatorConfig.split``).
     """
 
     turns: tuple[TraceTurn, ...]
@@ -112,6 +115,7 @@ class TraceExample:
     available_tools: tuple[str, ...] = ()
     state_id: str = ""
     more_pairs: tuple[tuple[str, str], ...] = ()
+    task_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.turns:
@@ -166,6 +170,7 @@ class TraceExample:
             more_pairs=tuple(pairs[1:]),
             available_tools=tuple(trace.get("available_tools") or metadata.get("tools") or ()),
             state_id=trace_id,
+            task_id=trace.get("task_id", metadata.get("task_id")),
         )
 
     def messages(self) -> list[dict[str, str]]:
@@ -225,7 +230,9 @@ class CollatorConfig:
     """Caps, padding and channel switches of ``ComposerDataCollator``.
 
     ``hint_generator`` is called as ``hint_generator(error_kind, ctx) -> hint | None``
-    (``composer_replication.hint_generator.dispatch`` fits); None disables SDPO.
+    (``composer_replication.hint_generator.dispatch`` fits); None disables SDPO. ``split``:
+    examples whose ``task_id`` it holds out raise ``HeldoutLeakError`` (the project's split
+    by default; None for data with no held-out pool).
     """
 
     max_seq_len: int = 4096
@@ -236,6 +243,7 @@ class CollatorConfig:
     hint_generator: HintGenerator | None = None
     enable_replay_dpo: bool = True
     rlvr_reward_key: str = "final_reward"
+    split: HeldoutSplit | None = DEFAULT_SPLIT
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "max_dpo_seq_len"):
@@ -260,6 +268,8 @@ class ComposerDataCollator:
         examples = [
             ex if isinstance(ex, TraceExample) else TraceExample.from_dict(ex) for ex in examples
         ]
+        if self.config.split is not None:
+            self.config.split.check_trainable([ex.task_id for ex in examples if ex.task_id])
         cfg = self.config
         responses = [self._response_ids(ex.response) for ex in examples]
         rows = [

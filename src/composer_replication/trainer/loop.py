@@ -219,7 +219,9 @@ class Trainer:
         t_start = time.perf_counter()
         samples, row = self.collect()
         pad_id = self.tokenizer.pad_token_id or 0
-        batches = pack_samples(samples, max_tokens=self.config.micro_batch_tokens, pad_id=pad_id)
+        batches = pack_samples(
+            samples, max_tokens=self.config.micro_batch_tokens, pad_id=pad_id, split=self.split
+        )
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = train_step(

@@ -68,6 +68,11 @@ def build_runtime(
     from composer_replication.rollout.endpoint_sampler import sampling_source
 
     env = env or build_environment(env_config)
+    recorded = getattr(env, "recorded_split", None)
+    if recorded is not None:  # tasks made with a split of their own: it must be ours
+        from composer_replication.safety.holdout import check_same_split
+
+        check_same_split(recorded, split, f"the tasks of environment {env.name!r}")
     algo_cfg = env_config.algorithm
     algorithm = build_algorithm(
         algo_cfg, tokenizer=tokenizer, policy=policy, rng=random.Random(seed)

@@ -280,6 +280,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
         args=grpo_config_from_run(run_config, life.run_dir / "trl"),
         train_dataset=train_prompt_dataset(env, split),
         processing_class=tokenizer,
+        split=split,
         **settings,
     )
     life.evaluate_start(policy, tokenizer, heldout)
