@@ -139,7 +139,9 @@ def train(
         raise typer.Exit(code=EXIT_USAGE) from None
     from composer_replication.safety import CollapseStopError
     from composer_replication.trainer.loop import train as run_training
+    from composer_replication.trainer.setup import quiet_library_progress_bars
 
+    quiet_library_progress_bars()  # in a log file, one plain line per step instead
     console.print(
         f"[bold]train[/bold] ({backend} backend): {cfg.model.source} on "
         f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "

@@ -5,6 +5,7 @@ the KL to the initial policy, and the console progress bar. Helpers only; the na
 from __future__ import annotations
 
 import math
+import os
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -103,12 +104,33 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
     return total / count if count else 0.0
 
 
+def quiet_library_progress_bars(stream: Any = None) -> bool:
+    """Turn off the model libraries' own progress bars (weight loading, GGUF conversion)
+    when ``stream`` (default: stderr) is not a terminal, so they do not flood logs.
+    Returns whether it did."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        return False
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return True
+
+
 class ProgressBar:
-    """A rich progress bar with live reward and loss (silent without a console)."""
+    """Live training progress: a rich bar with reward and loss on a terminal, one plain line
+    per step when the console is not one (CI, ``nohup``, a log file), silent without a
+    console."""
 
     def __init__(self, console: Any, total: int, done: int) -> None:
         self._bar = None
-        if console is None:
+        self._console = console
+        self._total = total
+        if console is None or not console.is_terminal:
             return
         from rich.progress import (
             BarColumn,
@@ -129,13 +151,22 @@ class ProgressBar:
         self._task = self._bar.add_task("train", total=total, completed=done, info="")
         self._bar.start()
 
-    def update(self, row: dict[str, Any]) -> None:
-        if self._bar is None:
-            return
+    @staticmethod
+    def describe(row: dict[str, Any]) -> str:
+        """Reward, loss and (when measured) held-out pass@1 of a metrics row."""
         info = f"reward {row.get('reward/mean', 0):.3f} loss {row.get('loss', 0):.4f}"
         if row.get("heldout/pass@1") is not None:
             info += f" held-out {row['heldout/pass@1']:.3f}"
-        self._bar.update(self._task, completed=row["step"], info=info)
+        return info
+
+    def update(self, row: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=row["step"], info=self.describe(row))
+        elif self._console is not None:
+            seconds = row.get("time/step_s")
+            took = f" {seconds:.1f} s" if seconds is not None else ""
+            line = f"step {row['step']}/{self._total} {self.describe(row)}{took}"
+            self._console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -1,0 +1,53 @@
+"""Training progress in a log: one plain line per step; the libraries' bars kept quiet."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from composer_replication.trainer.setup import ProgressBar, quiet_library_progress_bars
+
+
+def test_a_console_that_is_not_a_terminal_gets_one_plain_line_per_step():
+    out = io.StringIO()
+    bar = ProgressBar(Console(file=out, force_terminal=False, width=200), total=6, done=0)
+    bar.update({"step": 1, "reward/mean": 0.25, "loss": 0.0123, "time/step_s": 31.04})
+    bar.update({"step": 2, "reward/mean": 0.5, "loss": 0.01, "heldout/pass@1": 0.125})
+    bar.close()
+    assert out.getvalue().splitlines() == [
+        "step 1/6 reward 0.250 loss 0.0123 31.0 s",
+        "step 2/6 reward 0.500 loss 0.0100 held-out 0.125",
+    ]
+
+
+def test_a_terminal_gets_the_live_bar_and_no_console_nothing():
+    out = io.StringIO()
+    bar = ProgressBar(Console(file=out, force_terminal=True, width=120), total=2, done=0)
+    bar.update({"step": 1, "reward/mean": 0.0, "loss": 1.0})
+    bar.close()
+    assert "step 1/2" not in out.getvalue() and "reward 0.000 loss 1.0000" in out.getvalue()
+    silent = ProgressBar(None, total=2, done=0)
+    silent.update({"step": 1})  # no console: nothing to write to, nothing raised
+    silent.close()
+
+
+def test_library_bars_are_turned_off_only_off_a_terminal(monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    assert quiet_library_progress_bars(Tty()) is False
+    assert hf_logging.is_progress_bar_enabled()
+    try:
+        assert quiet_library_progress_bars(io.StringIO()) is True
+        assert not hf_logging.is_progress_bar_enabled()
+        import os
+
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    finally:
+        hf_logging.enable_progress_bar()
