@@ -32,7 +32,7 @@ def test_manager_surface(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="already registered"):
         manager.register_state_dict_fn("k", lambda s: None, lambda: {})
     state = manager.state_dict()
-    assert state == {"step": 1, "round_id": 1, "user": {"k": {"x": 1}}}
+    assert state == {"step": 1, "batches_committed": 1, "round_id": 1, "user": {"k": {"x": 1}}}
     manager.load_state_dict(state)
     assert seen == {"x": 1}
     with pytest.raises(ValueError, match="only averages"):

@@ -7,7 +7,8 @@
 - ``serverless``: replicas that meet only through an object store, and the executors that
   launch them (local processes, EKS, SageMaker, Modal, HF Jobs).
 
-Names load lazily (PEP 562): importing this package imports neither torch nor torchft.
+``_DummyWork`` is the seed's name of ``serverless.manager.CompletedWork``, an
+already-completed all-reduce ``Work``. Names load lazily (PEP 562): importing this package imports neither torch nor torchft.
 ``DiLoCo`` and ``Manager`` are torchft's classes, or None when torchft is not installed.
 """
 
@@ -28,6 +29,10 @@ _LAZY: dict[str, str] = {
     "diloco_context": "composer_replication.diloco.integration",
     "ObjectStoreDiLoCo": "composer_replication.diloco.integration",
     "NO_SYNC": "composer_replication.diloco.integration",
+}
+# seed names of objects that live under another name: name -> (module, attribute)
+_ALIASES: dict[str, tuple[str, str]] = {
+    "_DummyWork": ("composer_replication.diloco.serverless.manager", "CompletedWork"),
 }
 _TORCHFT_NAMES = {"DiLoCo": "torchft.local_sgd", "Manager": "torchft.manager"}
 
@@ -54,6 +59,9 @@ def __getattr__(name: str) -> Any:
         )
     elif name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _ALIASES:
+        module, attribute = _ALIASES[name]
+        value = getattr(importlib.import_module(module), attribute)
     else:
         raise AttributeError(f"module 'composer_replication.diloco' has no attribute {name!r}")
     globals()[name] = value
@@ -61,4 +69,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_TORCHFT_NAMES))
+    return sorted(set(globals()) | set(_LAZY) | set(_ALIASES) | set(_TORCHFT_NAMES))

@@ -2,8 +2,9 @@
 
 Each replica is ``python -m composer_replication.diloco.serverless.runner`` in its own
 session with the rank in ``REPLICA_RANK`` (or ``entrypoint_args["rank_env"]``), stdout and
-stderr in ``<workdir>/<launch>-rank_RRRR.log`` and its exit code in ``...-rank_RRRR.exit``. Handles carry
-the pid and those paths, so ``poll``/``stream_logs``/``cancel`` also work from another
+stderr in ``<workdir>/<launch>-rank_RRRR.log``, its exit code in ``...-rank_RRRR.exit`` and
+what its entrypoint returned in ``...-rank_RRRR.result.json`` (``collect`` puts it in each
+row's ``result``). Handles carry the pid and those paths, so ``poll``/``stream_logs``/``cancel`` also work from another
 process (the ``diloco status`` command). Replicas share this machine's network, but DiLoCo
 runs here still meet through the object store, like serverless ones.
 """
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from composer_replication.diloco.serverless.base import (
     collect_by_polling,
     entrypoint_string,
 )
+from composer_replication.diloco.serverless.runner import read_result
 
 
 def _pid_alive(pid: int) -> bool:
@@ -77,12 +80,16 @@ class LocalProcessExecutor:
         gpu: str | None = None,
         timeout: int = 3600,
     ) -> list[ReplicaHandle]:
-        """Start the replicas; ``gpu`` is ignored (local devices are what they are).
+        """Start the replicas on this machine's devices.
 
-        A callable entrypoint must be importable by ``module.qualname``; its module's folder
+        ``gpu`` cannot reserve anything locally (the replicas see the devices this machine
+        has): when it is given and no CUDA device is visible, a ``UserWarning`` says so and
+        the replicas run on the CPU. A callable entrypoint must be importable by ``module.qualname``; its module's folder
         is put on the replicas' PYTHONPATH so test and script modules work too.
         """
         check_launch_args(n_replicas, timeout)
+        if gpu is not None:
+            _warn_without_gpu(gpu)
         spec = entrypoint_string(entrypoint)
         rank_env = str(entrypoint_args.get("rank_env", RANK_ENV))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -95,9 +102,10 @@ class LocalProcessExecutor:
         for rank in range(n_replicas):
             log = self.workdir / f"{launch_id}-rank_{rank:04d}.log"
             exit_file = self.workdir / f"{launch_id}-rank_{rank:04d}.exit"
+            result_file = self.workdir / f"{launch_id}-rank_{rank:04d}.result.json"
             cmd = [self.python, "-m", "composer_replication.diloco.serverless.runner"]
             cmd += ["--entrypoint", spec, "--args-json", json.dumps(entrypoint_args)]
-            cmd += ["--exit-file", str(exit_file)]
+            cmd += ["--exit-file", str(exit_file), "--result-file", str(result_file)]
             replica_env = {**env, rank_env: str(rank), WORLD_SIZE_ENV: str(n_replicas)}
             with open(log, "wb") as out:
                 proc = subprocess.Popen(
@@ -112,6 +120,7 @@ class LocalProcessExecutor:
                 "pid": proc.pid,
                 "log_path": str(log),
                 "exit_path": str(exit_file),
+                "result_path": str(result_file),
                 "deadline": time.time() + timeout,
             }
             handles.append(ReplicaHandle(rank, self.backend_name, metadata))
@@ -166,11 +175,18 @@ class LocalProcessExecutor:
     def collect(
         self, handles: list[ReplicaHandle], *, timeout: float | None = None
     ) -> list[dict[str, Any]]:
+        """One row per rank: the protocol's keys, ``pid``, ``log_path``, and ``result`` (what
+        the entrypoint returned; its ``repr`` string when that was not JSON-serialisable,
+        as ``result_kind`` says: ``"json"``, ``"repr"``, or None without a result)."""
+
         def row(handle: ReplicaHandle, status: str) -> dict[str, Any]:
             code = self._exit_code(handle)
             error = None
             if status == "failed":
                 error = self.stream_logs(handle, n_lines=20) or f"exit code {code}"
+            kind, result = None, None
+            if status == "succeeded" and handle.metadata.get("result_path"):
+                kind, result = read_result(handle.metadata["result_path"])
             return {
                 "rank": handle.rank,
                 "status": status,
@@ -178,9 +194,24 @@ class LocalProcessExecutor:
                 "error": error,
                 "pid": handle.metadata["pid"],
                 "log_path": handle.metadata["log_path"],
+                "result": result,
+                "result_kind": kind,
             }
 
         return collect_by_polling(self, handles, timeout, self.poll_interval_s, row)
+
+
+def _warn_without_gpu(gpu: str) -> None:
+    import torch  # the replicas need it anyway; only asked when a GPU is requested
+
+    if not torch.cuda.is_available():
+        warnings.warn(
+            f"LocalProcessExecutor: gpu={gpu!r} was requested but this machine has no visible "
+            "CUDA device, so the replicas run on the CPU; pass gpu=None to silence this, or "
+            "use a cloud executor to get GPUs",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _module_dir(entrypoint: Any) -> str | None:

@@ -2,8 +2,11 @@
 
 ``main`` reads the rank from ``REPLICA_RANK`` (set by every executor), opens an
 ``ObjectStoreAllReduce`` on ``rendezvous_uri`` and calls
-``trainer_module.trainer_fn(manager=ObjectStoreManager(store), **trainer_kwargs)``. The
-trainer uses ``manager`` as it would a torchft Manager (e.g. with
+``trainer_module.trainer_fn(manager=ObjectStoreManager(store), rank=rank,
+world_size=world_size, **trainer_kwargs)``, as the seed does, so a seed-style
+``train(manager, rank, world_size)`` works; a trainer that takes neither ``rank`` nor
+``world_size`` (nor ``**kwargs``) is called without them. ``main`` returns what the
+trainer returns. The trainer uses ``manager`` as it would a torchft Manager (e.g. with
 ``make_diloco_outer_loop``) or ``manager.store.allreduce`` directly. As a command::
 
     python -m composer_replication.diloco.serverless.replica_entrypoint \
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -68,7 +72,33 @@ def main(
         poll_interval_s=poll_interval_s,
         storage_options=storage_options,
     )
-    return function(manager=ObjectStoreManager(store), **(trainer_kwargs or {}))
+    kwargs = dict(trainer_kwargs or {})
+    kwargs.update(_placement_kwargs(function, rank, world_size, kwargs))
+    return function(manager=ObjectStoreManager(store), **kwargs)
+
+
+def _placement_kwargs(
+    function: Any, rank: int, world_size: int, trainer_kwargs: dict[str, Any]
+) -> dict[str, int]:
+    """``rank=`` and ``world_size=`` for the trainer, those its signature accepts."""
+    clash = sorted({"manager", "rank", "world_size"} & set(trainer_kwargs))
+    if clash:
+        raise ValueError(
+            f"trainer_kwargs set {clash}: the replica entrypoint passes manager, rank and "
+            "world_size itself; remove them from trainer_kwargs"
+        )
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no introspectable signature: pass them, as the seed does
+        return {"rank": rank, "world_size": world_size}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return {"rank": rank, "world_size": world_size}
+    placement = {"rank": rank, "world_size": world_size}
+    return {
+        name: value
+        for name, value in placement.items()
+        if name in parameters and parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY
+    }
 
 
 def cli(argv: list[str] | None = None) -> int:

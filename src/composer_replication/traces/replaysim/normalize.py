@@ -82,6 +82,9 @@ def _assistant(text: str) -> list[ChatMessage]:
 class DJNormalizer:
     """Runs pairs through a data-juicer recipe (see the module docstring).
 
+    Class attribute `DEFAULT_RECIPE`: the recipe used when none is given (the module's
+    `DEFAULT_RECIPE`).
+
     Args:
         recipe_path: a data-juicer YAML recipe; default `DEFAULT_RECIPE`.
         skip_dj: pass pairs through without data-juicer.
@@ -92,14 +95,16 @@ class DJNormalizer:
         RuntimeError: data-juicer is not installed and `skip_dj` is False.
     """
 
+    DEFAULT_RECIPE: Path = DEFAULT_RECIPE
+
     def __init__(self, recipe_path: str | Path | None = None, *, skip_dj: bool = False) -> None:
-        self.recipe_path = Path(recipe_path) if recipe_path is not None else DEFAULT_RECIPE
+        self.recipe_path = Path(recipe_path) if recipe_path is not None else self.DEFAULT_RECIPE
         self.skip_dj = skip_dj
         self.last_stats: NormalizationStats | None = None
         if (recipe_path is not None or not skip_dj) and not self.recipe_path.is_file():
             raise FileNotFoundError(
                 f"data-juicer recipe {str(self.recipe_path)!r} does not exist; pass an existing "
-                f"YAML recipe or None for the default ({DEFAULT_RECIPE})"
+                f"YAML recipe or None for the default ({self.DEFAULT_RECIPE})"
             )
         if not skip_dj and not dj_available():
             raise RuntimeError(
