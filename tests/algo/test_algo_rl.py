@@ -183,15 +183,19 @@ def test_echo_assign_weights_observations_per_role():
     assert batch.ce_weights[row].tolist() == pytest.approx([0, 0, 0, 0, 0, 0.1, 0.5, 0])
 
 
-def test_echo_filter_and_missing_roles():
+def test_echo_filter_keep_mask_and_missing_roles():
     config = AlgorithmConfig(advantage={"type": "echo"})
-    algo = EchoAlgorithm(config, filter_fn=lambda r: r.reward > 0)
+    algo = EchoAlgorithm(config, filter_fn=lambda group: [r.reward > 0 for r in group])
     samples = algo.assign([_multi_turn(1.0), _multi_turn(0.0)])
     assert samples[0].ce_weights == [0, 0, 0, 0, 0, 0.1, 0.1, 0]
     assert samples[1].ce_weights is None  # filtered out: rl credit only
     assert samples[1].advantages == [0, 0, 0, -0.5, -0.5, 0, 0, -0.5]
+    # observation tokens without role attribution: an error, never a silent no-ce run
     no_roles = _rollout(0.0, completion_mask=[1, 0, 1])
-    assert algo.observation_weights(no_roles) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match=r"1 observation tokens .* but no token_roles"):
+        algo.observation_weights(no_roles)
+    # a single-turn rollout (nothing observed) needs no roles
+    assert algo.observation_weights(_rollout(0.0)) == [0.0, 0.0, 0.0]
 
 
 def test_base_checks_and_defaults():

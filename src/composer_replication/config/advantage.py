@@ -55,6 +55,9 @@ class _Advantage(BaseModel):
         """``(mode, ema_decay)`` of the jsd teacher model, or None without a jsd channel."""
         return None
 
+    def check_environment(self, env_name: str) -> None:
+        """Raise ``ValueError`` if environment ``env_name`` cannot feed this algorithm."""
+
 
 class GRPOAdvantage(_Advantage):
     """Dr.GRPO (arXiv 2503.20783): ``A = r - mean(r)`` over the group, on sampled tokens."""
@@ -213,20 +216,79 @@ class RoleWeight(BaseModel):
     alpha: float = Field(ge=0, description="ce weight on each token of this role.")
 
 
+#: Built-in environments whose rollouts carry no per-token roles (``Rollout.token_roles``):
+#: single-turn, every completion token is sampled, so there is no observation for echo's ce.
+ENVS_WITHOUT_ROLE_ATTRIBUTION = frozenset({"python_functions"})
+
+
+class EchoFilter(BaseModel):
+    """The optional echo filter: ``fn(rollouts, **kwargs) -> list[bool]``.
+
+    Called once per group with the rollouts ``assign`` finalises together; it returns the
+    step's keep mask, one bool per rollout, in order. False leaves that rollout's
+    observations out of ``ce`` (its rl credit stays).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    import_path: str = Field(
+        pattern=_IMPORT_PATH, description="'package.module:function' of the filter."
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the filter."
+    )
+
+
 class EchoAdvantage(_Advantage):
-    """Dr.GRPO on actions + weighted CE on environment-observation tokens, per role."""
+    """Dr.GRPO on actions + weighted CE on environment-observation tokens, per role.
+
+    The observation tokens are found by role (``Rollout.token_roles``, the environment's
+    role attribution), so echo needs an environment that attributes roles (multi-turn tool
+    use: ``feature_deletion`` or an agent environment built on ``run_agent_rollouts``) and
+    at least one role with a positive ``alpha``; otherwise ``ce`` would train nothing, and
+    that is rejected at validation instead of running as plain grpo.
+    """
 
     type: Literal["echo"] = Field("echo", description="Algorithm name.")
     roles: dict[str, RoleWeight] = Field(
         default_factory=lambda: {"tool": RoleWeight(alpha=0.1)},
-        description="Observation roles trained with ce, and their weights.",
+        description="Observation roles trained with ce, and their weights (at least one > 0).",
     )
-    filter: str | None = Field(
+    filter: EchoFilter | None = Field(
         None,
-        pattern=_IMPORT_PATH,
-        description="'package.module:function', fn(rollout) -> bool: False leaves that "
-        "rollout's observations out of ce (its rl credit stays).",
+        description="Optional keep mask over each group's rollouts: {import_path, kwargs}, "
+        "fn(rollouts, **kwargs) -> list[bool] (a bare import path is shorthand for "
+        "{import_path = ...}); False leaves that rollout's observations out of ce (its rl "
+        "credit stays).",
     )
+
+    @field_validator("filter", mode="before")
+    @classmethod
+    def _filter_shorthand(cls, value: Any) -> Any:
+        return {"import_path": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _some_role_trains(self) -> EchoAdvantage:
+        if not any(weight.alpha > 0 for weight in self.roles.values()):
+            listed = {role: weight.alpha for role, weight in self.roles.items()}
+            raise ValueError(
+                f"echo with advantage.roles = {listed} weights no observation token, so its ce "
+                "trains nothing: give at least one role a positive alpha (e.g. "
+                "advantage.roles.tool.alpha = 0.1, the default), or use type = 'grpo'"
+            )
+        return self
+
+    def check_environment(self, env_name: str) -> None:
+        """Reject an environment known to give no role attribution (no ce tokens)."""
+        if env_name in ENVS_WITHOUT_ROLE_ATTRIBUTION:
+            raise ValueError(
+                f"echo on environment name = {env_name!r}: that environment gives no role "
+                "attribution (its rollouts are single-turn: no observation tokens, no "
+                "Rollout.token_roles), so echo's ce would train nothing; set name to an "
+                "environment whose rollouts carry "
+                "token_roles (feature_deletion, or your own multi-turn environment built on "
+                "run_agent_rollouts), or set algorithm.advantage.type = 'grpo'"
+            )
 
 
 class _PairFields(_Advantage):

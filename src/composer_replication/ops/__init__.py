@@ -10,7 +10,9 @@ The native trainer step, the trl trainer (``ComposerReplicationTrainer``) and
   OPD) with the per-token clip;
 - :mod:`.self_distillation`: that divergence at aligned positions of a student and a
   teacher context (SDPO), the teacher forward included;
-- :mod:`.pairs`: pair log-probs with reference caching, and the DPO / SimPO reductions.
+- :mod:`.pairs`: pair log-probs with reference caching, and the DPO / SimPO reductions;
+- :mod:`.trust_region`: the ``ref_kl`` component's trust-region metrics (per sample, per
+  step).
 """
 
 from __future__ import annotations
@@ -35,9 +37,16 @@ from composer_replication.ops.self_distillation import (
     aligned_from_masks,
     divergence_terms,
 )
+from composer_replication.ops.trust_region import (
+    REF_KL_SAMPLE_METRICS,
+    mismatch_kl,
+    ref_kl_sample_metrics,
+    ref_kl_step_metrics,
+)
 
 __all__ = [
     "IGNORE_INDEX",
+    "REF_KL_SAMPLE_METRICS",
     "AlignedTokens",
     "DivergenceSettings",
     "PairLossSettings",
@@ -47,8 +56,11 @@ __all__ = [
     "divergence_terms",
     "fill_reference_logps",
     "jsd_from_hidden",
+    "mismatch_kl",
     "pair_logps",
     "pair_terms",
+    "ref_kl_sample_metrics",
+    "ref_kl_step_metrics",
     "sequence_logps",
     "token_divergence",
     "token_logprobs_from_hidden",

@@ -34,6 +34,7 @@ from composer_replication.ops.pairs import (
     pair_terms,
 )
 from composer_replication.ops.self_distillation import aligned_from_index, divergence_terms
+from composer_replication.ops.trust_region import ref_kl_sample_metrics, ref_kl_step_metrics
 from composer_replication.trainer.components import (
     ce_loss,
     dppo_keep_mask,
@@ -112,7 +113,11 @@ def train_step(
         Metrics: ``loss`` (the total), ``loss/<component>`` (its mean), ``tokens/<c>``,
         ``rl/masked_fraction`` (share of live rl tokens outside the trust region),
         ``kl/inference`` (token-mean k3 estimate of KL(sampler || trainer) on live rl
-        tokens), ``entropy`` (token-mean over trainable tokens), ``tokens/total``.
+        tokens), ``entropy`` (token-mean over trainable tokens), ``tokens/total``; when a
+        sample has ``ref_kl`` tokens, its trust-region metrics as PRIME-RL logs them
+        (means over those samples): ``ref_kl/mean`` (of ``lp_ref - lp``),
+        ``ref_kl/is_masked/mean``, ``ref_kl/masked_mismatch_kl/mean``,
+        ``ref_kl/unmasked_mismatch_kl/mean`` (see :mod:`composer_replication.ops.trust_region`).
     """
     cfg = config or LossConfig()
     counts = component_counts(batches)
@@ -120,11 +125,12 @@ def train_step(
         counts = count_reducer(counts)
     sums = dict.fromkeys(COMPONENTS, 0.0)
     stats = {"masked": 0.0, "live": 0.0, "kl": 0.0, "entropy": 0.0, "trainable": 0.0, "tokens": 0.0}
+    ref_kl_rows: list[dict[str, Tensor]] = []
     total = 0.0
     for mb in batches:
         if mb.n_rows == 0 and not mb.pairs:
             continue
-        parts = _micro_batch_losses(policy, mb, cfg, teacher, reference, stats)
+        parts = _micro_batch_losses(policy, mb, cfg, teacher, reference, stats, ref_kl_rows)
         loss = parts.pop("_anchor")
         for name, value in parts.items():
             if counts[name] == 0:
@@ -141,6 +147,7 @@ def train_step(
     metrics["kl/inference"] = stats["kl"] / stats["live"] if stats["live"] else 0.0
     metrics["entropy"] = stats["entropy"] / stats["trainable"] if stats["trainable"] else 0.0
     metrics["tokens/total"] = stats["tokens"]
+    metrics.update(ref_kl_step_metrics(ref_kl_rows))
     return metrics
 
 
@@ -151,6 +158,7 @@ def _micro_batch_losses(
     teacher: Any | None,
     reference: Any | None,
     stats: dict[str, float],
+    ref_kl_rows: list[dict[str, Tensor]],
 ) -> dict[str, Tensor]:
     """Component sums of one micro-batch (unnormalised) plus a zero ``_anchor`` with grad."""
     weight = lm_head_weight(policy)
@@ -168,7 +176,7 @@ def _micro_batch_losses(
         )
         # An exact zero on the graph: every micro-batch backpropagates, even an empty one.
         anchor = 0.0 * logprobs.sum()
-        _add_token_components(parts, mb, cfg, logprobs, entropy, stats)
+        _add_token_components(parts, mb, cfg, logprobs, entropy, stats, ref_kl_rows)
         if mb.jsd_weights is not None and bool((mb.jsd_weights != 0).any()):
             parts["jsd"] = _jsd_sum(policy if teacher is None else teacher, hidden, weight, mb, cfg)
     if mb.pairs:
@@ -186,6 +194,7 @@ def _add_token_components(
     logprobs: Tensor,
     entropy: Tensor,
     stats: dict[str, float],
+    ref_kl_rows: list[dict[str, Tensor]],
 ) -> None:
     # Streams are per token; log-prob t of `logprobs` is token t+1 of input_ids.
     mask = mb.loss_mask[:, 1:]
@@ -225,6 +234,9 @@ def _add_token_components(
             ref_w = ref_w.masked_fill(untrusted, 0.0)
         parts["ref_kl"], _ = ref_kl_loss(
             logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low, kl_tau=cfg.kl_tau
+        )
+        ref_kl_rows.append(
+            ref_kl_sample_metrics(logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low)
         )
 
 
