@@ -205,7 +205,10 @@ def test_scheduler_first_finite_loss_only_seeds():
 def test_scheduler_linear_floor_values():
     sched = TAIDScheduler(4, t_start=0.2, t_end=1.0, alpha=0.0)
     sched.update_t(1.0, 0)
-    got = [sched.update_t(1.0, step).item() for step in (1, 2, 3, 4, 5)]
+    got = []
+    for step in (1, 2, 3, 4, 5):
+        sched.update_t(1.0, step)
+        got.append(sched.t)
     assert got == pytest.approx([0.4, 0.6, 0.8, 1.0, 1.0], rel=1e-6)
     assert sched.linear_t(2) == pytest.approx(0.6)
     assert sched.linear_t(100) == 1.0
@@ -217,13 +220,18 @@ def test_scheduler_adaptive_bump_matches_upstream_rule():
     kwargs = dict(n=100, t_start=0.4, t_end=0.95, alpha=0.5, beta=0.9)
     expected = _reference_schedule(losses, steps, **kwargs)
     sched = TAIDScheduler(100, t_start=0.4, t_end=0.95, alpha=0.5, beta=0.9)
-    got = [sched.update_t(loss, step) for loss, step in zip(losses, steps, strict=True)]
-    assert got[0] is None
-    assert [g.item() for g in got[1:]] == pytest.approx(expected[1:], rel=1e-6)
+    deltas, got = [], []
+    for loss, step in zip(losses, steps, strict=True):
+        deltas.append(sched.update_t(loss, step))
+        got.append(sched.t)
+    assert deltas[0] is None
+    assert got[1:] == pytest.approx(expected[1:], rel=1e-12)
     # Second update by hand: relative change 0.5, momentum 0.05,
     # delta = 0.5 * sigmoid(0.05) * (1 - 0.4) > linear floor 0.4 + 0.55 * 0.02.
-    assert got[1].item() == pytest.approx(0.4 + 0.5 * (1 / (1 + math.exp(-0.05))) * 0.6, rel=1e-6)
-    assert got[1].dtype == torch.float32
+    delta = 0.5 * (1 / (1 + math.exp(-0.05))) * 0.6
+    assert got[1] == pytest.approx(0.4 + delta, rel=1e-12)
+    assert deltas[1].item() == pytest.approx(delta, rel=1e-6)  # upstream returns delta_t
+    assert deltas[1].dtype == torch.float32
     assert sched.t == pytest.approx(expected[-1], rel=1e-6)
 
 
@@ -232,7 +240,8 @@ def test_scheduler_default_hyperparameters_follow_floor_early():
     sched.update_t(2.0, 0)
     # relative change 0.5 -> momentum 0.005; adaptive step 5e-4 * sigmoid(0.005) * 0.6 is
     # below the floor 0.406, so the floor wins.
-    assert sched.update_t(1.0, 1).item() == pytest.approx(0.406, rel=1e-6)
+    sched.update_t(1.0, 1)
+    assert sched.t == pytest.approx(0.406, rel=1e-12)
 
 
 def test_scheduler_is_monotone_under_rising_losses():
@@ -272,8 +281,8 @@ def test_scheduler_disable_adaptive_is_pure_linear_schedule():
     sched = TAIDScheduler(8, t_start=0.3, t_end=0.9, alpha=1.0, disable_adaptive=True)
     sched.update_t(8.0, 0)
     for step in range(1, 12):
-        t = sched.update_t(8.0 / (step + 1), step)  # falling losses would bump an adaptive t
-        assert t.item() == pytest.approx(0.3 + 0.6 * min(1.0, step / 8), rel=1e-6)
+        sched.update_t(8.0 / (step + 1), step)  # falling losses would bump an adaptive t
+        assert sched.t == pytest.approx(0.3 + 0.6 * min(1.0, step / 8), rel=1e-12)
 
 
 def test_scheduler_state_round_trip_continues_identically():

@@ -20,6 +20,7 @@ from composer_replication.config.diloco import DiLoCoConfig
 from composer_replication.config.loss import COMPONENTS, LossConfig
 from composer_replication.config.run import (
     CheckpointConfig,
+    DockerSandboxConfig,
     EnvConfig,
     EvalConfig,
     GuardConfig,
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigDeprecationWarning",
     "DiLoCoConfig",
+    "DockerSandboxConfig",
     "EnvConfig",
     "EvalConfig",
     "GuardConfig",

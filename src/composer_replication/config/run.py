@@ -87,6 +87,61 @@ class OptimConfig(_Strict):
     )
 
 
+# Docker's size strings: bytes, or a number with a b/k/m/g unit ("512m", "1g").
+_DOCKER_SIZE = r"^[0-9]+[bkmgBKMG]?$"
+#: the environments whose sandboxes ``sandbox`` selects (a 'pkg.mod:factory' builds its own)
+SANDBOX_ENVIRONMENTS = ("python_functions", "feature_deletion")
+
+
+class DockerSandboxConfig(_Strict):
+    """The Docker sandbox backend of one environment (``sandbox = "docker"``).
+
+    Every attempt runs in its own locked-down container (no network, read-only root, all
+    capabilities dropped, non-root user, pids/memory/CPU limits); the fields are the
+    ``DockerSandbox`` settings of the same names. Needs a reachable Docker daemon and the
+    ``docker`` extra at run time; the config itself is checked without either.
+    """
+
+    image: str = Field(
+        min_length=1,
+        description="Image the containers run; it must provide python (and pytest for "
+        "feature_deletion), e.g. 'python:3.11-slim'. Pull it before the run.",
+    )
+    runtime: str | None = Field(
+        None, description="Container runtime, e.g. 'runsc' (gVisor); null: the daemon default."
+    )
+    mem_limit: str = Field("1g", pattern=_DOCKER_SIZE, description="Memory cap, e.g. '1g'.")
+    memswap_limit: str | None = Field(
+        None, pattern=_DOCKER_SIZE, description="Memory + swap cap; null: mem_limit (no swap)."
+    )
+    pids_limit: int = Field(256, ge=1, description="Processes per container (fork bombs).")
+    nano_cpus: int = Field(2_000_000_000, ge=1, description="CPU quota in 1e-9 CPUs (2e9 = 2).")
+    user: str = Field("1000:1000", description="Non-root 'uid:gid' (or user name) to run as.")
+    tmpfs_size: str = Field("64m", pattern=_DOCKER_SIZE, description="Size of the /tmp tmpfs.")
+    exec_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Wall-clock limit per command; null: the environment's own limit "
+        "(python_functions 20 s, feature_deletion 60 s).",
+    )
+
+    @model_validator(mode="after")
+    def _non_root(self) -> DockerSandboxConfig:
+        if self.user.partition(":")[0] in ("", "0", "root"):
+            raise ValueError(
+                f"docker.user = {self.user!r} would run candidate code as root; use a non-root "
+                "'uid:gid' such as '1000:1000'"
+            )
+        return self
+
+    def sandbox_kwargs(self) -> dict[str, Any]:
+        """The ``DockerSandbox`` keyword arguments (unset optional fields left out)."""
+        kwargs = self.model_dump(exclude_none=True)
+        kwargs.setdefault("memswap_limit", self.mem_limit)
+        return kwargs
+
+
 class EnvConfig(_Strict):
     """One environment and the algorithm that trains on it."""
 
@@ -104,6 +159,42 @@ class EnvConfig(_Strict):
         default_factory=dict,
         description="Environment-specific options (task file, difficulty filter, ...).",
     )
+    sandbox: Literal["local", "docker"] = Field(
+        "local",
+        description="Where candidate code runs: 'local' (a host subprocess sandbox, under "
+        "bubblewrap when available) or 'docker' (one locked-down container per attempt; set "
+        "the [envs.docker] table). Built-in environments only.",
+    )
+    docker: DockerSandboxConfig | None = Field(
+        None, description="Docker backend settings: required with sandbox = 'docker', only then."
+    )
+
+    @model_validator(mode="after")
+    def _sandbox_backend(self) -> EnvConfig:
+        if self.sandbox == "docker":
+            if self.name not in SANDBOX_ENVIRONMENTS:
+                raise ValueError(
+                    f"environment {self.name!r}: sandbox = 'docker' applies to the built-in "
+                    f"environments {', '.join(SANDBOX_ENVIRONMENTS)}; an environment factory "
+                    "builds its own sandboxes (give it a backend through options), so leave "
+                    "sandbox = 'local' here"
+                )
+            if self.docker is None:
+                raise ValueError(
+                    f"environment {self.name!r}: sandbox = 'docker' needs an [envs.docker] "
+                    "table naming the image, e.g. docker = { image = 'python:3.11-slim' }"
+                )
+        elif self.docker is not None:
+            raise ValueError(
+                f"environment {self.name!r}: an [envs.docker] table is set but sandbox = "
+                f"{self.sandbox!r}; set sandbox = 'docker' to use it, or remove the table"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_fits_environment(self) -> EnvConfig:
+        self.algorithm.advantage.check_environment(self.name)
+        return self
 
 
 def _default_envs() -> list[EnvConfig]:
@@ -146,21 +237,31 @@ class GuardConfig(_Strict):
     """The HeldOutGuard kill switch (see ``composer_replication.safety``)."""
 
     enabled: bool = True
+    # The same ranges as HeldOutGuard: finite numbers only (NaN / inf would switch a gate off).
     kl_hard_stop: float = Field(
         0.08,
         gt=0,
+        allow_inf_nan=False,
         description="Token-mean KL to the initial policy (nats/token) that stops the run.",
     )
     max_proxy_real_gap: float = Field(
-        0.10, gt=0, description="In-loop gain minus held-out gain that stops the run."
+        0.10,
+        allow_inf_nan=False,
+        description="In-loop gain minus held-out gain that stops the run (any finite number; "
+        "0 or less fires on any unmatched proxy gain).",
     )
-    min_steps: int = Field(20, ge=0, description="Evaluations before any tripwire may fire.")
+    min_steps: int = Field(
+        20, description="Evaluations before any tripwire may fire (<= 1: from the first one)."
+    )
     decline_patience: int = Field(
         3, ge=1, description="Consecutive held-out declines under a rising proxy that stop the run."
     )
     ema_alpha: float = Field(0.9, ge=0, lt=1, description="EMA weight on the prior value.")
     rise_eps: float = Field(
-        1e-4, ge=0, description="Smallest EMA move that counts as rising/declining."
+        1e-4,
+        allow_inf_nan=False,
+        description="Largest EMA move that still counts as flat (any finite number; negative: "
+        "a flat EMA counts as both rising and declining, so the guard fires sooner).",
     )
     hack_fraction_stop: float | None = Field(
         0.25,

@@ -12,11 +12,14 @@ along a linear floor plus an adaptive bump that grows while the loss is falling.
 
 Both pieces follow the reference implementation (github.com/SakanaAI/TAID, ``src/distil_losses``):
 ``taid_loss`` is its ``compute_loss`` plus ``forward_kl``, and ``TAIDScheduler.update_t`` is its
-``update_t``. The few differences (empty masks, non-finite losses, steps past the end of
-training, what ``update_t`` returns) are listed where they occur.
+``update_t``, which returns the proposed step ``delta_t`` as upstream does (the new ``t`` is the
+``t`` property). The few differences (empty masks, non-finite losses, steps past the end of
+training, the scheduler's float64 state) are listed where they occur.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -77,7 +80,8 @@ class TAIDScheduler:
     """The adaptive schedule for TAID's ``t`` (arXiv 2501.16937, "adaptive update of t").
 
     State: ``t`` (starts at ``t_start``), the previous loss (none at start) and a momentum
-    (starts at 0), all float32 tensors on ``device`` as upstream keeps them. Each
+    (starts at 0), kept as Python floats, so ``t`` is exactly the number the formulas give
+    (``t_start=0.1`` reads back as ``0.1``, not the float32 ``0.10000000149``). Each
     :meth:`update_t` with a finite loss ``L`` at step ``n`` after the first does::
 
         relative_change = (L_prev - L) / (L_prev + 1e-15)
@@ -87,16 +91,18 @@ class TAIDScheduler:
         t               = min(t_end, max(t_linear, t + delta_t))
         L_prev          = L
 
-    ``delta_t >= 0`` so ``t`` never decreases, it never falls below the linear floor, and never
-    exceeds ``t_end``. With ``disable_adaptive=True`` the update is
-    ``t = min(t_end, max(t, t_linear))``: exactly the linear schedule whenever ``global_step``
-    does not go backwards (upstream sets ``t = t_linear`` outright; the ``max`` keeps ``t``
-    monotone if a step is replayed). The momentum is still tracked, as upstream.
+    and returns ``delta_t``, as upstream does. ``delta_t >= 0`` so ``t`` never decreases, it
+    never falls below the linear floor, and never exceeds ``t_end``. With
+    ``disable_adaptive=True`` the update is ``t = min(t_end, max(t, t_linear))``: exactly the
+    linear schedule whenever ``global_step`` does not go backwards (upstream sets
+    ``t = t_linear`` outright; the ``max`` keeps ``t`` monotone if a step is replayed). The
+    momentum and ``delta_t`` are still computed (and ``delta_t`` returned), as upstream.
 
     Deliberate differences from upstream: a non-finite loss is ignored (no state change; the
-    first *finite* loss seeds); ``global_step / num_train_steps`` is capped at 1; ``update_t``
-    returns the new ``t`` (upstream returns ``delta_t``); the previous loss starts as ``None``
-    rather than an ``inf`` sentinel.
+    first *finite* loss seeds); ``global_step / num_train_steps`` is capped at 1; the state is
+    float64 (Python floats) rather than float32 buffers; the previous loss starts as ``None``
+    rather than an ``inf`` sentinel; a previous loss of exactly ``-1e-15`` (a zero
+    denominator) counts as no relative change instead of producing inf/NaN.
 
     Args:
         num_train_steps: total optimiser steps, >= 1; the linear floor reaches ``t_end`` here.
@@ -105,7 +111,7 @@ class TAIDScheduler:
         alpha: scale of the adaptive step, >= 0 (0 gives the pure linear floor).
         beta: EMA coefficient of the momentum, in [0, 1).
         disable_adaptive: follow the linear floor only.
-        device: where the state tensors live.
+        device: where the tensor :meth:`update_t` returns lives.
 
     Raises:
         ValueError: any argument outside the ranges above.
@@ -144,14 +150,14 @@ class TAIDScheduler:
         self.beta = float(beta)
         self.disable_adaptive = bool(disable_adaptive)
         self.device = torch.device(device)
-        self._t = self._scalar(self.t_start)
-        self._prev_loss: Tensor | None = None
-        self._momentum = self._scalar(0.0)
+        self._t = self.t_start
+        self._prev_loss: float | None = None
+        self._momentum = 0.0
 
     @property
     def t(self) -> float:
-        """Current interpolation weight, as a Python float (pass it to :func:`taid_loss`)."""
-        return float(self._t)
+        """Current interpolation weight, a Python float (pass it to :func:`taid_loss`)."""
+        return self._t
 
     def linear_t(self, global_step: int) -> float:
         """The linear floor ``t_start + (t_end - t_start) * min(1, global_step / num_train_steps)``."""
@@ -163,11 +169,15 @@ class TAIDScheduler:
 
         Args:
             loss: the TAID loss of the step just taken, a scalar (0-d or 1-element) tensor or
-                a Python number. It is detached and copied.
+                a Python number. It is detached and read as a Python float.
             global_step: optimiser steps completed so far, >= 0.
 
         Returns:
-            The new ``t`` as a 0-d float32 tensor on ``device``; ``None`` when the loss only
+            ``delta_t = alpha * sigmoid(momentum) * (1 - t_before)``, the adaptive step this
+            update proposed, as upstream TAID's ``update_t`` returns it: a 0-d float32 tensor
+            on ``device``. It is not always ``t_after - t_before``: the linear floor may lift
+            ``t`` further, ``t_end`` may cap it, and with ``disable_adaptive`` it is not
+            applied at all. Read the new value from :attr:`t`. ``None`` when the loss only
             seeded the previous loss (the first finite loss) or was ignored (NaN or inf).
 
         Raises:
@@ -175,46 +185,41 @@ class TAIDScheduler:
         """
         if global_step < 0:
             raise ValueError(f"TAIDScheduler.update_t: global_step must be >= 0, got {global_step}")
-        current = torch.as_tensor(
-            loss.detach() if isinstance(loss, Tensor) else loss,
-            dtype=torch.float32,
-            device=self.device,
-        )
-        if current.numel() != 1:
-            raise ValueError(
-                "TAIDScheduler.update_t: loss must be a scalar, got shape "
-                f"{tuple(current.shape)}; reduce it first"
-            )
-        current = current.reshape(()).clone()
-        if not bool(torch.isfinite(current)):
+        if isinstance(loss, Tensor):
+            if loss.numel() != 1:
+                raise ValueError(
+                    "TAIDScheduler.update_t: loss must be a scalar, got shape "
+                    f"{tuple(loss.shape)}; reduce it first"
+                )
+            current = float(loss.detach().reshape(()))
+        else:
+            current = float(loss)
+        if not math.isfinite(current):
             return None
         if self._prev_loss is None:
             self._prev_loss = current
             return None
 
-        relative_change = (self._prev_loss - current) / (self._prev_loss + 1e-15)
+        denominator = self._prev_loss + 1e-15
+        relative_change = (self._prev_loss - current) / denominator if denominator else 0.0
         self._momentum = self.beta * self._momentum + (1.0 - self.beta) * relative_change
-        t_linear = self._scalar(self.linear_t(global_step))
+        t_linear = self.linear_t(global_step)
+        delta_t = self.alpha * _sigmoid(self._momentum) * (1.0 - self._t)
         if self.disable_adaptive:
-            new_t = torch.maximum(self._t, t_linear)
+            new_t = max(self._t, t_linear)
         else:
-            delta_t = self.alpha * torch.sigmoid(self._momentum) * (1.0 - self._t)
-            new_t = torch.maximum(t_linear, self._t + delta_t)
-        self._t = new_t.clamp(max=self.t_end)
+            new_t = max(t_linear, self._t + delta_t)
+        self._t = min(new_t, self.t_end)
         self._prev_loss = current
-        return self._t.clone()
+        return torch.tensor(delta_t, dtype=torch.float32, device=self.device)
 
     def state_dict(self) -> dict[str, float | None]:
         """The mutable state as Python numbers: ``{"t", "prev_loss", "momentum"}``.
 
-        float32 values round-trip exactly through Python floats, so a restored scheduler
-        continues bit-for-bit. The constructor arguments are not included.
+        The state is Python floats, so a restored scheduler continues bit-for-bit. The
+        constructor arguments are not included.
         """
-        return {
-            "t": float(self._t),
-            "prev_loss": None if self._prev_loss is None else float(self._prev_loss),
-            "momentum": float(self._momentum),
-        }
+        return {"t": self._t, "prev_loss": self._prev_loss, "momentum": self._momentum}
 
     def load_state_dict(self, state: dict[str, float | None]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -230,13 +235,18 @@ class TAIDScheduler:
             raise ValueError(
                 f"TAIDScheduler.load_state_dict: t={t} is outside [0, t_end={self.t_end}]"
             )
-        self._t = self._scalar(t)
+        self._t = t
         prev = state["prev_loss"]
-        self._prev_loss = None if prev is None else self._scalar(float(prev))
-        self._momentum = self._scalar(float(state["momentum"]))  # type: ignore[arg-type]
+        self._prev_loss = None if prev is None else float(prev)
+        self._momentum = float(state["momentum"])  # type: ignore[arg-type]
 
-    def _scalar(self, value: float) -> Tensor:
-        return torch.tensor(value, dtype=torch.float32, device=self.device)
+
+def _sigmoid(x: float) -> float:
+    """Logistic function without overflow for large ``|x|``."""
+    if x >= 0.0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def _unit_interval_scalar(t: float | Tensor) -> float:

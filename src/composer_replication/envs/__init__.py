@@ -3,6 +3,8 @@
 ``build_environment(env_config)`` constructs an environment by name: ``python_functions``
 (the embedded default), ``feature_deletion`` (tasks from ``composer-replication datagen``),
 or ``"pkg.module:factory"`` for a user environment (called with the config's options).
+``env_config.sandbox`` picks the built-in environments' sandbox backend: ``"local"`` (their
+default factory) or ``"docker"`` (a ``DockerSandboxFactory`` from ``env_config.docker``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ __all__ = ["Environment", "build_environment", "pass_at_1"]
 
 
 def build_environment(env_config: Any) -> Environment:
-    """The environment ``env_config.name`` names, built with ``env_config.options``."""
+    """The environment ``env_config.name`` names, built with ``env_config.options``.
+
+    With ``env_config.sandbox == "docker"`` (an ``EnvConfig``; objects without the field
+    are local) a built-in environment gets the environment module's
+    ``docker_sandbox_factory(env_config.docker)`` as its ``sandbox_factory``.
+    """
     name, options = env_config.name, dict(env_config.options)
+    if getattr(env_config, "sandbox", "local") == "docker":
+        options["sandbox_factory"] = _docker_sandbox_factory(name, env_config, options)
     if name == "python_functions":
         from composer_replication.envs.python_functions import PythonFunctionsEnv
 
@@ -37,3 +46,28 @@ def build_environment(env_config: Any) -> Environment:
         f"unknown environment {name!r}; use python_functions, feature_deletion or "
         "'pkg.module:factory'"
     )
+
+
+def _docker_sandbox_factory(name: str, env_config: Any, options: dict[str, Any]) -> Any:
+    """The built-in environment's Docker factory, from the config's ``docker`` table."""
+    from composer_replication.config.run import SANDBOX_ENVIRONMENTS
+
+    if name not in SANDBOX_ENVIRONMENTS:
+        raise ValueError(
+            f"sandbox = 'docker' applies to {', '.join(SANDBOX_ENVIRONMENTS)}, not {name!r}; "
+            "an environment factory builds its own sandboxes"
+        )
+    if "sandbox_factory" in options:
+        raise ValueError(
+            f"environment {name!r}: options.sandbox_factory and sandbox = 'docker' both choose "
+            "the sandbox; keep one"
+        )
+    docker = getattr(env_config, "docker", None)
+    if docker is None:
+        raise ValueError(
+            f"environment {name!r}: sandbox = 'docker' needs docker settings with an image, "
+            "e.g. docker = { image = 'python:3.11-slim' }"
+        )
+    settings = docker.sandbox_kwargs() if hasattr(docker, "sandbox_kwargs") else dict(docker)
+    module = importlib.import_module(f"composer_replication.envs.{name}")
+    return module.docker_sandbox_factory(settings)

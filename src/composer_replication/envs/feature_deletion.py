@@ -116,6 +116,17 @@ def default_sandbox_factory(workdir: Path) -> Any:
     return LocalSubprocessSandbox(workdir, exec_timeout_s=60, mem_limit_mb=1024)
 
 
+def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[[Path], Any]:
+    """The factory of ``sandbox = "docker"``: one container per attempt (closed after scoring).
+
+    ``settings`` are the ``[envs.docker]`` table; unset, the command limit is 60 s as locally.
+    """
+    from composer_replication.sandbox.docker import DockerSandboxFactory
+
+    options = {"exec_timeout_s": 60, **settings}
+    return DockerSandboxFactory(options.pop("image"), **options)
+
+
 @dataclass
 class FDAttempt:
     """The state every tool of one attempt receives.

@@ -15,6 +15,7 @@ into a hint. What the candidate did beside its answer is in ``metadata["hack_fla
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,19 @@ def default_sandbox_factory(workdir: Path) -> Any:
         pytest_from="python",  # the harness needs no pytest
         hide_paths=(*DEFAULT_HIDE_PATHS, *hidden_from_candidates()),
     )
+
+
+def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[[Path], Any]:
+    """The factory of ``sandbox = "docker"``: each graded completion gets its own container.
+
+    ``settings`` are the ``[envs.docker]`` table (``image`` plus ``DockerSandbox`` settings);
+    unset, the command limit is this environment's 20 s and the output cap the grader's.
+    """
+    from composer_replication.envs.function_grader import MAX_REPORT_BYTES
+    from composer_replication.sandbox.docker import DockerSandboxFactory
+
+    options = {"exec_timeout_s": 20, "max_output_bytes": MAX_REPORT_BYTES, **settings}
+    return DockerSandboxFactory(options.pop("image"), **options)
 
 
 class PythonFunctionsEnv:
@@ -172,7 +186,20 @@ class PythonFunctionsEnv:
                 "format: no function",
                 {"passed": 0, "total": task.n_tests},
             )
-        result = grade_function(task, code, self.sandbox_factory, feedback_chars=FEEDBACK_CHARS)
+        opened: list[Any] = []
+
+        def sandbox_factory(workdir: Path) -> Any:
+            opened.append(self.sandbox_factory(workdir))
+            return opened[-1]
+
+        try:
+            result = grade_function(task, code, sandbox_factory, feedback_chars=FEEDBACK_CHARS)
+        finally:  # a container-backed sandbox holds a container until closed
+            for sandbox in opened:
+                close = getattr(sandbox, "close", None)
+                if callable(close):
+                    with contextlib.suppress(Exception):  # grading never raises
+                        close()
         info: dict[str, Any] = {"passed": result.passed, "total": result.total}
         if result.flags:
             info["hack_flags"] = list(result.flags)

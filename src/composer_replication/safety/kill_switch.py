@@ -101,11 +101,13 @@ def _require_real(name: str, value: object, type_error: type[Exception] = TypeEr
     return x
 
 
-def _require_int(name: str, value: object, minimum: int) -> int:
+def _require_int(name: str, value: object, minimum: int | None) -> int:
+    """`value` as an int (bools refused) that is >= `minimum` (None: any int), or raise."""
+    wanted = "an int" if minimum is None else f"an int >= {minimum}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
     return int(value)
 
 
@@ -121,17 +123,28 @@ class HeldOutGuard:
     Call `update` once per evaluation round; stop the run when the returned status fires
     (or call `raise_if_fired`). A fired guard never un-fires.
 
-    Settings:
+    Settings (the ranges of the public spec; `ValueError` at construction otherwise):
         kl_hard_stop: Limit on the EMA of the token-mean KL to the initial policy, in
             nats/token (> 0). Default 0.08, the top of the healthy GRPO band
             (0.02 -> 0.12 nats/token; > 0.5 is divergence).
-        max_proxy_real_gap: Limit on `proxy_real_gap()` (> 0), the Hacking Gap of Zhao et al.
-            (ICLR 2026 RSI workshop).
-        min_steps: Updates before any gate may fire (>= 0): EMAs are noisy at first.
+        max_proxy_real_gap: Limit on `proxy_real_gap()`, the Hacking Gap of Zhao et al.
+            (ICLR 2026 RSI workshop). Any finite number: 0 fires on any proxy gain the
+            held-out score does not match, a negative limit fires unless the held-out score
+            outgains the proxy by that much.
+        min_steps: Updates before any gate may fire: EMAs are noisy at first. Any int; a value
+            <= 1 lets the gates judge from the first update on.
         decline_patience: Consecutive "held-out down while in-loop up" updates that fire
             (>= 1).
         ema_alpha: Weight on the PRIOR value in every EMA, in [0, 1); 0 means no smoothing.
-        rise_eps: A change of an EMA by at most this much counts as flat (>= 0).
+        rise_eps: A change of an EMA by at most this much counts as flat. Any finite number;
+            a negative value makes a flat EMA count as both rising and declining, so the
+            decline streak only grows faster (the guard fires sooner, never later).
+
+    Where the validation is stricter than those ranges, on purpose: every float setting must
+    be a finite real number (NaN compares false and `inf` never trips, either would switch a
+    gate off without a word, so `kl_hard_stop=inf` is refused although it is > 0; to run
+    without the KL gate, do not pass `kl_to_init`), and `min_steps` / `decline_patience` must
+    be ints that are not bools.
     """
 
     kl_hard_stop: float = 0.08
@@ -163,17 +176,15 @@ class HeldOutGuard:
             raise ValueError(
                 f"kl_hard_stop must be > 0 (nats/token, token-mean KL), got {self.kl_hard_stop!r}"
             )
-        gap = _require_real("max_proxy_real_gap", self.max_proxy_real_gap, ValueError)
-        if gap <= 0:
-            raise ValueError(f"max_proxy_real_gap must be > 0, got {self.max_proxy_real_gap!r}")
-        _require_int("min_steps", self.min_steps, 0)
+        # Any finite limit / epsilon / warm-up is accepted (the spec's range): smaller values
+        # only make the guard fire sooner. Non-finite values are refused: they disable gates.
+        _require_real("max_proxy_real_gap", self.max_proxy_real_gap, ValueError)
+        _require_int("min_steps", self.min_steps, None)
         _require_int("decline_patience", self.decline_patience, 1)
         alpha = _require_real("ema_alpha", self.ema_alpha, ValueError)
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"ema_alpha must be in [0, 1), got {self.ema_alpha!r}")
-        eps = _require_real("rise_eps", self.rise_eps, ValueError)
-        if eps < 0:
-            raise ValueError(f"rise_eps must be >= 0, got {self.rise_eps!r}")
+        _require_real("rise_eps", self.rise_eps, ValueError)
 
     # ------------------------------------------------------------------ read-only state
 

@@ -2,11 +2,20 @@
 
 The container has no network, a read-only root filesystem, a size-limited tmpfs /tmp, the
 task workdir as its only writable bind, every capability dropped, no-new-privileges, a
-non-root user and pids/memory/CPU limits; it carries the label `composer_replication=datagen`
-so that `reap_leaked()` can remove containers a crashed run left behind. With
-`runtime="runsc"` (gVisor, see `runsc_available()`) the kernel is no longer shared, which is
-the backend to choose for hostile code. Commands are wrapped in `timeout -s KILL` inside the
-container, with a host-side watchdog that restarts the container if even that hangs.
+non-root user and pids/memory/CPU limits. With `runtime="runsc"` (gVisor, see
+`runsc_available()`) the kernel is no longer shared, which is the backend to choose for
+hostile code. Commands are wrapped in `timeout -s KILL` inside the container, with a
+host-side watchdog that restarts the container if even that hangs.
+
+Before the container starts, `boot()` runs `scrub_tree` on the workdir: version-control
+history, bytecode, tool caches, editor backups and packaged copies could hand the agent the
+reference solution (the primary control against such leaks; see `datagen.scrub`).
+
+Containers carry the label `composer_replication=datagen` plus their owner (host name, pid
+and process start of the Python process that booted them). `reap_leaked()` force-removes every
+labelled container; `reap_leaked(stale_only=True)`, which every `boot()` runs first, removes
+only the ones whose owner process is gone (a crashed run's leftovers) and never touches the
+sandboxes of processes still running, here or on another host. `close()` never raises.
 
 Without the `docker` SDK every entry point raises `RuntimeError` naming the extra to
 install; without a reachable daemon, a `RuntimeError` saying so.
@@ -14,8 +23,12 @@ install; without a reachable daemon, a `RuntimeError` saying so.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -23,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from composer_replication.datagen.scrub import scrub_tree
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
     TestRunResult,
@@ -34,9 +48,29 @@ from composer_replication.sandbox.process import OutputCapture, ProcessOutcome
 from composer_replication.sandbox.pytest_support import JunitReport, build_pytest_argv, parse_junit
 from composer_replication.sandbox.workdir import hand_over
 
-__all__ = ["LABEL", "DockerSandbox", "docker_client", "reap_leaked", "runsc_available"]
+__all__ = [
+    "LABEL",
+    "OWNER_HOST_LABEL",
+    "OWNER_PID_LABEL",
+    "OWNER_START_LABEL",
+    "DockerSandbox",
+    "DockerSandboxFactory",
+    "docker_client",
+    "owner_labels",
+    "reap_leaked",
+    "runsc_available",
+]
+
+log = logging.getLogger(__name__)
 
 LABEL = {"composer_replication": "datagen"}
+# Who booted a container: what lets a later boot tell a crashed run's leftovers (owner gone)
+# from the live sandboxes of a concurrent process (owner running).
+OWNER_HOST_LABEL = "composer_replication.owner_host"
+OWNER_PID_LABEL = "composer_replication.owner_pid"
+OWNER_START_LABEL = "composer_replication.owner_start"
+# Without owner labels (containers of older versions) only these states are stale.
+_STOPPED_STATES = frozenset({"exited", "dead"})
 _INSTALL_HINT = "pip install 'composer-replication[docker]'"
 # Extra seconds the host watchdog grants beyond the in-container `timeout`.
 _WATCHDOG_SLACK_S = 10.0
@@ -68,20 +102,148 @@ def docker_client(client: Any = None) -> Any:
     return found
 
 
-def reap_leaked(client: Any = None) -> int:
-    """Force-remove every container labelled `composer_replication=datagen`; return how many."""
+def _process_start(pid: int) -> str | None:
+    """`<boot id>/<start time in clock ticks>` of `pid` (Linux /proc), or None if unknown.
+
+    A pid alone is not an identity: pids are reused, and a trainer in a container is often
+    pid 1 or 7 in every run. The kernel boot id plus the start time is.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the command name may contain spaces
+    return f"{boot_id}/{fields[19]}" if len(fields) > 19 else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def owner_labels() -> dict[str, str]:
+    """The owner labels `boot()` adds: this host's name, this process's pid and start."""
+    labels = {OWNER_HOST_LABEL: socket.gethostname(), OWNER_PID_LABEL: str(os.getpid())}
+    start = _process_start(os.getpid())
+    if start is not None:
+        labels[OWNER_START_LABEL] = start
+    return labels
+
+
+def _owner_gone(labels: Mapping[str, str]) -> bool:
+    """True only when the process that booted the container is known to have ended."""
+    if labels.get(OWNER_HOST_LABEL) != socket.gethostname():
+        return False  # another host (or pid namespace): its processes cannot be checked
+    try:
+        pid = int(labels[OWNER_PID_LABEL])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid <= 0 or not _pid_alive(pid):
+        return True
+    recorded = labels.get(OWNER_START_LABEL)
+    current = _process_start(pid)
+    return recorded is not None and current is not None and recorded != current  # pid reused
+
+
+def _labels_of(container: Any) -> dict[str, str]:
+    attrs = getattr(container, "attrs", None) or {}
+    labels = attrs.get("Labels")  # sparse list entries carry them at the top level
+    if labels is None:
+        labels = (attrs.get("Config") or {}).get("Labels")
+    return dict(labels or {})
+
+
+def _state_of(container: Any) -> str:
+    state = (getattr(container, "attrs", None) or {}).get("State")
+    if isinstance(state, Mapping):
+        state = state.get("Status")
+    return str(state or "")
+
+
+def _is_stale(container: Any) -> bool:
+    labels = _labels_of(container)
+    if OWNER_PID_LABEL in labels:
+        return _owner_gone(labels)
+    return _state_of(container) in _STOPPED_STATES
+
+
+def reap_leaked(client: Any = None, *, stale_only: bool = False) -> int:
+    """Force-remove containers labelled `composer_replication=datagen`; return how many.
+
+    Args:
+        client: A docker client; default `docker.from_env()` (daemon checked).
+        stale_only: False (the default): every labelled container, including the running
+            sandboxes of other processes using the same daemon; call it only when no other
+            run is active. True: only a crashed run's leftovers, i.e. containers whose owner
+            process (owner labels, this host) has ended, whatever their state, and unowned
+            containers (older versions) that are exited or dead. Containers owned by a live
+            process or by another host are kept. Each `boot()` runs this.
+
+    A container that disappears or cannot be removed meanwhile (another process reaping it,
+    removal already in progress) is logged and not counted; the other ones are still removed.
+    """
     found = docker_client(client)
     key, value = next(iter(LABEL.items()))
-    leaked = found.containers.list(all=True, filters={"label": f"{key}={value}"})
-    for container in leaked:
-        container.remove(force=True)
-    return len(leaked)
+    labelled = found.containers.list(all=True, filters={"label": f"{key}={value}"}, sparse=True)
+    removed = 0
+    for container in labelled:
+        if stale_only and not _is_stale(container):
+            continue
+        try:
+            container.remove(force=True)
+        except Exception as exc:  # gone already, or being removed by a concurrent reaper
+            log.warning("could not remove leaked container %s: %s", _short_id(container), exc)
+            continue
+        removed += 1
+    if removed:
+        log.info("removed %d leaked sandbox container(s)", removed)
+    return removed
+
+
+def _short_id(container: Any) -> str:
+    return str(getattr(container, "id", "?"))[:12]
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    """The daemon said 404: the container does not exist (any more)."""
+    if getattr(getattr(exc, "response", None), "status_code", None) == 404:
+        return True
+    try:
+        import docker.errors
+    except ImportError:
+        return False
+    return isinstance(exc, docker.errors.NotFound)
 
 
 def runsc_available(client: Any = None) -> bool:
     """True when the daemon offers the gVisor runtime (`runsc`)."""
     runtimes = docker_client(client).info().get("Runtimes") or {}
     return "runsc" in runtimes
+
+
+def _check_settings(
+    user: str,
+    container_workdir: str,
+    pids_limit: int,
+    nano_cpus: int,
+    exec_timeout_s: float,
+) -> None:
+    """The `DockerSandbox` settings checks, shared with `DockerSandboxFactory`."""
+    if user.partition(":")[0] in ("", "0", "root"):
+        raise ValueError(f"user must be a non-root 'uid:gid', got {user!r}; e.g. '1000:1000'")
+    if not PurePosixPath(container_workdir).is_absolute():
+        raise ValueError(f"container_workdir must be absolute, got {container_workdir!r}")
+    if pids_limit <= 0 or nano_cpus <= 0 or exec_timeout_s <= 0:
+        raise ValueError(
+            "pids_limit, nano_cpus and exec_timeout_s must be > 0, got "
+            f"{pids_limit!r}, {nano_cpus!r}, {exec_timeout_s!r}"
+        )
 
 
 def _parse_user(user: str) -> tuple[int | None, int | None]:
@@ -108,6 +270,11 @@ class DockerSandbox:
         client: A docker client to use instead of `docker.from_env()`.
         python: Interpreter name inside the image for `run_tests`.
         max_output_bytes: Output kept per call (head and tail).
+        scrub_workdir: Run `scrub_tree` on the workdir in `boot()` (default). It deletes VCS
+            history, caches, backups and packaged copies in place: the workdir must be a
+            task copy. Pass False only for a directory that holds no reference solution.
+        reap_stale: Remove a crashed run's leftover containers in `boot()` (default; see
+            `reap_leaked(stale_only=True)`: live sandboxes of other processes are kept).
     """
 
     def __init__(
@@ -128,19 +295,13 @@ class DockerSandbox:
         python: str = "python",
         max_output_bytes: int = 200_000,
         denylist: frozenset[str] = SANDBOX_DENYLIST,
+        scrub_workdir: bool = True,
+        reap_stale: bool = True,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         if not self.workdir.is_dir():
             raise ValueError(f"workdir {str(workdir)!r} is not an existing directory")
-        if user.partition(":")[0] in ("", "0", "root"):
-            raise ValueError(f"user must be a non-root 'uid:gid', got {user!r}; e.g. '1000:1000'")
-        if not PurePosixPath(container_workdir).is_absolute():
-            raise ValueError(f"container_workdir must be absolute, got {container_workdir!r}")
-        if pids_limit <= 0 or nano_cpus <= 0 or exec_timeout_s <= 0:
-            raise ValueError(
-                "pids_limit, nano_cpus and exec_timeout_s must be > 0, got "
-                f"{pids_limit!r}, {nano_cpus!r}, {exec_timeout_s!r}"
-            )
+        _check_settings(user, container_workdir, pids_limit, nano_cpus, exec_timeout_s)
         self.runtime = runtime
         self.mem_limit = mem_limit
         self.memswap_limit = memswap_limit
@@ -154,12 +315,17 @@ class DockerSandbox:
         self.python = python
         self.max_output_bytes = max_output_bytes
         self.denylist = denylist
+        self.scrub_workdir = scrub_workdir
+        self.reap_stale = reap_stale
         self._client = client
         self._container: Any = None
         self._trajectory: list[dict[str, Any]] = []
 
     def container_kwargs(self, image: str) -> dict[str, Any]:
-        """Keyword arguments for `client.containers.run`: the whole lockdown in one place."""
+        """Keyword arguments for `client.containers.run`: the whole lockdown in one place.
+
+        `boot()` adds the bookkeeping on top: a unique `name` and the `owner_labels()`.
+        """
         kwargs: dict[str, Any] = {
             "image": image,
             "command": ["tail", "-f", "/dev/null"],  # keeps the container up; GNU and busybox
@@ -191,30 +357,87 @@ class DockerSandbox:
 
     # lifecycle ----------------------------------------------------------------------------
     def boot(self, image: str | None) -> None:
-        """Create and start the container from `image`."""
+        """Scrub the workdir, reap stale containers, then create and start the container.
+
+        In order: `scrub_tree(workdir)` (unless `scrub_workdir=False`; the removed paths are
+        recorded in the boot entry of the trajectory as `scrubbed`, relative to the
+        workdir), `reap_leaked(stale_only=True)` (unless `reap_stale=False`; a failure there
+        is logged, never fatal), then `containers.run` with `container_kwargs(image)`, a
+        unique name and the owner labels. A container that was created but failed to start
+        is removed again.
+
+        Raises:
+            ValueError: no image name; the workdir is not a real directory (scrub).
+            RuntimeError: already booted, no SDK or daemon, or the image is not present.
+        """
         if not image:
             raise ValueError("DockerSandbox.boot needs an image name, e.g. 'python:3.11-slim'")
         if self._container is not None:
             raise RuntimeError("DockerSandbox already booted; call close() before booting again")
         client = docker_client(self._client)
         self._client = client
+        scrubbed = scrub_tree(self.workdir) if self.scrub_workdir else []
+        if self.reap_stale:
+            try:
+                reap_leaked(client, stale_only=True)
+            except Exception as exc:  # housekeeping: never the reason a boot fails
+                log.warning("could not reap stale sandbox containers: %s", exc)
         if os.geteuid() == 0:
             uid, gid = _parse_user(self.user)
             hand_over(self.workdir, uid, gid)
         docker = _docker_module()
+        kwargs = self.container_kwargs(image)
+        kwargs["name"] = f"cr-sandbox-{uuid.uuid4().hex[:16]}"
+        kwargs["labels"] = {**kwargs["labels"], **owner_labels()}
         try:
-            self._container = client.containers.run(**self.container_kwargs(image))
+            self._container = client.containers.run(**kwargs)
         except docker.errors.ImageNotFound as exc:
             raise RuntimeError(
                 f"image {image!r} not found; pull it first: docker pull {image}"
             ) from exc
-        self._trajectory.append({"type": "boot", "image": image, "isolated": True})
+        except BaseException:
+            self._remove_named(client, kwargs["name"])  # created but not started
+            raise
+        self._trajectory.append(
+            {
+                "type": "boot",
+                "image": image,
+                "isolated": True,
+                "scrubbed": [str(p.relative_to(self.workdir)) for p in scrubbed],
+            }
+        )
+
+    @staticmethod
+    def _remove_named(client: Any, name: str) -> None:
+        # never created, or already gone: nothing to clean up
+        with contextlib.suppress(Exception):
+            client.containers.get(name).remove(force=True)
 
     def close(self) -> None:
-        """Remove the container (idempotent)."""
+        """Remove the container. Idempotent, and never raises.
+
+        A container that is already gone, a removal the daemon refuses, or a daemon that no
+        longer answers is logged and swallowed (close runs in `finally` blocks and context
+        exits, where an exception would hide the real one). A container left behind that way
+        is reaped by the first `boot()` on this host after this process ends, or by
+        `reap_leaked()`.
+        """
         container, self._container = self._container, None
-        if container is not None:
+        if container is None:
+            return
+        try:
             container.remove(force=True)
+        except Exception as exc:
+            if _is_not_found(exc):  # already removed: the goal of close() is reached
+                log.debug("sandbox container %s was already removed", _short_id(container))
+            else:
+                log.warning(
+                    "could not remove sandbox container %s (%s: %s); it is reaped by the first "
+                    "boot after this process ends, or by reap_leaked()",
+                    _short_id(container),
+                    type(exc).__name__,
+                    exc,
+                )
 
     def __enter__(self) -> DockerSandbox:
         return self
@@ -322,3 +545,72 @@ class DockerSandbox:
 
     reap_leaked = staticmethod(reap_leaked)
     runsc_available = staticmethod(runsc_available)
+
+
+# Settings a factory passes through to each DockerSandbox (not the per-call workdir/client).
+_SANDBOX_SETTINGS = frozenset(inspect.signature(DockerSandbox.__init__).parameters) - {
+    "self",
+    "workdir",
+    "client",
+}
+
+
+class DockerSandboxFactory:
+    """`workdir -> booted DockerSandbox`: the sandbox factory environments call per attempt.
+
+    Each call builds a `DockerSandbox(workdir, **settings)` and boots it from `image`
+    (scrubbing the workdir and reaping stale containers first); the caller closes it. A boot
+    that fails closes the sandbox before the error propagates.
+
+    Args:
+        image: The image every container runs (it must provide python, and pytest for
+            repository tasks).
+        client: A docker client shared by every sandbox; default one `docker.from_env()` per
+            sandbox.
+        **settings: `DockerSandbox` settings (`runtime`, `mem_limit`, `pids_limit`, ...).
+
+    Raises:
+        ValueError: an empty image, an unknown setting, or a setting `DockerSandbox` refuses
+            (root user, relative container workdir, non-positive limits); checked here, so a
+            misconfigured backend fails when the environment is built, not at the first
+            attempt.
+    """
+
+    def __init__(self, image: str, *, client: Any = None, **settings: Any) -> None:
+        if not isinstance(image, str) or not image:
+            raise ValueError(
+                f"DockerSandboxFactory needs an image name, got {image!r}; e.g. 'python:3.11-slim'"
+            )
+        unknown = sorted(set(settings) - _SANDBOX_SETTINGS)
+        if unknown:
+            raise ValueError(
+                f"unknown DockerSandbox setting(s) {unknown}; known: {sorted(_SANDBOX_SETTINGS)}"
+            )
+        defaults = {
+            name: p.default
+            for name, p in inspect.signature(DockerSandbox.__init__).parameters.items()
+            if name in _SANDBOX_SETTINGS
+        }
+        merged = {**defaults, **settings}
+        _check_settings(
+            merged["user"],
+            merged["container_workdir"],
+            merged["pids_limit"],
+            merged["nano_cpus"],
+            merged["exec_timeout_s"],
+        )
+        self.image = image
+        self.client = client
+        self.settings: dict[str, Any] = dict(settings)
+
+    def __call__(self, workdir: str | os.PathLike[str]) -> DockerSandbox:
+        sandbox = DockerSandbox(workdir, client=self.client, **self.settings)
+        try:
+            sandbox.boot(self.image)
+        except BaseException:
+            sandbox.close()
+            raise
+        return sandbox
+
+    def __repr__(self) -> str:
+        return f"DockerSandboxFactory(image={self.image!r}, settings={self.settings!r})"

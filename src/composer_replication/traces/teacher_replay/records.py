@@ -156,11 +156,15 @@ class DPOPair(TypedDict):
 # the providers' published list prices (Anthropic: Opus 4.7 $5 / $25; DeepSeek: V4-Pro
 # $1.74 / $3.48 before its 75% discount). All three are configurable: pass your own
 # TeacherSpec list. Prices above what a provider bills only make the cap more conservative.
-DEFAULT_TEACHERS: tuple[TeacherSpec, ...] = (
+# A list, as the public API documents it. It is shared module state: never mutate it; copy
+# it (`[dict(t) for t in DEFAULT_TEACHERS]`) to derive your own list. Nothing in the package
+# mutates it: `replay_trace` works on its own copy of the list it is given and only reads the
+# specs, and the trace CLI copies each spec it picks.
+DEFAULT_TEACHERS: list[TeacherSpec] = [
     TeacherSpec(slug="anthropic/claude-opus-4.7", input_per_mtok=5.0, output_per_mtok=25.0),
     TeacherSpec(slug="openai/gpt-5", input_per_mtok=1.25, output_per_mtok=10.0),
     TeacherSpec(slug="deepseek/deepseek-v4-pro", input_per_mtok=1.74, output_per_mtok=3.48),
-)
+]
 
 
 def error_kind(error: str | None) -> str | None:
