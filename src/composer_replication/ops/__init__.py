@@ -40,6 +40,7 @@ from composer_replication.ops.self_distillation import (
 from composer_replication.ops.trust_region import (
     REF_KL_SAMPLE_METRICS,
     mismatch_kl,
+    outside_trust_region,
     ref_kl_sample_metrics,
     ref_kl_step_metrics,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "fill_reference_logps",
     "jsd_from_hidden",
     "mismatch_kl",
+    "outside_trust_region",
     "pair_logps",
     "pair_terms",
     "ref_kl_sample_metrics",

@@ -41,6 +41,13 @@ REF_KL_SAMPLE_METRICS = (
 )
 
 
+def outside_trust_region(logprobs: Tensor, inference_logprobs: Tensor, mask_low: float) -> Tensor:
+    """Per token ``dp < -mask_low`` (no grad): the tokens the ``ref_kl`` loss drops from its
+    policy-gradient term because the trainer finds them much less likely than the sampler."""
+    with torch.no_grad():
+        return logprobs.detach().exp() - inference_logprobs.exp() < -mask_low
+
+
 def mismatch_kl(logprobs: Tensor, inference_logprobs: Tensor) -> Tensor:
     """Per token ``r - log_r - 1``: the k3 estimate of KL(sampler || trainer), >= 0."""
     log_r = logprobs - inference_logprobs
@@ -96,8 +103,7 @@ def ref_kl_sample_metrics(
         tokens = loss_mask != 0
         if weights is not None:
             tokens = tokens & (weights != 0)
-        dp = lp.exp() - inference_logprobs.exp()
-        masked = tokens & (dp < -mask_low)
+        masked = tokens & outside_trust_region(lp, inference_logprobs, mask_low)
         kept = tokens & ~masked
         mkl = mismatch_kl(lp, inference_logprobs)
         rows = tokens.any(-1)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from composer_replication.ops.trust_region import outside_trust_region
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -116,8 +118,8 @@ def ref_kl_loss(
     mask = (loss_mask != 0).to(logprobs.dtype)
     w = torch.ones_like(logprobs) if weights is None else weights.to(logprobs.dtype)
     with torch.no_grad():
-        dp = logprobs.detach().exp() - inference_logprobs.exp()
-        keep = ((loss_mask != 0) & ~(dp < -mask_low)).to(logprobs.dtype)
+        outside = outside_trust_region(logprobs, inference_logprobs, mask_low)
+        keep = ((loss_mask != 0) & ~outside).to(logprobs.dtype)
         signal = ref_logprobs - logprobs.detach()
     log_r = logprobs - inference_logprobs
     per_token = -keep * signal * log_r.exp() + kl_tau * mask * log_r.square()
