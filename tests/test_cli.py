@@ -64,3 +64,42 @@ def test_smoke_command_prints_components(tmp_path):
     assert result.exit_code == 0, result.output
     for column in ("lm_ce", "sdpo_jsd", "trace_replay_dpo", "total", "after step 1"):
         assert column in result.output
+
+
+def test_eval_heldout_prints_greedy_and_sampled_scores(tmp_path):
+    import json
+
+    from composer_replication.models import save_checkpoint, tiny_policy
+
+    model, tokenizer = tiny_policy(seed=0)
+    path = str(save_checkpoint(model, tmp_path / "tiny", tokenizer=tokenizer))
+    out = tmp_path / "heldout.json"
+    args = ["eval", path, "--limit", "2", "--samples", "2", "--max-new-tokens", "8"]
+    result = CliRunner().invoke(app, [*args, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    for text in ("python_functions heldout: pass@1", "greedy pass@1", "pass@2", "mean reward"):
+        assert text in result.output
+    data = json.loads(out.read_text())
+    assert data["suite"] == "heldout" and data["n_tasks"] == 2
+    assert (data["samples_per_task"], data["temperature"], data["seed"]) == (2, 1.0, 0)
+    for key in ("pass@1", "pass@2", "greedy_pass@1", "mean_reward"):
+        assert 0.0 <= data[key] <= 1.0, key
+    assert list(data["per_task"]) == list(data["greedy_per_task"])
+    assert all(len(rewards) == 2 for rewards in data["per_task"].values())
+
+
+def test_train_prints_the_other_heldout_scores_before_and_after():
+    from composer_replication.cli import _heldout_score_lines
+
+    rows = [
+        {"step": 0, "heldout/pass@1": 0.1, "heldout/pass@4": 0.3, "heldout/greedy_pass@1": 0.2},
+        {"step": 3, "reward/mean": 0.5},
+        {"step": 6, "heldout/pass@1": 0.2, "heldout/pass@4": 0.5, "heldout/greedy_pass@1": 0.25},
+    ]
+    assert _heldout_score_lines(rows) == [
+        "held-out pass@4: before 0.300 -> after 0.500",
+        "held-out greedy_pass@1: before 0.200 -> after 0.250",
+    ]
+    assert _heldout_score_lines([{"step": 6, "heldout/pass@4": 0.5}]) == [
+        "held-out pass@4: before n/a -> after 0.500"
+    ]

@@ -6,6 +6,8 @@ Thin: every command parses its options and calls one library function. Heavy imp
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +169,69 @@ def train(
         else f"{ev.samples_per_task} samples/task at T={ev.temperature:g}, seed {ev.seed}"
     )
     console.print(f"held-out pass@1 ({how}): before {before} -> after {after}")
+    for line in _heldout_score_lines(result.metrics):
+        console.print(line)
     console.print(f"final model: {result.final_model_dir}  report: {result.run_dir / 'report'}")
+
+
+SUITES = ("heldout", "humaneval")
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Callable[[str, int, int], None]]:
+    """A ``progress(phase, done, total)`` callback: one bar per phase on a terminal's
+    stderr; elsewhere (a log file) one plain line when a phase ends."""
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        phases: dict[str, Any] = {}
+        started: dict[str, float] = {}
+
+        def report(phase: str, done: int, total: int) -> None:
+            if phase not in phases:
+                phases[phase] = bar.add_task(phase, total=total)
+                started[phase] = time.perf_counter()
+            bar.update(phases[phase], completed=done)
+            if done >= total and not console.is_terminal:
+                seconds = time.perf_counter() - started[phase]
+                typer.echo(f"{phase}: {done}/{total} in {seconds:.0f} s", err=True)
+
+        yield report
+
+
+def _print_scores(title: str, rows: list[tuple[str, float | None, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col, justify in (("score", "left"), ("value", "right"), ("how", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for label, value, how in rows:
+        table.add_row(label, "n/a" if value is None else f"{value:.3f}", how)
+    Console().print(table)
+
+
+def _heldout_score_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Before/after lines for the evaluation scores beside pass@1 (greedy pass@1, pass@k)."""
+    keys = [
+        k
+        for k in dict.fromkeys(k for r in rows for k in r)
+        if k == "heldout/greedy_pass@1" or (k.startswith("heldout/pass@") and k != "heldout/pass@1")
+    ]
+    lines = []
+    for key in keys:
+        before = next((r[key] for r in rows if r.get("step") == 0 and key in r), None)
+        after = next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
+        shown = ["n/a" if v is None else f"{v:.3f}" for v in (before, after)]
+        lines.append(
+            f"held-out {key.removeprefix('heldout/')}: before {shown[0]} -> after {shown[1]}"
+        )
+    return lines
 
 
 @app.command("eval")
@@ -175,20 +239,94 @@ def evaluate(
     model: str = typer.Argument(
         ..., help="A model directory (e.g. a run's final_model), a .gguf file, or 'embedded'."
     ),
-    env: str = typer.Option("python_functions", "--env", help="Environment to evaluate on."),
-    samples: int = typer.Option(4, min=1, help="Samples per task (pass@1 averages them)."),
+    suite: str = typer.Option(
+        "heldout",
+        help="heldout: an environment's held-out tasks; humaneval: OpenAI's HumanEval (164).",
+    ),
+    env: str = typer.Option(
+        "python_functions", "--env", help="Environment to evaluate on (--suite heldout)."
+    ),
+    samples: int | None = typer.Option(
+        None,
+        min=1,
+        help="Samples per task for sampled pass@1 / pass@k (heldout: default 4; humaneval: "
+        "default none, greedy only).",
+    ),
     temperature: float = typer.Option(1.0, min=0.0, help="Sampling temperature (0 = greedy)."),
-    max_new_tokens: int = typer.Option(80, min=1, help="Completion budget."),
+    greedy: bool = typer.Option(
+        True, "--greedy/--no-greedy", help="Also report greedy (temperature 0) pass@1."
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, min=1, help="Completion budget (default: heldout 80, humaneval 512)."
+    ),
     seed: int = typer.Option(0, help="Seed of the evaluation sampling."),
+    limit: int | None = typer.Option(None, min=1, help="Only the first N tasks / problems."),
+    timeout: float = typer.Option(
+        10.0, min=0.1, help="Seconds per HumanEval program in the sandbox (--suite humaneval)."
+    ),
     heldout_fraction: float = typer.Option(0.25, help="Held-out share (must match training)."),
     split: str = typer.Option("heldout", help="Which tasks: heldout, train or all."),
     output: Path | None = typer.Option(
-        None, "-o", "--output", help="Write the result as JSON here."
+        None, "-o", "--output", help="Write the result as JSON here (atomically)."
     ),
 ) -> None:
-    """Held-out pass@1 of a model on an environment, printed and written as JSON."""
+    """Score a model: held-out pass@1 / pass@k on an environment, or HumanEval.
+
+    Prints greedy pass@1, sampled pass@1 and pass@k (unbiased estimator, arXiv
+    2107.03374) as a table; -o writes the whole result, per task, as JSON.
+    """
     import json
 
+    from composer_replication.atomic_io import write_text_atomic
+
+    if suite not in SUITES:
+        raise typer.BadParameter(f"{suite!r}; use {' or '.join(SUITES)}", param_hint="--suite")
+    try:
+        _check_model_source(model)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(str(exc), param_hint="MODEL") from None
+    if suite == "humaneval" and (env, split) != ("python_functions", "heldout"):
+        raise typer.BadParameter(
+            "--env and --split choose held-out tasks; with --suite humaneval leave them out",
+            param_hint="--suite",
+        )
+    from composer_replication.trainer.setup import quiet_library_progress_bars
+
+    quiet_library_progress_bars()  # in a log file, the weight-loading bar is noise
+    if suite == "humaneval":
+        result = _eval_humaneval(
+            model, samples, temperature, greedy, max_new_tokens, seed, limit, timeout
+        )
+    else:
+        result = _eval_heldout(
+            model,
+            env,
+            samples or 4,
+            temperature,
+            greedy,
+            max_new_tokens or 80,
+            seed,
+            limit,
+            heldout_fraction,
+            split,
+        )
+    if output:
+        write_text_atomic(output, json.dumps(result, indent=2) + "\n")
+        typer.echo(f"written: {output}")
+
+
+def _eval_heldout(
+    model: str,
+    env: str,
+    samples: int,
+    temperature: float,
+    greedy: bool,
+    max_new_tokens: int,
+    seed: int,
+    limit: int | None,
+    heldout_fraction: float,
+    split: str,
+) -> dict[str, Any]:
     from composer_replication.evaluate import evaluate_model
 
     result = evaluate_model(
@@ -200,14 +338,80 @@ def evaluate(
         heldout_fraction=heldout_fraction,
         split=split,
         seed=seed,
+        greedy=greedy,
+        limit=limit,
     )
     typer.echo(
         f"{env} {split}: pass@1 {result['pass@1']:.3f} over {result['n_tasks']} tasks "
         f"x {samples} samples (mean reward {result['mean_reward']:.3f})"
     )
-    if output:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(result, indent=2))
+    sampled = f"{samples} samples/task, T={temperature:g}, seed {seed}"
+    rows: list[tuple[str, float | None, str]] = []
+    if greedy:
+        rows.append(("greedy pass@1", result["greedy_pass@1"], "1 answer/task, T=0"))
+    rows.append(("pass@1", result["pass@1"], sampled))
+    rows += [
+        (key, result[key], sampled) for key in result if key.startswith("pass@") and key != "pass@1"
+    ]
+    rows.append(("mean reward", result["mean_reward"], sampled))
+    _print_scores(f"{env} {split} ({result['n_tasks']} tasks): {model}", rows)
+    return result
+
+
+def _eval_humaneval(
+    model: str,
+    samples: int | None,
+    temperature: float,
+    greedy: bool,
+    max_new_tokens: int | None,
+    seed: int,
+    limit: int | None,
+    timeout: float,
+) -> dict[str, Any]:
+    from composer_replication.evals.humaneval import DEFAULT_MAX_NEW_TOKENS, evaluate_humaneval
+
+    if samples is not None and temperature == 0:
+        raise typer.BadParameter(
+            f"--samples {samples} with --temperature 0: sampled pass@k needs a temperature "
+            "> 0 (greedy pass@1 is always reported; drop --samples for greedy only)",
+            param_hint="--temperature",
+        )
+    if not greedy and samples is None:
+        raise typer.BadParameter(
+            "--no-greedy without --samples leaves nothing to evaluate; add --samples N",
+            param_hint="--no-greedy",
+        )
+    with _progress_bar() as progress:
+        result = evaluate_humaneval(
+            model,
+            greedy=greedy,
+            samples=samples or 0,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            seed=seed,
+            limit=limit,
+            timeout_s=timeout,
+            progress=progress,
+        )
+    rows: list[tuple[str, float | None, str]] = []
+    broken = 0
+    if result["greedy"] is not None:
+        g = result["greedy"]
+        rows.append(("greedy pass@1", g["pass@1"], f"{g['passed']}/{g['attempts']} passed, T=0"))
+        broken += g["infrastructure_count"]
+    if result["sampled"] is not None:
+        s = result["sampled"]
+        how = f"{s['samples_per_problem']} samples/problem, T={s['temperature']:g}, seed {seed}"
+        rows += [(f"pass@{k}", s[f"pass@{k}"], how) for k in s["ks"]]
+        broken += s["infrastructure_count"]
+    _print_scores(f"HumanEval ({result['n_problems']} problems): {model}", rows)
+    if broken:
+        typer.echo(
+            f"warning: {broken} attempt(s) never ran (sandbox infrastructure errors) and are "
+            "left out of the scores",
+            err=True,
+        )
+    return result
 
 
 @app.command()

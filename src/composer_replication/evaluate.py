@@ -1,7 +1,18 @@
-"""Held-out evaluation of a saved model: pass@1 on an environment's held-out tasks."""
+"""Held-out evaluation: greedy pass@1, sampled pass@1 and pass@k on an environment's
+held-out tasks (the ``eval --suite heldout`` command and the training run's evaluations).
+
+An attempt counts as solved when its reward is 1.0 (every test of the task passes);
+attempts whose sandbox never ran (``infrastructure_error``) are left out. Sampled pass@1 is
+the share of solved attempts; pass@k uses the unbiased estimator of arXiv 2107.03374
+(:mod:`composer_replication.evals.pass_at_k`) per task; greedy pass@1 is the share of tasks
+whose temperature-0 answer is solved. Sampling is seeded inside a forked RNG, so every
+evaluation of a run (and two models evaluated with the same seed) draws with common random
+numbers. HumanEval is in :mod:`composer_replication.evals.humaneval`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from composer_replication.envs import build_environment, pass_at_1
@@ -61,6 +72,50 @@ def configured_heldout_rollouts(
     )
 
 
+def configured_greedy_rollouts(
+    env: Any,
+    policy: Any,
+    tokenizer: Any,
+    heldout_ids: list[str],
+    eval_config: Any,
+    *,
+    max_new_tokens: int,
+) -> list[list[Any]]:
+    """One greedy (temperature 0) answer per held-out task, with the ``EvalConfig``'s task
+    cap: the groups greedy pass@1 is computed from."""
+    ev = eval_config
+    return heldout_rollouts(
+        env,
+        policy,
+        tokenizer,
+        heldout_ids[: ev.max_tasks] if ev.max_tasks else list(heldout_ids),
+        samples_per_task=1,
+        temperature=0.0,
+        max_new_tokens=max_new_tokens,
+        seed=ev.seed,
+    )
+
+
+def success_counts(groups: Sequence[Sequence[Any]]) -> list[tuple[int, int]]:
+    """``(attempts, solved)`` per group: reward 1.0 is solved, attempts whose sandbox never
+    ran are not counted."""
+    counts = []
+    for group in groups:
+        attempts = [r for r in group if not r.infrastructure_error]
+        counts.append((len(attempts), sum(1 for r in attempts if r.reward >= 1.0)))
+    return counts
+
+
+def groups_pass_at_k(groups: Sequence[Sequence[Any]], ks: Sequence[int]) -> dict[int, float]:
+    """k -> mean unbiased pass@k over the groups (arXiv 2107.03374); a k no group has
+    enough attempts for is left out."""
+    from composer_replication.evals.pass_at_k import mean_pass_at_k
+
+    counts = success_counts(groups)
+    found = {k: mean_pass_at_k(counts, k) for k in ks}
+    return {k: v for k, v in found.items() if v is not None}
+
+
 def evaluate_model(
     model_source: str,
     *,
@@ -73,22 +128,37 @@ def evaluate_model(
     split: str = "heldout",
     env_options: dict[str, Any] | None = None,
     seed: int = 0,
+    greedy: bool = True,
+    limit: int | None = None,
 ) -> dict[str, Any]:
-    """pass@1 (share of fully solved samples) and mean reward of a model on one split.
+    """Sampled pass@1 and pass@k, greedy pass@1 and mean reward of a model on one split.
 
-    The defaults match the training run's held-out evaluation (``EvalConfig``): 4 samples
-    per task at temperature 1, 80 new tokens, sampling seeded with ``seed``.
+    The sampling defaults match the training run's held-out evaluation (``EvalConfig``): 4
+    samples per task at temperature 1, 80 new tokens, seeded with ``seed``. ``greedy``
+    adds one temperature-0 answer per task (reused from the samples when ``temperature``
+    is 0); ``limit`` keeps the split's first ``limit`` tasks.
+
+    Keys: ``suite`` ("heldout"), ``model``, ``env``, ``split``, ``n_tasks``,
+    ``samples_per_task``, ``temperature``, ``seed``, ``pass@1`` (share of solved samples),
+    ``pass@k`` for the other k of ``reported_ks(samples_per_task)``, ``greedy_pass@1``
+    (None without ``greedy``), ``mean_reward``, ``per_task`` (task id -> sampled rewards)
+    and ``greedy_per_task`` (task id -> greedy reward, with ``greedy``).
     """
     from types import SimpleNamespace
 
+    from composer_replication.evals.pass_at_k import reported_ks
     from composer_replication.models import load_policy
 
     if split not in ("heldout", "train", "all"):
         raise ValueError(f"split={split!r} must be heldout, train or all")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit} must be >= 1 (or None for every task of the split)")
     policy, tokenizer = load_policy(None if model_source == "embedded" else model_source)
     env = build_environment(SimpleNamespace(name=env_name, options=env_options or {}))
     train_ids, heldout_ids = HeldoutSplit(heldout_fraction, heldout_salt).split(env.task_ids())
     ids = {"heldout": heldout_ids, "train": train_ids, "all": env.task_ids()}[split]
+    ids = ids[:limit] if limit is not None else ids
+    settings = dict(max_new_tokens=max_new_tokens, seed=seed)
     groups = heldout_rollouts(
         env,
         policy,
@@ -96,11 +166,21 @@ def evaluate_model(
         ids,
         samples_per_task=samples_per_task,
         temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
+        **settings,
     )
+    greedy_groups = None
+    if greedy:  # at temperature 0 the samples are the greedy answers already
+        greedy_groups = (
+            [g[:1] for g in groups]
+            if temperature == 0
+            else heldout_rollouts(
+                env, policy, tokenizer, ids, samples_per_task=1, temperature=0.0, **settings
+            )
+        )
     rewards = [r.reward for g in groups for r in g]
-    return {
+    more_ks = [k for k in reported_ks(samples_per_task) if k > 1]
+    result: dict[str, Any] = {
+        "suite": "heldout",
         "model": model_source,
         "env": env_name,
         "split": split,
@@ -109,6 +189,11 @@ def evaluate_model(
         "temperature": temperature,
         "seed": seed,
         "pass@1": pass_at_1(groups),
+        **{f"pass@{k}": v for k, v in groups_pass_at_k(groups, more_ks).items()},
+        "greedy_pass@1": None if greedy_groups is None else pass_at_1(greedy_groups),
         "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
         "per_task": {tid: [r.reward for r in g] for tid, g in zip(ids, groups)},
     }
+    if greedy_groups is not None:
+        result["greedy_per_task"] = {tid: g[0].reward for tid, g in zip(ids, greedy_groups)}
+    return result

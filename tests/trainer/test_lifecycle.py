@@ -74,3 +74,66 @@ def test_heldout_evaluation_reports_flagged_attempts_beside_pass_at_1(tmp_path):
     row: dict = {"reward/mean": 0.0}
     life.guard_round(1, row, 0.5)
     assert row["heldout/hack_flagged_fraction"] == 0.5
+
+
+class _TemperatureEnv:
+    """Held-out answers by temperature: greedy solves task a only; sampling solves a in 2
+    of 4 attempts and b in 1 of 4 (one more attempt of b never ran)."""
+
+    def __init__(self):
+        self.temperatures = []
+
+    def rollouts(self, policy, tokenizer, ids, *, group_size, sampling):
+        from composer_replication.rollout.types import Rollout
+
+        self.temperatures.append(sampling.temperature)
+
+        def attempt(tid, reward, broken=False):
+            r = Rollout(tid, [1], [2], [0.0], reward=reward)
+            if broken:
+                r.metadata["infrastructure_error"] = True
+            return r
+
+        if sampling.temperature == 0:
+            assert group_size == 1
+            return [[attempt("a", 1.0)], [attempt("b", 0.5)]]
+        assert group_size == 4
+        return [
+            [attempt("a", r) for r in (1.0, 0.0, 1.0, 0.5)],
+            [*(attempt("b", r) for r in (0.0, 1.0, 0.0, 0.0)), attempt("b", 1.0, broken=True)],
+        ]
+
+
+def test_heldout_evaluation_adds_pass_at_k_and_greedy_pass_at_1(tmp_path):
+    from composer_replication.trainer.lifecycle import HeldoutTasks
+
+    env = _TemperatureEnv()
+    life = _life(tmp_path)
+    life.config = life.config.model_copy(
+        update={"eval": life.config.eval.model_copy(update={"greedy": True})}
+    )
+    assert life.config.eval.samples_per_task == 4
+    tasks = [HeldoutTasks(env, ["a", "b"], 8)]
+    life.evaluate_start(None, None, tasks)
+    assert env.temperatures == [1.0, 0.0]  # sampled, then one greedy pass
+    assert life.heldout_before == pytest.approx(3 / 8)  # pooled share, as before
+    row = life.metrics.rows()[0]
+    assert row["heldout/pass@1"] == pytest.approx(3 / 8)
+    # unbiased pass@4 per task: a: 1 - C(2,4)/C(4,4) = 1; b: 1 - C(3,4)/C(4,4) = 1
+    assert row["heldout/pass@4"] == pytest.approx(1.0)
+    assert row["heldout/greedy_pass@1"] == pytest.approx(0.5)
+    later: dict = {"reward/mean": 0.0}
+    life.guard_round(6, later, life.evaluate(None, None, tasks))
+    assert later["heldout/pass@4"] == 1.0 and later["heldout/greedy_pass@1"] == 0.5
+
+
+def test_greedy_off_by_default_adds_no_generation_pass(tmp_path):
+    from composer_replication.trainer.lifecycle import HeldoutTasks
+
+    env = _TemperatureEnv()
+    life = _life(tmp_path)
+    assert life.config.eval.greedy is False
+    life.evaluate_start(None, None, [HeldoutTasks(env, ["a", "b"], 8)])
+    assert env.temperatures == [1.0]
+    row = life.metrics.rows()[0]
+    assert "heldout/greedy_pass@1" not in row and row["heldout/pass@4"] == pytest.approx(1.0)

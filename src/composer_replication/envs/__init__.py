@@ -3,6 +3,7 @@
 ``build_environment(env_config)`` constructs an environment by name: ``python_functions``
 (the embedded default), ``feature_deletion`` (tasks from ``composer-replication datagen``),
 or ``"pkg.module:factory"`` for a user environment (called with the config's options).
+Evaluation-only suites (HumanEval) are refused with a ``ValueError``.
 ``env_config.sandbox`` picks the built-in environments' sandbox backend: ``"local"`` (their
 default factory) or ``"docker"`` (a ``DockerSandboxFactory`` from ``env_config.docker``).
 """
@@ -24,7 +25,10 @@ def build_environment(env_config: Any) -> Environment:
     are local) a built-in environment gets the environment module's
     ``docker_sandbox_factory(env_config.docker)`` as its ``sandbox_factory``.
     """
+    from composer_replication.config.run import check_trainable_environment
+
     name, options = env_config.name, dict(env_config.options)
+    check_trainable_environment(name)  # benchmarks (HumanEval) are evaluation only
     if getattr(env_config, "sandbox", "local") == "docker":
         options["sandbox_factory"] = _docker_sandbox_factory(name, env_config, options)
     if name == "python_functions":

@@ -9,7 +9,9 @@ A backend (the native loop, the trl trainer) owns only its steps. Around them,
 - evaluates held-out pass@1 over every environment's held-out tasks (seeded sampling,
   common random numbers before/after) at the start and every ``eval.every`` steps, and
   feeds each evaluation to the ``HeldOutGuard`` kill switch (held-out score,
-  in-loop reward, token-mean KL to the initial policy);
+  in-loop reward, token-mean KL to the initial policy); each evaluation row also carries
+  ``heldout/pass@k`` (unbiased estimator, k up to ``eval.samples_per_task``) and, with
+  ``eval.greedy``, ``heldout/greedy_pass@1``;
 - appends one metrics row per step (``metrics.jsonl``, trackers);
 - finishes the same way for every backend: ``report/`` plots, ``final_model/`` (a plain
   Hugging Face directory, LoRA merged) and ``summary.json``; a fired kill switch then
@@ -82,6 +84,8 @@ class RunLifecycle:
         self.guard = HeldOutGuard(**config.guard.guard_kwargs())
         self.heldout_before: float | None = None
         self.heldout_hack_fraction = 0.0
+        # the last evaluation's other scores (pass@k, greedy pass@1), written beside pass@1
+        self.heldout_scores: dict[str, float] = {}
         self.stopped: TripwireStatus | None = None
         self.hack_streak = 0
         self._start = time.perf_counter()
@@ -89,25 +93,42 @@ class RunLifecycle:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> float:
-        """Held-out pass@1 over every environment's held-out tasks, as ``eval`` asks."""
-        from composer_replication.envs import pass_at_1
-        from composer_replication.evaluate import configured_heldout_rollouts
+        """Held-out pass@1 over every environment's held-out tasks, as ``eval`` asks.
 
+        The sampled pass@1 is returned (the kill switch's signal); pass@k for the other k
+        of ``reported_ks(eval.samples_per_task)`` and, with ``eval.greedy``, greedy pass@1
+        are kept in ``heldout_scores`` under their metric names.
+        """
+        from composer_replication.envs import pass_at_1
+        from composer_replication.evals.pass_at_k import reported_ks
+        from composer_replication.evaluate import (
+            configured_greedy_rollouts,
+            configured_heldout_rollouts,
+            groups_pass_at_k,
+        )
+
+        ev = self.config.eval
         groups: list[Any] = []
+        greedy_groups: list[Any] = []
         for item in tasks:
-            groups += configured_heldout_rollouts(
-                item.env,
-                policy,
-                tokenizer,
-                item.task_ids,
-                self.config.eval,
-                max_new_tokens=item.max_new_tokens,
-            )
+            args = (item.env, policy, tokenizer, item.task_ids, ev)
+            groups += configured_heldout_rollouts(*args, max_new_tokens=item.max_new_tokens)
+            if ev.greedy and ev.temperature != 0:  # at temperature 0 the samples are greedy
+                greedy_groups += configured_greedy_rollouts(
+                    *args, max_new_tokens=item.max_new_tokens
+                )
         attempts = [r for group in groups for r in group if not r.infrastructure_error]
         # the held-out set is the kill switch's real signal: gaming it must show
         self.heldout_hack_fraction = (
             sum(bool(r.hack_flags) for r in attempts) / len(attempts) if attempts else 0.0
         )
+        more_ks = [k for k in reported_ks(ev.samples_per_task) if k > 1]
+        self.heldout_scores = {
+            f"heldout/pass@{k}": v for k, v in groups_pass_at_k(groups, more_ks).items()
+        }
+        if ev.greedy:
+            greedy = greedy_groups if ev.temperature != 0 else [g[:1] for g in groups]
+            self.heldout_scores["heldout/greedy_pass@1"] = pass_at_1(greedy)
         return pass_at_1(groups)
 
     def evaluate_start(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> None:
@@ -119,6 +140,7 @@ class RunLifecycle:
             {
                 "step": 0,
                 "heldout/pass@1": self.heldout_before,
+                **self.heldout_scores,
                 "heldout/hack_flagged_fraction": self.heldout_hack_fraction,
             }
         )
@@ -136,6 +158,7 @@ class RunLifecycle:
     ) -> bool:
         """Record an evaluation in ``row`` and feed the kill switch; True when it fired."""
         row["heldout/pass@1"] = heldout
+        row.update(self.heldout_scores)
         row["heldout/hack_flagged_fraction"] = self.heldout_hack_fraction
         if kl_to_init is not None:
             row["kl/to_init"] = kl_to_init
