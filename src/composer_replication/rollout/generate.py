@@ -1,9 +1,10 @@
-"""Batched in-process sampling with the live policy (Hugging Face ``generate`` + KV cache).
+"""Batched in-process sampling with the live policy.
 
-Prompts are left-padded so every row's next token sits in the last column; sampling uses
-plain temperature (no top-k / top-p), so the sampler's distribution is exactly
-``softmax(logits / temperature)`` and the log-probs returned here are the ones the
-trainer's importance ratio compares against. ``temperature=0`` is greedy decoding (its
+The decode loop is :mod:`.decode` (distinct prompts prefilled once, finished rows leave the
+batch, a preallocated KV cache) with the linear layers on packed oneDNN weights on a CPU
+(:mod:`.packed_linear`). Sampling uses plain temperature (no top-k / top-p), so the
+sampler's distribution is exactly ``softmax(logits / temperature)`` and the log-probs
+returned here are the ones the trainer's importance ratio compares against. ``temperature=0`` is greedy decoding (its
 log-probs are then reported at temperature 1). A LoRA policy samples with its adapters
 merged into the base weights (:func:`~composer_replication.model_parts.lora_merged`), as an
 inference engine would; the base weights are restored exactly afterwards.
@@ -82,59 +83,44 @@ def generate(
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
     eos_ids = _eos_ids(model, tokenizer)
-    ids, attn = left_pad(prompts, pad_id)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
     if generator_seed is not None:
         torch.manual_seed(generator_seed)
-    greedy = settings.temperature == 0
-    kwargs: dict[str, Any] = {
-        "max_new_tokens": settings.max_new_tokens,
-        "do_sample": not greedy,
-        "pad_token_id": pad_id,
-        "eos_token_id": eos_ids,
-        "return_dict_in_generate": True,
-        "output_logits": True,
-        # plain temperature sampling: the trainer must see the sampler's distribution
-        "top_k": None,
-        "top_p": None,
-        "min_p": None,
-        "repetition_penalty": None,
-    }
-    if not greedy:
-        kwargs["temperature"] = settings.temperature
-    if settings.stop_strings:
-        kwargs["stop_strings"] = list(settings.stop_strings)
-        kwargs["tokenizer"] = tokenizer
     from composer_replication.model_parts import lora_merged
+    from composer_replication.rollout.decode import decode_rows
+    from composer_replication.rollout.packed_linear import packed_linears
 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), lora_merged(model):
-            out = model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+        with (
+            torch.no_grad(),
+            lora_merged(model),
+            packed_linears(model, batch_hint=len(prompts)),
+        ):
+            rows = decode_rows(
+                model,
+                prompts,
+                max_new_tokens=settings.max_new_tokens,
+                temperature=settings.temperature,
+                eos_ids=eos_ids,
+                pad_id=pad_id,
+                tokenizer=tokenizer,
+                stop_strings=settings.stop_strings,
+            )
     finally:
         model.train(was_training)
-    new_tokens = out.sequences[:, ids.shape[1] :]
-    scale = 1.0 if greedy else settings.temperature
-    step_logprobs = torch.stack(
-        [torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1
-    )  # (B, new, V)
-    picked = step_logprobs.gather(-1, new_tokens[:, :, None]).squeeze(-1)
-    results = []
-    for row, prompt in enumerate(prompts):
-        tokens = new_tokens[row].tolist()
-        logprobs = picked[row].tolist()
-        n, reason = _cut(tokens, eos_ids, tokenizer, settings.stop_strings)
-        completion = tokens[:n]
-        results.append(
-            Generation(
-                prompt_ids=list(prompt),
-                completion_ids=completion,
-                logprobs=logprobs[:n],
-                finish_reason=reason,
-                text=tokenizer.decode(completion, skip_special_tokens=True),
-            )
+    return [
+        Generation(
+            prompt_ids=list(prompt),
+            completion_ids=row.tokens,
+            logprobs=row.logprobs,
+            finish_reason=row.finish_reason,
+            text=tokenizer.decode(row.tokens, skip_special_tokens=True),
         )
-    return results
+        for prompt, row in zip(prompts, rows)
+    ]
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -148,24 +134,3 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     if not ids:
         raise ValueError("neither the model nor the tokenizer defines an eos token id")
     return sorted(ids)
-
-
-def _cut(
-    tokens: list[int], eos_ids: list[int], tokenizer: Any, stop_strings: Sequence[str]
-) -> tuple[int, str]:
-    """Length of the completion to keep and the finish reason.
-
-    Whichever comes first in token order ends it: an EOS token or the end of a stop string.
-    (A row that stopped on a stop string while others went on is padded after it, and the
-    pad id may equal EOS: those tokens were never sampled and must not be kept.)
-    """
-    eos = set(eos_ids)
-    text = ""
-    for i, tok in enumerate(tokens):
-        if tok in eos:
-            return i + 1, "eos"
-        if stop_strings:
-            text += tokenizer.decode([tok])
-            if any(s in text for s in stop_strings):
-                return i + 1, "stop"
-    return len(tokens), "length"

@@ -1,0 +1,209 @@
+"""In-process sampling: ours (``rollout.generate``) vs transformers' ``generate``.
+
+Run: ``python benchmarks/sampling.py`` (a few minutes). SmolLM2-135M-Instruct, prompts of the
+``python_functions`` bank rendered as the environment renders them, its stop string, 80 new
+tokens, temperature 1 (and greedy). Two settings, as the training job uses them:
+
+- the train step: 2 tasks x 4 samples = batch 8;
+- held-out evaluation: ``--eval-tasks`` tasks x 4 samples; the peer samples in chunks of 16
+  (the former evaluation batch), ours once at its own batch (``--eval-batch``) and once at
+  the peer's 16.
+
+Both sides sample the same prompts with the same seed in one process, alternating, each
+timed ``--repeats`` times (median). Printed per setting: kept tokens per second of each
+side and the ratio. Exactness: greedy tokens must be identical with log-probs within 1e-4;
+sampled log-probs of both sides are compared with a full forward pass over prompt +
+completion (what the trainer computes) and the largest difference is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import machine_line
+
+
+def hf_generate(model, tokenizer, prompts, settings, eos_ids):
+    """The peer: transformers' ``generate`` with plain temperature sampling; completions cut
+    at the first EOS or stop string as ours are."""
+    import torch
+
+    from composer_replication.rollout.generate import left_pad
+
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    greedy = settings.temperature == 0
+    kwargs = {
+        "max_new_tokens": settings.max_new_tokens,
+        "do_sample": not greedy,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": eos_ids,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+        "top_k": None,
+        "top_p": None,
+        "min_p": None,
+        "repetition_penalty": None,
+        "stop_strings": list(settings.stop_strings),
+        "tokenizer": tokenizer,
+    }
+    if not greedy:
+        kwargs["temperature"] = settings.temperature
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    new = out.sequences[:, ids.shape[1] :]
+    scale = 1.0 if greedy else settings.temperature
+    lps = torch.stack([torch.log_softmax(x.float() / scale, -1) for x in out.logits], 1)
+    picked = lps.gather(-1, new[:, :, None]).squeeze(-1)
+    rows = []
+    for r in range(len(prompts)):
+        tokens, text = new[r].tolist(), ""
+        n = len(tokens)
+        for i, tok in enumerate(tokens):
+            if tok in eos_ids:
+                n = i + 1
+                break
+            text += tokenizer.decode([tok])
+            if any(s in text for s in settings.stop_strings):
+                n = i + 1
+                break
+        rows.append((tokens[:n], picked[r, :n].tolist()))
+    return rows
+
+
+def ours(model, tokenizer, prompts, settings):
+    from composer_replication.rollout.generate import generate
+
+    return [(g.completion_ids, g.logprobs) for g in generate(model, tokenizer, prompts, settings)]
+
+
+def in_chunks(fn, prompts, size):
+    rows = []
+    for start in range(0, len(prompts), size):
+        rows += fn(prompts[start : start + size])
+    return rows
+
+
+def recompute_gap(model, prompts, rows, temperature) -> float:
+    """Largest |reported - full-forward| log-prob over the sampled tokens."""
+    import torch
+
+    scale = temperature or 1.0
+    worst = 0.0
+    for prompt, (tokens, logprobs) in zip(prompts, rows):
+        if not tokens:
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / scale, -1)
+        ref = lp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+        worst = max(worst, (ref - torch.tensor(logprobs)).abs().max().item())
+    return worst
+
+
+def timed(fn, repeats, seed):
+    import torch
+
+    times, rows = [], None
+    for _ in range(repeats):
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        rows = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=80)
+    parser.add_argument("--eval-tasks", type=int, default=16)
+    parser.add_argument("--eval-batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    ns = parser.parse_args()
+
+    import torch
+
+    from composer_replication.envs.python_functions import STOP_STRINGS, PythonFunctionsEnv
+    from composer_replication.models import load_policy
+    from composer_replication.rollout.generate import SamplingSettings, _eos_ids
+
+    torch.set_num_threads(ns.threads)
+    model, tok = load_policy(None)
+    model.eval()
+    env = PythonFunctionsEnv()
+    task_ids = env.task_ids()
+    eos = _eos_ids(model, tok)
+
+    def prompts_for(n_tasks):
+        return [env.prompt_ids(tok, env.tasks[t]) for t in task_ids[:n_tasks] for _ in range(4)]
+
+    print(f"machine: {machine_line()}; torch threads {ns.threads}")
+    cases = [
+        ("train step, batch 8", prompts_for(2), 8, 8),
+        (
+            f"evaluation, {ns.eval_tasks}x4 (peer 16/call, ours 16/call)",
+            prompts_for(ns.eval_tasks),
+            16,
+            16,
+        ),
+        (
+            f"evaluation, {ns.eval_tasks}x4 (peer 16/call, ours {ns.eval_batch}/call)",
+            prompts_for(ns.eval_tasks),
+            16,
+            ns.eval_batch,
+        ),
+    ]
+    for temperature in (1.0, 0.0):
+        settings = SamplingSettings(
+            max_new_tokens=ns.max_new_tokens, temperature=temperature, stop_strings=STOP_STRINGS
+        )
+        for name, prompts, peer_batch, our_batch in cases:
+            peer_s, peer_rows = timed(
+                lambda p=prompts, b=peer_batch, s=settings: in_chunks(
+                    lambda c: hf_generate(model, tok, c, s, eos), p, b
+                ),
+                ns.repeats,
+                0,
+            )
+            our_s, our_rows = timed(
+                lambda p=prompts, b=our_batch, s=settings: in_chunks(
+                    lambda c: ours(model, tok, c, s), p, b
+                ),
+                ns.repeats,
+                0,
+            )
+            peer_tok = sum(len(t) for t, _ in peer_rows)
+            our_tok = sum(len(t) for t, _ in our_rows)
+            line = (
+                f"T={temperature:g} {name}: peer {peer_tok / peer_s:6.1f} tok/s "
+                f"({peer_tok} tok, {peer_s:.2f} s), ours {our_tok / our_s:6.1f} tok/s "
+                f"({our_tok} tok, {our_s:.2f} s): {our_tok / our_s / (peer_tok / peer_s):.2f}x"
+            )
+            if temperature == 0:
+                same = sum(a[0] == b[0] for a, b in zip(peer_rows, our_rows))
+                gap = max(
+                    (max((abs(x - y) for x, y in zip(a[1], b[1])), default=0.0))
+                    for a, b in zip(peer_rows, our_rows)
+                    if a[0] == b[0]
+                )
+                line += (
+                    f"; greedy rows identical {same}/{len(prompts)}, max log-prob diff {gap:.1e}"
+                )
+            else:
+                line += (
+                    f"; |log-prob - full forward| max: ours {recompute_gap(model, prompts, our_rows, temperature):.1e}, "
+                    f"peer {recompute_gap(model, prompts, peer_rows, temperature):.1e}"
+                )
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The decode loop against Hugging Face ``generate``; its sampler; packed linear layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer_replication.rollout.decode import decode_rows, sample_categorical
+from composer_replication.rollout.generate import SamplingSettings, generate
+from composer_replication.rollout.packed_linear import packed_linear_available, packed_linears
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from composer_replication.models import tiny_policy
+
+    model, tok = tiny_policy(seed=5)
+    return model.eval(), tok
+
+
+def _hf_greedy(model, tok, prompts, max_new_tokens):
+    """The peer: transformers' own generate, greedy, with its per-step scores."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = (
+        torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]
+    ).long()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+            top_k=None,
+            top_p=None,
+        )
+    new = out.sequences[:, width:]
+    lps = torch.stack([torch.log_softmax(x.float(), -1) for x in out.logits], 1)
+    picked = lps.gather(-1, new[:, :, None]).squeeze(-1)
+    rows = []
+    for r in range(len(prompts)):
+        toks = new[r].tolist()
+        n = next((i + 1 for i, t in enumerate(toks) if t == tok.eos_token_id), len(toks))
+        rows.append((toks[:n], picked[r, :n].tolist()))
+    return rows
+
+
+def test_greedy_equals_transformers_generate(tiny):
+    model, tok = tiny
+    base = [
+        tok("def add(a, b):")["input_ids"],
+        tok("x = ")["input_ids"],
+        tok("for i in")["input_ids"],
+    ]
+    prompts = [base[0], base[1], base[0], base[2], base[0]]  # different lengths, repeats
+    ours = decode_rows(
+        model,
+        prompts,
+        max_new_tokens=16,
+        temperature=0.0,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+    )
+    peer = _hf_greedy(model, tok, prompts, 16)
+    for row, (tokens, logprobs) in zip(ours, peer):
+        assert row.tokens == tokens
+        torch.testing.assert_close(
+            torch.tensor(row.logprobs), torch.tensor(logprobs), atol=1e-5, rtol=1e-5
+        )
+
+
+class _RowRecorder:
+    """Records the batch size of every forward call of the model."""
+
+    def __init__(self, model):
+        self.rows: list[int] = []
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        self.rows.append(int(kwargs["input_ids"].shape[0]))
+
+    def close(self):
+        self.handle.remove()
+
+
+def test_distinct_prompts_prefilled_once_and_finished_rows_leave(tiny):
+    model, tok = tiny
+    short, long = tok("a")["input_ids"], tok("def f(x):")["input_ids"]
+    prompts = [short] * 3 + [long] * 3
+    # a stop string that some rows hit early: the first decoded piece of the greedy rows
+    first = decode_rows(
+        model, [short], max_new_tokens=1, temperature=0.0, eos_ids=[-1], pad_id=tok.pad_token_id
+    )[0]
+    stop = tok.decode(first.tokens)
+    recorder = _RowRecorder(model)
+    try:
+        rows = decode_rows(
+            model,
+            prompts,
+            max_new_tokens=6,
+            temperature=0.0,
+            eos_ids=[-1],
+            pad_id=tok.pad_token_id,
+            tokenizer=tok,
+            stop_strings=[stop],
+        )
+    finally:
+        recorder.close()
+    assert recorder.rows[0] == 2  # two distinct prompts, prefilled once each
+    stopped = [i for i, r in enumerate(rows) if r.finish_reason == "stop"]
+    assert {0, 1, 2} <= set(stopped)  # the short prompt's greedy rows stop at once
+    assert [r.tokens for r in rows[:3]] == [first.tokens] * 3
+    # after they stopped, only the remaining rows are computed
+    assert recorder.rows[1] == len(prompts) - len(stopped)
+    assert all(n <= len(prompts) - len(stopped) for n in recorder.rows[1:])
+
+
+def test_sampled_logprobs_equal_a_full_forward(tiny):
+    model, tok = tiny
+    prompts = [tok("def add(a, b):")["input_ids"]] * 3 + [tok("x")["input_ids"]]
+    torch.manual_seed(0)
+    rows = decode_rows(
+        model,
+        prompts,
+        max_new_tokens=10,
+        temperature=0.7,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+    )
+    for prompt, row in zip(prompts, rows):
+        ids = torch.tensor([prompt + row.tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(row.tokens)[:, None])
+        torch.testing.assert_close(
+            torch.tensor(row.logprobs), ref.squeeze(-1), atol=1e-4, rtol=1e-4
+        )
+    # the same seed, the same samples
+    torch.manual_seed(0)
+    again = decode_rows(
+        model,
+        prompts,
+        max_new_tokens=10,
+        temperature=0.7,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+    )
+    assert [r.tokens for r in again] == [r.tokens for r in rows]
+
+
+def test_sample_categorical_draws_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    log_probs = probs.log().expand(4000, -1)  # log(0) = -inf: never drawn
+    torch.manual_seed(0)
+    draws = torch.cat([sample_categorical(log_probs) for _ in range(5)])
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[1] == 0 and counts[5] == 0
+    expected = probs.double() * draws.numel()
+    keep = expected > 0
+    chi2 = (((counts - expected) ** 2)[keep] / expected[keep]).sum().item()
+    assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+    # one uniform per row from the global RNG: reproducible under a seed
+    torch.manual_seed(1)
+    a = sample_categorical(log_probs[:10])
+    torch.manual_seed(1)
+    assert torch.equal(sample_categorical(log_probs[:10]), a)
+
+
+def test_decode_places_its_inputs_on_the_model_device(tiny):
+    from composer_replication.models import tiny_model
+
+    model = tiny_model(seed=0).to("meta").eval()
+    seen: list[set[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def hook(module, args, kwargs):
+        seen.append({t.device.type for t in kwargs.values() if isinstance(t, torch.Tensor)})
+        raise Stop
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with pytest.raises(Stop):
+            decode_rows(
+                model, [[1, 2, 3], [4, 5]], max_new_tokens=2, temperature=1.0, eos_ids=[0], pad_id=0
+            )
+    finally:
+        handle.remove()
+    assert seen == [{"meta"}]
+    assert packed_linear_available(model) is False
+
+
+def test_packed_linears_match_and_restore(tiny):
+    model, tok = tiny
+    if not packed_linear_available(model):
+        pytest.skip("this torch build has no oneDNN linear")
+    ids = torch.tensor([tok("def add(a, b): return a + b")["input_ids"]] * 3)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with packed_linears(model, batch_hint=3) as used:
+            packed = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert used is True
+    torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-4)
+    assert torch.equal(after, plain)  # exactly the plain path again
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    # sampling through generate uses it and still reports the trainer's log-probs
+    gens = generate(
+        model, tok, [ids[0].tolist()], SamplingSettings(max_new_tokens=5, temperature=0)
+    )
+    assert len(gens[0].completion_ids) >= 1
+
+
+def test_packed_linears_leave_other_models_alone(tiny):
+    model, _ = tiny
+    bf16 = type(model)(model.config).to(torch.bfloat16)
+    assert packed_linear_available(bf16) is False
+    with packed_linears(bf16) as used:
+        assert used is False
+        assert not any("forward" in m.__dict__ for m in bf16.modules())
