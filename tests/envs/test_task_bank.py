@@ -27,7 +27,7 @@ from composer_replication.envs.task_bank import (
     validate_reference,
 )
 
-EXPECTED_MIX = {"easy": 40, "medium": 28, "hard": 12}
+EXPECTED_MIX = {"easy": 160, "medium": 112, "hard": 48}
 ID_RE = re.compile(r"^pf-(\d{3})-[a-z0-9]+(?:-[a-z0-9]+)*$")
 
 
@@ -41,7 +41,7 @@ def tasks() -> list[PythonTask]:
 
 
 def test_shipped_set_size_ids_and_entry_points(tasks):
-    assert len(tasks) >= 72
+    assert len(tasks) >= 300
     ids = [t.task_id for t in tasks]
     assert len(set(ids)) == len(ids)
     numbers = []
@@ -91,7 +91,7 @@ def test_tests_and_references_are_self_contained(tasks):
     for t in tasks:
         tree = ast.parse(t.tests)
         assert all(isinstance(node, ast.FunctionDef) for node in tree.body), t.task_id
-        assert 3 <= len(t.test_names) <= 6, t.task_id
+        assert 4 <= len(t.test_names) <= 6, t.task_id
         assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree))
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         assert t.entry_point in used, t.task_id
@@ -138,8 +138,19 @@ def bank_run(tasks, tmp_path_factory):
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     env.pop("PYTEST_ADDOPTS", None)
     start = time.perf_counter()
+    # --tb=no: the verdicts come from the junit report; pytest's failure summary is
+    # quadratic in the number of failures (the wrong solutions fail thousands of tests)
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--tb=no",
+            f"--junitxml={junit}",
+        ],
         cwd=root,
         env=env,
         capture_output=True,
@@ -202,7 +213,7 @@ def test_validate_reference_timeout(tasks):
     task = next(t for t in tasks if t.entry_point == "sign")
     looping = dataclasses.replace(task, reference="def sign(n):\n    while True:\n        pass\n")
     start = time.perf_counter()
-    assert validate_reference(looping, timeout_s=2) == (0, 3)
+    assert validate_reference(looping, timeout_s=2) == (0, 4)
     assert time.perf_counter() - start < 10
 
 

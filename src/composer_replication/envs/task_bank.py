@@ -1,9 +1,9 @@
 """The ``python_functions`` task bank: small, verifiable Python function tasks.
 
-The shipped set (``envs/tasks/python_functions.jsonl``) holds 80 tasks written for this
-project and sized for a very small policy (SmolLM2-135M-Instruct): half are one-liners
-(``easy``), about a third need a loop or a small idea (``medium``) and the rest a classic
-algorithm (``hard``). Each task is one JSON object per line:
+The shipped set (``envs/tasks/python_functions.jsonl``) holds 320 tasks written for this
+project and sized for a very small policy (SmolLM2-135M-Instruct): half (160) are one-liners
+or a short loop (``easy``), about a third (112) need a loop with a small idea (``medium``)
+and the rest (48) a classic algorithm (``hard``). Each task is one JSON object per line:
 
     task_id      "pf-NNN-short-name", unique
     entry_point  the function the candidate must define
@@ -11,8 +11,9 @@ algorithm (``hard``). Each task is one JSON object per line:
     docstring    one to three sentences and one ``>>>`` example
     prompt       the stub shown to the model: the signature and the docstring
     reference    a reference solution (a function definition, standard library only)
-    tests        3 to 6 independent pytest functions with plain asserts; they import
-                 nothing and call the entry point by name
+    tests        3 to 6 independent pytest functions (every shipped task has 4 to 6) with
+                 plain asserts; they import nothing, call the entry point by name with
+                 positional plain-data arguments (see ``plain_data``) and compare plain data
     difficulty   "easy" | "medium" | "hard"
     tags         free-form labels
 
