@@ -86,7 +86,7 @@ class PythonFunctionsEnv:
         sandbox_factory: Callable[[Path], Any] = default_sandbox_factory,
         difficulties: Sequence[str] | None = None,
         grading_workers: int = 2,
-        generation_batch: int = 16,
+        generation_batch: int = 64,
     ) -> None:
         tasks = list(tasks if tasks is not None else load_tasks())
         if difficulties:
