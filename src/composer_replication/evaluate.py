@@ -57,16 +57,19 @@ def configured_heldout_rollouts(
     eval_config: Any,
     *,
     max_new_tokens: int,
+    samples_per_task: int | None = None,
+    temperature: float | None = None,
 ) -> list[list[Any]]:
-    """:func:`heldout_rollouts` as a run's ``EvalConfig`` asks (task cap, samples, seed)."""
+    """:func:`heldout_rollouts` as a run's ``EvalConfig`` asks (task cap, samples, seed);
+    ``samples_per_task`` / ``temperature`` override the config's."""
     ev = eval_config
     return heldout_rollouts(
         env,
         policy,
         tokenizer,
         heldout_ids[: ev.max_tasks] if ev.max_tasks else list(heldout_ids),
-        samples_per_task=ev.samples_per_task,
-        temperature=ev.temperature,
+        samples_per_task=ev.samples_per_task if samples_per_task is None else samples_per_task,
+        temperature=ev.temperature if temperature is None else temperature,
         max_new_tokens=max_new_tokens,
         seed=ev.seed,
     )
@@ -83,16 +86,15 @@ def configured_greedy_rollouts(
 ) -> list[list[Any]]:
     """One greedy (temperature 0) answer per held-out task, with the ``EvalConfig``'s task
     cap: the groups greedy pass@1 is computed from."""
-    ev = eval_config
-    return heldout_rollouts(
+    return configured_heldout_rollouts(
         env,
         policy,
         tokenizer,
-        heldout_ids[: ev.max_tasks] if ev.max_tasks else list(heldout_ids),
+        heldout_ids,
+        eval_config,
+        max_new_tokens=max_new_tokens,
         samples_per_task=1,
         temperature=0.0,
-        max_new_tokens=max_new_tokens,
-        seed=ev.seed,
     )
 
 
