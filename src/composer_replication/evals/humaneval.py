@@ -27,7 +27,7 @@ line prints a random marker the grader looks for, so ending the process early fr
 the candidate does not pass). The test code runs in the same
 process as the candidate, which could therefore tamper with it: acceptable for measuring
 a model, which is all this module does. Never use this grader as a training reward, and
-never train on these problems (``composer_replication.evals.check_trainable_environment``).
+never train on these problems (``config.run.check_trainable_environment``).
 
 Scores: greedy pass@1 (temperature 0, one answer per problem) and, with ``samples`` > 0,
 sampled pass@1 / pass@k for the k of :func:`~composer_replication.evals.pass_at_k.
