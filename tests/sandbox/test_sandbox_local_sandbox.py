@@ -236,3 +236,30 @@ def test_unusable_bwrap_binary_degrades_with_the_reason(workdir: Path) -> None:
     with pytest.warns(RuntimeWarning, match="bwrap failed"):
         sandbox = LocalSubprocessSandbox(workdir, bwrap_path="/bin/false")
     assert sandbox.isolated is False
+
+
+@needs_bwrap
+def test_hidden_directories_stay_hidden_and_those_under_tmp_leave_no_name(workdir: Path) -> None:
+    import tempfile
+
+    under_tmp = Path(tempfile.mkdtemp(prefix="cr-hidden-", dir="/tmp"))
+    elsewhere = Path(tempfile.mkdtemp(prefix="cr-hidden-", dir="/var/tmp"))
+    try:
+        for secret in (under_tmp, elsewhere):
+            (secret / "answer.txt").write_text("42")
+        sandbox = LocalSubprocessSandbox(
+            workdir, exec_timeout_s=30, hide_paths=(str(under_tmp), str(elsewhere))
+        )
+        out = sandbox.exec(
+            {
+                "command": f"ls /tmp; echo ---; cat {under_tmp}/answer.txt {elsewhere}/answer.txt; "
+                f"echo ---; ls -A {elsewhere}"
+            }
+        )
+        listing, reads, hidden_listing = out.split("---")[:3]
+        assert under_tmp.name not in listing.split()  # the sandbox's /tmp is its own
+        assert "42" not in reads  # neither secret can be read
+        assert hidden_listing.split() == []  # the one outside /tmp is an empty cover
+    finally:
+        shutil.rmtree(under_tmp)
+        shutil.rmtree(elsewhere)

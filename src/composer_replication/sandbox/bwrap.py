@@ -70,6 +70,14 @@ def _is_under(path: Path, root: Path) -> bool:
     return True
 
 
+#: Directories the sandbox gets as its own empty tmpfs.
+PRIVATE_DIRS = (Path("/tmp"), Path("/dev/shm"))
+
+
+def _is_private(path: Path) -> bool:
+    return any(_is_under(path, root) for root in PRIVATE_DIRS)
+
+
 def bwrap_argv(
     bwrap: str,
     inner: Sequence[str],
@@ -92,17 +100,20 @@ def bwrap_argv(
     args = _namespace_args(bwrap)
     args += ["--size", str(tmp_size_mb * 1024 * 1024), "--tmpfs", "/tmp"]
     args += ["--size", str(shm_size_mb * 1024 * 1024), "--tmpfs", "/dev/shm"]
-    for hidden in hide_paths:
+    # Nothing of the host's /tmp or /dev/shm is in the sandbox's fresh ones: a hidden path
+    # there needs no cover, and a mount point for one would show its name.
+    hidden_paths = [h for h in hide_paths if not _is_private(Path(h))]
+    for hidden in hidden_paths:
         args += ["--tmpfs", hidden]
     binds = list(ro_binds)
     for prefix in (Path(python).parent.parent, Path(python).resolve().parent.parent):
-        if any(_is_under(prefix, Path(h)) for h in hide_paths):
+        if _is_private(prefix) or any(_is_under(prefix, Path(h)) for h in hide_paths):
             binds.append(str(prefix))  # the interpreter must stay visible
     for path in dict.fromkeys(binds):
         args += ["--ro-bind", path, path]
     bind = "--bind" if workdir_writable else "--ro-bind"
     args += [bind, str(workdir), str(workdir), "--chdir", str(workdir)]
-    for hidden in hide_paths:
+    for hidden in hidden_paths:
         args += ["--remount-ro", hidden]
     args.append("--clearenv")
     for key, value in env.items():
