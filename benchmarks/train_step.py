@@ -11,6 +11,14 @@ memory consumer. Both workers fix glibc's mmap threshold at 256 KiB
 (:mod:`composer_replication.cpu_allocator`; a run turns it on with
 ``malloc_mmap_threshold``) so that peak RSS counts live tensors rather than freed blocks the
 heap kept; ``--glibc-defaults`` measures with glibc's dynamic threshold.
+
+``--composer`` measures the composer step instead: the samples of one real step of the
+embedded default recipe (2 tasks x 4 rollouts on ``python_functions``: rl, the SDPO jsd at
+error sites with the hinted teacher contexts, and the trace-replay DPO pairs), timed
+through ``train_step`` once as the recipe trains them and once as plain grpo (the same
+rollouts with the jsd weights, teacher contexts and pairs taken out), in one process.
+Printed: seconds per step and per rollout token of each, their ratio, and where the
+composer step's extra tokens come from (teacher contexts, pair sequences).
 """
 
 from __future__ import annotations
@@ -102,6 +110,72 @@ def worker(
     return first
 
 
+def composer_case(repeats: int) -> None:
+    """Time one real composer step against the same rollouts trained as plain grpo."""
+    import dataclasses
+    import statistics
+    import tempfile
+    import time
+
+    import torch
+
+    from composer_replication.config import RunConfig
+    from composer_replication.trainer.loop import Trainer
+    from composer_replication.trainer.step import train_step
+    from composer_replication.wire import pack_samples
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(RunConfig.default([f"output_dir={tmp}/run"]))
+        samples, _ = trainer.collect()
+    policy, cfg = trainer.policy, trainer.losses.current()
+    pad_id = trainer.tokenizer.pad_token_id or 0
+
+    def plain_grpo(sample):
+        return dataclasses.replace(
+            sample, jsd_weights=None, teacher_input_ids=None, teacher_index=None, dpo=None
+        )
+
+    grpo_samples = [plain_grpo(s) for s in samples if s.input_ids]
+    rollout_tokens = sum(sum(s.loss_mask) for s in grpo_samples)
+    teacher_tokens = sum(len(s.teacher_input_ids or ()) for s in samples)
+    pair_tokens = sum(
+        len(s.dpo.chosen_ids) + len(s.dpo.rejected_ids) for s in samples if s.dpo is not None
+    )
+    student_tokens = sum(len(s.input_ids) for s in grpo_samples)
+
+    def timed(batch_samples, teacher):
+        batches = pack_samples(
+            batch_samples, max_tokens=trainer.config.micro_batch_tokens, pad_id=pad_id, split=None
+        )
+        times = []
+        for _ in range(repeats):
+            policy.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            metrics = train_step(
+                policy, batches, cfg, teacher=teacher, reference=trainer.teachers.reference
+            )
+            times.append(time.perf_counter() - start)
+        policy.zero_grad(set_to_none=True)
+        return statistics.median(times), metrics
+
+    torch.manual_seed(0)
+    composer_s, composer_m = timed(samples, trainer.teachers.teacher(policy))
+    grpo_s, grpo_m = timed(grpo_samples, None)
+    print(f"machine: {machine_line()}")
+    print(
+        f"one step of the embedded default recipe: {len(grpo_samples)} rollouts, "
+        f"{rollout_tokens} rollout tokens ({student_tokens} tokens in the student rows), "
+        f"{teacher_tokens} teacher-context tokens, {pair_tokens} pair tokens"
+    )
+    for name, seconds, m in (("composer", composer_s, composer_m), ("grpo", grpo_s, grpo_m)):
+        print(
+            f"  {name:8s}: {seconds:.1f} s/step, {rollout_tokens / seconds:.1f} rollout tokens/s  "
+            f"(loss {m['loss']:.4f}; tokens rl {m['tokens/rl']:.0f}, jsd {m['tokens/jsd']:.0f}, "
+            f"dpo pairs {m['tokens/dpo']:.0f})"
+        )
+    print(f"  composer / grpo time per rollout token: {composer_s / grpo_s:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -117,9 +191,15 @@ def main() -> None:
         action="store_true",
         help="keep glibc's dynamic mmap threshold (RSS then includes freed heap blocks)",
     )
+    parser.add_argument(
+        "--composer", action="store_true", help="time the composer step against plain grpo"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.composer:
+        composer_case(max(1, ns.repeats))
+        return
     if ns.worker:
         print(json.dumps(worker(**json.loads(ns.args))))
         return
