@@ -145,7 +145,7 @@ def generate_completions(
     temperature: float,
     max_new_tokens: int,
     seed: int,
-    batch_size: int = 16,
+    batch_size: int = 64,
     progress: Progress | None = None,
     phase: str = "generate",
 ) -> list[list[str]]:
@@ -365,7 +365,7 @@ def run_humaneval(
     seed: int = 0,
     make_sandbox: Callable[[Path], Any] | None = None,
     grading_workers: int = 2,
-    batch_size: int = 16,
+    batch_size: int = 64,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Greedy pass@1 and (``samples`` > 0) sampled pass@k of a loaded policy on ``problems``.
