@@ -18,6 +18,17 @@ def tiny():
     return model.eval(), tok
 
 
+def _decode(model, tok, prompts, max_new_tokens, temperature):
+    return decode_rows(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+    )
+
+
 def _hf_greedy(model, tok, prompts, max_new_tokens):
     """The peer: transformers' own generate, greedy, with its per-step scores."""
     width = max(len(p) for p in prompts)
@@ -57,14 +68,7 @@ def test_greedy_equals_transformers_generate(tiny):
         tok("for i in")["input_ids"],
     ]
     prompts = [base[0], base[1], base[0], base[2], base[0]]  # different lengths, repeats
-    ours = decode_rows(
-        model,
-        prompts,
-        max_new_tokens=16,
-        temperature=0.0,
-        eos_ids=[tok.eos_token_id],
-        pad_id=tok.pad_token_id,
-    )
+    ours = _decode(model, tok, prompts, 16, 0.0)
     peer = _hf_greedy(model, tok, prompts, 16)
     for row, (tokens, logprobs) in zip(ours, peer):
         assert row.tokens == tokens
@@ -123,14 +127,7 @@ def test_sampled_logprobs_equal_a_full_forward(tiny):
     model, tok = tiny
     prompts = [tok("def add(a, b):")["input_ids"]] * 3 + [tok("x")["input_ids"]]
     torch.manual_seed(0)
-    rows = decode_rows(
-        model,
-        prompts,
-        max_new_tokens=10,
-        temperature=0.7,
-        eos_ids=[tok.eos_token_id],
-        pad_id=tok.pad_token_id,
-    )
+    rows = _decode(model, tok, prompts, 10, 0.7)
     for prompt, row in zip(prompts, rows):
         ids = torch.tensor([prompt + row.tokens])
         with torch.no_grad():
@@ -141,14 +138,7 @@ def test_sampled_logprobs_equal_a_full_forward(tiny):
         )
     # the same seed, the same samples
     torch.manual_seed(0)
-    again = decode_rows(
-        model,
-        prompts,
-        max_new_tokens=10,
-        temperature=0.7,
-        eos_ids=[tok.eos_token_id],
-        pad_id=tok.pad_token_id,
-    )
+    again = _decode(model, tok, prompts, 10, 0.7)
     assert [r.tokens for r in again] == [r.tokens for r in rows]
 
 

@@ -386,15 +386,18 @@ def run_humaneval(
     common = dict(max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
     result: dict[str, Any] = {"greedy": None, "sampled": None}
     per_problem: dict[str, dict[str, Any]] = {p.task_id: {} for p in problems}
-    if greedy:
+
+    def generate_and_grade(
+        label: str, n: int, temp: float
+    ) -> tuple[list[list[str]], list[list[Verdict]]]:
         texts = generate_completions(
             policy,
             tokenizer,
             problems,
-            samples=1,
-            temperature=0.0,
+            samples=n,
+            temperature=temp,
             progress=progress,
-            phase="generate (greedy)",
+            phase=f"generate ({label})",
             **common,
         )
         verdicts = grade_completions(
@@ -403,8 +406,12 @@ def run_humaneval(
             make_sandbox=make_sandbox,
             workers=grading_workers,
             progress=progress,
-            phase="grade (greedy)",
+            phase=f"grade ({label})",
         )
+        return texts, verdicts
+
+    if greedy:
+        texts, verdicts = generate_and_grade("greedy", 1, 0.0)
         result["greedy"] = summarize(verdicts, (1,))
         for p, (text,), (v,) in zip(problems, texts, verdicts):
             per_problem[p.task_id]["greedy"] = {
@@ -413,24 +420,7 @@ def run_humaneval(
                 "completion": text,
             }
     if samples:
-        texts = generate_completions(
-            policy,
-            tokenizer,
-            problems,
-            samples=samples,
-            temperature=temperature,
-            progress=progress,
-            phase="generate (sampled)",
-            **common,
-        )
-        verdicts = grade_completions(
-            problems,
-            texts,
-            make_sandbox=make_sandbox,
-            workers=grading_workers,
-            progress=progress,
-            phase="grade (sampled)",
-        )
+        texts, verdicts = generate_and_grade("sampled", samples, temperature)
         ks = reported_ks(samples)
         result["sampled"] = {
             "samples_per_problem": samples,
