@@ -246,7 +246,7 @@ def test_hidden_directories_stay_hidden_and_those_under_tmp_leave_no_name(workdi
     elsewhere = Path(tempfile.mkdtemp(prefix="cr-hidden-", dir="/var/tmp"))
     try:
         for secret in (under_tmp, elsewhere):
-            (secret / "answer.txt").write_text("42")
+            (secret / "answer.txt").write_text("the-hidden-answer")
         sandbox = LocalSubprocessSandbox(
             workdir, exec_timeout_s=30, hide_paths=(str(under_tmp), str(elsewhere))
         )
@@ -258,7 +258,7 @@ def test_hidden_directories_stay_hidden_and_those_under_tmp_leave_no_name(workdi
         )
         listing, reads, hidden_listing = out.split("---")[:3]
         assert under_tmp.name not in listing.split()  # the sandbox's /tmp is its own
-        assert "42" not in reads  # neither secret can be read
+        assert "the-hidden-answer" not in reads  # neither secret can be read
         assert hidden_listing.split() == []  # the one outside /tmp is an empty cover
     finally:
         shutil.rmtree(under_tmp)
