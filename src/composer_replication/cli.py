@@ -7,6 +7,7 @@ Thin: every command parses its options and calls one library function. Heavy imp
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,8 @@ def train(
 
     from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH, EXIT_USAGE
 
-    console = Console()
+    # under torchrun / accelerate launch only rank 0 speaks (every rank runs this command)
+    console = Console(quiet=os.environ.get("RANK", "0") != "0")
     try:
         cfg = _run_config(config, list(set_), output_dir, backend, resume)
         _check_model_source(cfg.model.source)

@@ -17,6 +17,11 @@ A backend (the native loop, the trl trainer) owns only its steps. Around them,
   Hugging Face directory, LoRA merged) and ``summary.json``; a fired kill switch then
   raises :class:`~composer_replication.safety.CollapseStopError` (exit code
   :data:`EXIT_KILL_SWITCH` from the CLI).
+
+With several training ranks (``torch.distributed`` initialised: ``torchrun``, ``accelerate
+launch``), rank 0 alone writes files, held-out evaluation is split across the ranks and
+gathered (every rank computes the same scores), and every stop decision is rank 0's
+(:class:`~composer_replication.trainer.ranks.RankGroup`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.atomic_io import write_text_atomic
+from composer_replication.trainer.ranks import RankGroup
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
@@ -67,20 +73,34 @@ class RunResult:
 class RunLifecycle:
     """Run directory, evaluation + kill switch, metrics and the end of a run."""
 
-    def __init__(self, config: RunConfig, *, backend: str, run_dir: str | Path | None = None):
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        backend: str,
+        run_dir: str | Path | None = None,
+        ranks: RankGroup | None = None,
+    ):
         from composer_replication.safety import HeldOutGuard
-        from composer_replication.trainer.metrics import MetricsLog
+        from composer_replication.trainer.metrics import MemoryMetricsLog, MetricsLog
 
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
         self.config = config
         self.backend = backend
+        self.ranks = ranks or RankGroup.current()
         self.run_dir = Path(run_dir or config.output_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.run_dir / "config.json", config.model_dump_json(indent=2))
-        self.metrics = MetricsLog(
-            self.run_dir / "metrics.jsonl", trackers=config.trackers, run_name=self.run_dir.name
-        )
+        self.metrics: MetricsLog | MemoryMetricsLog
+        if self.ranks.is_writer:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.run_dir / "config.json", config.model_dump_json(indent=2))
+            self.metrics = MetricsLog(
+                self.run_dir / "metrics.jsonl",
+                trackers=config.trackers,
+                run_name=self.run_dir.name,
+            )
+        else:
+            self.metrics = MemoryMetricsLog()
         self.guard = HeldOutGuard(**config.guard.guard_kwargs())
         self.heldout_before: float | None = None
         self.heldout_hack_fraction = 0.0
@@ -111,11 +131,17 @@ class RunLifecycle:
         groups: list[Any] = []
         greedy_groups: list[Any] = []
         for item in tasks:
-            args = (item.env, policy, tokenizer, item.task_ids, ev)
-            groups += configured_heldout_rollouts(*args, max_new_tokens=item.max_new_tokens)
+            # each rank samples its share of the (capped) tasks; all get every group back
+            task_ids = item.task_ids[: ev.max_tasks] if ev.max_tasks else list(item.task_ids)
+            args = (item.env, policy, tokenizer, self.ranks.share(task_ids), ev)
+            groups += self.ranks.gather_shares(
+                configured_heldout_rollouts(*args, max_new_tokens=item.max_new_tokens),
+                len(task_ids),
+            )
             if ev.greedy and ev.temperature != 0:  # at temperature 0 the samples are greedy
-                greedy_groups += configured_greedy_rollouts(
-                    *args, max_new_tokens=item.max_new_tokens
+                greedy_groups += self.ranks.gather_shares(
+                    configured_greedy_rollouts(*args, max_new_tokens=item.max_new_tokens),
+                    len(task_ids),
                 )
         attempts = [r for group in groups for r in group if not r.infrastructure_error]
         # the held-out set is the kill switch's real signal: gaming it must show
@@ -164,12 +190,14 @@ class RunLifecycle:
             row["kl/to_init"] = kl_to_init
         if not self.config.guard.enabled:
             return False
-        status = self.guard.update(
-            step,
-            float(row.get("reward/mean", 0.0)),
-            heldout,
-            kl_to_init=kl_to_init,
-            entropy=row.get("entropy"),
+        status = self.ranks.agree(
+            self.guard.update(
+                step,
+                float(row.get("reward/mean", 0.0)),
+                heldout,
+                kl_to_init=kl_to_init,
+                entropy=row.get("entropy"),
+            )
         )
         row.update(
             {
@@ -190,7 +218,7 @@ class RunLifecycle:
         limit = self.config.guard.hack_fraction_stop
         if not self.config.guard.enabled or limit is None or "hack/flagged_fraction" not in row:
             return False
-        share = float(row["hack/flagged_fraction"])
+        share = float(self.ranks.agree(row["hack/flagged_fraction"]))
         self.hack_streak = self.hack_streak + 1 if share > limit else 0
         row["guard/hack_streak"] = self.hack_streak
         if self.hack_streak < self.config.guard.hack_patience:
@@ -246,7 +274,7 @@ class RunLifecycle:
         """Plots of the metrics so far (also after a failure: whatever ran is shown)."""
         from composer_replication.report import write_report
 
-        if self.metrics.rows():
+        if self.ranks.is_writer and self.metrics.rows():
             write_report(self.run_dir)
 
     def finish(self, policy: Any, tokenizer: Any, steps: int) -> RunResult:
@@ -255,9 +283,21 @@ class RunLifecycle:
         from composer_replication.models import save_checkpoint
         from composer_replication.safety import CollapseStopError
 
-        final_dir = save_checkpoint(policy, self.run_dir / "final_model", tokenizer=tokenizer)
         stopped = None if self.stopped is None else self.stopped.reason
         heldout_after = self.heldout_last()
+        if not self.ranks.is_writer:  # rank 0 writes the model and the summary
+            if self.stopped is not None:
+                raise CollapseStopError(self.stopped)
+            return RunResult(
+                self.run_dir,
+                steps,
+                self.heldout_before,
+                heldout_after,
+                None,
+                None,
+                self.metrics.rows(),
+            )
+        final_dir = save_checkpoint(policy, self.run_dir / "final_model", tokenizer=tokenizer)
         summary = {
             "backend": self.backend,
             "steps": steps,

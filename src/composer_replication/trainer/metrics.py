@@ -53,6 +53,25 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
 
+class MemoryMetricsLog:
+    """:class:`MetricsLog`'s interface kept in memory: the rows of a rank that writes no
+    files (under data parallelism only rank 0 writes ``metrics.jsonl``)."""
+
+    def __init__(self) -> None:
+        self._rows: list[dict[str, Any]] = []
+
+    def append(self, row: dict[str, Any]) -> None:
+        if "step" not in row:
+            raise ValueError("a metrics row needs a 'step'")
+        self._rows.append({k: _clean(v) for k, v in row.items()})
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._rows]
+
+    def truncate_after(self, step: int) -> None:
+        self._rows = [r for r in self._rows if int(r["step"]) <= step]
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a metrics file; a torn last line (killed mid-write) is skipped."""
     path = Path(path)

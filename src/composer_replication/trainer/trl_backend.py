@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = [
     "PythonFunctionsReward",
     "grpo_config_from_run",
+    "launched_processes",
+    "tasks_per_process",
     "train_prompt_dataset",
     "train_with_trl",
 ]
@@ -200,6 +202,7 @@ def grpo_config_from_run(run_config: RunConfig, output_dir: str | Path) -> Any:
     env_cfg = run_config.envs[0]
     sampling, optim = env_cfg.algorithm.sampling, run_config.optim
     advantage = env_cfg.algorithm.advantage
+    process_tasks = tasks_per_process(env_cfg.tasks_per_step, launched_processes())
     schedule = _SCHEDULES.get(
         optim.schedule, "constant_with_warmup" if optim.warmup_steps else "constant"
     )
@@ -209,7 +212,8 @@ def grpo_config_from_run(run_config: RunConfig, output_dir: str | Path) -> Any:
     return make_dr_grpo_config(
         output_dir=str(output_dir),
         max_steps=run_config.steps,
-        per_device_train_batch_size=env_cfg.tasks_per_step * sampling.group_size,
+        # the step's tasks are split over the processes: N processes, one run's batch
+        per_device_train_batch_size=process_tasks * sampling.group_size,
         gradient_accumulation_steps=1,
         num_generations=sampling.group_size,
         max_completion_length=sampling.max_new_tokens,
@@ -228,6 +232,31 @@ def grpo_config_from_run(run_config: RunConfig, output_dir: str | Path) -> Any:
         report_to="none",
         **extra,
     )
+
+
+def launched_processes() -> int:
+    """How many processes ``accelerate launch`` / ``torchrun`` started (1 without them)."""
+    import os
+
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={raw!r} is not a process count") from None
+    if count < 1:
+        raise ValueError(f"WORLD_SIZE={count}: need at least 1 process")
+    return count
+
+
+def tasks_per_process(tasks_per_step: int, processes: int) -> int:
+    """Each process's equal share of a step's tasks (so N processes train one run's batch)."""
+    if tasks_per_step % processes:
+        raise ValueError(
+            f"tasks_per_step = {tasks_per_step} does not split over {processes} processes: "
+            "make it a multiple of --num_processes (each process samples an equal share of "
+            "every step's tasks)"
+        )
+    return tasks_per_step // processes
 
 
 def _check_run(run_config: RunConfig) -> None:
@@ -273,11 +302,15 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     ]
     if settings["beta_replay"] > 0:
         settings["pairs"] = load_pair_records(env_cfg.algorithm.advantage.pairs_path)
+    args = grpo_config_from_run(run_config, Path(run_config.output_dir) / "trl")
+    # under `accelerate launch` this joins the process group (gloo on CPU, NCCL on GPUs),
+    # which the lifecycle needs to know which rank writes the run's files
+    _ = args.device
     life = RunLifecycle(run_config, backend="trl")
     trainer = ComposerReplicationTrainer(
         model=policy,
         reward_funcs=[PythonFunctionsReward(env)],
-        args=grpo_config_from_run(run_config, life.run_dir / "trl"),
+        args=args,
         train_dataset=train_prompt_dataset(env, split),
         processing_class=tokenizer,
         split=split,
@@ -288,7 +321,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
         life, policy, tokenizer, heldout, settings.get("taid_t"), trainer.reward_funcs[0]
     )
     trainer.add_callback(callback.as_trainer_callback())
-    if console is not None:
+    if console is not None and life.ranks.is_writer:
         console.print(f"[bold]trl[/bold]: {len(trainer.train_dataset)} train prompts")
     try:
         trainer.train()
