@@ -100,20 +100,48 @@ def lm_head_weight(model: Any) -> Tensor:
 
 
 def last_hidden_states(
-    model: Any, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs: Any
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    share_prefixes: bool = True,
+    **kwargs: Any,
 ) -> Tensor:
-    """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits."""
+    """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
+
+    Rows that share a long prefix (a group's prompt, a pair's agent prompt) compute it once
+    (:mod:`composer_replication.shared_prefix`; same values up to float rounding, gradients
+    included); ``share_prefixes=False`` runs every row in full.
+    """
     if isinstance(model, AdapterDisabled):
         with model.peft_model.disable_adapter():
-            return last_hidden_states(model.peft_model, input_ids, attention_mask, **kwargs)
+            return last_hidden_states(
+                model.peft_model,
+                input_ids,
+                attention_mask,
+                share_prefixes=share_prefixes,
+                **kwargs,
+            )
     base = _unwrap_peft(model)
     body = (
         getattr(base, base.base_model_prefix, None) if hasattr(base, "base_model_prefix") else None
     )
     if body is None:
         raise ValueError(f"cannot find the transformer body of {type(base).__name__}")
+    if share_prefixes and not kwargs and not _checkpointed(base):
+        # (recomputing layers in backward drops the cache: checkpointed models go row by row)
+        from composer_replication.shared_prefix import prefix_tree, shared_prefix_forward
+
+        tree = prefix_tree(input_ids, attention_mask)
+        if tree[0]:
+            return shared_prefix_forward(body, input_ids, attention_mask, tree)
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     return out.last_hidden_state
+
+
+def _checkpointed(model: Any) -> bool:
+    """Whether activation checkpointing is on in any of ``model``'s layers."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _unwrap_peft(model: Any) -> Any:

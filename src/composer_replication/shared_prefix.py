@@ -1,0 +1,182 @@
+"""Final hidden states of rows that share prefixes, each shared prefix computed once.
+
+The rows a step trains share long prefixes: a group's rollouts share their task prompt (and
+every task the system prompt), the hinted teacher contexts of a group share everything
+before the hint, and both sides of a trace-replay pair share the agent's prompt (and every
+pair the agent's system prompt). A causal transformer's output at a position depends only on
+the tokens up to it, so a shared prefix has the same hidden states in every row: computing
+it once and letting the rows' remaining tokens attend to its keys and values (a key/value
+cache repeated over the rows) gives the same hidden states for fewer tokens. Gradients flow
+through the cache into the prefix's computation, summed over the rows that used it, as in
+the row-by-row forward. Values agree with it up to float rounding (different matmul shapes).
+
+The rows are arranged in a prefix tree (:func:`prefix_tree`): rows with the same next
+``min_prefix`` tokens form a node whose segment is their longest common continuation (each
+row keeps at least one token of its own), recursively; the rows left at a node take one
+batched forward on the node's cache. Only right-padded rows are shared (as
+:func:`composer_replication.wire.pack_samples` and :func:`composer_replication.ops.pairs.pad_rows`
+build them); anything else takes the plain forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["DEFAULT_MIN_PREFIX", "PrefixNode", "prefix_tree", "shared_prefix_forward"]
+
+#: Shorter shared segments are not worth a forward of their own.
+DEFAULT_MIN_PREFIX = 16
+
+
+@dataclass
+class PrefixNode:
+    """Rows that share tokens ``[start, end)`` (and, through the parents, all before)."""
+
+    rows: list[int]
+    start: int
+    end: int
+    children: list[PrefixNode] = field(default_factory=list)
+    #: rows with no longer shared continuation: their tokens from ``end`` on, in one batch
+    leaves: list[int] = field(default_factory=list)
+
+    def shared_tokens(self) -> int:
+        """Tokens this subtree saves against computing every row in full."""
+        saved = (len(self.rows) - 1) * (self.end - self.start)
+        return saved + sum(child.shared_tokens() for child in self.children)
+
+
+def _right_padded_lengths(input_ids: Tensor, attention_mask: Tensor | None) -> list[int] | None:
+    """Each row's real length, or None when some row is not ``1...1 0...0``."""
+    n_rows, width = input_ids.shape
+    if attention_mask is None:
+        return [width] * n_rows
+    mask = attention_mask.detach().to("cpu", torch.long)
+    lengths = mask.sum(1)
+    positions = torch.arange(width).expand(n_rows, width)
+    if not torch.equal(mask, (positions < lengths[:, None]).long()):
+        return None
+    return [int(n) for n in lengths]
+
+
+def _split(
+    ids: list[list[int]], lengths: list[int], rows: list[int], start: int, min_prefix: int
+) -> tuple[list[PrefixNode], list[int]]:
+    """Nodes of the rows that share at least ``min_prefix`` tokens from ``start`` on, and
+    the rows that share nothing further."""
+    by_start: dict[tuple[int, ...], list[int]] = {}
+    alone: list[int] = []
+    for row in rows:
+        if lengths[row] - start > min_prefix:
+            by_start.setdefault(tuple(ids[row][start : start + min_prefix]), []).append(row)
+        else:
+            alone.append(row)
+    nodes = []
+    for group in by_start.values():
+        limit = min(lengths[r] for r in group) - 1  # every row keeps a token of its own
+        first = ids[group[0]]
+        end = start + min_prefix
+        while end < limit and all(ids[r][end] == first[end] for r in group):
+            end += 1
+        if len(group) < 2:
+            alone += group
+            continue
+        children, leaves = _split(ids, lengths, group, end, min_prefix)
+        nodes.append(PrefixNode(group, start, end, children, leaves))
+    return nodes, sorted(alone)
+
+
+def prefix_tree(
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    min_prefix: int = DEFAULT_MIN_PREFIX,
+) -> tuple[list[PrefixNode], list[int]]:
+    """``(nodes, unshared_rows)``: the rows' shared-prefix tree (empty for rows that are
+    not right-padded or share no ``min_prefix`` tokens) and the rows in no node."""
+    if min_prefix < 1:
+        raise ValueError(f"min_prefix={min_prefix}: need at least 1 shared token")
+    n_rows = input_ids.shape[0]
+    if n_rows < 2 or input_ids.device.type == "meta":  # meta tensors hold no token values
+        return [], list(range(n_rows))
+    lengths = _right_padded_lengths(input_ids, attention_mask)
+    if lengths is None:
+        return [], list(range(n_rows))
+    ids = input_ids.detach().to("cpu").tolist()
+    return _split(ids, lengths, list(range(n_rows)), 0, min_prefix)
+
+
+def _branch(cache: Any) -> Any:
+    """A cache that continues from ``cache`` without changing it (its layers' tensors are
+    shared until the branch appends to them, which builds new ones)."""
+    branch = copy.copy(cache)
+    branch.layers = [copy.copy(layer) for layer in cache.layers]
+    return branch
+
+
+def shared_prefix_forward(
+    body: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    tree: tuple[list[PrefixNode], list[int]],
+) -> Tensor:
+    """(B, T, H) last hidden states of ``body`` (a Hugging Face decoder body, called with
+    ``input_ids``, ``attention_mask``, ``cache`` and ``use_cache``) over the rows, each
+    shared prefix of ``tree`` (from :func:`prefix_tree`) computed once."""
+    n_rows = input_ids.shape[0]
+    pieces: dict[int, list[Tensor]] = {row: [] for row in range(n_rows)}
+    nodes, unshared = tree
+    if unshared:
+        index = torch.tensor(unshared, device=input_ids.device)
+        mask = None if attention_mask is None else attention_mask[index]
+        out = body(input_ids=input_ids[index], attention_mask=mask, use_cache=False)
+        for i, row in enumerate(unshared):
+            pieces[row].append(out.last_hidden_state[i])
+    for node in nodes:
+        _node_forward(body, input_ids, attention_mask, node, None, pieces)
+    return torch.stack([torch.cat(pieces[row], dim=0) for row in range(n_rows)])
+
+
+def _node_forward(
+    body: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    node: PrefixNode,
+    cache: Any | None,
+    pieces: dict[int, list[Tensor]],
+) -> None:
+    device = input_ids.device
+    segment = input_ids[node.rows[0] : node.rows[0] + 1, node.start : node.end]
+    seen = torch.ones((1, node.end), dtype=torch.long, device=device)
+    out = body(
+        input_ids=segment,
+        attention_mask=seen,
+        cache=None if cache is None else _branch(cache),
+        use_cache=True,
+    )
+    shared = out.last_hidden_state[0]
+    for row in node.rows:
+        pieces[row].append(shared)
+    for child in node.children:
+        _node_forward(body, input_ids, attention_mask, child, out.cache, pieces)
+    if node.leaves:
+        index = torch.tensor(node.leaves, device=device)
+        leaf_cache = _branch(out.cache)
+        leaf_cache.batch_repeat_interleave(len(node.leaves))
+        mask = torch.ones((len(node.leaves), input_ids.shape[1]), dtype=torch.long, device=device)
+        if attention_mask is not None:
+            mask[:, node.end :] = attention_mask[index, node.end :]
+        tail = body(
+            input_ids=input_ids[index, node.end :],
+            attention_mask=mask,
+            cache=leaf_cache,
+            use_cache=True,
+        )
+        for i, row in enumerate(node.leaves):
+            pieces[row].append(tail.last_hidden_state[i])

@@ -1,0 +1,141 @@
+"""Shared-prefix forward: the prefix tree of a batch's rows, and hidden states and gradients
+equal to the row-by-row forward (full fine-tune, LoRA, adapters disabled, checkpointing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer_replication.model_parts import AdapterDisabled, last_hidden_states
+from composer_replication.models import tiny_model
+from composer_replication.ops.pairs import pad_rows
+from composer_replication.shared_prefix import prefix_tree
+
+SYSTEM = list(range(100, 140))  # 40 tokens every row starts with
+TASK_A = list(range(200, 230))
+TASK_B = list(range(300, 325))
+
+
+def _rows() -> list[list[int]]:
+    return [
+        SYSTEM + TASK_A + [7, 8, 9, 10],  # 0: task A
+        SYSTEM + TASK_B + [11, 12],  # 1: task B
+        SYSTEM + TASK_A + [13],  # 2: task A, shortest
+        list(range(500, 530)),  # 3: shares nothing
+        SYSTEM + TASK_A + [14, 15, 16, 17, 18, 19],  # 4: task A, longest
+        SYSTEM + TASK_B + [20, 21, 22],  # 5: task B
+    ]
+
+
+def _layout(tree):
+    def walk(node):
+        return (node.rows, node.start, node.end, node.leaves, [walk(c) for c in node.children])
+
+    nodes, unshared = tree
+    return [walk(n) for n in nodes], unshared
+
+
+def test_the_tree_nests_a_system_prompt_and_task_prompts():
+    ids, mask = pad_rows(_rows())
+    nodes, unshared = prefix_tree(ids, mask, min_prefix=16)
+    assert _layout((nodes, unshared)) == (
+        [
+            (
+                [0, 1, 2, 4, 5],
+                0,
+                40,
+                [],
+                [([0, 2, 4], 40, 70, [0, 2, 4], []), ([1, 5], 40, 65, [1, 5], [])],
+            )
+        ],
+        [3],
+    )
+    # 4 extra rows reuse the 40 system tokens, 2 more the 30 of task A, 1 the 25 of task B
+    assert nodes[0].shared_tokens() == 4 * 40 + 2 * 30 + 25
+
+
+def test_every_row_keeps_a_token_of_its_own():
+    ids, mask = pad_rows([SYSTEM, [*SYSTEM, 1, 2]])
+    (node,), unshared = prefix_tree(ids, mask, min_prefix=16)
+    assert (node.start, node.end, node.leaves, unshared) == (0, 39, [0, 1], [])
+
+
+def test_rows_that_are_not_right_padded_or_too_short_share_nothing():
+    ids, mask = pad_rows(_rows(), left=True)
+    assert prefix_tree(ids, mask) == ([], list(range(6)))
+    ids, mask = pad_rows(_rows())
+    assert prefix_tree(ids, mask, min_prefix=71) == ([], list(range(6)))
+    with pytest.raises(ValueError, match="min_prefix=0"):
+        prefix_tree(ids, mask, min_prefix=0)
+
+
+def _model(lora: bool = False, checkpointing: bool = False):
+    torch.manual_seed(0)
+    model = tiny_model(seed=3)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+        )
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # B = 0 at init would hide the adapters' part
+                torch.nn.init.normal_(param, std=0.05)
+    model.train()
+    return model
+
+
+def _hidden_and_grads(model, ids, mask, share: bool):
+    model.zero_grad(set_to_none=True)
+    hidden = last_hidden_states(model, ids, mask, share_prefixes=share)
+    weights = torch.linspace(0.5, 1.5, hidden.shape[-1])
+    loss = ((hidden * weights).sin() * mask[..., None]).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return hidden.detach(), grads
+
+
+@pytest.mark.parametrize(("lora", "checkpointing"), [(False, False), (True, False), (False, True)])
+def test_hidden_states_and_gradients_equal_the_row_by_row_forward(lora, checkpointing):
+    model = _model(lora=lora, checkpointing=checkpointing)
+    ids, mask = pad_rows(_rows())
+    plain_h, plain_g = _hidden_and_grads(model, ids, mask, share=False)
+    shared_h, shared_g = _hidden_and_grads(model, ids, mask, share=True)
+    real = mask.bool()
+    torch.testing.assert_close(shared_h[real], plain_h[real], rtol=1e-5, atol=1e-5)
+    assert plain_g.keys() == shared_g.keys() and plain_g
+    for name, grad in plain_g.items():  # sums in another order: compare whole tensors
+        error = (shared_g[name] - grad).norm() / grad.norm()
+        assert error < 1e-5, (name, float(error))
+
+
+def test_adapters_disabled_shares_prefixes_of_the_base_model():
+    model = _model(lora=True)
+    ids, mask = pad_rows(_rows())
+    with torch.no_grad():
+        base = last_hidden_states(AdapterDisabled(model), ids, mask, share_prefixes=False)
+        shared = last_hidden_states(AdapterDisabled(model), ids, mask)
+        adapted = last_hidden_states(model, ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(shared[real], base[real], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(adapted[real], base[real], atol=1e-3)  # the adapters matter
+
+
+def test_the_shared_forward_computes_fewer_tokens():
+    model = _model()
+    ids, mask = pad_rows(_rows())
+    seen: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda _m, args, _out: seen.append(args[0].numel())
+    )
+    with torch.no_grad():
+        last_hidden_states(model, ids, mask, share_prefixes=False)
+        plain, seen[:] = sum(seen), []
+        last_hidden_states(model, ids, mask)
+    hook.remove()
+    width = ids.shape[1]
+    # the system prompt once, task A's and B's prompts once, then each row's own tail
+    assert plain == 6 * width
+    assert sum(seen) == width + 40 + 30 + 25 + 3 * (width - 70) + 2 * (width - 65)
