@@ -120,6 +120,7 @@ def composer_case(repeats: int) -> None:
     import torch
 
     from composer_replication.config import RunConfig
+    from composer_replication.shared_prefix import prefix_sharing
     from composer_replication.trainer.loop import Trainer
     from composer_replication.trainer.step import train_step
     from composer_replication.wire import pack_samples
@@ -159,21 +160,35 @@ def composer_case(repeats: int) -> None:
         return statistics.median(times), metrics
 
     torch.manual_seed(0)
-    composer_s, composer_m = timed(samples, trainer.teachers.teacher(policy))
-    grpo_s, grpo_m = timed(grpo_samples, None)
+    teacher = trainer.teachers.teacher(policy)
+    results = {}
+    for sharing in (False, True):
+        with prefix_sharing(sharing):
+            results["composer", sharing] = timed(samples, teacher)
+            results["grpo", sharing] = timed(grpo_samples, None)
     print(f"machine: {machine_line()}")
     print(
         f"one step of the embedded default recipe: {len(grpo_samples)} rollouts, "
         f"{rollout_tokens} rollout tokens ({student_tokens} tokens in the student rows), "
         f"{teacher_tokens} teacher-context tokens, {pair_tokens} pair tokens"
     )
-    for name, seconds, m in (("composer", composer_s, composer_m), ("grpo", grpo_s, grpo_m)):
+    for (name, sharing), (seconds, m) in results.items():
+        label = f"{name} ({'shared prefixes' if sharing else 'row by row'})"
         print(
-            f"  {name:8s}: {seconds:.1f} s/step, {rollout_tokens / seconds:.1f} rollout tokens/s  "
-            f"(loss {m['loss']:.4f}; tokens rl {m['tokens/rl']:.0f}, jsd {m['tokens/jsd']:.0f}, "
+            f"  {label:30s}: {seconds:5.1f} s/step, {rollout_tokens / seconds:5.1f} rollout "
+            f"tokens/s  (loss {m['loss']:.6f}; loss/jsd {m['loss/jsd']:.6f}, loss/dpo "
+            f"{m['loss/dpo']:.6f}; tokens rl {m['tokens/rl']:.0f}, jsd {m['tokens/jsd']:.0f}, "
             f"dpo pairs {m['tokens/dpo']:.0f})"
         )
-    print(f"  composer / grpo time per rollout token: {composer_s / grpo_s:.2f}x")
+    before, after = results["composer", False][0], results["composer", True][0]
+    print(
+        f"  composer / grpo time per rollout token (row by row): "
+        f"{before / results['grpo', False][0]:.2f}x"
+    )
+    print(
+        f"  composer, shared prefixes vs row by row: {before / after:.2f}x faster per rollout token"
+    )
+    print(f"  composer (shared) / grpo (row by row): {after / results['grpo', False][0]:.2f}x")
 
 
 def main() -> None:

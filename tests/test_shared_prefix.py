@@ -136,6 +136,80 @@ def test_the_shared_forward_computes_fewer_tokens():
         last_hidden_states(model, ids, mask)
     hook.remove()
     width = ids.shape[1]
-    # the system prompt once, task A's and B's prompts once, then each row's own tail
+    # the unshared row in full, the system prompt once, task A's and B's prompts once,
+    # then each row's own tail up to its group's longest tail (6 for A, 3 for B)
     assert plain == 6 * width
-    assert sum(seen) == width + 40 + 30 + 25 + 3 * (width - 70) + 2 * (width - 65)
+    assert sum(seen) == width + 40 + 30 + 25 + 3 * 6 + 2 * 3
+
+
+def _composer_samples():
+    """A group of four rollouts of one prompt with hinted teacher contexts, and two trace
+    pairs of one agent prompt: every stream of the composer step over shared prefixes."""
+    from composer_replication.wire import DPOPairTokens, TrainingSample
+
+    gen = torch.Generator().manual_seed(5)
+
+    def ids(n):
+        return torch.randint(10, 2000, (n,), generator=gen).tolist()
+
+    prompt, samples = ids(40), []
+    for k, n in enumerate((7, 9, 4, 12)):
+        completion, hint = ids(n), ids(6 + k)
+        mask = [0] * 40 + [1] * n
+        sample = TrainingSample(
+            [*prompt, *completion],
+            mask,
+            [0.0] * 40 + (-torch.rand(n, generator=gen) * 3 - 5).tolist(),
+            advantages=[(k - 1.5) * m for m in mask],
+        )
+        sample.teacher_input_ids = [*prompt, *hint, *completion]
+        sample.teacher_index = [-1] * 40 + [40 + len(hint) + i for i in range(n)]
+        sample.jsd_weights = [0.0] * 40 + [0.2] * n
+        samples.append(sample)
+    agent = ids(50)
+    for weight in (1.0, 0.5):
+        chosen, rejected = ids(6), ids(4)
+        pair = DPOPairTokens(
+            [*agent, *chosen], [0] * 50 + [1] * 6, [*agent, *rejected], [0] * 50 + [1] * 4,
+            weight=weight,
+        )  # fmt: skip
+        samples.append(TrainingSample([], [], [], dpo=pair))
+    return samples
+
+
+def test_the_composer_step_is_the_same_with_shared_prefixes():
+    from composer_replication.shared_prefix import prefix_sharing, prefix_sharing_enabled
+    from composer_replication.trainer.step import LossConfig, train_step
+    from composer_replication.trainer.teachers import TeacherModels
+    from composer_replication.wire import pack_samples
+
+    model = tiny_model(seed=1).double().train()
+    teachers = TeacherModels(model, mode="initial")
+    with torch.no_grad():  # a policy away from its reference and frozen teacher
+        for param in model.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    batches = pack_samples(_composer_samples(), max_tokens=4096, split=None)
+    cfg = LossConfig(replay_dpo_beta=0.1, sdpo_jsd_beta=0.5)
+    results = {}
+    for sharing in (False, True):
+        with prefix_sharing(sharing):
+            assert prefix_sharing_enabled() is sharing
+            model.zero_grad(set_to_none=True)
+            metrics = train_step(
+                model, batches, cfg, teacher=teachers.teacher(model), reference=teachers.reference
+            )
+            results[sharing] = (metrics, _grads_of(model))
+    assert prefix_sharing_enabled() is True  # restored
+    (plain, plain_g), (shared, shared_g) = results[False], results[True]
+    assert plain["tokens/jsd"] == 32 and plain["tokens/dpo"] == 2 and plain["loss/dpo"] > 0
+    for key, value in plain.items():
+        assert shared[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    # Llama's RMSNorm computes in float32 even in a float64 model: gradients summed over
+    # the rows before (shared) or after (row by row) that norm differ at float32 rounding
+    for name, grad in plain_g.items():
+        error = (shared_g[name] - grad).norm() / grad.norm()
+        assert error < 1e-6, (name, float(error))
+
+
+def _grads_of(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -104,14 +104,15 @@ def last_hidden_states(
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     *,
-    share_prefixes: bool = True,
+    share_prefixes: bool | None = None,
     **kwargs: Any,
 ) -> Tensor:
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
 
     Rows that share a long prefix (a group's prompt, a pair's agent prompt) compute it once
     (:mod:`composer_replication.shared_prefix`; same values up to float rounding, gradients
-    included); ``share_prefixes=False`` runs every row in full.
+    included); ``share_prefixes=False`` runs every row in full (default: as
+    :func:`~composer_replication.shared_prefix.prefix_sharing` sets, on).
     """
     if isinstance(model, AdapterDisabled):
         with model.peft_model.disable_adapter():
@@ -128,10 +129,16 @@ def last_hidden_states(
     )
     if body is None:
         raise ValueError(f"cannot find the transformer body of {type(base).__name__}")
+    from composer_replication.shared_prefix import (
+        prefix_sharing_enabled,
+        prefix_tree,
+        shared_prefix_forward,
+    )
+
+    if share_prefixes is None:
+        share_prefixes = prefix_sharing_enabled()
     if share_prefixes and not kwargs and not _checkpointed(base):
         # (recomputing layers in backward drops the cache: checkpointed models go row by row)
-        from composer_replication.shared_prefix import prefix_tree, shared_prefix_forward
-
         tree = prefix_tree(input_ids, attention_mask)
         if tree[0]:
             return shared_prefix_forward(body, input_ids, attention_mask, tree)

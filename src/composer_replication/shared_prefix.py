@@ -21,6 +21,8 @@ build them); anything else takes the plain forward.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +31,36 @@ import torch
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["DEFAULT_MIN_PREFIX", "PrefixNode", "prefix_tree", "shared_prefix_forward"]
+__all__ = [
+    "DEFAULT_MIN_PREFIX",
+    "PrefixNode",
+    "prefix_sharing",
+    "prefix_sharing_enabled",
+    "prefix_tree",
+    "shared_prefix_forward",
+]
 
 #: Shorter shared segments are not worth a forward of their own.
 DEFAULT_MIN_PREFIX = 16
+
+_enabled = True
+
+
+def prefix_sharing_enabled() -> bool:
+    """Whether forwards share prefixes by default (see :func:`prefix_sharing`)."""
+    return _enabled
+
+
+@contextmanager
+def prefix_sharing(enabled: bool) -> Iterator[None]:
+    """Within the block, every forward shares prefixes (True) or runs rows in full (False);
+    to compare both or rule sharing out while debugging."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled = previous
 
 
 @dataclass
@@ -45,6 +73,9 @@ class PrefixNode:
     children: list[PrefixNode] = field(default_factory=list)
     #: rows with no longer shared continuation: their tokens from ``end`` on, in one batch
     leaves: list[int] = field(default_factory=list)
+    #: where the longest leaf's real tokens end (the leaf batch stops there; padding after
+    #: it gets zero hidden states, which no loss reads)
+    leaf_end: int = 0
 
     def shared_tokens(self) -> int:
         """Tokens this subtree saves against computing every row in full."""
@@ -88,7 +119,8 @@ def _split(
             alone += group
             continue
         children, leaves = _split(ids, lengths, group, end, min_prefix)
-        nodes.append(PrefixNode(group, start, end, children, leaves))
+        leaf_end = max((lengths[r] for r in leaves), default=end)
+        nodes.append(PrefixNode(group, start, end, children, leaves, leaf_end))
     return nodes, sorted(alone)
 
 
@@ -169,14 +201,20 @@ def _node_forward(
         index = torch.tensor(node.leaves, device=device)
         leaf_cache = _branch(out.cache)
         leaf_cache.batch_repeat_interleave(len(node.leaves))
-        mask = torch.ones((len(node.leaves), input_ids.shape[1]), dtype=torch.long, device=device)
+        stop = node.leaf_end
+        mask = torch.ones((len(node.leaves), stop), dtype=torch.long, device=device)
         if attention_mask is not None:
-            mask[:, node.end :] = attention_mask[index, node.end :]
+            mask[:, node.end :] = attention_mask[index, node.end : stop]
         tail = body(
-            input_ids=input_ids[index, node.end :],
+            input_ids=input_ids[index, node.end : stop],
             attention_mask=mask,
             cache=leaf_cache,
             use_cache=True,
-        )
+        ).last_hidden_state
+        width = input_ids.shape[1]
+        if stop < width:
+            tail = torch.cat(
+                [tail, tail.new_zeros(len(node.leaves), width - stop, tail.shape[-1])], 1
+            )
         for i, row in enumerate(node.leaves):
-            pieces[row].append(tail.last_hidden_state[i])
+            pieces[row].append(tail[i])

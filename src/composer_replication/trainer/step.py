@@ -26,7 +26,7 @@ from composer_replication.ops.divergence import (
     DivergenceSettings,
     divergence_settings,
 )
-from composer_replication.ops.head import token_logprobs_from_hidden
+from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
 from composer_replication.ops.pairs import (
     PAIR_KNOBS,
     PairLossSettings,
@@ -169,7 +169,7 @@ def _micro_batch_losses(
         logprobs, entropy = token_logprobs_from_hidden(
             hidden[:, :-1],
             weight,
-            mb.input_ids[:, 1:],
+            _weighted_targets(mb),
             temperature=cfg.log_temperature,
             chunk_size=cfg.chunk_size,
             return_entropy=True,
@@ -185,6 +185,15 @@ def _micro_batch_losses(
             anchor = 0.0 * parts["dpo"]
     parts["_anchor"] = anchor
     return parts
+
+
+def _weighted_targets(mb: MicroBatch) -> Tensor:
+    """Next-token targets, ``IGNORE_INDEX`` where no token stream has a weight (prompts,
+    padding): the head then skips those positions (their log-prob reads 0)."""
+    needed = mb.loss_mask[:, 1:] != 0
+    if mb.ce_weights is not None:
+        needed = needed | (mb.ce_weights[:, 1:] != 0)
+    return mb.input_ids[:, 1:].masked_fill(~needed, IGNORE_INDEX)
 
 
 def _add_token_components(
