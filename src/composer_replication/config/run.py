@@ -34,6 +34,7 @@ from composer_replication.config.evaluation_only import (
     EVALUATION_ONLY_ENVIRONMENTS as EVALUATION_ONLY_ENVIRONMENTS,
 )
 from composer_replication.config.evaluation_only import check_trainable_environment
+from composer_replication.config.inference import InferenceConfig
 from composer_replication.config.loss import LossConfig
 from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSandboxConfig
 
@@ -298,6 +299,10 @@ class RunConfig(_Strict):
     diloco: DiLoCoConfig = Field(
         default_factory=DiLoCoConfig,
         description="DiLoCo outer loop across replicas (off by default).",
+    )
+    inference: InferenceConfig = Field(
+        default_factory=InferenceConfig,
+        description="Who samples the policy's rollouts: in process (default) or a vLLM server.",
     )
     trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         default_factory=list, description="Optional experiment trackers."

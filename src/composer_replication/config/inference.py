@@ -1,0 +1,85 @@
+"""The ``[inference]`` section: who samples the policy's rollouts.
+
+``engine = "in_process"`` (the default) samples with the live policy in the training
+process. ``engine = "vllm"`` samples through a vLLM OpenAI-compatible server: started by
+the run on loopback from the engine's own virtualenv (``python``) or a ``command``, or one
+already running at ``url``. After every optimizer step the trainer writes the policy's
+weights once and the engine reloads them in place (a versioned sync).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_ENGINE_PYTHON = ".venv-vllm/bin/python"
+
+
+class InferenceConfig(BaseModel):
+    """How rollouts are sampled: in process or through a vLLM server."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["in_process", "vllm"] = Field(
+        "in_process",
+        description="'in_process': the live policy samples in the training process; 'vllm': "
+        "a vLLM server samples and receives the weights after each optimizer step.",
+    )
+    python: str = Field(
+        DEFAULT_ENGINE_PYTHON,
+        description="Python executable of the engine's virtualenv (built by `make vllm-env`); "
+        "the server runs as `<python> -m vllm.entrypoints.openai.api_server`.",
+    )
+    command: list[str] | None = Field(
+        None,
+        description="Full command that starts the server instead of `python` (the manager "
+        "still appends the model, host, port and engine flags).",
+    )
+    url: str | None = Field(
+        None,
+        description="Base URL (e.g. http://127.0.0.1:8000) of a server already running; when "
+        "set nothing is started and the server must have been started with the weight-sync "
+        "worker extension and VLLM_SERVER_DEV_MODE=1.",
+    )
+    port: int = Field(
+        0, ge=0, le=65535, description="Loopback port of the started server; 0 picks a free one."
+    )
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of accelerator memory for the engine (GPU builds)."
+    )
+    max_model_len: int = Field(
+        2048, ge=16, description="Longest prompt + completion the engine accepts, in tokens."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Engine weight dtype; float32 matches the CPU trainer's log-probs exactly.",
+    )
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds to wait for the server's /health before giving up."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds one sampling request may take."
+    )
+    weights_dir: str | None = Field(
+        None,
+        description="Where synced weights are written (one safetensors file per version, "
+        "the previous one removed); default <output_dir>/engine_weights.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More server flags, appended as given."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> InferenceConfig:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"inference.url={self.url!r} must start with http:// or https:// "
+                "(e.g. http://127.0.0.1:8000)"
+            )
+        if self.command is not None and not self.command:
+            raise ValueError("inference.command is empty: give the argv or leave it unset")
+        return self
