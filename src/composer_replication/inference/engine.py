@@ -1,0 +1,110 @@
+"""The policy's inference engine for one run: the server, its sampler and the weight sync.
+
+``PolicyEngine`` starts the server on first use (``sampler``), pushes the policy after
+every optimizer step (``after_step``) and stops the server in ``stop`` / on leaving its
+``with`` block. Policy version ``v`` is the policy after ``v`` optimizer steps; the engine
+starts on version 0, the weights of ``[model] source``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.inference.sampler import EngineSampler
+from composer_replication.inference.server import EngineServer
+from composer_replication.inference.weight_sync import WeightSync
+
+if TYPE_CHECKING:
+    from composer_replication.config.inference import InferenceConfig
+
+
+def engine_model_dir(source: str) -> Path:
+    """The plain Hugging Face directory the engine loads for a ``[model] source``."""
+    if source == "embedded":
+        from composer_replication.models import embedded_model_dir
+
+        return embedded_model_dir()
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ValueError(
+        f"model.source={source!r}: the inference engine loads a plain Hugging Face directory "
+        "(config.json + safetensors); use 'embedded' or such a directory, or "
+        "inference.engine = 'in_process'"
+    )
+
+
+class PolicyEngine:
+    """One run's engine: lazily started server, token-in/token-out sampler, weight sync."""
+
+    def __init__(
+        self,
+        config: InferenceConfig,
+        *,
+        model_dir: str | Path,
+        run_dir: str | Path,
+        seed: int | None = None,
+    ) -> None:
+        self.config = config
+        run_dir = Path(run_dir)
+        self.server = EngineServer(config, model_dir, log_path=run_dir / "engine.log")
+        self.weights_dir = Path(config.weights_dir or run_dir / "engine_weights")
+        self.seed = seed
+        self._sampler: EngineSampler | None = None
+        self._sync: WeightSync | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._sampler is not None
+
+    @property
+    def sampler(self) -> EngineSampler:
+        """The sampler (starts the server on first use)."""
+        if self._sampler is None:
+            self.server.start()
+            self._sampler = EngineSampler(
+                self.server.base_url, timeout_s=self.config.request_timeout_s, seed=self.seed
+            )
+            self._sync = WeightSync(
+                self.server.base_url, self.weights_dir, timeout_s=self.config.request_timeout_s
+            )
+        return self._sampler
+
+    @property
+    def version(self) -> int:
+        return self._sampler.policy_version if self._sampler else 0
+
+    def after_step(self, policy: Any, version: int) -> dict[str, float]:
+        """Push the policy as ``version`` (the optimizer steps it has taken); metrics."""
+        sampler = self.sampler
+        assert self._sync is not None
+        t0 = time.perf_counter()
+        self._sync.push(policy, version)
+        sampler.policy_version = version
+        return {
+            "engine/policy_version": float(version),
+            "time/weight_sync_s": time.perf_counter() - t0,
+        }
+
+    def stop(self) -> None:
+        self.server.stop()
+        self._sampler = self._sync = None
+
+    def __enter__(self) -> PolicyEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def build_policy_engine(
+    config: InferenceConfig, *, model_source: str, run_dir: str | Path, seed: int | None = None
+) -> PolicyEngine | None:
+    """The run's engine, or None when the policy samples in process."""
+    if config.engine == "in_process":
+        return None
+    return PolicyEngine(
+        config, model_dir=engine_model_dir(model_source), run_dir=run_dir, seed=seed
+    )

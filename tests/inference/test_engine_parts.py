@@ -1,0 +1,125 @@
+"""The engine's parts that run without the engine: config checks, the server's command
+line and environment, its start-up failure report, and the weights the sync writes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from composer_replication.config.inference import InferenceConfig
+from composer_replication.config.run import RunConfig
+from composer_replication.inference.engine import build_policy_engine, engine_model_dir
+from composer_replication.inference.server import (
+    EXTENSION_DIR,
+    EngineServer,
+    EngineStartError,
+    server_argv,
+    server_env,
+)
+from composer_replication.inference.weight_sync import engine_state_dict, write_weights
+from composer_replication.models import tiny_model
+
+
+def test_config_defaults_and_errors():
+    assert RunConfig.default().inference.engine == "in_process"
+    cfg = RunConfig.default(["inference.engine=vllm", "inference.port=8123"]).inference
+    assert (cfg.engine, cfg.port) == ("vllm", 8123)
+    with pytest.raises(ValidationError, match="must start with http"):
+        InferenceConfig(url="127.0.0.1:8000")
+    with pytest.raises(ValidationError, match="command is empty"):
+        InferenceConfig(command=[])
+    with pytest.raises(ValidationError):
+        InferenceConfig(engine="sglang")
+
+
+def test_in_process_builds_no_engine(tmp_path):
+    assert build_policy_engine(InferenceConfig(), model_source="embedded", run_dir=tmp_path) is None
+
+
+def test_model_dir_must_be_a_plain_hf_dir(tmp_path):
+    with pytest.raises(ValueError, match="plain Hugging Face directory"):
+        engine_model_dir(str(tmp_path / "model.gguf"))
+    (tmp_path / "config.json").write_text("{}")
+    assert engine_model_dir(str(tmp_path)) == tmp_path
+
+
+def test_server_command_line_binds_loopback_and_loads_the_extension(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("")
+    cfg = InferenceConfig(engine="vllm", python=str(python), extra_args=["--seed", "3"])
+    argv = server_argv(cfg, "/models/m", 8555)
+    assert argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--host"] == "127.0.0.1"
+    assert flags["--port"] == "8555"
+    assert flags["--model"] == "/models/m"
+    assert flags["--worker-extension-cls"] == "composer_weight_sync.WeightSyncExtension"
+    assert flags["--logprobs-mode"] == "processed_logprobs"
+    assert argv[-2:] == ["--seed", "3"]
+    env = server_env(cfg)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["PYTHONPATH"].split(":")[0] == str(EXTENSION_DIR)
+    assert (EXTENSION_DIR / "composer_weight_sync.py").is_file()
+
+
+def test_missing_engine_python_names_the_fix(tmp_path):
+    cfg = InferenceConfig(engine="vllm", python=str(tmp_path / "nope" / "python"))
+    with pytest.raises(FileNotFoundError, match="make vllm-env"):
+        server_argv(cfg, "/m", 1)
+
+
+def test_server_that_dies_reports_its_log_tail(tmp_path):
+    script = "import sys; print('engine failed: no such model', flush=True); sys.exit(3)"
+    cfg = InferenceConfig(
+        engine="vllm", command=[sys.executable, "-c", script], startup_timeout_s=60
+    )
+    server = EngineServer(cfg, tmp_path, log_path=tmp_path / "engine.log")
+    with pytest.raises(EngineStartError, match="exited with code 3") as info:
+        server.start()
+    assert "engine failed: no such model" in str(info.value)
+    assert server.process is None
+
+
+def test_server_that_never_answers_times_out_and_is_killed(tmp_path):
+    script = "import time; print('loading', flush=True); time.sleep(600)"
+    cfg = InferenceConfig(
+        engine="vllm", command=[sys.executable, "-c", script], startup_timeout_s=2
+    )
+    server = EngineServer(cfg, tmp_path, log_path=tmp_path / "engine.log")
+    with pytest.raises(EngineStartError, match="not healthy after 2 s") as info:
+        server.start()
+    assert "loading" in str(info.value)
+    assert server.process is None
+
+
+def test_engine_state_dict_plain_model_drops_tied_duplicate():
+    model = tiny_model()  # tied embeddings, as SmolLM2
+    state = engine_state_dict(model)
+    assert "lm_head.weight" not in state
+    assert torch.equal(state["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert len(state) == len(model.state_dict()) - 1
+
+
+def test_engine_state_dict_of_lora_policy_is_merged_under_hf_names(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model()
+    plain_names = set(engine_state_dict(base))
+    lora = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    with torch.no_grad():  # a non-zero adapter, so merging changes q_proj
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    layer = lora.base_model.model.model.layers[0].self_attn.q_proj
+    before = layer.base_layer.weight.detach().clone()
+    expected = before + layer.get_delta_weight("default")
+    path = write_weights(lora, tmp_path, version=3)
+    assert path.name == "policy-v3.safetensors"
+    state = load_file(str(path))
+    assert set(state) == plain_names
+    torch.testing.assert_close(state["model.layers.0.self_attn.q_proj.weight"], expected)
+    assert torch.equal(layer.base_layer.weight, before)  # the trainer's weights are untouched
