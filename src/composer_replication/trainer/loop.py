@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
+from composer_replication.inference.engine import build_policy_engine
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle, RunResult
@@ -107,7 +108,19 @@ class Trainer:
         self.run_dir = self.life.run_dir
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.step = 0
+        # the inference engine that samples the policy (None: it samples in this process)
+        self.engine = build_policy_engine(
+            config.inference,
+            model_source=config.model.source,
+            run_dir=self.run_dir,
+            seed=config.seed,
+        )
         self._last_batches: list[Any] = []
+
+    @property
+    def sampling_policy(self) -> Any:
+        """What samples the live policy: the engine's sampler, or the policy itself."""
+        return self.policy if self.engine is None else self.engine.sampler
 
     @property
     def heldout_tasks(self) -> list[HeldoutTasks]:
@@ -174,7 +187,7 @@ class Trainer:
             task_ids = rt.curriculum.sample(n_tasks, rng=self.task_rng)
             self.split.check_trainable(task_ids)
             groups = rt.env.rollouts(
-                rt.sampling_model(self.policy),
+                rt.sampling_model(self.sampling_policy),
                 self.tokenizer,
                 task_ids,
                 group_size=rt.group_size,
@@ -189,6 +202,7 @@ class Trainer:
                 errors += sum(1 for r in sampled_group if r.error)
                 n_rollouts += len(sampled_group)
                 for r in sampled_group:
+                    r.metadata.setdefault("policy_version", self.step)
                     sampled_tokens += sum(r.completion_mask or ())
                     generation_s += float(r.metadata.get("generation_s", 0.0))
                 if not group:
@@ -243,6 +257,8 @@ class Trainer:
         self.step += 1
         self.losses.observe(metrics, self.step)
         train_s = time.perf_counter() - t0
+        if self.engine is not None:  # the engine samples the next step with these weights
+            row.update(self.engine.after_step(self.policy, self.step))
         row.update(metrics)
         row.update(
             {
@@ -282,6 +298,8 @@ class Trainer:
                 self._loop(progress)
         finally:
             self.sync = NO_SYNC
+            if self.engine is not None:
+                self.engine.stop()
             progress.close()
             self.life.write_report()
         return self.life.finish(self.policy, self.tokenizer, self.step)
