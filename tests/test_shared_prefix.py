@@ -213,3 +213,28 @@ def test_the_composer_step_is_the_same_with_shared_prefixes():
 
 def _grads_of(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_leaves_of_very_different_lengths_take_separate_batches():
+    from composer_replication.shared_prefix import BATCH_OVERHEAD_TOKENS, length_batches
+
+    lengths = [45, 140, 44, 45, 139]  # from start 40: tails 5, 100, 4, 5, 99
+    # one batch: 5 x 100 padded tokens; two: 3 x 5 + 2 x 100 and one more forward
+    assert length_batches([0, 1, 2, 3, 4], lengths, 40) == [([0, 2, 3], 45), ([1, 4], 140)]
+    # tails this close are not worth a forward of their own
+    assert length_batches([0, 2, 3], lengths, 40) == [([0, 2, 3], 45)]
+    assert length_batches([], lengths, 40) == []
+    assert BATCH_OVERHEAD_TOKENS > 0
+
+
+def test_a_node_with_long_and_short_leaves_still_matches_the_row_by_row_forward():
+    model = _model()
+    rows = [SYSTEM + list(range(600, 700)), [*SYSTEM, 1, 2], SYSTEM + list(range(700, 790))]
+    ids, mask = pad_rows(rows)
+    (node,), _ = prefix_tree(ids, mask)
+    assert node.leaf_batches == [([1], 42), ([0, 2], 140)]
+    plain_h, plain_g = _hidden_and_grads(model, ids, mask, share=False)
+    shared_h, shared_g = _hidden_and_grads(model, ids, mask, share=True)
+    torch.testing.assert_close(shared_h[mask.bool()], plain_h[mask.bool()], rtol=1e-5, atol=1e-5)
+    for name, grad in plain_g.items():
+        assert (shared_g[name] - grad).norm() / grad.norm() < 1e-5, name

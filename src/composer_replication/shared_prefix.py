@@ -32,8 +32,10 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
+    "BATCH_OVERHEAD_TOKENS",
     "DEFAULT_MIN_PREFIX",
     "PrefixNode",
+    "length_batches",
     "prefix_sharing",
     "prefix_sharing_enabled",
     "prefix_tree",
@@ -71,11 +73,13 @@ class PrefixNode:
     start: int
     end: int
     children: list[PrefixNode] = field(default_factory=list)
-    #: rows with no longer shared continuation: their tokens from ``end`` on, in one batch
+    #: rows with no longer shared continuation: their tokens from ``end`` on
     leaves: list[int] = field(default_factory=list)
-    #: where the longest leaf's real tokens end (the leaf batch stops there; padding after
-    #: it gets zero hidden states, which no loss reads)
+    #: where the longest leaf's real tokens end (padding after a leaf batch's longest row
+    #: gets zero hidden states, which no loss reads)
     leaf_end: int = 0
+    #: the leaves as batches of similar length, each ``(rows, stop)``: one forward each
+    leaf_batches: list[tuple[list[int], int]] = field(default_factory=list)
 
     def shared_tokens(self) -> int:
         """Tokens this subtree saves against computing every row in full."""
@@ -90,7 +94,7 @@ def _right_padded_lengths(input_ids: Tensor, attention_mask: Tensor | None) -> l
         return [width] * n_rows
     mask = attention_mask.detach().to("cpu", torch.long)
     lengths = mask.sum(1)
-    positions = torch.arange(width).expand(n_rows, width)
+    positions = torch.arange(width, device=mask.device).expand(n_rows, width)
     if not torch.equal(mask, (positions < lengths[:, None]).long()):
         return None
     return [int(n) for n in lengths]
@@ -120,8 +124,39 @@ def _split(
             continue
         children, leaves = _split(ids, lengths, group, end, min_prefix)
         leaf_end = max((lengths[r] for r in leaves), default=end)
-        nodes.append(PrefixNode(group, start, end, children, leaves, leaf_end))
+        batches = length_batches(leaves, lengths, end)
+        nodes.append(PrefixNode(group, start, end, children, leaves, leaf_end, batches))
     return nodes, sorted(alone)
+
+
+#: A forward of its own costs about this many tokens' worth of time (per-layer overhead).
+BATCH_OVERHEAD_TOKENS = 24
+
+
+def length_batches(rows: list[int], lengths: list[int], start: int) -> list[tuple[list[int], int]]:
+    """``rows`` (whose tokens from ``start`` on are computed) as batches of similar length,
+    each ``(rows, stop)``: the split that minimises padded tokens plus
+    :data:`BATCH_OVERHEAD_TOKENS` per batch (an exact dynamic programme over the rows
+    sorted by length)."""
+    if not rows:
+        return []
+    ordered = sorted(rows, key=lambda r: lengths[r])
+    n = len(ordered)
+    # best[i]: cost of batching the i shortest rows; cut[i]: where their last batch starts
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        width = lengths[ordered[i - 1]] - start  # the longest of ordered[j:i]
+        for j in range(i):
+            cost = best[j] + (i - j) * width + BATCH_OVERHEAD_TOKENS
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    batches, i = [], n
+    while i > 0:
+        j = cut[i]
+        batches.append((sorted(ordered[j:i]), lengths[ordered[i - 1]]))
+        i = j
+    return batches[::-1]
 
 
 def prefix_tree(
@@ -197,12 +232,11 @@ def _node_forward(
         pieces[row].append(shared)
     for child in node.children:
         _node_forward(body, input_ids, attention_mask, child, out.cache, pieces)
-    if node.leaves:
-        index = torch.tensor(node.leaves, device=device)
+    for leaves, stop in node.leaf_batches:
+        index = torch.tensor(leaves, device=device)
         leaf_cache = _branch(out.cache)
-        leaf_cache.batch_repeat_interleave(len(node.leaves))
-        stop = node.leaf_end
-        mask = torch.ones((len(node.leaves), stop), dtype=torch.long, device=device)
+        leaf_cache.batch_repeat_interleave(len(leaves))
+        mask = torch.ones((len(leaves), stop), dtype=torch.long, device=device)
         if attention_mask is not None:
             mask[:, node.end :] = attention_mask[index, node.end : stop]
         tail = body(
@@ -213,8 +247,6 @@ def _node_forward(
         ).last_hidden_state
         width = input_ids.shape[1]
         if stop < width:
-            tail = torch.cat(
-                [tail, tail.new_zeros(len(node.leaves), width - stop, tail.shape[-1])], 1
-            )
-        for i, row in enumerate(node.leaves):
+            tail = torch.cat([tail, tail.new_zeros(len(leaves), width - stop, tail.shape[-1])], 1)
+        for i, row in enumerate(leaves):
             pieces[row].append(tail[i])
