@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
-EXTRAS := dev,replaysim,diloco,cloud
+EXTRAS := dev,replaysim,diloco,cloud,monarch
 
 .PHONY: install vllm-env run test test-fast lint bench clean
 
