@@ -126,6 +126,22 @@ class PythonFunctionsEnv:
         group_size: int,
         sampling: SamplingSettings,
     ) -> list[list[Rollout]]:
+        return self.grade_groups(
+            self.sample(policy, tokenizer, task_ids, group_size=group_size, sampling=sampling)
+        )
+
+    def sample(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        group_size: int,
+        sampling: SamplingSettings,
+    ) -> list[list[Rollout]]:
+        """The sampling half of :meth:`rollouts`: ungraded groups (reward 0, the completion's
+        text in ``metadata["completion_text"]``), one per task id, in order. Single-turn, so
+        sampling and grading can run in different processes (:meth:`grade_groups`)."""
         unknown = [t for t in task_ids if t not in self.tasks]
         if unknown:
             raise ValueError(f"unknown python_functions task ids {unknown[:5]}")
@@ -139,37 +155,47 @@ class PythonFunctionsEnv:
             t0 = time.perf_counter()
             generations += generate(policy, tokenizer, [prompts[tid] for tid, _ in chunk], sampling)
             seconds += [(time.perf_counter() - t0) / len(chunk)] * len(chunk)
-        with ThreadPoolExecutor(self.grading_workers) as pool:
-            graded = list(
-                pool.map(
-                    lambda job: self.grade(self.tasks[job[0]], job[1]),
-                    zip((tid for tid, _ in jobs), (g.text for g in generations)),
-                )
-            )
         groups: dict[str, list[Rollout]] = {tid: [] for tid in task_ids}
-        for (tid, _), gen, (reward, feedback, error, info), gen_s in zip(
-            jobs, generations, graded, seconds
-        ):
-            task = self.tasks[tid]
+        for (tid, _), gen, gen_s in zip(jobs, generations, seconds):
             groups[tid].append(
                 Rollout(
                     task_id=tid,
                     prompt_ids=gen.prompt_ids,
                     completion_ids=gen.completion_ids,
                     inference_logprobs=gen.logprobs,
-                    reward=reward,
-                    prompt_messages=self.messages(task),
-                    feedback=feedback,
-                    error=error,
+                    reward=0.0,
+                    prompt_messages=self.messages(self.tasks[tid]),
                     metadata={
                         "finish_reason": gen.finish_reason,
                         "completion_text": gen.text,
                         "generation_s": gen_s,  # this rollout's share of its batch's time
-                        **info,
                     },
                 )
             )
         return [groups[tid] for tid in task_ids]
+
+    def grade_groups(self, groups: Sequence[Sequence[Rollout]]) -> list[list[Rollout]]:
+        """The grading half of :meth:`rollouts`: each sampled rollout with its reward,
+        feedback, error and grading info filled in (graded in ``grading_workers`` threads)."""
+        flat = [r for group in groups for r in group]
+        with ThreadPoolExecutor(self.grading_workers) as pool:
+            graded = list(
+                pool.map(
+                    lambda r: self.grade(self.tasks[r.task_id], r.metadata["completion_text"]),
+                    flat,
+                )
+            )
+        results = iter(
+            replace(
+                r,
+                reward=reward,
+                feedback=feedback,
+                error=error,
+                metadata={**r.metadata, **info},
+            )
+            for r, (reward, feedback, error, info) in zip(flat, graded)
+        )
+        return [[next(results) for _ in group] for group in groups]
 
     def grade(
         self, task: PythonTask, completion_text: str

@@ -19,29 +19,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.inference.engine import build_policy_engine
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
+from composer_replication.trainer.learner import Learner
 from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle, RunResult
 from composer_replication.trainer.loss_schedule import LossSchedule
 from composer_replication.trainer.runtime import EnvRuntime, build_runtime
-from composer_replication.trainer.setup import (
-    ProgressBar,
-    kl_to_initial,
-    make_scheduler,
-    seed_everything,
-    setup_policy,
-)
-from composer_replication.trainer.step import train_step
+from composer_replication.trainer.setup import ProgressBar, seed_everything, setup_policy
 from composer_replication.trainer.teachers import TeacherModels
 from composer_replication.wire import pack_samples
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
     from composer_replication.envs.base import Environment
+    from composer_replication.rollout.types import Rollout
 
 __all__ = ["RunResult", "Trainer", "diloco_rank", "train"]
 
@@ -88,21 +81,12 @@ class Trainer:
             )
             for env_cfg in config.envs
         ]
-        self.losses = LossSchedule(config.loss, config.steps)
-        mode, decay = config.teacher_mode
-        self.teachers = TeacherModels(self.policy, mode=mode, ema_decay=decay)
+        self.learner = Learner(config, self.policy)
         # DiLoCo replicas must see different data: offset the task stream by the rank.
         self.task_rng = random.Random(config.seed + (diloco_rank(config.diloco) or 0))
-        self.sync = NO_SYNC
         self._diloco_state: dict[str, Any] | None = None
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=config.optim.lr,
-            betas=config.optim.betas,
-            weight_decay=config.optim.weight_decay,
-        )
-        self.scheduler = make_scheduler(self.optimizer, config)
+        self.optimizer = self.learner.optimizer
+        self.scheduler = self.learner.scheduler
         # Everything above can fail on bad input; only now does the run directory appear.
         self.life = RunLifecycle(config, backend="native", run_dir=run_dir)
         self.run_dir = self.life.run_dir
@@ -115,7 +99,22 @@ class Trainer:
             run_dir=self.run_dir,
             seed=config.seed,
         )
-        self._last_batches: list[Any] = []
+
+    @property
+    def teachers(self) -> TeacherModels:
+        return self.learner.teachers
+
+    @property
+    def losses(self) -> LossSchedule:
+        return self.learner.losses
+
+    @property
+    def sync(self) -> Any:
+        return self.learner.sync
+
+    @sync.setter
+    def sync(self, value: Any) -> None:
+        self.learner.sync = value
 
     @property
     def sampling_policy(self) -> Any:
@@ -136,8 +135,7 @@ class Trainer:
             "algorithms": [rt.algorithm.state_dict() for rt in self.runtimes],
             "task_rng": self.task_rng.getstate(),
             "lifecycle": self.life.state_dict(),
-            "teachers": self.teachers.state_dict(),
-            "losses": self.losses.state_dict(),
+            **self.learner.state_dict(),  # teachers, losses
             "diloco": self.sync.state_dict(),
         }
 
@@ -158,18 +156,20 @@ class Trainer:
         state = self.checkpoints.load(
             latest, model=self.policy, optimizer=self.optimizer, scheduler=self.scheduler
         )
-        self.step = state["step"]
-        extra = state["extra"]
+        self.restore(state["step"], state["extra"])
+        return True
+
+    def restore(self, step: int, extra: dict[str, Any]) -> None:
+        """Continue from ``step`` with a checkpoint's extra state (weights already loaded)."""
+        self.step = step
         for rt, state_dict in zip(self.runtimes, extra["curricula"]):
             rt.curriculum.load_state_dict(state_dict)
         for rt, state_dict in zip(self.runtimes, extra.get("algorithms", [])):
             rt.algorithm.load_state_dict(state_dict)
         self.task_rng.setstate(extra["task_rng"])
         self.life.load_state_dict(extra["lifecycle"], self.step)
-        self.teachers.load_state_dict(extra["teachers"])
-        self.losses.load_state_dict(extra.get("losses", {}))
+        self.learner.load_state_dict(extra)
         self._diloco_state = extra.get("diloco")
-        return True
 
     # ------------------------------------------------------------------ phases
 
@@ -177,22 +177,43 @@ class Trainer:
         """Held-out pass@1 over every environment's held-out tasks."""
         return self.life.evaluate(self.policy, self.tokenizer, self.heldout_tasks)
 
-    def collect(self) -> tuple[list[Any], dict[str, float]]:
-        samples, rewards, errors, n_rollouts = [], [], 0, 0
-        infrastructure, flagged = 0, 0
-        sampled_tokens, generation_s = 0, 0.0
-        t0 = time.perf_counter()
+    def pick_tasks(self) -> list[list[str]]:
+        """This step's train task ids of every environment (curriculum, held-out refused)."""
+        picked = []
         for rt in self.runtimes:
             n_tasks = min(rt.config.tasks_per_step, len(rt.train_ids))
             task_ids = rt.curriculum.sample(n_tasks, rng=self.task_rng)
             self.split.check_trainable(task_ids)
-            groups = rt.env.rollouts(
+            picked.append(task_ids)
+        return picked
+
+    def run_rollouts(self, tasks: list[list[str]]) -> list[list[list[Rollout]]]:
+        """One group per task of every environment, sampled with the live policy here."""
+        return [
+            rt.env.rollouts(
                 rt.sampling_model(self.sampling_policy),
                 self.tokenizer,
                 task_ids,
                 group_size=rt.group_size,
                 sampling=rt.sampling,
             )
+            for rt, task_ids in zip(self.runtimes, tasks)
+        ]
+
+    def collect(self) -> tuple[list[Any], dict[str, float]]:
+        t0 = time.perf_counter()
+        tasks = self.pick_tasks()
+        return self.assign(tasks, self.run_rollouts(tasks), t0)
+
+    def assign(
+        self, tasks: list[list[str]], env_groups: list[list[list[Rollout]]], t0: float
+    ) -> tuple[list[Any], dict[str, float]]:
+        """Training samples and rollout metrics from every environment's groups (the
+        algorithms assign and score; the curricula see each task's mean reward)."""
+        samples, rewards, errors, n_rollouts = [], [], 0, 0
+        infrastructure, flagged = 0, 0
+        sampled_tokens, generation_s = 0, 0.0
+        for rt, task_ids, groups in zip(self.runtimes, tasks, env_groups):
             env_samples, results = [], {}
             for task_id, sampled_group in zip(task_ids, groups):
                 # A rollout whose sandbox never ran says nothing about the policy: left out.
@@ -237,25 +258,8 @@ class Trainer:
             samples, max_tokens=self.config.micro_batch_tokens, pad_id=pad_id, split=self.split
         )
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = train_step(
-            self.policy,
-            batches,
-            self.losses.current(),
-            teacher=self.teachers.teacher(self.policy),
-            reference=self.teachers.reference,
-        )
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.config.optim.grad_clip is not None:
-            row["grad_norm"] = float(
-                torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip)
-            )
-        self.optimizer.step()
-        row["diloco/synced"] = float(self.sync.after_inner_step())
-        self.scheduler.step()
-        self.teachers.update(self.policy)
         self.step += 1
-        self.losses.observe(metrics, self.step)
+        metrics = self.learner.update(batches, self.step)
         train_s = time.perf_counter() - t0
         if self.engine is not None:  # the engine samples the next step with these weights
             row.update(self.engine.after_step(self.policy, self.step))
@@ -263,24 +267,18 @@ class Trainer:
         row.update(
             {
                 "step": self.step,
-                "lr": self.scheduler.get_last_lr()[0],
+                "lr": self.learner.lr(),
                 "time/train_s": train_s,
                 "time/step_s": time.perf_counter() - t_start,
                 "tokens_per_s/train": metrics["tokens/total"] / train_s if train_s else 0.0,
             }
         )
-        self._last_batches = batches
         return row
 
     def guard_round(self, row: dict[str, Any]) -> bool:
         """Evaluate, measure the KL to the initial policy, feed the kill switch."""
         heldout = self.evaluate()
-        kl = kl_to_initial(
-            self.policy,
-            self.teachers.initial,
-            self._last_batches,
-            self.config.loss.log_temperature,
-        )
+        kl = self.learner.kl_to_initial()
         return self.life.guard_round(self.step, row, heldout, kl_to_init=kl)
 
     # ------------------------------------------------------------------ run

@@ -1,0 +1,91 @@
+"""The Learner role: the algorithm-blind step, the optimizer and its schedule, the teachers.
+
+One object owns everything that changes the policy's weights: AdamW (clipped, scheduled),
+the loss-weight schedule, the jsd teacher / reference models and the DiLoCo hook. Its
+:meth:`Learner.update` turns packed micro-batches into one optimizer step. The native loop
+holds one in its own process; the Monarch engine holds one inside its trainer actor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from composer_replication.diloco.integration import NO_SYNC
+from composer_replication.trainer.loss_schedule import LossSchedule
+from composer_replication.trainer.setup import kl_to_initial, make_scheduler
+from composer_replication.trainer.step import train_step
+from composer_replication.trainer.teachers import TeacherModels
+
+if TYPE_CHECKING:
+    from composer_replication.config.run import RunConfig
+    from composer_replication.wire import MicroBatch
+
+__all__ = ["Learner"]
+
+
+class Learner:
+    """Optimizer, scheduler, loss schedule and teachers of one policy."""
+
+    def __init__(self, config: RunConfig, policy: Any) -> None:
+        self.config = config
+        self.policy = policy
+        self.losses = LossSchedule(config.loss, config.steps)
+        mode, decay = config.teacher_mode
+        self.teachers = TeacherModels(policy, mode=mode, ema_decay=decay)
+        self.sync: Any = NO_SYNC
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=config.optim.lr,
+            betas=config.optim.betas,
+            weight_decay=config.optim.weight_decay,
+        )
+        self.scheduler = make_scheduler(self.optimizer, config)
+        self.last_batches: list[MicroBatch] = []
+
+    def update(self, batches: list[MicroBatch], step: int) -> dict[str, Any]:
+        """One optimizer step over ``batches``; ``step`` is the step number after it.
+
+        Returns the step's loss metrics plus ``grad_norm`` (when clipping) and
+        ``diloco/synced``.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = train_step(
+            self.policy,
+            batches,
+            self.losses.current(),
+            teacher=self.teachers.teacher(self.policy),
+            reference=self.teachers.reference,
+        )
+        row: dict[str, Any] = {}
+        if self.config.optim.grad_clip is not None:
+            row["grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip)
+            )
+        self.optimizer.step()
+        row["diloco/synced"] = float(self.sync.after_inner_step())
+        self.scheduler.step()
+        self.teachers.update(self.policy)
+        self.losses.observe(metrics, step)
+        self.last_batches = batches
+        row.update(metrics)
+        return row
+
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return float(self.scheduler.get_last_lr()[0])
+
+    def kl_to_initial(self) -> float:
+        """Token-mean KL to the initial policy on the last step's batches."""
+        return kl_to_initial(
+            self.policy, self.teachers.initial, self.last_batches, self.config.loss.log_temperature
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"teachers": self.teachers.state_dict(), "losses": self.losses.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.teachers.load_state_dict(state["teachers"])
+        self.losses.load_state_dict(state.get("losses", {}))
