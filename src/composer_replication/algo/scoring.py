@@ -86,13 +86,17 @@ class LocalPrefillScorer:
         )
 
         width = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)
-        attn = torch.zeros(len(sequences), width, dtype=torch.long)
-        targets = torch.full((len(sequences), width - 1), IGNORE_INDEX, dtype=torch.long)
+        # built on the host, moved to the scoring model's device once
+        host = {"dtype": torch.long, "device": "cpu"}
+        ids = torch.zeros(len(sequences), width, **host)
+        attn = torch.zeros(len(sequences), width, **host)
+        targets = torch.full((len(sequences), width - 1), IGNORE_INDEX, **host)
         for b, (seq, s) in enumerate(zip(sequences, start)):
-            ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            ids[b, : len(seq)] = torch.tensor(seq, **host)
             attn[b, : len(seq)] = 1
             targets[b, s - 1 : len(seq) - 1] = ids[b, s : len(seq)]
+        device = lm_head_weight(self.model).device
+        ids, attn, targets = ids.to(device), attn.to(device), targets.to(device)
         with torch.no_grad():
             hidden = last_hidden_states(self.model, ids, attn)
             logprobs = token_logprobs_from_hidden(

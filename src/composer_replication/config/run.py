@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composer_replication.config.advantage import ComposerAdvantage
 from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
@@ -36,6 +36,7 @@ from composer_replication.config.evaluation_only import (
 from composer_replication.config.evaluation_only import check_trainable_environment
 from composer_replication.config.inference import InferenceConfig
 from composer_replication.config.loss import LossConfig
+from composer_replication.config.placement import check_device_spec, check_dtype_spec
 from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSandboxConfig
 
 
@@ -69,13 +70,32 @@ class ModelConfig(_Strict):
     source: str = Field(
         "embedded", description="'embedded', a local HF directory, a .gguf file or a cached hub id."
     )
-    dtype: str = Field("float32", description="Parameter dtype (CPU: float32).")
+    device: str = Field(
+        "auto",
+        description="Where the policy lives: 'auto' (a GPU when one is visible, else the CPU), "
+        "'cpu', 'cuda' (under torchrun: the rank's LOCAL_RANK GPU) or 'cuda:N'.",
+    )
+    dtype: str = Field(
+        "auto",
+        description="'auto': float32 master parameters with bfloat16 autocast on a GPU that "
+        "supports it, float32 on a CPU; or a parameter dtype (float32, bfloat16, ...).",
+    )
     lora: LoraConfig | None = Field(
         default_factory=LoraConfig, description="LoRA settings; null = full fine-tune."
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (less memory, more time)."
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return check_device_spec(value)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        return check_dtype_spec(value)
 
 
 class OptimConfig(_Strict):

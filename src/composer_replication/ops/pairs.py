@@ -102,11 +102,11 @@ def pad_rows(
 ) -> tuple[Tensor, Tensor]:
     """(N, W) rows padded with ``value`` (right, or left) and their 0/1 mask of real entries."""
     width = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), int(value), dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    ids = torch.full((len(seqs), width), int(value), dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device="cpu")
     for i, seq in enumerate(seqs):
         cols = slice(width - len(seq), width) if left else slice(0, len(seq))
-        ids[i, cols] = torch.as_tensor(list(seq), dtype=torch.long)
+        ids[i, cols] = torch.as_tensor(list(seq), dtype=torch.long, device="cpu")
         mask[i, cols] = 1
     return ids.to(device), mask.to(device)
 

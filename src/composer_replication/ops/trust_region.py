@@ -122,7 +122,7 @@ def ref_kl_step_metrics(per_sample: Sequence[dict[str, Tensor]]) -> dict[str, fl
     out: dict[str, float] = {}
     for name in REF_KL_SAMPLE_METRICS:
         values = [part[name].reshape(-1) for part in per_sample if name in part]
-        joined = torch.cat(values) if values else torch.zeros(0)
+        joined = torch.cat(values) if values else torch.zeros(0, device="cpu")
         if joined.numel():
             out[f"{name}/mean"] = float(joined.double().mean())
     return out

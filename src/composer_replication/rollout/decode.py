@@ -162,8 +162,7 @@ def decode_rows(
     distinct: dict[tuple[int, ...], int] = {}
     row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     unique = list(distinct)
-    ids, mask = left_pad(unique, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = left_pad(unique, pad_id, device=device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = _new_cache(model, ids.shape[1] + max_new_tokens)
     with torch.no_grad():

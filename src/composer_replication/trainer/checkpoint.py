@@ -31,6 +31,8 @@ def rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
+        # GPU sampling draws from the CUDA generators (absent on a CPU-only machine)
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
 
 
@@ -40,11 +42,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def trainable_state(model: Any) -> dict[str, torch.Tensor]:
     return {
-        n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad
+        n: p.detach().to("cpu", copy=True).contiguous()
+        for n, p in model.named_parameters()
+        if p.requires_grad
     }
 
 
@@ -121,7 +127,8 @@ class CheckpointManager:
         if not (path / "state.pt").exists():
             raise FileNotFoundError(f"{path} is not a checkpoint (no state.pt)")
         load_trainable_state(model, load_file(str(path / "trainable.safetensors")))
-        state = torch.load(path / "state.pt", weights_only=False)
+        # host tensors; optimizer.load_state_dict moves its state to each parameter's device
+        state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])

@@ -24,10 +24,14 @@ def seed_everything(seed: int) -> None:
 
 
 def setup_policy(config: RunConfig) -> tuple[Any, Any]:
-    """Load the policy (and apply LoRA) as configured."""
+    """Load the policy onto its device in its parameter dtype (and apply LoRA), as
+    configured (``model.device`` / ``model.dtype``: :mod:`composer_replication.devices`)."""
+    from composer_replication.devices import resolve_device, resolve_precision
     from composer_replication.models import load_policy
 
-    policy, tokenizer = load_policy(config.model.source, dtype=config.model.dtype)
+    device = resolve_device(config.model.device)
+    precision = resolve_precision(config.model.dtype, device)
+    policy, tokenizer = load_policy(config.model.source, dtype=precision.param_dtype, device=device)
     if config.model.lora is not None:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -79,9 +83,11 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
     from composer_replication.ops.jsd import jsd_from_hidden
 
     total, count = 0.0, 0
+    device = lm_head_weight(policy).device
     for mb in batches:
         if mb.n_rows == 0:
             continue
+        mb = mb.to(device)
         mask = mb.loss_mask[:, 1:] != 0
         if not bool(mask.any()):
             continue

@@ -120,16 +120,18 @@ def train_step(
         ``ref_kl/unmasked_mismatch_kl/mean`` (see :mod:`composer_replication.ops.trust_region`).
     """
     cfg = config or LossConfig()
-    counts = component_counts(batches)
+    counts = component_counts(batches)  # on the host micro-batches: no device sync
     if count_reducer is not None:
         counts = count_reducer(counts)
     sums = dict.fromkeys(COMPONENTS, 0.0)
     stats = {"masked": 0.0, "live": 0.0, "kl": 0.0, "entropy": 0.0, "trainable": 0.0, "tokens": 0.0}
     ref_kl_rows: list[dict[str, Tensor]] = []
     total = 0.0
+    device = lm_head_weight(policy).device
     for mb in batches:
         if mb.n_rows == 0 and not mb.pairs:
             continue
+        mb = mb.to(device)  # packed on the host; the step runs where the policy lives
         parts = _micro_batch_losses(policy, mb, cfg, teacher, reference, stats, ref_kl_rows)
         loss = parts.pop("_anchor")
         for name, value in parts.items():
@@ -161,11 +163,12 @@ def _micro_batch_losses(
     ref_kl_rows: list[dict[str, Tensor]],
 ) -> dict[str, Tensor]:
     """Component sums of one micro-batch (unnormalised) plus a zero ``_anchor`` with grad."""
-    weight = lm_head_weight(policy)
     parts: dict[str, Tensor] = {}
     anchor = None
     if mb.n_rows:
         hidden = last_hidden_states(policy, mb.input_ids, mb.attention_mask)
+        # read after the forward: a sharded (FSDP2) policy gathers the weight in it
+        weight = lm_head_weight(policy)
         logprobs, entropy = token_logprobs_from_hidden(
             hidden[:, :-1],
             weight,

@@ -1,0 +1,100 @@
+"""Where the policy lives and in which precision: device and dtype resolution at run set-up.
+
+Mixed precision (``dtype = "auto"`` on a GPU that supports bfloat16) keeps float32 master
+parameters, so AdamW's moments and the update are float32, and runs the forward (sampling,
+scoring, the trainer step, evaluation) under ``torch.autocast`` in bfloat16: activations
+and matrix products are bfloat16, reductions that autocast keeps in float32 stay float32.
+Under FSDP2 the same choice is expressed as ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)`` (see :mod:`composer_replication.distributed`). On a CPU ``auto`` is
+plain float32. An explicit dtype name (``"float32"``, ``"bfloat16"``, ...) casts the
+parameters themselves and uses no autocast.
+
+Nothing here imports a CUDA-only module: ``torch.cuda`` queries answer on a CPU build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.config.placement import (
+    DTYPE_NAMES,
+    check_device_spec,
+    check_dtype_spec,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Precision", "autocast", "module_device", "resolve_device", "resolve_precision"]
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """The ``torch.device`` for a config's ``device`` string.
+
+    ``"auto"`` is ``cuda`` when a GPU is visible, else ``cpu``. ``"cuda"`` (and ``auto``
+    on a GPU) under ``torchrun`` is the GPU of this rank's ``LOCAL_RANK``. Asking for a GPU
+    that is not there raises ``ValueError`` naming it.
+    """
+    import torch
+
+    value = check_device_spec(spec)
+    if value == "cpu" or (value == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {spec!r} asks for a GPU but torch sees none (CUDA build: "
+            f"{torch.version.cuda is not None}); use device = 'cpu' or 'auto'"
+        )
+    index = int(value.split(":")[1]) if ":" in value else int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {spec!r} resolves to cuda:{index} but only {torch.cuda.device_count()} "
+            "GPU(s) are visible; pick an index below that (or check CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", index)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Parameter dtype, and the autocast dtype of forwards (None: no autocast)."""
+
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype | None = None
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute_dtype is not None
+
+
+def resolve_precision(spec: str, device: torch.device) -> Precision:
+    """``"auto"``: float32 parameters + bfloat16 autocast on a CUDA device that supports
+    bfloat16, plain float32 elsewhere; a dtype name: parameters in that dtype, no autocast."""
+    import torch
+
+    value = check_dtype_spec(spec)
+    if value != "auto":
+        return Precision(getattr(torch, DTYPE_NAMES[value]))
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return Precision(torch.float32, torch.bfloat16)
+    return Precision(torch.float32)
+
+
+def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` for mixed precision, ``nullcontext()`` otherwise."""
+    if precision.compute_dtype is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(device_type=device.type, dtype=precision.compute_dtype)
+
+
+def module_device(model: Any) -> torch.device:
+    """The device of ``model``'s first parameter (CPU for a model without parameters)."""
+    import torch
+
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
