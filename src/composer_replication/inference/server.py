@@ -80,6 +80,8 @@ def server_argv(config: InferenceConfig, model_dir: str | Path, port: int) -> li
         str(config.max_model_len),
         "--gpu-memory-utilization",
         str(config.gpu_memory_utilization),
+        "--optimization-level",
+        str(config.optimization_level),
         # the model's generation_config.json must not change the sampler's distribution
         "--generation-config",
         "vllm",

@@ -1,0 +1,241 @@
+"""The policy sampler on the real vLLM engine (CPU build, its own virtualenv) serving the
+embedded SmolLM2: token ids in and out with the trainer's log-probs, rollouts that reach
+the trainer exactly as sampled, and a versioned weight sync after an optimizer step that
+makes the engine's log-probs equal the trainer's again.
+
+Skipped only when the engine's virtualenv is absent (``make vllm-env`` builds it;
+``make test`` does so first)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_replication.algo import AlgorithmConfig, build_algorithm
+from composer_replication.config.inference import InferenceConfig
+from composer_replication.inference.engine import PolicyEngine
+from composer_replication.models import embedded_model_dir, load_policy
+from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.trainer.step import train_step
+from composer_replication.wire import pack_samples
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PYTHON = Path(
+    os.environ.get("COMPOSER_REPLICATION_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python")
+)
+# fp32 on both sides; the engine's CPU attention and matmul kernels differ from torch's
+# eager ones in summation order only
+LOGPROB_ATOL = 2e-3
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not ENGINE_PYTHON.exists(),
+        reason=f"the engine's virtualenv is absent ({ENGINE_PYTHON}); build it with `make vllm-env`",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def policy_and_tokenizer():
+    model, tokenizer = load_policy(None)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("engine-run")
+    config = InferenceConfig(
+        engine="vllm",
+        python=str(ENGINE_PYTHON),
+        max_model_len=1024,
+        optimization_level=0,  # no compilation: the tests need a quick start, not throughput
+        startup_timeout_s=600,
+    )
+    with PolicyEngine(config, model_dir=embedded_model_dir(), run_dir=run_dir, seed=11) as eng:
+        eng.sampler  # noqa: B018 - starts the server
+        yield eng
+
+
+def _prompt(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _trainer_logprobs(model, prompt, completion, temperature=1.0) -> torch.Tensor:
+    """log softmax(logits / T) of each completion token, from one plain forward."""
+    ids = torch.tensor([[*prompt, *completion]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_sampled_ids_and_logprobs_match_the_trainer(engine, policy_and_tokenizer):
+    model, tokenizer = policy_and_tokenizer
+    model.eval()
+    prompt = _prompt(tokenizer, "Write a Python function that returns the square of x.")
+    for temperature in (1.0, 0.7):
+        settings = SamplingSettings(max_new_tokens=20, temperature=temperature)
+        gens = engine.sampler.sample_batch(tokenizer, [prompt, prompt], settings)
+        assert len(gens) == 2
+        for gen in gens:
+            assert gen.prompt_ids == prompt
+            assert 1 <= len(gen.completion_ids) == len(gen.logprobs) <= 20
+            assert gen.metadata["policy_version"] == 0
+            expected = _trainer_logprobs(model, prompt, gen.completion_ids, temperature)
+            got = torch.tensor(gen.logprobs, dtype=torch.float64)
+            assert (got - expected).abs().max().item() < LOGPROB_ATOL
+    greedy = engine.sampler.sample_batch(
+        tokenizer, [prompt], SamplingSettings(max_new_tokens=12, temperature=0.0)
+    )[0]
+    logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    assert greedy.completion_ids[0] == int(logits.argmax())
+
+
+def test_environment_rollouts_reach_the_trainer_exactly_as_sampled(engine, policy_and_tokenizer):
+    from composer_replication.envs.python_functions import PythonFunctionsEnv
+
+    _, tokenizer = policy_and_tokenizer
+    sampled = []
+
+    class Recording:  # the real engine sampler, with a record of what it returned
+        def sample_batch(self, tok, prompts, settings):
+            gens = engine.sampler.sample_batch(tok, prompts, settings)
+            sampled.extend(gens)
+            return gens
+
+    env = PythonFunctionsEnv()
+    task_id = env.task_ids()[0]
+    (group,) = env.rollouts(
+        Recording(),
+        tokenizer,
+        [task_id],
+        group_size=2,
+        sampling=SamplingSettings(max_new_tokens=48, temperature=1.0),
+    )
+    assert len(group) == len(sampled) == 2
+    for rollout, gen in zip(group, sampled):
+        assert rollout.prompt_ids == gen.prompt_ids
+        assert rollout.completion_ids == gen.completion_ids
+        assert rollout.inference_logprobs == gen.logprobs
+    group[0].reward, group[1].reward = 1.0, 0.0
+    samples = build_algorithm(AlgorithmConfig(advantage={"type": "grpo"})).assign(group)
+    (batch,) = pack_samples(samples, max_tokens=4096, pad_id=tokenizer.pad_token_id, split=None)
+    for row, gen in enumerate(sampled):
+        n = len(gen.prompt_ids) + len(gen.completion_ids)
+        assert batch.input_ids[row, :n].tolist() == [*gen.prompt_ids, *gen.completion_ids]
+        mask = batch.loss_mask[row, :n].bool()
+        assert batch.input_ids[row, :n][mask].tolist() == gen.completion_ids
+        assert batch.inference_logprobs[row, :n][mask].tolist() == pytest.approx(gen.logprobs)
+
+
+def test_weight_sync_makes_engine_logprobs_equal_the_trained_policy(engine, policy_and_tokenizer):
+    model, tokenizer = policy_and_tokenizer
+    prompt = _prompt(tokenizer, "Write a Python function that reverses a list.")
+    gens = engine.sampler.sample_batch(
+        tokenizer, [prompt] * 4, SamplingSettings(max_new_tokens=24, temperature=1.0)
+    )
+    fixed = gens[0].completion_ids
+    model.eval()
+    trainer_before = _trainer_logprobs(model, prompt, fixed)
+    engine_before = torch.tensor(engine.sampler.score(prompt, fixed), dtype=torch.float64)
+    assert (engine_before - trainer_before).abs().max().item() < LOGPROB_ATOL
+
+    # one optimizer step of grpo on the engine's own rollouts
+    from composer_replication.rollout.types import Rollout
+
+    group = [
+        Rollout("t", g.prompt_ids, g.completion_ids, g.logprobs, reward=float(i % 2 == 0))
+        for i, g in enumerate(gens)
+    ]
+    samples = build_algorithm(AlgorithmConfig(advantage={"type": "grpo"})).assign(group)
+    batches = pack_samples(samples, max_tokens=4096, pad_id=tokenizer.pad_token_id, split=None)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer.zero_grad(set_to_none=True)
+    train_step(model, batches)
+    optimizer.step()
+    model.eval()
+    trainer_after = _trainer_logprobs(model, prompt, fixed)
+    assert (trainer_after - trainer_before).abs().max().item() > 20 * LOGPROB_ATOL
+
+    stale = torch.tensor(engine.sampler.score(prompt, fixed), dtype=torch.float64)
+    assert (stale - trainer_after).abs().max().item() > 20 * LOGPROB_ATOL  # not synced yet
+
+    metrics = engine.after_step(model, 1)
+    assert metrics["engine/policy_version"] == 1.0
+    assert engine.sampler.served_version() == 1
+    synced = torch.tensor(engine.sampler.score(prompt, fixed), dtype=torch.float64)
+    assert (synced - trainer_after).abs().max().item() < LOGPROB_ATOL
+    again = engine.sampler.sample_batch(
+        tokenizer, [prompt], SamplingSettings(max_new_tokens=8, temperature=1.0)
+    )[0]
+    assert again.metadata["policy_version"] == 1
+    expected = _trainer_logprobs(model, prompt, again.completion_ids)
+    assert (torch.tensor(again.logprobs, dtype=torch.float64) - expected).abs().max() < LOGPROB_ATOL
+    written = list(engine.weights_dir.glob("policy-v*.safetensors"))
+    assert [p.name for p in written] == ["policy-v1.safetensors"]
+
+
+def test_training_loop_samples_through_the_engine_and_syncs_each_step(engine, tmp_path):
+    """The native loop with ``[inference] engine = "vllm"`` (the server above, by url): the
+    rollouts come from the engine, each step's weights reach it, versions are recorded."""
+    from composer_replication.config import RunConfig
+    from composer_replication.trainer.loop import Trainer
+
+    config = RunConfig.from_toml(
+        f'''
+seed = 0
+steps = 1
+output_dir = "{tmp_path / "run"}"
+[model]
+source = "embedded"
+[optim]
+lr = 1e-5
+[eval]
+at_start = false
+every = 10
+max_tasks = 1
+samples_per_task = 1
+[guard]
+min_steps = 100
+[inference]
+engine = "vllm"
+url = "{engine.server.base_url}"
+[[envs]]
+name = "python_functions"
+tasks_per_step = 1
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 24
+[envs.algorithm.advantage]
+type = "grpo"
+''',
+        overrides=["model.lora=null"],
+    )
+    trainer = Trainer(config)
+    assert trainer.engine is not None
+    collected = []
+    real_rollouts = trainer.runtimes[0].env.rollouts
+
+    def recording_rollouts(policy, *args, **kwargs):  # the real environment, recorded
+        groups = real_rollouts(policy, *args, **kwargs)
+        collected.append((policy, groups))
+        return groups
+
+    trainer.runtimes[0].env.rollouts = recording_rollouts
+    row = trainer.train_one_step()
+    ((sampler, groups),) = collected
+    assert sampler is trainer.engine.sampler  # the environment sampled through the engine
+    assert [r.metadata["policy_version"] for r in groups[0]] == [0, 0]
+    assert row["engine/policy_version"] == 1.0
+    assert engine.sampler.served_version() == 1
+    trainer.engine.stop()  # a server given by url is left running
+    assert engine.server.healthy()
