@@ -1,0 +1,103 @@
+"""Shard a causal LM with FSDP2 (``torch.distributed.fsdp.fully_shard``) for data parallelism.
+
+Each decoder layer is one FSDP unit; the transformer body (``model.model``: embeddings,
+final norm, and through weight tying the LM head) is the root unit. The body, not the
+``*ForCausalLM`` wrapper, is the root because the trainer step calls the body's forward
+and applies the head itself on hidden states (:mod:`composer_replication.ops.head`): the
+root's parameters are gathered in the body's forward and, as FSDP2 does for a root, stay
+gathered until backward, so the head reads the full tied weight. A model with an untied
+``lm_head`` outside the body is refused (its weight would never be gathered).
+
+Gradients are SUMMED over ranks (divide factor 1), not averaged: the trainer step divides
+each component by its global token count (:mod:`.counts`), so each rank's gradient is
+already its share of the whole batch's mean.
+
+LoRA: the adapters live inside the decoder layers, so they are sharded with their layer;
+frozen base weights are sharded too (FSDP2 shards per parameter and reduces only the
+trainable ones).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from composer_replication.devices import Precision
+
+__all__ = ["shard_policy"]
+
+
+def _tied_head_class() -> type:
+    import torch
+
+    class TiedHead(torch.nn.Module):
+        """An LM head that reads the input embedding's CURRENT weight on every use.
+
+        FSDP2 swaps the embedding's parameter between its sharded and gathered forms; a head
+        outside the sharded body holding the old parameter object would silently train a
+        stale, unsynchronised copy. This head holds no parameter of its own.
+        """
+
+        def __init__(self, embedding: torch.nn.Module) -> None:
+            super().__init__()
+            object.__setattr__(self, "_embedding", embedding)  # not a child: no double owner
+
+        @property
+        def weight(self) -> torch.Tensor:
+            return self._embedding.weight
+
+        bias = None
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(hidden, self.weight)
+
+    return TiedHead
+
+
+def _body_and_layers(policy: Any) -> tuple[Any, Any, list[Any]]:
+    from composer_replication.model_parts import _unwrap_peft
+
+    base = _unwrap_peft(policy)
+    body = getattr(base, getattr(base, "base_model_prefix", "model"), None)
+    layers = getattr(body, "layers", None)
+    if body is None or layers is None:
+        raise ValueError(
+            f"cannot shard {type(base).__name__}: expected a transformers causal LM whose "
+            "body (model.model) holds its decoder layers in .layers"
+        )
+    head = getattr(base, "lm_head", None)
+    embed = getattr(body, "embed_tokens", None)
+    if head is not None and embed is not None and head.weight is not embed.weight:
+        raise ValueError(
+            f"cannot shard {type(base).__name__}: its lm_head is not tied to the input "
+            "embeddings, and the trainer applies the head outside the body's forward; "
+            "train it in one process, or tie the embeddings"
+        )
+    return base, body, list(layers)
+
+
+def shard_policy(policy: Any, *, precision: Precision | None = None) -> Any:
+    """Shard ``policy`` in place over the default process group; return it.
+
+    ``precision`` with a compute dtype becomes FSDP2's ``MixedPrecisionPolicy``
+    (parameters gathered in that dtype, gradients reduced in float32); the sharded master
+    parameters keep their dtype.
+    """
+    import torch
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    base, body, layers = _body_and_layers(policy)
+    mp = MixedPrecisionPolicy()
+    if precision is not None and precision.compute_dtype is not None:
+        mp = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(body, mp_policy=mp)
+    if getattr(base, "lm_head", None) is not None:
+        base.lm_head = _tied_head_class()(body.embed_tokens)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # plain SUM reductions (gloo has no pre-multiplied sum)
+            module.set_force_sum_reduction_for_comms(True)
+    return policy
