@@ -123,3 +123,29 @@ def test_engine_state_dict_of_lora_policy_is_merged_under_hf_names(tmp_path):
     assert set(state) == plain_names
     torch.testing.assert_close(state["model.layers.0.self_attn.q_proj.weight"], expected)
     assert torch.equal(layer.base_layer.weight, before)  # the trainer's weights are untouched
+
+
+def test_adapter_sync_turns_on_runtime_lora_at_a_supported_rank(tmp_path):
+    cfg = InferenceConfig(engine="vllm", command=["serve"], lora_sync="adapter", max_lora_rank=12)
+    server = EngineServer(cfg, tmp_path, log_path=tmp_path / "log")
+    argv = server_argv(cfg, tmp_path, 1, lora_rank=server.lora_rank)
+    i = argv.index("--enable-lora")
+    assert argv[i : i + 5] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]
+    merged = InferenceConfig(engine="vllm", command=["serve"])
+    assert EngineServer(merged, tmp_path, log_path=tmp_path / "log").lora_rank is None
+    assert "--enable-lora" not in server_argv(merged, tmp_path, 1)
+
+
+def test_write_adapter_checks_rank_and_needs_a_lora_policy(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from composer_replication.inference.weight_sync import write_adapter
+
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        write_adapter(tiny_model(), tmp_path, 1, max_rank=16)
+    lora = get_peft_model(tiny_model(), LoraConfig(r=32, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"r=32 is above inference\.max_lora_rank=16"):
+        write_adapter(lora, tmp_path, 1, max_rank=16)
+    path = write_adapter(lora, tmp_path, 4, max_rank=32)
+    assert path.name == "policy-v4"
+    assert {p.name for p in path.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}

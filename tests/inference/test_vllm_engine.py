@@ -239,3 +239,64 @@ type = "grpo"
     assert engine.sampler.served_version() == 1
     trainer.engine.stop()  # a server given by url is left running
     assert engine.server.healthy()
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lora-engine-run")
+    config = InferenceConfig(
+        engine="vllm",
+        python=str(ENGINE_PYTHON),
+        max_model_len=1024,
+        optimization_level=0,
+        startup_timeout_s=600,
+        lora_sync="adapter",
+        max_lora_rank=8,
+    )
+    with PolicyEngine(config, model_dir=embedded_model_dir(), run_dir=run_dir, seed=5) as eng:
+        eng.sampler  # noqa: B018 - starts the server
+        yield eng
+
+
+def test_lora_adapter_sync_serves_the_adapter_policy(lora_engine):
+    """A LoRA policy synced as an adapter (/v1/load_lora_adapter): the engine samples with
+    the adapter, and its log-probs equal the peft model's (adapters unmerged)."""
+    import httpx
+    from peft import LoraConfig, get_peft_model
+
+    base, tokenizer = load_policy(None)
+    policy = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
+    with torch.no_grad():  # a trained adapter: lora_B moved off zero
+        gen = torch.Generator().manual_seed(0)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    policy.eval()
+    prompt = _prompt(tokenizer, "Write a Python function that counts vowels.")
+    (gen0,) = lora_engine.sampler.sample_batch(
+        tokenizer, [prompt], SamplingSettings(max_new_tokens=16, temperature=1.0)
+    )
+    fixed = gen0.completion_ids
+    adapted = _trainer_logprobs(policy, prompt, fixed)
+    base_scores = torch.tensor(lora_engine.sampler.score(prompt, fixed), dtype=torch.float64)
+    assert (base_scores - adapted).abs().max().item() > 20 * LOGPROB_ATOL
+
+    metrics = lora_engine.after_step(policy, 1)
+    assert metrics["engine/policy_version"] == 1.0
+    assert lora_engine.sampler.model == "policy-v1"
+    synced = torch.tensor(lora_engine.sampler.score(prompt, fixed), dtype=torch.float64)
+    assert (synced - adapted).abs().max().item() < LOGPROB_ATOL
+    (gen1,) = lora_engine.sampler.sample_batch(
+        tokenizer, [prompt], SamplingSettings(max_new_tokens=8, temperature=1.0)
+    )
+    assert gen1.metadata["policy_version"] == 1
+    expected = _trainer_logprobs(policy, prompt, gen1.completion_ids)
+    assert (torch.tensor(gen1.logprobs, dtype=torch.float64) - expected).abs().max() < LOGPROB_ATOL
+
+    lora_engine.after_step(policy, 2)  # the next version replaces the previous adapter
+    served = httpx.get(f"{lora_engine.server.base_url}/v1/models").json()["data"]
+    names = {m["id"] for m in served}
+    assert "policy-v2" in names and "policy-v1" not in names
+    assert sorted(p.name for p in lora_engine.weights_dir.iterdir()) == ["policy-v2"]

@@ -77,6 +77,20 @@ class InferenceConfig(BaseModel):
         description="Where synced weights are written (one safetensors file per version, "
         "the previous one removed); default <output_dir>/engine_weights.",
     )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="How a LoRA policy reaches the engine: 'merged' writes the full weights "
+        "with the adapters folded in (any engine); 'adapter' writes only the adapter and "
+        "loads it with /v1/load_lora_adapter (the server runs with --enable-lora). A full "
+        "fine-tune always writes the full weights.",
+    )
+    max_lora_rank: int = Field(
+        16,
+        ge=1,
+        le=512,
+        description="With lora_sync = 'adapter': the largest adapter rank the engine accepts "
+        "(at least [model.lora] r).",
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="More server flags, appended as given."
     )

@@ -68,7 +68,11 @@ class PolicyEngine:
                 self.server.base_url, timeout_s=self.config.request_timeout_s, seed=self.seed
             )
             self._sync = WeightSync(
-                self.server.base_url, self.weights_dir, timeout_s=self.config.request_timeout_s
+                self.server.base_url,
+                self.weights_dir,
+                timeout_s=self.config.request_timeout_s,
+                lora_adapter=self.config.lora_sync == "adapter",
+                max_lora_rank=self.config.max_lora_rank,
             )
         return self._sampler
 
@@ -81,7 +85,8 @@ class PolicyEngine:
         sampler = self.sampler
         assert self._sync is not None
         t0 = time.perf_counter()
-        self._sync.push(policy, version)
+        pushed = self._sync.push(policy, version)
+        sampler.model = pushed["model"]
         sampler.policy_version = version
         return {
             "engine/policy_version": float(version),

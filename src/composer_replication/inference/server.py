@@ -49,8 +49,11 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def server_argv(config: InferenceConfig, model_dir: str | Path, port: int) -> list[str]:
-    """The command line of the server (launcher + model + loopback address + engine flags)."""
+def server_argv(
+    config: InferenceConfig, model_dir: str | Path, port: int, *, lora_rank: int | None = None
+) -> list[str]:
+    """The command line of the server (launcher + model + loopback address + engine flags);
+    ``lora_rank`` turns on runtime LoRA adapters of up to that rank."""
     if config.command:
         launcher = list(config.command)
     else:
@@ -91,8 +94,22 @@ def server_argv(config: InferenceConfig, model_dir: str | Path, port: int) -> li
         "--worker-extension-cls",
         EXTENSION_CLS,
         "--disable-uvicorn-access-log",
+        *(_lora_flags(lora_rank) if lora_rank else ()),
         *config.extra_args,
     ]
+
+
+def _lora_flags(rank: int) -> list[str]:
+    # two slots: the new version loads before the previous one is unloaded
+    return ["--enable-lora", "--max-lora-rank", str(_supported_rank(rank)), "--max-loras", "2"]
+
+
+def _supported_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts for --max-lora-rank that fits ``rank``."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above the engine's largest (512)")
 
 
 def server_env(config: InferenceConfig) -> dict[str, str]:
@@ -117,9 +134,14 @@ class EngineServer:
     """One vLLM server process (or an already running one at ``config.url``)."""
 
     def __init__(
-        self, config: InferenceConfig, model_dir: str | Path, *, log_path: str | Path
+        self,
+        config: InferenceConfig,
+        model_dir: str | Path,
+        *,
+        log_path: str | Path,
     ) -> None:
         self.config = config
+        self.lora_rank = config.max_lora_rank if config.lora_sync == "adapter" else None
         self.model_dir = Path(model_dir)
         self.log_path = Path(log_path)
         self.process: subprocess.Popen[bytes] | None = None
@@ -136,7 +158,7 @@ class EngineServer:
         if self.process is not None:
             return self
         port = self._port or free_loopback_port()
-        argv = server_argv(self.config, self.model_dir, port)
+        argv = server_argv(self.config, self.model_dir, port, lora_rank=self.lora_rank)
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()

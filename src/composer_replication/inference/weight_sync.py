@@ -62,24 +62,97 @@ def write_weights(model: Any, directory: str | Path, version: int) -> Path:
     return path
 
 
-class WeightSync:
-    """Pushes new policy versions to an engine server at ``base_url``."""
+def write_adapter(model: Any, directory: str | Path, version: int, *, max_rank: int) -> Path:
+    """Write a peft LoRA policy's adapter (only) to ``directory/policy-v{version}/``
+    (``adapter_config.json`` + ``adapter_model.safetensors``), atomically."""
+    import shutil
 
-    def __init__(self, base_url: str, directory: str | Path, *, timeout_s: float = 600.0) -> None:
+    config = getattr(model, "peft_config", {}).get("default")
+    if config is None:
+        raise ValueError(
+            "inference.lora_sync = 'adapter' needs a LoRA policy ([model.lora] set); a full "
+            "fine-tune syncs its full weights (lora_sync = 'merged')"
+        )
+    if config.r > max_rank:
+        raise ValueError(
+            f"[model.lora] r={config.r} is above inference.max_lora_rank={max_rank}; raise "
+            "inference.max_lora_rank"
+        )
+    target = Path(directory) / f"policy-v{version}"
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+class WeightSync:
+    """Pushes new policy versions to an engine server at ``base_url``.
+
+    ``lora_adapter=True``: a LoRA policy's adapter alone is written and loaded as the
+    engine's LoRA adapter ``policy-v{version}`` (``/v1/load_lora_adapter``; the previous one
+    is unloaded); :attr:`served_model` is then the name to sample with.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        directory: str | Path,
+        *,
+        timeout_s: float = 600.0,
+        lora_adapter: bool = False,
+        max_lora_rank: int = 16,
+        base_model: str = "policy",
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.directory = Path(directory)
         self.timeout_s = timeout_s
+        self.lora_adapter = lora_adapter
+        self.max_lora_rank = max_lora_rank
+        self.served_model = base_model
         self.version = 0  # the engine starts on the weights it was launched with
         self._current: Path | None = None
 
     def push(self, model: Any, version: int) -> dict[str, Any]:
-        """Write ``model`` as ``version`` and have every engine worker load it."""
-        import httpx
-
+        """Write ``model`` as ``version`` and have the engine serve it."""
         if version <= self.version and self._current is not None:
             raise ValueError(
                 f"policy version {version} is not newer than the engine's {self.version}"
             )
+        if self.lora_adapter and getattr(model, "peft_config", None):
+            return self._push_adapter(model, version)
+        return self._push_full(model, version)
+
+    def _push_adapter(self, model: Any, version: int) -> dict[str, Any]:
+        import shutil
+
+        import httpx
+
+        path = write_adapter(model, self.directory, version, max_rank=self.max_lora_rank)
+        name = f"policy-v{version}"
+        with httpx.Client(timeout=self.timeout_s) as client:
+            response = client.post(
+                f"{self.base_url}/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": str(path.resolve())},
+            )
+            _raise_for(response, "loading the LoRA adapter")
+            previous_name = self.served_model
+            self.served_model = name
+            if previous_name.startswith("policy-v"):
+                response = client.post(
+                    f"{self.base_url}/v1/unload_lora_adapter", json={"lora_name": previous_name}
+                )
+                _raise_for(response, f"unloading the LoRA adapter {previous_name}")
+        previous, self._current = self._current, path
+        if previous is not None and previous != path:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.version = version
+        return {"version": version, "model": name, "path": str(path)}
+
+    def _push_full(self, model: Any, version: int) -> dict[str, Any]:
+        import httpx
+
         path = write_weights(model, self.directory, version)
         body = {
             "method": "composer_load_weights",
@@ -99,7 +172,12 @@ class WeightSync:
         if previous is not None and previous != path:
             previous.unlink(missing_ok=True)
         self.version = version
-        return {"version": version, "tensors": results[0]["tensors"], "path": str(path)}
+        return {
+            "version": version,
+            "model": self.served_model,
+            "tensors": results[0]["tensors"],
+            "path": str(path),
+        }
 
 
 def _raise_for(response: Any, what: str) -> None:
