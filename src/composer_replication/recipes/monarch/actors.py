@@ -1,0 +1,261 @@
+"""The four roles of a run as Monarch actors, built from the native loop's own parts.
+
+- :class:`GeneratorActor` (Sampler): a policy copy that takes version-tagged weights from
+  the learner and samples its share of a step's tasks. A single-turn environment (one with
+  ``sample`` / ``grade_groups``, e.g. ``python_functions``) is only sampled here and graded
+  by a rewarder; a multi-turn environment (``feature_deletion``: sampling and tool calls
+  interleave) runs whole episodes here, tools in this process's sandbox, graded on the spot.
+- :class:`RewarderActor` (Grader): grades sampled completions through the environments and
+  their sandboxes.
+- :class:`TrainerActor` (Learner): a :class:`~composer_replication.trainer.learner.Learner`
+  (the algorithm-blind step, AdamW, schedule, teachers) that publishes its trainable weights
+  with a version after every step, and writes the run's checkpoints.
+- :class:`TeacherPoolActor` (Teachers): teacher replay of trace states through teacher
+  endpoints (:func:`~composer_replication.traces.teacher_replay.replay.replay_trace`).
+
+Every actor builds its parts from the same :class:`~composer_replication.config.run.
+RunConfig` as the native loop (``setup_policy``, ``build_runtime``, ``Learner``), so a
+process holds exactly what the in-process run would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from monarch.actor import Actor, endpoint
+
+if TYPE_CHECKING:
+    from composer_replication.config.run import RunConfig
+    from composer_replication.rollout.types import Rollout
+    from composer_replication.trainer.runtime import EnvRuntime
+    from composer_replication.wire import MicroBatch
+
+__all__ = [
+    "GeneratorActor",
+    "RewarderActor",
+    "TeacherPoolActor",
+    "TrainerActor",
+    "is_split_environment",
+    "shard_seed",
+    "trainable_state",
+]
+
+
+def is_split_environment(env: Any) -> bool:
+    """True when ``env`` samples and grades in separate calls (``sample`` / ``grade_groups``);
+    such an environment is sampled by generators and graded by rewarders."""
+    return callable(getattr(env, "sample", None)) and callable(getattr(env, "grade_groups", None))
+
+
+def shard_seed(seed: int, step: int, env_index: int, shard: int) -> int:
+    """The torch seed of one generator's sampling call: fixed by (run seed, step,
+    environment, shard), so a run's rollouts do not depend on process scheduling."""
+    digest = hashlib.sha256(f"{seed}/{step}/{env_index}/{shard}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def trainable_state(policy: Any) -> dict[str, torch.Tensor]:
+    """The policy's trainable parameters by name (LoRA: the adapters), detached copies: what
+    changes in a step and so what the learner publishes."""
+    return {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(policy: Any, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` (from :func:`trainable_state`) into ``policy``; names must match."""
+    params = dict(policy.named_parameters())
+    unknown = sorted(set(state) - set(params))
+    if unknown:
+        raise ValueError(f"weights for unknown parameters {unknown[:3]}: not this policy's")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+
+
+def _policy_runtimes(config: RunConfig) -> tuple[Any, Any, list[EnvRuntime]]:
+    """The policy, tokenizer and environment runtimes exactly as the native loop builds them."""
+    from composer_replication.safety import HeldoutSplit
+    from composer_replication.trainer.runtime import build_runtime
+    from composer_replication.trainer.setup import seed_everything, setup_policy
+
+    seed_everything(config.seed)
+    policy, tokenizer = setup_policy(config)
+    split = HeldoutSplit(heldout_fraction=config.heldout_fraction, salt=config.heldout_salt)
+    runtimes = [
+        build_runtime(env_cfg, policy=policy, tokenizer=tokenizer, split=split, seed=config.seed)
+        for env_cfg in config.envs
+    ]
+    return policy, tokenizer, runtimes
+
+
+class GeneratorActor(Actor):
+    """Sampler: samples rollouts of its share of a step's tasks with the newest weights."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.policy, self.tokenizer, self.runtimes = _policy_runtimes(config)
+        self.policy.eval()
+        self.version = 0  # the initial weights are version 0 everywhere
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        """Take the learner's weights of ``version``; returns the version now held."""
+        if version < self.version:
+            raise ValueError(f"weights of version {version} are older than held {self.version}")
+        load_trainable_state(self.policy, state)
+        self.version = version
+        return self.version
+
+    @endpoint
+    def sample(
+        self, env_index: int, task_ids: list[str], step: int, shard: int
+    ) -> list[list[Rollout]]:
+        """One group per task id: sampled only (split environments) or whole episodes
+        (multi-turn ones). Each rollout records ``metadata["policy_version"]``."""
+        rt = self.runtimes[env_index]
+        if not task_ids:
+            return []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(shard_seed(self.config.seed, step, env_index, shard))
+            run = rt.env.sample if is_split_environment(rt.env) else rt.env.rollouts
+            groups = run(
+                rt.sampling_model(self.policy),
+                self.tokenizer,
+                task_ids,
+                group_size=rt.group_size,
+                sampling=rt.sampling,
+            )
+        return [
+            [replace(r, metadata={**r.metadata, "policy_version": self.version}) for r in group]
+            for group in groups
+        ]
+
+    @endpoint
+    def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        """Log-probs of ``completion_ids`` after ``prompt_ids`` under the held weights."""
+        return completion_logprobs(self.policy, prompt_ids, completion_ids)
+
+
+def completion_logprobs(
+    policy: Any, prompt_ids: Sequence[int], completion_ids: Sequence[int]
+) -> list[float]:
+    """Per-token log-probs (temperature 1) of a completion given its prompt."""
+    from composer_replication.model_parts import last_hidden_states, lm_head_weight
+    from composer_replication.ops.head import token_logprobs_from_hidden
+
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.long)
+    with torch.no_grad():
+        hidden = last_hidden_states(policy, ids, torch.ones_like(ids))[0, :-1]
+        logprobs = token_logprobs_from_hidden(hidden, lm_head_weight(policy), ids[0, 1:])
+    return [float(x) for x in logprobs[len(prompt_ids) - 1 :]]
+
+
+class RewarderActor(Actor):
+    """Grader: grades sampled completions of split environments in their sandboxes."""
+
+    def __init__(self, config: RunConfig) -> None:
+        from composer_replication.envs import build_environment
+
+        self.envs = [build_environment(env_cfg) for env_cfg in config.envs]
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def grade(self, env_index: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
+        """The groups with rewards, feedback and errors filled in (never raises for a bad
+        completion: that is a graded failure)."""
+        env = self.envs[env_index]
+        if not is_split_environment(env):
+            raise ValueError(f"environment {env.name!r} grades inside its episodes, not here")
+        return env.grade_groups(groups)
+
+
+class TrainerActor(Actor):
+    """Learner: the algorithm-blind step, optimizer and schedule; publishes weights."""
+
+    def __init__(self, config: RunConfig, run_dir: str) -> None:
+        from composer_replication.trainer.checkpoint import CheckpointManager
+        from composer_replication.trainer.learner import Learner
+        from composer_replication.trainer.setup import seed_everything, setup_policy
+
+        seed_everything(config.seed)
+        self.policy, _ = setup_policy(config)
+        self.learner = Learner(config, self.policy)
+        self.checkpoints = CheckpointManager(run_dir, keep_last=config.checkpoint.keep_last)
+        self.version = 0
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def update(self, batches: list[MicroBatch], step: int) -> dict[str, Any]:
+        """One optimizer step; the new weights become version ``step``."""
+        row = self.learner.update(batches, step)
+        row["lr"] = self.learner.lr()
+        self.version = step
+        return row
+
+    @endpoint
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, trainable weights by name)."""
+        return self.version, trainable_state(self.policy)
+
+    @endpoint
+    def kl_to_initial(self) -> float:
+        return self.learner.kl_to_initial()
+
+    @endpoint
+    def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        return completion_logprobs(self.policy, prompt_ids, completion_ids)
+
+    @endpoint
+    def save(self, step: int, extra: dict[str, Any]) -> str:
+        """A complete checkpoint of ``step``: the controller's ``extra`` plus the learner's."""
+        learner = self.learner
+        extra = {**extra, **learner.state_dict(), "diloco": learner.sync.state_dict()}
+        path = self.checkpoints.save(
+            step,
+            model=self.policy,
+            optimizer=learner.optimizer,
+            scheduler=learner.scheduler,
+            extra=extra,
+        )
+        return str(path)
+
+    @endpoint
+    def resume(self) -> tuple[int, dict[str, Any]] | None:
+        """Restore the latest checkpoint: (step, its extra state), or None without one."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return None
+        learner = self.learner
+        state = self.checkpoints.load(
+            latest, model=self.policy, optimizer=learner.optimizer, scheduler=learner.scheduler
+        )
+        learner.load_state_dict(state["extra"])
+        self.version = state["step"]
+        return state["step"], state["extra"]
+
+
+class TeacherPoolActor(Actor):
+    """Teachers: replays trace states through teacher endpoints (spend-capped, cached)."""
+
+    @endpoint
+    async def replay(self, states: list[Any], teachers: list[Any], **options: Any) -> list[Any]:
+        """:func:`replay_trace` of ``states`` through ``teachers`` in this process; options
+        (``max_total_usd``, ``cache_dir``, ``max_tokens``, ...) are its keyword arguments."""
+        from composer_replication.traces.teacher_replay.replay import replay_trace
+
+        return list(await replay_trace(states, teachers, **options))

@@ -1,0 +1,280 @@
+"""The Monarch engine: the native loop's controller with its roles on Monarch processes.
+
+The controller is :class:`~composer_replication.trainer.loop.Trainer` itself (curriculum,
+held-out split, the algorithms' assign/score, evaluation through the run lifecycle, the
+kill switch, metrics, report, summary); only two of its parts move out of process:
+
+- ``run_rollouts``: a step's tasks are cut into contiguous shares, one per generator
+  process (:class:`~.actors.GeneratorActor`); the completions of single-turn environments
+  are then cut into shares for the rewarder processes (:class:`~.actors.RewarderActor`).
+  Multi-turn environments come back graded from the generators.
+- the learner: :class:`RemoteLearner` sends the packed micro-batches to the trainer process
+  (:class:`~.actors.TrainerActor`), then moves the new weights, tagged with their version
+  (the step number), to every generator and into the controller's own copy (used for
+  evaluation and by algorithms that score with the live policy). Checkpoints are written by
+  the trainer process (model, optimizer, schedule, teachers) with the controller's state.
+
+Every actor call waits at most ``engine.call_timeout_s``; a dead process (its calls fail
+with Monarch's supervision error within seconds) or a silent one ends the run with
+:class:`ActorFailedError` naming the actor. Nothing is replaced: the last checkpoint and
+``--resume`` continue the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.diloco.integration import NO_SYNC
+from composer_replication.trainer.loop import Trainer
+
+if TYPE_CHECKING:
+    from composer_replication.config.engine import MonarchEngineConfig
+    from composer_replication.config.run import RunConfig
+    from composer_replication.rollout.types import Rollout
+    from composer_replication.trainer.lifecycle import RunResult
+    from composer_replication.wire import MicroBatch
+
+__all__ = ["ActorFailedError", "MonarchTrainer", "RemoteLearner", "RoleMesh", "shares", "train"]
+
+
+class ActorFailedError(RuntimeError):
+    """An actor died, failed or did not answer in time; ``actor`` names it."""
+
+    def __init__(self, actor: str, message: str) -> None:
+        super().__init__(f"{actor}: {message}")
+        self.actor = actor
+
+
+def shares(items: list[Any], n: int) -> list[list[Any]]:
+    """``items`` cut into ``n`` contiguous shares whose sizes differ by at most one, in order
+    (the first ``len(items) % n`` shares are one longer)."""
+    base, extra = divmod(len(items), n)
+    out, start = [], 0
+    for k in range(n):
+        size = base + (1 if k < extra else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out
+
+
+class RoleMesh:
+    """The run's actor processes on this host: generators, rewarders, one trainer."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, engine: MonarchEngineConfig) -> None:
+        import monarch.actor
+        from composer_replication.recipes.monarch.actors import (
+            GeneratorActor,
+            RewarderActor,
+            TrainerActor,
+        )
+        from monarch.actor import this_host
+
+        self.engine = engine
+        self.failures: list[str] = []
+        # Monarch's default answer to a dead actor is to exit the controller; record it
+        # instead, so the failed call raises here with the actor's name.
+        self._previous_hook = monarch.actor.unhandled_fault_hook
+        monarch.actor.unhandled_fault_hook = lambda failure: self.failures.append(str(failure))
+        host = this_host()
+        self.meshes: list[Any] = []
+        try:
+            gen_procs = self._procs(host, "generators", engine.generators)
+            self.generators = gen_procs.spawn("generator", GeneratorActor, config)
+            rew_procs = self._procs(host, "rewarders", engine.rewarders)
+            self.rewarders = rew_procs.spawn("rewarder", RewarderActor, config)
+            trainer_procs = self._procs(host, "trainer", 1)
+            self.trainer = trainer_procs.spawn("trainer", TrainerActor, config, str(run_dir))
+            self.pids = {
+                **{
+                    f"generator {k}": self.get(self.generator(k).pid.call_one(), f"generator {k}")
+                    for k in range(engine.generators)
+                },
+                **{
+                    f"rewarder {k}": self.get(self.rewarder(k).pid.call_one(), f"rewarder {k}")
+                    for k in range(engine.rewarders)
+                },
+                "trainer": self.get(self.trainer.pid.call_one(), "trainer"),
+            }
+        except BaseException:
+            self.close()
+            raise
+
+    def _procs(self, host: Any, name: str, n: int) -> Any:
+        procs = host.spawn_procs(per_host={"procs": n}, name=name)
+        self.meshes.append(procs)
+        return procs
+
+    def generator(self, k: int) -> Any:
+        return self.generators.slice(procs=k)
+
+    def rewarder(self, k: int) -> Any:
+        return self.rewarders.slice(procs=k)
+
+    def get(self, future: Any, actor: str) -> Any:
+        """The call's result, or :class:`ActorFailedError` naming ``actor``."""
+        timeout = self.engine.call_timeout_s
+        try:
+            return future.get(timeout=timeout)
+        except TimeoutError as exc:
+            raise ActorFailedError(
+                actor, f"no answer within {timeout:g} s (engine.call_timeout_s)"
+            ) from exc
+        except Exception as exc:  # Monarch's SupervisionError / ActorError
+            raise ActorFailedError(actor, f"failed: {exc}") from exc
+
+    def rollouts(
+        self, env_index: int, task_ids: list[str], step: int, split_env: bool
+    ) -> list[list[Rollout]]:
+        """One group per task id, in order: sampled across the generators and (split
+        environments) graded across the rewarders."""
+        pending = [
+            (k, share, self.generator(k).sample.call_one(env_index, share, step, k))
+            for k, share in enumerate(shares(task_ids, self.engine.generators))
+            if share
+        ]
+        groups = [g for k, _, fut in pending for g in self.get(fut, f"generator {k}")]
+        if not split_env:
+            return groups
+        graded = [
+            (k, self.rewarder(k).grade.call_one(env_index, share))
+            for k, share in enumerate(shares(groups, self.engine.rewarders))
+            if share
+        ]
+        return [g for k, fut in graded for g in self.get(fut, f"rewarder {k}")]
+
+    def publish(self, version: int, state: dict[str, Any]) -> None:
+        """Send the learner's weights of ``version`` to every generator and wait for all."""
+        futures = [
+            self.generator(k).load_weights.call_one(state, version)
+            for k in range(self.engine.generators)
+        ]
+        for k, fut in enumerate(futures):
+            held = self.get(fut, f"generator {k}")
+            if held != version:
+                raise ActorFailedError(f"generator {k}", f"holds version {held}, not {version}")
+
+    def close(self) -> None:
+        import monarch.actor
+
+        for procs in reversed(self.meshes):
+            with contextlib.suppress(Exception):  # a dead process has nothing left to stop
+                procs.stop().get(timeout=30)
+        self.meshes = []
+        monarch.actor.unhandled_fault_hook = self._previous_hook
+
+
+class RemoteLearner:
+    """The controller's handle on the trainer process, in the shape of a ``Learner``."""
+
+    def __init__(self, mesh: RoleMesh, policy: Any) -> None:
+        self.mesh = mesh
+        self.policy = policy  # the controller's copy, kept at the newest version
+        self.sync = NO_SYNC
+        self.version = 0
+        self._lr = 0.0
+
+    def update(self, batches: list[MicroBatch], step: int) -> dict[str, Any]:
+        row = self.mesh.get(self.mesh.trainer.update.call_one(batches, step), "trainer")
+        self._lr = row.pop("lr")
+        self.sync_weights()
+        return row
+
+    def sync_weights(self) -> int:
+        """Move the trainer's newest weights to the generators and the controller."""
+        from composer_replication.recipes.monarch.actors import load_trainable_state
+
+        version, state = self.mesh.get(self.mesh.trainer.weights.call_one(), "trainer")
+        self.mesh.publish(version, state)
+        load_trainable_state(self.policy, state)
+        self.version = version
+        return version
+
+    def lr(self) -> float:
+        return self._lr
+
+    def kl_to_initial(self) -> float:
+        return self.mesh.get(self.mesh.trainer.kl_to_initial.call_one(), "trainer")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the trainer process adds its own to every checkpoint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing here: the trainer process restored its state with the checkpoint."""
+
+
+class MonarchTrainer(Trainer):
+    """The native controller with sampling, grading and learning on Monarch processes."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        run_dir: str | Path | None = None,
+        console: Any | None = None,
+    ) -> None:
+        engine = config.engine
+        if engine.type != "monarch":
+            raise ValueError(
+                f"engine.type = {engine.type!r}: MonarchTrainer needs [engine] type = "
+                '"monarch" (or --engine monarch)'
+            )
+        if config.diloco.enabled:
+            raise ValueError(
+                "diloco.enabled with engine monarch: DiLoCo runs with the in_process engine; "
+                "set diloco.enabled = false or engine.type = in_process"
+            )
+        try:
+            import monarch.actor  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                "engine monarch needs torchmonarch: pip install 'composer-replication[monarch]'"
+            ) from exc
+        super().__init__(config, run_dir=run_dir, console=console)
+        self.mesh = RoleMesh(config, self.run_dir, engine)
+        self.learner = RemoteLearner(self.mesh, self.policy)
+        self.split_envs = [_is_split(rt.env) for rt in self.runtimes]
+
+    def run_rollouts(self, tasks: list[list[str]]) -> list[list[list[Rollout]]]:
+        return [
+            self.mesh.rollouts(i, task_ids, self.step, self.split_envs[i])
+            for i, task_ids in enumerate(tasks)
+        ]
+
+    def save(self) -> Path:
+        saved = self.mesh.trainer.save.call_one(self.step, self.extra_state())
+        return Path(self.mesh.get(saved, "trainer"))
+
+    def resume(self) -> bool:
+        restored = self.mesh.get(self.mesh.trainer.resume.call_one(), "trainer")
+        if restored is not None:
+            self.restore(*restored)
+        self.learner.sync_weights()
+        return restored is not None
+
+    def run(self, *, resume: bool = False) -> RunResult:
+        try:
+            if not resume:  # one source of truth for the weights from the first step on
+                self.learner.sync_weights()
+            return super().run(resume=resume)
+        finally:
+            self.mesh.close()
+
+
+def _is_split(env: Any) -> bool:
+    from composer_replication.recipes.monarch.actors import is_split_environment
+
+    return is_split_environment(env)
+
+
+def train(
+    config: RunConfig,
+    *,
+    resume: bool = False,
+    console: Any | None = None,
+    run_dir: str | Path | None = None,
+) -> RunResult:
+    """Run a training job on the Monarch engine (same results and exit paths as
+    :func:`composer_replication.trainer.loop.train`)."""
+    return MonarchTrainer(config, console=console, run_dir=run_dir).run(resume=resume)
