@@ -30,6 +30,7 @@ from composer_replication.config.advantage import ComposerAdvantage
 from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
 from composer_replication.config.deprecation import ConfigDeprecationWarning
 from composer_replication.config.diloco import DiLoCoConfig
+from composer_replication.config.engine import EngineConfig, InProcessEngineConfig
 from composer_replication.config.evaluation_only import (
     EVALUATION_ONLY_ENVIRONMENTS as EVALUATION_ONLY_ENVIRONMENTS,
 )
@@ -319,6 +320,11 @@ class RunConfig(_Strict):
     diloco: DiLoCoConfig = Field(
         default_factory=DiLoCoConfig,
         description="DiLoCo outer loop across replicas (off by default).",
+    )
+    engine: EngineConfig = Field(
+        default_factory=InProcessEngineConfig,
+        description="Where the roles run: in_process (the native loop) or monarch (actors on "
+        "a Monarch process mesh).",
     )
     inference: InferenceConfig = Field(
         default_factory=InferenceConfig,
