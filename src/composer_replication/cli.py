@@ -124,6 +124,11 @@ def train(
     backend: str = typer.Option(
         "native", help="Training backend: native (this framework's loop) or trl (GRPOTrainer)."
     ),
+    engine: str | None = typer.Option(
+        None,
+        help="Where the native loop's roles run: in_process (default) or monarch (actors on "
+        "Monarch processes, sized by the config's [engine]); unset: the config's [engine].",
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks of errors."),
 ) -> None:
     """Train a policy. With no config: the embedded default job (a few minutes on a CPU)."""
@@ -135,6 +140,12 @@ def train(
     console = Console(quiet=os.environ.get("RANK", "0") != "0")
     try:
         cfg = _run_config(config, list(set_), output_dir, backend, resume)
+        if engine is not None and engine != cfg.engine.type:
+            from composer_replication.config.engine import engine_config
+
+            cfg = cfg.model_copy(update={"engine": engine_config(engine)})
+        if cfg.engine.type != "in_process" and backend != "native":
+            raise ValueError(f"engine {cfg.engine.type} runs the native loop; drop --backend trl")
         _check_model_source(cfg.model.source)
     except Exception as exc:  # a bad config or path: one line that says what to fix
         if debug:
@@ -147,7 +158,8 @@ def train(
 
     quiet_library_progress_bars()  # in a log file, one plain line per step instead
     console.print(
-        f"[bold]train[/bold] ({backend} backend): {cfg.model.source} on "
+        f"[bold]train[/bold] ({backend} backend"
+        f"{', monarch engine' if cfg.engine.type == 'monarch' else ''}): {cfg.model.source} on "
         f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "
         f"{cfg.steps} steps -> {cfg.output_dir}"
     )
@@ -156,6 +168,10 @@ def train(
             from composer_replication.trainer.trl_backend import train_with_trl
 
             result = train_with_trl(cfg, console=console)
+        elif cfg.engine.type == "monarch":
+            from composer_replication.recipes.monarch.engine import train as train_on_monarch
+
+            result = train_on_monarch(cfg, resume=resume, console=console)
         else:
             result = run_training(cfg, resume=resume, console=console)
     except CollapseStopError as stop:
