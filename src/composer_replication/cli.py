@@ -130,9 +130,23 @@ def train(
         "Monarch processes, sized by the config's [engine]); unset: the config's [engine].",
     ),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks of errors."),
+    nproc: int = typer.Option(
+        1,
+        "--nproc",
+        min=1,
+        help="Data-parallel training ranks on this machine (FSDP2): runs `torchrun "
+        "--nproc-per-node N -m composer_replication train ...` with these arguments.",
+    ),
 ) -> None:
     """Train a policy. With no config: the embedded default job (a few minutes on a CPU)."""
     from rich.console import Console
+
+    if nproc > 1:
+        import sys
+
+        from composer_replication.distributed.launch import launch_torchrun
+
+        raise typer.Exit(code=launch_torchrun(nproc, _without_nproc(sys.argv[1:])))
 
     from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH, EXIT_USAGE
 
@@ -451,6 +465,19 @@ def _register_subcommands() -> None:
 
 
 _register_subcommands()
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line with its ``--nproc N`` / ``--nproc=N`` removed."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def main() -> None:

@@ -15,13 +15,16 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "trainer"))
 
 
 def samples():
-    from test_step import _rl_sample
+    # 7 grpo-style samples of different lengths and advantages and one jsd sample: the
+    # ranks get 4 and 4 samples that pack into different numbers of micro-batches, and only
+    # one rank runs the jsd teacher forward
+    from test_step import _jsd_sample, _rl_sample
 
-    # 6 grpo-style samples of different lengths and advantages
-    return [
-        _rl_sample(10 + i, n_prompt=3 + i % 3, n_completion=4 + i, adv=0.5 - 0.3 * i)
-        for i in range(6)
+    rl = [
+        _rl_sample(10 + i, n_prompt=3 + i % 3, n_completion=4 + 3 * i, adv=0.5 - 0.3 * i)
+        for i in range(7)
     ]
+    return [*rl, _jsd_sample(30)]
 
 
 def build_policy(lora: bool):
@@ -47,12 +50,14 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
         shard_policy,
         sum_counts_over_ranks,
     )
+    from composer_replication.distributed.fsdp import GatheredWeights, NoSharding
     from composer_replication.trainer.step import train_step
     from composer_replication.wire import pack_samples
 
     torch.set_num_threads(1)
     policy = build_policy(lora)
     reducer = None
+    weights = NoSharding()
     mine = samples()
     if world > 1:
         os.environ.update(
@@ -65,6 +70,7 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
         group = init_from_env(torch.device("cpu"), timeout_s=60)
         assert (group.rank, group.world_size) == (rank, world)
         shard_policy(policy)
+        weights = GatheredWeights(policy)
         reducer = sum_counts_over_ranks
         mine = group.share(mine)
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -75,7 +81,8 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
         optimizer.zero_grad(set_to_none=True)
         # small micro-batches: gradient accumulation over several backward passes
         batches = pack_samples(mine, max_tokens=24, split=None)
-        train_step(policy, batches, count_reducer=reducer)
+        with weights.accumulating():
+            train_step(policy, batches, count_reducer=reducer)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
     state = {}

@@ -82,4 +82,89 @@ def test_a_killed_rank_makes_the_other_fail_with_a_clear_error(tmp_path):
     (code0, err0), (code1, _) = _finish(procs, bound_s=240)
     assert code1 == -signal.SIGKILL
     assert code0 != 0
-    assert "summing the step's token counts with the other ranks failed" in err0
+    assert "rank 0 of 2:" in err0
+    assert "with the other ranks failed; a rank died" in err0
+
+
+def _run_config(tmp_path: Path, tiny_dir: str) -> Path:
+    model = f'[model]\nsource = "{tiny_dir}"\ndevice = "cpu"\n[model.lora]\nr = 4\nalpha = 8'
+    toml = tmp_path / "run.toml"
+    toml.write_text(f"""
+seed = 0
+steps = 2
+output_dir = "{tmp_path / "run"}"
+{model}
+[optim]
+lr = 1e-2
+[eval]
+every = 2
+max_tasks = 4
+samples_per_task = 1
+temperature = 0
+[guard]
+min_steps = 100
+[checkpoint]
+every = 1
+[[envs]]
+name = "recording_env:make_env"
+tasks_per_step = 3
+options = {{ record_dir = "{tmp_path}", n_tasks = 16 }}
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 6
+[envs.algorithm.advantage]
+type = "grpo"
+""")
+    return toml
+
+
+def test_train_on_two_ranks_from_the_command_line(tmp_path):
+    """`composer-replication train --nproc 2`: each rank samples its own share of every
+    step's tasks, held-out tasks reach no rank's training, rank 0 writes the run."""
+    from composer_replication.models import save_checkpoint, tiny_policy
+
+    model, tok = tiny_policy(seed=0)
+    tiny_dir = str(save_checkpoint(model, tmp_path / "tiny", tokenizer=tok))
+    toml = _run_config(tmp_path, tiny_dir)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, "-m", "composer_replication", "train", str(toml), "--nproc", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    calls = [
+        [json.loads(line) for line in (tmp_path / f"calls.rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    ]
+    train = [[ids for kind, ids in rank_calls if kind == "train"] for rank_calls in calls]
+    assert len(train[0]) == len(train[1]) == 2  # one call per step on each rank
+    for step in range(2):
+        mine, theirs = set(train[0][step]), set(train[1][step])
+        assert mine and theirs and not mine & theirs  # disjoint shares of the step's 3 tasks
+        assert len(mine | theirs) == 3
+    evals = [{t for kind, ids in rank_calls if kind == "eval" for t in ids} for rank_calls in calls]
+    trained = {t for rank in train for ids in rank for t in ids}
+    assert evals[0] and evals[1] and not evals[0] & evals[1]  # held-out split across ranks
+    assert not trained & (evals[0] | evals[1])  # held-out tasks never reach training
+    run = tmp_path / "run"
+    summary = json.loads(next(run.rglob("summary.json")).read_text())
+    assert summary["steps"] == 2
+    final = Path(summary["final_model"])
+    assert (final / "config.json").is_file() and list(final.glob("*.safetensors"))
+    assert len(list(run.rglob("summary.json"))) == 1  # rank 0 alone wrote
+    # the checkpoint the two ranks wrote resumes in one process
+    from composer_replication.config.run import RunConfig
+    from composer_replication.trainer.loop import Trainer
+
+    sys.path.insert(0, str(WORKER.parent))
+    from recording_env import make_env
+
+    config = RunConfig.from_toml(toml.read_text())
+    environment = make_env(record_dir=str(tmp_path / "resumed"), n_tasks=16)
+    (tmp_path / "resumed").mkdir()
+    trainer = Trainer(config, environments={"recording_env:make_env": environment})
+    assert trainer.resume() and trainer.step == 2
+    trainable = [p for p in trainer.policy.parameters() if p.requires_grad]
+    assert all(trainer.optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in trainable)

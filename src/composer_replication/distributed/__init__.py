@@ -7,7 +7,17 @@ Cheap to import: torch.distributed loads inside the functions.
 from __future__ import annotations
 
 from composer_replication.distributed.counts import sum_counts_over_ranks
-from composer_replication.distributed.fsdp import shard_policy
+from composer_replication.distributed.data_parallel import (
+    shard_for_training,
+    start_data_parallel,
+)
+from composer_replication.distributed.fsdp import (
+    GatheredWeights,
+    NoSharding,
+    gathered_policy,
+    shard_policy,
+)
+from composer_replication.distributed.launch import launch_torchrun, torchrun_command
 from composer_replication.distributed.setup import (
     DEFAULT_TIMEOUT_S,
     backend_for,
@@ -17,9 +27,16 @@ from composer_replication.distributed.setup import (
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "GatheredWeights",
+    "NoSharding",
     "backend_for",
+    "gathered_policy",
     "init_from_env",
+    "launch_torchrun",
     "launched_by_torchrun",
+    "shard_for_training",
     "shard_policy",
+    "start_data_parallel",
     "sum_counts_over_ranks",
+    "torchrun_command",
 ]

@@ -4,6 +4,8 @@ the summed gradients of N ranks equal one process's gradient on the whole batch.
 
 from __future__ import annotations
 
+from composer_replication.distributed.setup import lost_peer_error
+
 __all__ = ["sum_counts_over_ranks"]
 
 
@@ -21,9 +23,5 @@ def sum_counts_over_ranks(counts: dict[str, int]) -> dict[str, int]:
     try:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     except (RuntimeError, dist.DistError) as err:
-        raise RuntimeError(
-            f"rank {dist.get_rank()} of {dist.get_world_size()}: summing the step's token "
-            "counts with the other ranks failed; a rank died, hung or left the run (see its "
-            "log). Nothing can continue without it: restart the run from its last checkpoint"
-        ) from err
+        raise lost_peer_error("summing the step's token counts") from err
     return dict(zip(names, (int(v) for v in values.tolist())))

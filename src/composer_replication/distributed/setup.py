@@ -16,7 +16,13 @@ from composer_replication.trainer.ranks import RankGroup
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_TIMEOUT_S", "backend_for", "init_from_env", "launched_by_torchrun"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "backend_for",
+    "init_from_env",
+    "launched_by_torchrun",
+    "lost_peer_error",
+]
 
 #: how long a collective waits for a missing peer before the process group fails
 DEFAULT_TIMEOUT_S = 600.0
@@ -67,3 +73,14 @@ def init_from_env(device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S)
             backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s)
         )
     return RankGroup.current()
+
+
+def lost_peer_error(what: str) -> RuntimeError:
+    """The error a rank raises when a collective (``what``) with its peers fails."""
+    import torch.distributed as dist
+
+    return RuntimeError(
+        f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} with the other ranks "
+        "failed; a rank died, hung or left the run (see its log). Nothing can continue "
+        "without it: restart the run from its last checkpoint"
+    )

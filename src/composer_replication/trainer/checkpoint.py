@@ -46,12 +46,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank calls it), else itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    """Host copies of the trainable parameters, whole (gathered when sharded: every rank
+    of a sharded model must call it)."""
     return {
-        n: p.detach().to("cpu", copy=True).contiguous()
+        n: _full(p.detach()).to("cpu", copy=True).contiguous()
         for n, p in model.named_parameters()
         if p.requires_grad
     }
+
+
+def optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's whole state keyed by parameter name, on the host (gathered when the
+    model is sharded), so a checkpoint resumes on any number of ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+    """Restore :func:`optimizer_state` (or a plain ``optimizer.state_dict()`` of an older
+    checkpoint, keyed by parameter index) into ``optimizer``, sharded or not."""
+    groups = state.get("param_groups", [])
+    if any(isinstance(i, int) for group in groups for i in group.get("params", [])):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
 
 
 def load_trainable_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
@@ -65,7 +94,14 @@ def load_trainable_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
         )
     with torch.no_grad():
         for name, value in tensors.items():
-            params[name].copy_(value)
+            param = params[name]
+            if hasattr(param, "device_mesh"):  # an FSDP2 shard: keep this rank's part
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(
+                    value.to(param.device), param.device_mesh, param.placements
+                )
+            param.copy_(value)
 
 
 class CheckpointManager:
@@ -95,19 +131,33 @@ class CheckpointManager:
         return self.path_for(steps[-1]) if steps else None
 
     def save(
-        self, step: int, *, model: Any, optimizer: Any, scheduler: Any, extra: dict[str, Any]
+        self,
+        step: int,
+        *,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        extra: dict[str, Any],
+        writer: bool = True,
     ) -> Path:
-        """Atomically write the checkpoint of ``step`` (the number of steps completed)."""
+        """Atomically write the checkpoint of ``step`` (the number of steps completed).
+
+        With a sharded model every rank calls it (the state is gathered) and only the
+        ``writer`` (rank 0) writes.
+        """
         from safetensors.torch import save_file
 
+        tensors = trainable_state(model)
+        optimizer_whole = optimizer_state(model, optimizer)
+        if not writer:
+            return self.path_for(step)
         state = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_whole,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rng": rng_state(),
             "extra": extra,
         }
-        tensors = trainable_state(model)
 
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp / "trainable.safetensors"))
@@ -129,7 +179,7 @@ class CheckpointManager:
         load_trainable_state(model, load_file(str(path / "trainable.safetensors")))
         # host tensors; optimizer.load_state_dict moves its state to each parameter's device
         state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, optimizer, state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])

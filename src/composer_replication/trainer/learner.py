@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.diloco.integration import NO_SYNC
+from composer_replication.distributed.fsdp import NoSharding
 from composer_replication.trainer.loss_schedule import LossSchedule
 from composer_replication.trainer.setup import kl_to_initial, make_scheduler
 from composer_replication.trainer.step import train_step
@@ -20,6 +21,7 @@ from composer_replication.trainer.teachers import TeacherModels
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
+    from composer_replication.trainer.ranks import RankGroup
     from composer_replication.wire import MicroBatch
 
 __all__ = ["Learner"]
@@ -28,12 +30,19 @@ __all__ = ["Learner"]
 class Learner:
     """Optimizer, scheduler, loss schedule and teachers of one policy."""
 
-    def __init__(self, config: RunConfig, policy: Any) -> None:
+    def __init__(self, config: RunConfig, policy: Any, *, ranks: RankGroup | None = None) -> None:
         self.config = config
         self.policy = policy
         self.losses = LossSchedule(config.loss, config.steps)
         mode, decay = config.teacher_mode
         self.teachers = TeacherModels(policy, mode=mode, ema_decay=decay)
+        self.count_reducer = None
+        #: gathers a sharded policy for sampling / accumulates its gradients (else no-op)
+        self.weights: Any = NoSharding()
+        if ranks is not None and ranks.distributed:  # after the teachers' frozen copies
+            from composer_replication.distributed.data_parallel import shard_for_training
+
+            self.weights, self.count_reducer = shard_for_training(policy, config)
         self.sync: Any = NO_SYNC
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -52,13 +61,15 @@ class Learner:
         ``diloco/synced``.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = train_step(
-            self.policy,
-            batches,
-            self.losses.current(),
-            teacher=self.teachers.teacher(self.policy),
-            reference=self.teachers.reference,
-        )
+        with self.weights.accumulating():
+            metrics = train_step(
+                self.policy,
+                batches,
+                self.losses.current(),
+                teacher=self.teachers.teacher(self.policy),
+                reference=self.teachers.reference,
+                count_reducer=self.count_reducer,
+            )
         row: dict[str, Any] = {}
         if self.config.optim.grad_clip is not None:
             row["grad_norm"] = float(
@@ -79,9 +90,13 @@ class Learner:
 
     def kl_to_initial(self) -> float:
         """Token-mean KL to the initial policy on the last step's batches."""
-        return kl_to_initial(
-            self.policy, self.teachers.initial, self.last_batches, self.config.loss.log_temperature
-        )
+        with self.weights.gathered():
+            return kl_to_initial(
+                self.policy,
+                self.teachers.initial,
+                self.last_batches,
+                self.config.loss.log_temperature,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"teachers": self.teachers.state_dict(), "losses": self.losses.state_dict()}

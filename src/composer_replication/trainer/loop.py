@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
+from composer_replication.distributed.data_parallel import (
+    autocast_for,
+    final_policy,
+    start_data_parallel,
+)
 from composer_replication.inference.engine import build_policy_engine
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
@@ -67,6 +72,7 @@ class Trainer:
             set_mmap_threshold(config.malloc_mmap_threshold)
         seed_everything(config.seed)
         self.policy, self.tokenizer = setup_policy(config)
+        self.ranks = start_data_parallel(config)  # torchrun ranks; rank 0 of 1 otherwise
         self.split = HeldoutSplit(
             heldout_fraction=config.heldout_fraction, salt=config.heldout_salt
         )
@@ -81,14 +87,14 @@ class Trainer:
             )
             for env_cfg in config.envs
         ]
-        self.learner = Learner(config, self.policy)
+        self.learner = Learner(config, self.policy, ranks=self.ranks)
         # DiLoCo replicas must see different data: offset the task stream by the rank.
         self.task_rng = random.Random(config.seed + (diloco_rank(config.diloco) or 0))
         self._diloco_state: dict[str, Any] | None = None
         self.optimizer = self.learner.optimizer
         self.scheduler = self.learner.scheduler
         # Everything above can fail on bad input; only now does the run directory appear.
-        self.life = RunLifecycle(config, backend="native", run_dir=run_dir)
+        self.life = RunLifecycle(config, backend="native", run_dir=run_dir, ranks=self.ranks)
         self.run_dir = self.life.run_dir
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.step = 0
@@ -146,6 +152,7 @@ class Trainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             extra=self.extra_state(),
+            writer=self.ranks.is_writer,
         )
 
     def resume(self) -> bool:
@@ -202,7 +209,8 @@ class Trainer:
 
     def collect(self) -> tuple[list[Any], dict[str, float]]:
         t0 = time.perf_counter()
-        tasks = self.pick_tasks()
+        # every rank picks the same tasks and samples and grades its own share of them
+        tasks = [self.ranks.share(task_ids) for task_ids in self.pick_tasks()]
         return self.assign(tasks, self.run_rollouts(tasks), t0)
 
     def assign(
@@ -233,7 +241,7 @@ class Trainer:
                 rewards += [r.reward for r in group]
             asyncio.run(rt.algorithm.score(env_samples))
             samples += env_samples
-            rt.curriculum.update(self.step, results)
+            rt.curriculum.update(self.step, self.ranks.union(results))
         stats = {
             "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "reward/solved": sum(1 for r in rewards if r >= 1.0) / len(rewards) if rewards else 0.0,
@@ -252,7 +260,8 @@ class Trainer:
 
     def train_one_step(self) -> dict[str, Any]:
         t_start = time.perf_counter()
-        samples, row = self.collect()
+        with self.learner.weights.gathered():  # a sharded policy samples collective-free
+            samples, row = self.collect()
         pad_id = self.tokenizer.pad_token_id or 0
         batches = pack_samples(
             samples, max_tokens=self.config.micro_batch_tokens, pad_id=pad_id, split=self.split
@@ -277,7 +286,8 @@ class Trainer:
 
     def guard_round(self, row: dict[str, Any]) -> bool:
         """Evaluate, measure the KL to the initial policy, feed the kill switch."""
-        heldout = self.evaluate()
+        with self.learner.weights.gathered():
+            heldout = self.evaluate()
         kl = self.learner.kl_to_initial()
         return self.life.guard_round(self.step, row, heldout, kl_to_init=kl)
 
@@ -286,21 +296,23 @@ class Trainer:
     def run(self, *, resume: bool = False) -> RunResult:
         resumed = resume and self.resume()
         if not resumed:
-            self.life.evaluate_start(self.policy, self.tokenizer, self.heldout_tasks)
+            with self.learner.weights.gathered():
+                self.life.evaluate_start(self.policy, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
         try:
             with diloco_context(self.config.diloco, self.policy, self.optimizer) as sync:
                 self.sync = sync
                 if self._diloco_state:
                     sync.load_state_dict(self._diloco_state)
-                self._loop(progress)
+                with autocast_for(self.config, self.policy, self.ranks):
+                    self._loop(progress)
         finally:
             self.sync = NO_SYNC
             if self.engine is not None:
                 self.engine.stop()
             progress.close()
             self.life.write_report()
-        return self.life.finish(self.policy, self.tokenizer, self.step)
+        return self.life.finish(final_policy(self.policy, self.ranks), self.tokenizer, self.step)
 
     def _loop(self, progress: ProgressBar) -> None:
         while self.step < self.config.steps:

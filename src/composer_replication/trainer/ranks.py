@@ -78,6 +78,19 @@ class RankGroup:
             merged[rank :: self.world_size] = results
         return merged
 
+    def union(self, mine: dict[str, T]) -> dict[str, T]:
+        """Every rank's entries merged, on every rank (keys are disjoint: each rank's share)."""
+        if not self.distributed:
+            return dict(mine)
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, dict(mine))
+        merged: dict[str, T] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
     def agree(self, value: T) -> T:
         """Rank 0's ``value`` on every rank (one decision for the whole run)."""
         if not self.distributed:

@@ -1,0 +1,90 @@
+"""The native trainer's data parallelism, as the loop and the Learner use it.
+
+Every rank builds the same run (same seed, same config), then:
+
+- :func:`start_data_parallel` joins the process group (under ``torchrun``) and gives each
+  rank its own sampling seed, so ranks draw different completions;
+- the loop picks the step's tasks identically on every rank (same task stream) and each
+  rank samples and grades its :meth:`RankGroup.share` of them; the curricula see every
+  rank's results;
+- :func:`shard_for_training` shards the policy with FSDP2 (after the frozen teacher copies
+  are made) and returns the step's ``count_reducer``, which sums token counts over ranks;
+- the lifecycle splits held-out evaluation, agrees on stop decisions and lets rank 0
+  write (:class:`~composer_replication.trainer.ranks.RankGroup`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.trainer.ranks import RankGroup
+
+if TYPE_CHECKING:
+    from composer_replication.config.run import RunConfig
+
+__all__ = ["autocast_for", "final_policy", "shard_for_training", "start_data_parallel"]
+
+
+def start_data_parallel(config: RunConfig) -> RankGroup:
+    """Join ``torchrun``'s process group (rank 0 of 1 without ``torchrun``); refuse what
+    several ranks cannot run yet."""
+    import torch
+
+    from composer_replication.devices import resolve_device
+    from composer_replication.distributed.setup import init_from_env, launched_by_torchrun
+
+    if not launched_by_torchrun():
+        return RankGroup()
+    mode, _ = config.teacher_mode
+    if mode == "ema":
+        raise ValueError(
+            "an EMA jsd teacher is not supported with several training ranks (its copy "
+            "would follow sharded weights); use the live policy or the initial policy as "
+            "the teacher, or train in one process"
+        )
+    if config.diloco.enabled:
+        raise ValueError(
+            "DiLoCo replicas and torchrun data parallelism cannot be combined in one run yet; "
+            "run each DiLoCo replica as one process"
+        )
+    ranks = init_from_env(resolve_device(config.model.device))
+    # same task stream on every rank (they share each step's tasks); different sampling
+    torch.manual_seed(config.seed + 7919 * ranks.rank)
+    return ranks
+
+
+def shard_for_training(policy: Any, config: RunConfig) -> tuple[Any, Any]:
+    """Shard ``policy`` with FSDP2 (mixed precision as ``model.dtype`` resolves); return
+    its :class:`~composer_replication.distributed.fsdp.GatheredWeights` and the count
+    reducer for :func:`~composer_replication.trainer.step.train_step`."""
+    from composer_replication.devices import module_device, resolve_precision
+    from composer_replication.distributed.counts import sum_counts_over_ranks
+    from composer_replication.distributed.fsdp import GatheredWeights, shard_policy
+
+    precision = resolve_precision(config.model.dtype, module_device(policy))
+    shard_policy(policy, precision=precision)
+    return GatheredWeights(policy), sum_counts_over_ranks
+
+
+def autocast_for(config: RunConfig, policy: Any, ranks: RankGroup) -> Any:
+    """bfloat16 autocast for a mixed-precision run in one process (FSDP2 casts by itself
+    when sharded); ``nullcontext()`` otherwise."""
+    import contextlib
+
+    from composer_replication.devices import autocast, module_device, resolve_precision
+
+    if ranks.distributed:
+        return contextlib.nullcontext()
+    device = module_device(policy)
+    return autocast(resolve_precision(config.model.dtype, device), device)
+
+
+def final_policy(policy: Any, ranks: RankGroup) -> Any:
+    """What the run saves as its final model: the policy itself in one process; gathered
+    into a plain copy on rank 0 (every rank takes part) when sharded."""
+    if not ranks.distributed:
+        return policy
+    from composer_replication.distributed.fsdp import gathered_policy
+
+    gathered = gathered_policy(policy, writer=ranks.is_writer)
+    return policy if gathered is None else gathered
