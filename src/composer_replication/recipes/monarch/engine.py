@@ -165,12 +165,23 @@ class RoleMesh:
         monarch.actor.unhandled_fault_hook = self._previous_hook
 
 
+class _WholeCopy:
+    """The controller's policy copy is whole (never sharded): gathering it is a no-op."""
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
 class RemoteLearner:
     """The controller's handle on the trainer process, in the shape of a ``Learner``."""
 
     def __init__(self, mesh: RoleMesh, policy: Any) -> None:
         self.mesh = mesh
         self.policy = policy  # the controller's copy, kept at the newest version
+        self.weights = _WholeCopy()
         self.sync = NO_SYNC
         self.version = 0
         self._lr = 0.0
@@ -224,6 +235,11 @@ class MonarchTrainer(Trainer):
             raise ValueError(
                 "diloco.enabled with engine monarch: DiLoCo runs with the in_process engine; "
                 "set diloco.enabled = false or engine.type = in_process"
+            )
+        if config.inference.engine != "in_process":
+            raise ValueError(
+                f"inference.engine = {config.inference.engine!r} with engine monarch: the "
+                "generator processes sample in process; set inference.engine = in_process"
             )
         try:
             import monarch.actor  # noqa: F401

@@ -1,0 +1,86 @@
+"""``composer-replication train --engine monarch``: the real embedded model, one short step."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("monarch.actor")
+
+from composer_replication.cli import app
+from composer_replication.config import RunConfig
+
+
+def test_an_unknown_engine_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(
+        app, ["train", "--engine", "ray", "--output-dir", str(tmp_path / "run")]
+    )
+    assert result.exit_code == 2
+    assert "unknown engine 'ray'" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_monarch_engine_refuses_the_trl_backend(tmp_path):
+    result = CliRunner().invoke(
+        app, ["train", "--engine", "monarch", "--backend", "trl", "--output-dir", str(tmp_path)]
+    )
+    assert result.exit_code == 2
+    assert "drop --backend trl" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_embedded_model_one_step_on_the_monarch_engine(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(f"""
+steps = 1
+output_dir = "{tmp_path / "run"}"
+[eval]
+every = 1
+max_tasks = 1
+samples_per_task = 1
+[engine]
+type = "monarch"
+generators = 1
+rewarders = 1
+[[envs]]
+name = "python_functions"
+tasks_per_step = 1
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 8
+[envs.algorithm.advantage]
+type = "grpo"
+""")
+    assert RunConfig.from_toml(path).model.source == "embedded"
+    assert RunConfig.from_toml(path).engine.generators == 1
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "composer_replication.cli",
+            "train",
+            "--engine",
+            "monarch",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "monarch engine" in done.stdout
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    row = rows[-1]
+    assert row["step"] == 1
+    assert math.isfinite(row["loss"]) and row["tokens/rl"] > 0 and row["tokens/sampled"] > 0
+    assert 0.0 <= row["heldout/pass@1"] <= 1.0
+    assert (tmp_path / "run" / "final_model" / "config.json").exists()
+    assert (tmp_path / "run" / "checkpoints").exists()
