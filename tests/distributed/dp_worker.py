@@ -3,6 +3,7 @@ real optimizer steps of the trainer step on the tiny model and saves its paramet
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -15,16 +16,19 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "trainer"))
 
 
 def samples():
-    # 7 grpo-style samples of different lengths and advantages and one jsd sample: the
-    # ranks get 4 and 4 samples that pack into different numbers of micro-batches, and only
-    # one rank runs the jsd teacher forward
-    from test_step import _jsd_sample, _rl_sample
+    # the composer recipe's three components: 7 rl samples of different lengths and
+    # advantages, one jsd sample and one DPO pair; the ranks get 5 and 4 samples that pack
+    # into different numbers of micro-batches, one rank alone runs the jsd teacher forward
+    # and the other the pair forwards
+    from test_step import _jsd_sample, _pair, _rl_sample
+
+    from composer_replication.wire import TrainingSample
 
     rl = [
         _rl_sample(10 + i, n_prompt=3 + i % 3, n_completion=4 + 3 * i, adv=0.5 - 0.3 * i)
         for i in range(7)
     ]
-    return [*rl, _jsd_sample(30)]
+    return [*rl, _jsd_sample(30), TrainingSample([], [], [], dpo=_pair(40))]
 
 
 def build_policy(lora: bool):
@@ -56,6 +60,8 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
 
     torch.set_num_threads(1)
     policy = build_policy(lora)
+    # the frozen initial policy scores the DPO pair's reference log-probs (never sharded)
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
     reducer = None
     weights = NoSharding()
     mine = samples()
@@ -82,7 +88,9 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
         # small micro-batches: gradient accumulation over several backward passes
         batches = pack_samples(mine, max_tokens=24, split=None)
         with weights.accumulating():
-            train_step(policy, batches, count_reducer=reducer)
+            metrics = train_step(policy, batches, reference=reference, count_reducer=reducer)
+            # global counts on every rank: all three components ran
+            assert metrics["tokens/dpo"] == 1 and metrics["tokens/jsd"] > 0 < metrics["tokens/rl"]
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
     state = {}
@@ -90,7 +98,8 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         state[name] = full.detach().clone()
     torch.save(state, f"{out}.rank{rank}")
-    Path(f"{out}.rank{rank}.tasks").write_text(json.dumps([s.input_ids for s in mine]))
+    shares = [s.input_ids or s.dpo.chosen_ids for s in mine]
+    Path(f"{out}.rank{rank}.tasks").write_text(json.dumps(shares))
     if world > 1:
         import torch.distributed as dist
 

@@ -47,6 +47,8 @@ def _finish(procs, bound_s: float = 300):
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_two_ranks_equal_one_process_after_two_steps(tmp_path, mode):
+    """The composer recipe's components (rl, jsd, dpo), ranks with different numbers of
+    micro-batches and forwards: the same parameters as one process on the whole batch."""
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     port = _free_port()
     procs = [_start(0, 1, 0, mode, one)] + [_start(r, 2, port, mode, two) for r in (0, 1)]
