@@ -156,6 +156,9 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
     final = Path(summary["final_model"])
     assert (final / "config.json").is_file() and list(final.glob("*.safetensors"))
     assert len(list(run.rglob("summary.json"))) == 1  # rank 0 alone wrote
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "rollouts/count" in row]
+    assert [row["rollouts/count"] for row in steps] == [6.0, 6.0]  # 3 tasks x 2, both ranks
     # the checkpoint the two ranks wrote resumes in one process
     from composer_replication.config.run import RunConfig
     from composer_replication.trainer.loop import Trainer

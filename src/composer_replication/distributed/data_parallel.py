@@ -22,7 +22,13 @@ from composer_replication.trainer.ranks import RankGroup
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
 
-__all__ = ["autocast_for", "final_policy", "shard_for_training", "start_data_parallel"]
+__all__ = [
+    "autocast_for",
+    "final_policy",
+    "merge_rollout_stats",
+    "shard_for_training",
+    "start_data_parallel",
+]
 
 
 def start_data_parallel(config: RunConfig) -> RankGroup:
@@ -88,3 +94,34 @@ def final_policy(policy: Any, ranks: RankGroup) -> Any:
 
     gathered = gathered_policy(policy, writer=ranks.is_writer)
     return policy if gathered is None else gathered
+
+
+#: rollout statistics summed over ranks (the rest are recomputed or maxed)
+_SUMMED = (
+    "rollouts/errors",
+    "rollouts/count",
+    "rollouts/infrastructure_errors",
+    "hack/flagged",
+    "tokens/sampled",
+    "tokens_per_s/generate",  # ranks sample at the same time: their rates add
+)
+
+
+def merge_rollout_stats(rows: list[dict[str, float]]) -> dict[str, float]:
+    """One step's rollout statistics of every rank as one process would report them:
+    counts summed, ``reward/*`` means weighted by each rank's rollouts, the flagged share
+    recomputed, times the slowest rank's."""
+    if len(rows) == 1:
+        return dict(rows[0])
+    merged = {key: max(row.get(key, 0.0) for row in rows) for row in rows for key in row}
+    for key in _SUMMED:
+        if any(key in row for row in rows):
+            merged[key] = sum(row.get(key, 0.0) for row in rows)
+    total = merged.get("rollouts/count", 0.0)
+    for key in ("reward/mean", "reward/solved"):
+        if total and any(key in row for row in rows):
+            weighted = sum(row.get(key, 0.0) * row.get("rollouts/count", 0.0) for row in rows)
+            merged[key] = weighted / total
+    if "hack/flagged_fraction" in merged:
+        merged["hack/flagged_fraction"] = merged["hack/flagged"] / total if total else 0.0
+    return merged

@@ -23,6 +23,7 @@ from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.distributed.data_parallel import (
     autocast_for,
     final_policy,
+    merge_rollout_stats,
     start_data_parallel,
 )
 from composer_replication.inference.engine import build_policy_engine
@@ -262,6 +263,9 @@ class Trainer:
         t_start = time.perf_counter()
         with self.learner.weights.gathered():  # a sharded policy samples collective-free
             samples, row = self.collect()
+        if self.ranks.distributed:  # the step's rollouts of every rank, as one process
+            every = self.ranks.gather_shares([row], self.ranks.world_size)
+            row = merge_rollout_stats(every)
         pad_id = self.tokenizer.pad_token_id or 0
         batches = pack_samples(
             samples, max_tokens=self.config.micro_batch_tokens, pad_id=pad_id, split=self.split
