@@ -49,7 +49,16 @@ def pairs_file(tmp_path_factory):
 
 
 def _config(
-    run_dir, model_source, *, steps=2, temperature=1.0, engine="", lora=True, algo="grpo", adv=""
+    run_dir,
+    model_source,
+    *,
+    steps=2,
+    temperature=1.0,
+    engine="",
+    lora=True,
+    algo="grpo",
+    adv="",
+    eval_every=1,
 ):
     lora_table = "[model.lora]\nr = 4\nalpha = 8\n" if lora else ""
     return RunConfig.from_toml(f'''
@@ -62,7 +71,7 @@ source = "{model_source}"
 [optim]
 lr = 1e-2
 [eval]
-every = 1
+every = {eval_every}
 max_tasks = 2
 samples_per_task = 1
 temperature = 0
@@ -130,73 +139,77 @@ def test_two_near_greedy_steps_match_the_native_loop(tmp_path, tiny_dir, pairs_f
     assert (tmp_path / "monarch" / "summary.json").exists()
 
 
-@pytest.mark.slow
-def test_generators_sample_their_share_with_the_share_seed(tmp_path, tiny_dir):
-    """Each generator's rollouts are exactly in-process sampling of its contiguous share
-    under torch.manual_seed(shard_seed(seed, step, env, share)); graded by the rewarder as
-    in-process grading would; tagged with the weights' version."""
-    from composer_replication.recipes.monarch.actors import shard_seed
-
-    mon = MonarchTrainer(_config(tmp_path / "run", tiny_dir, temperature=1.0, engine=MONARCH))
+@pytest.fixture(scope="module")
+def monarch_run(tmp_path_factory, tiny_dir, pairs_file):
+    """One Monarch controller with its processes (2 generators, 1 rewarder, 1 trainer),
+    shared by the tests below; replay_dpo so that a step surely moves the weights."""
+    run_dir = tmp_path_factory.mktemp("monarch") / "run"
+    adv = f'pairs_path = "{pairs_file}"'
+    mon = MonarchTrainer(_config(run_dir, tiny_dir, engine=MONARCH, algo="replay_dpo", adv=adv))
     try:
         mon.learner.sync_weights()
-        tasks = mon.pick_tasks()
-        groups = mon.run_rollouts(tasks)[0]
-        rt = mon.runtimes[0]
-        local = []
-        for k, share in enumerate(shares(tasks[0], 2)):
-            torch.manual_seed(shard_seed(0, 0, 0, k))
-            sampled = rt.env.sample(
-                mon.policy, mon.tokenizer, share, group_size=2, sampling=rt.sampling
-            )
-            local += rt.env.grade_groups(sampled)
-        assert [g[0].task_id for g in groups] == tasks[0]
-        assert [[r.completion_ids for r in g] for g in groups] == [
-            [r.completion_ids for r in g] for g in local
-        ]
-        assert [[r.reward for r in g] for g in groups] == [[r.reward for r in g] for g in local]
-        assert [[r.metadata["passed"] for r in g] for g in groups] == [
-            [r.metadata["passed"] for r in g] for g in local
-        ]
-        assert {r.metadata["policy_version"] for g in groups for r in g} == {0}
+        yield mon
     finally:
         mon.mesh.close()
 
 
 @pytest.mark.slow
-def test_weights_reach_the_generators(tmp_path, tiny_dir):
+def test_generators_sample_their_share_with_the_share_seed(monarch_run):
+    """Each generator's rollouts are exactly in-process sampling of its contiguous share
+    under torch.manual_seed(shard_seed(seed, step, env, share)), graded by the rewarder as
+    in-process grading would, tagged with the version of the weights that sampled them."""
+    from composer_replication.recipes.monarch.actors import shard_seed
+
+    mon = monarch_run
+    tasks = mon.pick_tasks()
+    groups = mon.run_rollouts(tasks)[0]
+    rt = mon.runtimes[0]
+    local = []
+    for k, share in enumerate(shares(tasks[0], 2)):
+        torch.manual_seed(shard_seed(0, mon.step, 0, k))
+        sampled = rt.env.sample(
+            mon.policy, mon.tokenizer, share, group_size=2, sampling=rt.sampling
+        )
+        local += rt.env.grade_groups(sampled)
+    assert [g[0].task_id for g in groups] == tasks[0]
+    assert [[r.completion_ids for r in g] for g in groups] == [
+        [r.completion_ids for r in g] for g in local
+    ]
+    assert [[r.reward for r in g] for g in groups] == [[r.reward for r in g] for g in local]
+    assert [[r.metadata["passed"] for r in g] for g in groups] == [
+        [r.metadata["passed"] for r in g] for g in local
+    ]
+    assert {r.metadata["policy_version"] for g in groups for r in g} == {mon.learner.version}
+
+
+@pytest.mark.slow
+def test_weights_reach_the_generators(monarch_run):
     """After a step, a generator's log-probs of a fixed completion equal the trainer's
     recomputation with the new weights; before the sync they were the old ones."""
     from composer_replication.wire import pack_samples
 
-    mon = MonarchTrainer(_config(tmp_path / "run", tiny_dir, temperature=1.0, engine=MONARCH))
-    mesh = mon.mesh
-    try:
-        mon.learner.sync_weights()
-        prompt, completion = [5, 6, 7, 8], [9, 10, 11]
-        gen = mesh.generator(1)
-        before = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
-        samples, _ = mon.collect()
-        batches = pack_samples(samples, max_tokens=1024, pad_id=0, split=mon.split)
-        mesh.get(mesh.trainer.update.call_one(batches, 1), "trainer")
-        trainer_lp = mesh.get(
-            mesh.trainer.completion_logprobs.call_one(prompt, completion), "trainer"
-        )
-        stale = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
-        assert stale == before
-        assert trainer_lp != pytest.approx(before, abs=1e-6)
-        assert mon.learner.sync_weights() == 1
-        after = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
-        assert after == pytest.approx(trainer_lp, abs=1e-5)
-        groups = mon.run_rollouts(mon.pick_tasks())[0]
-        assert {r.metadata["policy_version"] for g in groups for r in g} == {1}
-    finally:
-        mesh.close()
+    mon, mesh = monarch_run, monarch_run.mesh
+    prompt, completion = [5, 6, 7, 8], [9, 10, 11]
+    gen = mesh.generator(1)
+    before = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
+    samples, _ = mon.collect()
+    batches = pack_samples(samples, max_tokens=1024, pad_id=0, split=mon.split)
+    version = mon.learner.version + 1
+    mesh.get(mesh.trainer.update.call_one(batches, version), "trainer")
+    trainer_lp = mesh.get(mesh.trainer.completion_logprobs.call_one(prompt, completion), "trainer")
+    stale = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
+    assert stale == before
+    assert trainer_lp != pytest.approx(before, abs=1e-6)
+    assert mon.learner.sync_weights() == version
+    after = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
+    assert after == pytest.approx(trainer_lp, abs=1e-5)
+    groups = mon.run_rollouts(mon.pick_tasks())[0]
+    assert {r.metadata["policy_version"] for g in groups for r in g} == {version}
 
 
 @pytest.mark.slow
 def test_a_killed_generator_ends_the_run_with_its_name(tmp_path, tiny_dir):
-    config = _config(tmp_path / "run", tiny_dir, steps=50, temperature=1.0, engine=MONARCH)
+    config = _config(tmp_path / "run", tiny_dir, steps=50, engine=MONARCH, eval_every=100)
     mon = MonarchTrainer(config)
     victim = mon.mesh.pids["generator 1"]
     original = mon.mesh.rollouts
