@@ -149,3 +149,35 @@ def test_write_adapter_checks_rank_and_needs_a_lora_policy(tmp_path):
     path = write_adapter(lora, tmp_path, 4, max_rank=32)
     assert path.name == "policy-v4"
     assert {p.name for p in path.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def _build_on_rank(rank: int, store_path: str, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        cfg = InferenceConfig(engine="vllm")
+        build_policy_engine(cfg, model_source=model_dir, run_dir=out_dir)
+        message = "built"
+    except ValueError as err:
+        message = str(err)
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.txt", "w") as fh:
+        fh.write(message)
+
+
+def test_engine_refuses_several_training_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    (tmp_path / "config.json").write_text("{}")
+    mp.spawn(
+        _build_on_rank,
+        args=(str(tmp_path / "store"), str(tmp_path), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "with 2 training ranks" in text, text

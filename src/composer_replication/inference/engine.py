@@ -110,6 +110,19 @@ def build_policy_engine(
     """The run's engine, or None when the policy samples in process."""
     if config.engine == "in_process":
         return None
+    world = _training_world_size()
+    if world > 1:
+        raise ValueError(
+            f"inference.engine = 'vllm' with {world} training ranks: the weight sync writes "
+            "one process's whole policy, not FSDP shards; train in one process or use "
+            "inference.engine = 'in_process'"
+        )
     return PolicyEngine(
         config, model_dir=engine_model_dir(model_source), run_dir=run_dir, seed=seed
     )
+
+
+def _training_world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
