@@ -139,6 +139,22 @@ def test_two_near_greedy_steps_match_the_native_loop(tmp_path, tiny_dir, pairs_f
     assert (tmp_path / "monarch" / "summary.json").exists()
 
 
+@pytest.mark.slow
+def test_a_resumed_monarch_run_continues_like_the_native_loop(tmp_path, tiny_dir, pairs_file):
+    """One step, then --resume to two: both engines restore the checkpoint (the trainer
+    process its weights, optimizer and schedule; the controller its curriculum, pairs and
+    task stream) and their second steps match."""
+    algo = {"algo": "replay_dpo", "adv": f'pairs_path = "{pairs_file}"', "temperature": 1e-3}
+    for name, engine, cls in (("native", "", Trainer), ("monarch", MONARCH, MonarchTrainer)):
+        cls(_config(tmp_path / name, tiny_dir, steps=1, engine=engine, **algo)).run()
+        cls(_config(tmp_path / name, tiny_dir, steps=2, engine=engine, **algo)).run(resume=True)
+    a, b = _metrics(tmp_path / "native"), _metrics(tmp_path / "monarch")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2]
+    for key, value in a[2].items():
+        if isinstance(value, float):
+            assert b[2][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 @pytest.fixture(scope="module")
 def monarch_run(tmp_path_factory, tiny_dir, pairs_file):
     """One Monarch controller with its processes (2 generators, 1 rewarder, 1 trainer),
