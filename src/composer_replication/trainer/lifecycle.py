@@ -285,29 +285,19 @@ class RunLifecycle:
 
         stopped = None if self.stopped is None else self.stopped.reason
         heldout_after = self.heldout_last()
-        if not self.ranks.is_writer:  # rank 0 writes the model and the summary
-            if self.stopped is not None:
-                raise CollapseStopError(self.stopped)
-            return RunResult(
-                self.run_dir,
-                steps,
-                self.heldout_before,
-                heldout_after,
-                None,
-                None,
-                self.metrics.rows(),
-            )
-        final_dir = save_checkpoint(policy, self.run_dir / "final_model", tokenizer=tokenizer)
-        summary = {
-            "backend": self.backend,
-            "steps": steps,
-            "heldout_before": self.heldout_before,
-            "heldout_after": heldout_after,
-            "final_model": str(final_dir),
-            "stopped_by_guard": stopped,
-            "wall_time_s": time.perf_counter() - self._start,
-        }
-        write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        final_dir = None
+        if self.ranks.is_writer:  # rank 0 alone writes the model and the summary
+            final_dir = save_checkpoint(policy, self.run_dir / "final_model", tokenizer=tokenizer)
+            summary = {
+                "backend": self.backend,
+                "steps": steps,
+                "heldout_before": self.heldout_before,
+                "heldout_after": heldout_after,
+                "final_model": str(final_dir),
+                "stopped_by_guard": stopped,
+                "wall_time_s": time.perf_counter() - self._start,
+            }
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         if self.stopped is not None:
             raise CollapseStopError(self.stopped)
         return RunResult(
