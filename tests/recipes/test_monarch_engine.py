@@ -23,31 +23,6 @@ from composer_replication.trainer.loop import Trainer
 VOLATILE = ("time/", "tokens_per_s/")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from composer_replication.models import save_checkpoint, tiny_policy
-
-    model, tok = tiny_policy(seed=0)
-    return str(save_checkpoint(model, tmp_path_factory.mktemp("tiny") / "model", tokenizer=tok))
-
-
-@pytest.fixture(scope="module")
-def pairs_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    rows = [
-        {
-            "state_id": f"s{i}",
-            "state_messages": [{"role": "user", "content": f"write f{i}"}],
-            "chosen": f"def f{i}(x):\n    return x + {i}",
-            "rejected": f"def f{i}(x):\n    pass",
-            "n_teachers_agreeing": 2,
-        }
-        for i in range(3)
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def _config(
     run_dir,
     model_source,
