@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,6 +89,12 @@ def test_a_killed_rank_makes_the_other_fail_with_a_clear_error(tmp_path):
     assert "with the other ranks failed; a rank died" in err0
 
 
+def _steady(rows: list[dict]) -> list[dict]:
+    """Metrics rows without their timings (the only values two equal runs may differ in)."""
+    volatile = ("time/", "tokens_per_s/")
+    return [{k: v for k, v in row.items() if not k.startswith(volatile)} for row in rows]
+
+
 def _run_config(tmp_path: Path, tiny_dir: str) -> Path:
     model = f'[model]\nsource = "{tiny_dir}"\ndevice = "cpu"\n[model.lora]\nr = 4\nalpha = 8'
     toml = tmp_path / "run.toml"
@@ -110,7 +117,7 @@ every = 1
 [[envs]]
 name = "recording_env:make_env"
 tasks_per_step = 3
-options = {{ record_dir = "{tmp_path}", n_tasks = 16 }}
+options = {{ record_dir = "{tmp_path}", n_tasks = 16, rising = false }}
 [envs.algorithm.sampling]
 group_size = 2
 max_new_tokens = 6
@@ -159,6 +166,29 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "rollouts/count" in row]
     assert [row["rollouts/count"] for row in steps] == [6.0, 6.0]  # 3 tasks x 2, both ranks
+    # the ranks' sharded checkpoint of step 1, resumed on 2 ranks, replays step 2 exactly
+    assert (run / "checkpoints" / "step_000001" / "sharded" / ".metadata").is_file()
+    resumed = tmp_path / "resumed_run"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000002")
+    again = subprocess.run(
+        [*cmd, "--resume", "--output-dir", str(resumed)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+    replayed = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert _steady(replayed) == _steady(rows)
+
+    def final_weights(run_dir: Path) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(str(next((run_dir / "final_model").glob("*.safetensors"))))
+
+    want, got = final_weights(run), final_weights(resumed)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     # the checkpoint the two ranks wrote resumes in one process
     from composer_replication.config.run import RunConfig
     from composer_replication.trainer.loop import Trainer

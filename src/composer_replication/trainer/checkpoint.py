@@ -1,27 +1,44 @@
 """Training-state checkpoints: atomic, keep-last-N, and complete enough to resume exactly.
 
-A checkpoint directory ``<run>/checkpoints/step_NNNNNN`` holds:
-- ``trainable.safetensors``: the parameters that train (LoRA adapters, or every weight);
-- ``state.pt``: optimizer, LR scheduler, the Python / NumPy / torch RNG states, the step
-  counter and the JSON states of the curriculum, the kill switch and the teacher models.
-It is written into a temporary sibling and renamed into place, so a run killed at any
-moment (SIGKILL included) leaves the previous checkpoint intact, and resuming from it
-replays the same steps with the same random numbers.
+A checkpoint directory ``<run>/checkpoints/step_NNNNNN`` holds either
+
+- ``trainable.safetensors`` (one process): the parameters that train (LoRA adapters, or
+  every weight), with the optimizer's state inside ``state.pt``; or
+- ``sharded/`` (several ranks): a ``torch.distributed.checkpoint`` of the trainable
+  parameters and the optimizer state, each rank writing its own FSDP2 shards (no rank
+  gathers the model);
+
+and ``state.pt``: LR scheduler, the Python / NumPy / torch RNG states (every rank's, in a
+sharded checkpoint), the step counter and the JSON states of the curriculum, the kill switch
+and the teacher models.
+
+Either is written into a temporary sibling and renamed into place by rank 0 once every rank
+has written its part, so a run killed at any moment (SIGKILL included) leaves the previous
+checkpoint intact, and resuming from it replays the same steps with the same random
+numbers. Both load into any number of ranks: a sharded checkpoint is resharded by
+``torch.distributed.checkpoint`` (one process reads it whole), a one-process checkpoint is
+split into the ranks' shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from composer_replication.atomic_io import build_dir_atomically
+from composer_replication.trainer.ranks import RankGroup
 
 _STEP_DIR = re.compile(r"step_(\d{6,})")
+#: the torch.distributed.checkpoint directory of a checkpoint written by several ranks
+SHARDED_DIR = "sharded"
 
 
 def rng_state() -> dict[str, Any]:
@@ -104,6 +121,68 @@ def load_trainable_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
             param.copy_(value)
 
 
+def sharded_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """What a sharded checkpoint holds, as ``torch.distributed.checkpoint`` saves and loads it
+    in place: the trainable parameters by name (each rank's FSDP2 shards, or whole tensors in
+    one process) and the optimizer state keyed by parameter name.
+
+    The parameters themselves, not ``get_model_state_dict``: a tied LM head is one parameter
+    here under one name, whether the model is sharded (the head reads the embedding) or not.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return {"model": params, "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """torch.distributed.checkpoint warns on every call in one process (no process group):
+    that is an intended use here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load)")
+        yield
+
+
+def save_sharded(state: dict[str, Any], directory: Path) -> None:
+    """Every rank writes its shards of :func:`sharded_state` into ``directory`` (a
+    collective; rank 0 writes the metadata once every rank's files exist)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_dcp():
+        dcp.save(state, checkpoint_id=str(directory))
+
+
+def load_sharded(directory: Path, *, model: Any, optimizer: Any) -> None:
+    """Load a sharded checkpoint into ``model`` and ``optimizer`` with however many ranks
+    this run has (resharded as needed; in one process, read whole)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state = sharded_state(model, optimizer)
+    try:
+        with _quiet_dcp(), torch.no_grad():
+            dcp.load(state, checkpoint_id=str(directory))
+    except (CheckpointException, RuntimeError, ValueError) as err:
+        if "Missing key" in str(err) or "Unexpected key" in str(err):
+            missing = str(err).split("Missing key in checkpoint state_dict:")[-1].split("\n")[0]
+            raise ValueError(
+                f"checkpoint {directory.parent} does not match the model's trainable "
+                f"parameters (e.g. {missing.strip()}): was it written with another LoRA "
+                "setting?"
+            ) from None
+        raise
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"])
+
+
+def _rank_rng(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """This rank's RNG states in a checkpoint: its own when the checkpoint has them (same
+    number of ranks or more), else a saved rank's (``rank`` modulo their number)."""
+    per_rank = state.get("rng_per_rank") or [state["rng"]]
+    return per_rank[rank % len(per_rank)]
+
+
 class CheckpointManager:
     """Writes and finds checkpoints under ``<run_dir>/checkpoints``."""
 
@@ -122,7 +201,10 @@ class CheckpointManager:
         found = []
         for child in self.root.iterdir():
             m = _STEP_DIR.fullmatch(child.name)
-            if m and (child / "state.pt").exists() and (child / "trainable.safetensors").exists():
+            weights = (child / "trainable.safetensors").exists() or (
+                child / SHARDED_DIR / ".metadata"
+            ).exists()
+            if m and (child / "state.pt").exists() and weights:
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -138,26 +220,25 @@ class CheckpointManager:
         optimizer: Any,
         scheduler: Any,
         extra: dict[str, Any],
-        writer: bool = True,
+        ranks: RankGroup | None = None,
     ) -> Path:
         """Atomically write the checkpoint of ``step`` (the number of steps completed).
 
-        With a sharded model every rank calls it (the state is gathered) and only the
-        ``writer`` (rank 0) writes.
+        Under several ``ranks`` every rank calls it: each writes its own shards, rank 0
+        alone writes ``state.pt`` and commits the directory.
         """
+        ranks = ranks or RankGroup()
+        state = {
+            "step": step,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra": extra,
+        }
+        if ranks.distributed:
+            return self._save_sharded(step, state, model=model, optimizer=optimizer, ranks=ranks)
         from safetensors.torch import save_file
 
         tensors = trainable_state(model)
-        optimizer_whole = optimizer_state(model, optimizer)
-        if not writer:
-            return self.path_for(step)
-        state = {
-            "step": step,
-            "optimizer": optimizer_whole,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": rng_state(),
-            "extra": extra,
-        }
+        state.update(optimizer=optimizer_state(model, optimizer), rng=rng_state())
 
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp / "trainable.safetensors"))
@@ -167,22 +248,56 @@ class CheckpointManager:
         self._prune()
         return path
 
-    def load(
-        self, path: str | Path, *, model: Any, optimizer: Any, scheduler: Any
-    ) -> dict[str, Any]:
-        """Restore model, optimizer, scheduler and RNG; return ``{"step", "extra"}``."""
-        from safetensors.torch import load_file
+    def _save_sharded(
+        self, step: int, state: dict[str, Any], *, model: Any, optimizer: Any, ranks: RankGroup
+    ) -> Path:
+        rngs = ranks.gather_shares([rng_state()], ranks.world_size)
+        shards = sharded_state(model, optimizer)
+        if ranks.is_writer:
+            state.update(rng=rngs[0], rng_per_rank=rngs, world_size=ranks.world_size)
 
+            def write(tmp: Path) -> None:
+                ranks.agree(str(tmp))  # where the other ranks write their shards
+                save_sharded(shards, tmp / SHARDED_DIR)
+                torch.save(state, tmp / "state.pt")
+
+            build_dir_atomically(self.path_for(step), write, replace=True)
+            self._prune()
+        else:
+            save_sharded(shards, Path(ranks.agree("")) / SHARDED_DIR)
+        ranks.barrier()  # committed before any rank reads or prunes again
+        return self.path_for(step)
+
+    def load(
+        self,
+        path: str | Path,
+        *,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        ranks: RankGroup | None = None,
+    ) -> dict[str, Any]:
+        """Restore model, optimizer, scheduler and this rank's RNG; return ``{"step",
+        "extra"}``. Every rank of the run calls it."""
         path = Path(path)
         if not (path / "state.pt").exists():
             raise FileNotFoundError(f"{path} is not a checkpoint (no state.pt)")
-        load_trainable_state(model, load_file(str(path / "trainable.safetensors")))
-        # host tensors; optimizer.load_state_dict moves its state to each parameter's device
+        ranks = ranks or RankGroup()
+        # host tensors; the optimizer's state moves to each parameter's device on load
         state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
-        load_optimizer_state(model, optimizer, state["optimizer"])
+        if (path / SHARDED_DIR / ".metadata").exists():
+            load_sharded(path / SHARDED_DIR, model=model, optimizer=optimizer)
+        else:
+            from safetensors.torch import load_file
+
+            load_trainable_state(model, load_file(str(path / "trainable.safetensors")))
+            load_optimizer_state(model, optimizer, state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+        set_rng_state(_rank_rng(state, ranks.rank))
+        if ranks.rank >= len(state.get("rng_per_rank") or [None]):
+            # a rank the checkpoint did not have: its own stream, derived from the state
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,))) + 7919 * ranks.rank)
         return {"step": int(state["step"]), "extra": state["extra"]}
 
     def _prune(self) -> None:

@@ -153,7 +153,7 @@ class Trainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             extra=self.extra_state(),
-            writer=self.ranks.is_writer,
+            ranks=self.ranks,
         )
 
     def resume(self) -> bool:
@@ -162,7 +162,11 @@ class Trainer:
         if latest is None:
             return False
         state = self.checkpoints.load(
-            latest, model=self.policy, optimizer=self.optimizer, scheduler=self.scheduler
+            latest,
+            model=self.policy,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            ranks=self.ranks,
         )
         self.restore(state["step"], state["extra"])
         return True
