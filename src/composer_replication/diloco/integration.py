@@ -18,6 +18,12 @@ Two backends:
   (Nesterov SGD, lr 0.7, momentum 0.9: DiLoCo, arXiv:2311.08105 §2) steps ``θ_outer`` with
   ``Δ`` as its gradient, and ``θ_outer`` is loaded into the model. On entry rank 0's
   trainable parameters are broadcast, so replicas start identical even if their inits differ.
+
+A replica may itself be several ranks training one FSDP2-sharded model (``torchrun``): the
+replica-group model of torchft's HSDP, sharded inside a replica, replicated across replicas.
+Every rank then runs the outer loop on its own shards only: shard ``r`` of every replica meets
+the others under ``<rendezvous>/shard_<r>_of_<M>`` (replicas must use the same number of
+ranks ``M``), so no rank ever holds the whole model's outer state.
 """
 
 from __future__ import annotations
@@ -48,16 +54,24 @@ class NoSync:
 NO_SYNC = NoSync()
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of an FSDP2 DTensor, else itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 def flatten(params: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate ``params`` into one float32 CPU vector of ``sum(numel)``."""
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+    """Concatenate ``params`` (this rank's shards of sharded ones) into one float32 CPU
+    vector."""
+    return torch.cat([_local(p).detach().reshape(-1).to("cpu", torch.float32) for p in params])
 
 
 @torch.no_grad()
 def unflatten_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` into ``params`` (each keeps its dtype/device)."""
+    """Copy consecutive slices of ``flat`` into ``params`` (this rank's shards of sharded
+    ones; each keeps its dtype/device)."""
     offset = 0
-    for p in params:
+    for param in params:
+        p = _local(param)
         n = p.numel()
         p.copy_(flat[offset : offset + n].view_as(p))
         offset += n
@@ -182,6 +196,18 @@ def diloco_context(
     return _torchft_context(config, model, inner_optimizer, manager)
 
 
+def shard_rendezvous(rendezvous: str) -> str:
+    """Where this rank's shards meet the same shards of the other replicas: the rendezvous
+    itself for a one-process replica, ``<rendezvous>/shard_<r>_of_<M>`` for rank ``r`` of a
+    replica of ``M`` ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return rendezvous
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return f"{rendezvous.rstrip('/')}/shard_{rank:04d}_of_{world:04d}"
+
+
 @contextlib.contextmanager
 def _object_store_context(
     config: DiLoCoConfig, model: torch.nn.Module, store: Any
@@ -195,7 +221,7 @@ def _object_store_context(
         from composer_replication.diloco.serverless.object_store import ObjectStoreAllReduce
 
         store = ObjectStoreAllReduce(
-            config.rendezvous,
+            shard_rendezvous(config.rendezvous),
             config.resolve_rank(),
             config.resolve_world_size(),
             timeout_s=config.timeout_s,

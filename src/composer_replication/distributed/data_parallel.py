@@ -48,10 +48,11 @@ def start_data_parallel(config: RunConfig) -> RankGroup:
             "would follow sharded weights); use the live policy or the initial policy as "
             "the teacher, or train in one process"
         )
-    if config.diloco.enabled:
+    if config.diloco.enabled and config.diloco.backend != "object_store":
         raise ValueError(
-            "DiLoCo replicas and torchrun data parallelism cannot be combined in one run yet; "
-            "run each DiLoCo replica as one process"
+            f"diloco.backend = {config.diloco.backend!r} runs one process per replica; a "
+            "replica of several torchrun ranks (FSDP2 inside the replica) needs "
+            "diloco.backend = 'object_store', or run each torchft replica as one process"
         )
     ranks = init_from_env(resolve_device(config.model.device))
     # same task stream on every rank (they share each step's tasks); different sampling

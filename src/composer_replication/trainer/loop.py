@@ -143,8 +143,16 @@ class Trainer:
             "task_rng": self.task_rng.getstate(),
             "lifecycle": self.life.state_dict(),
             **self.learner.state_dict(),  # teachers, losses
-            "diloco": self.sync.state_dict(),
+            **self._diloco_checkpoint_state(),
         }
+
+    def _diloco_checkpoint_state(self) -> dict[str, Any]:
+        """The DiLoCo outer state: each rank's own under several ranks (its shards' outer
+        parameters and momentum), gathered for rank 0 to write."""
+        if not self.ranks.distributed:
+            return {"diloco": self.sync.state_dict()}
+        mine = [self.sync.state_dict()]
+        return {"diloco_per_rank": self.ranks.gather_shares(mine, self.ranks.world_size)}
 
     def save(self) -> Path:
         return self.checkpoints.save(
@@ -181,7 +189,17 @@ class Trainer:
         self.task_rng.setstate(extra["task_rng"])
         self.life.load_state_dict(extra["lifecycle"], self.step)
         self.learner.load_state_dict(extra)
-        self._diloco_state = extra.get("diloco")
+        per_rank = extra.get("diloco_per_rank")
+        if per_rank is None:
+            self._diloco_state = extra.get("diloco")
+        elif any(per_rank) and len(per_rank) != self.ranks.world_size:
+            raise ValueError(
+                f"this checkpoint's DiLoCo outer state was written by {len(per_rank)} ranks per "
+                f"replica (one part per shard); resume it with {len(per_rank)} ranks, not "
+                f"{self.ranks.world_size}"
+            )
+        else:
+            self._diloco_state = per_rank[self.ranks.rank] if per_rank else None
 
     # ------------------------------------------------------------------ phases
 
