@@ -241,6 +241,96 @@ type = "grpo"
     assert engine.server.healthy()
 
 
+def test_async_level_one_samples_the_next_step_while_the_trainer_trains(engine, tmp_path):
+    """``async_level = 1``: step n+1's rollouts are sampled (by the engine, with the weights
+    before step n) while step n trains; each step trains on rollouts one version old, every
+    batch is sampled by one version, and held-out evaluation samples through the engine."""
+    import threading
+    import time
+
+    from composer_replication.config import RunConfig
+    from composer_replication.trainer.loop import Trainer
+
+    config = RunConfig.from_toml(
+        f'''
+seed = 0
+steps = 3
+output_dir = "{tmp_path / "run"}"
+[model]
+source = "embedded"
+[optim]
+lr = 1e-5
+[eval]
+at_start = false
+every = 3
+max_tasks = 1
+samples_per_task = 1
+[guard]
+min_steps = 100
+[checkpoint]
+every = 100
+[inference]
+engine = "vllm"
+url = "{engine.server.base_url}"
+async_level = 1
+max_off_policy_steps = 1
+[[envs]]
+name = "python_functions"
+tasks_per_step = 1
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 16
+[envs.algorithm.advantage]
+type = "grpo"
+''',
+        overrides=["model.lora=null"],
+    )
+    trainer = Trainer(config)
+    calls, updates = [], []
+    real_rollouts = trainer.runtimes[0].env.rollouts
+    real_update = trainer.learner.update
+
+    def recording_rollouts(policy, tokenizer, task_ids, *, group_size, sampling):
+        start = time.perf_counter()
+        groups = real_rollouts(
+            policy, tokenizer, task_ids, group_size=group_size, sampling=sampling
+        )
+        thread = threading.current_thread().name  # the queue samples in its own thread
+        calls.append((thread, policy, start, time.perf_counter(), groups))
+        return groups
+
+    def recording_update(batches, step):
+        start = time.perf_counter()
+        out = real_update(batches, step)
+        updates.append((start, time.perf_counter()))
+        return out
+
+    trainer.runtimes[0].env.rollouts = recording_rollouts
+    trainer.learner.update = recording_update
+    result = trainer.run()
+    assert result.steps == 3
+    train_calls = [c for c in calls if c[0].startswith("rollouts")]
+    eval_calls = [c for c in calls if c[0] == "MainThread"]
+    assert len(train_calls) + len(eval_calls) == len(calls)
+    assert len(train_calls) == 4  # steps 1-3 plus step 4's batch, sampled ahead
+    from composer_replication.inference.sampler import EngineSampler
+
+    samplers = {id(c[1]) for c in calls}
+    assert len(samplers) == 1 and all(isinstance(c[1], EngineSampler) for c in calls)
+    assert eval_calls  # held-out evaluation went through the engine too
+    # the batch of step n+1 was sampled while step n trained (it started before it ended)
+    for n in (0, 1):
+        assert train_calls[n + 1][2] < updates[n][1]
+    # each batch is one policy version: 0, 0, 1, 2 (sampled before steps 1, 1, 2, 3 trained)
+    versions = [{r.metadata["policy_version"] for g in c[4] for r in g} for c in train_calls]
+    assert versions == [{0}, {0}, {1}, {2}]
+    rows = [r for r in result.metrics if r.get("step", 0) > 0 and "async/staleness_max" in r]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["rollouts/stale_dropped"] == 0 for r in rows)
+    assert [r["engine/policy_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all("kl/inference" in r for r in rows)
+
+
 @pytest.fixture(scope="module")
 def lora_engine(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora-engine-run")

@@ -94,6 +94,19 @@ class InferenceConfig(BaseModel):
     extra_args: list[str] = Field(
         default_factory=list, description="More server flags, appended as given."
     )
+    async_level: int = Field(
+        0,
+        ge=0,
+        description="Steps sampled ahead of training: 0 samples each step's rollouts before "
+        "training on them; k > 0 samples the next k steps' rollouts (engine = 'vllm') while "
+        "the trainer runs, so a step trains on rollouts of the policy k versions older.",
+    )
+    max_off_policy_steps: int = Field(
+        8,
+        ge=0,
+        description="Rollouts sampled more than this many policy versions before the weights "
+        "that train on them are dropped (and counted in rollouts/stale_dropped).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
@@ -104,4 +117,16 @@ class InferenceConfig(BaseModel):
             )
         if self.command is not None and not self.command:
             raise ValueError("inference.command is empty: give the argv or leave it unset")
+        if self.async_level and self.engine == "in_process":
+            raise ValueError(
+                f"inference.async_level={self.async_level} needs an inference engine that "
+                "samples in its own process (engine = 'vllm'); in process the policy cannot "
+                "sample while it trains: set async_level = 0 or engine = 'vllm'"
+            )
+        if self.async_level > self.max_off_policy_steps:
+            raise ValueError(
+                f"inference.async_level={self.async_level} > max_off_policy_steps="
+                f"{self.max_off_policy_steps}: every batch would be dropped as too old; raise "
+                "max_off_policy_steps to at least async_level"
+            )
         return self

@@ -16,6 +16,7 @@ import asyncio
 import os
 import random
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.learner import Learner
 from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle, RunResult
 from composer_replication.trainer.loss_schedule import LossSchedule
+from composer_replication.trainer.rollout_queue import RolloutQueue, drop_stale
 from composer_replication.trainer.runtime import EnvRuntime, build_runtime
 from composer_replication.trainer.setup import ProgressBar, seed_everything, setup_policy
 from composer_replication.trainer.teachers import TeacherModels
@@ -106,6 +108,10 @@ class Trainer:
             run_dir=self.run_dir,
             seed=config.seed,
         )
+        # steps sampled ahead of training (inference.async_level), and the tasks a resumed
+        # run samples first (the batches that were pending at its checkpoint)
+        self.rollout_queue: RolloutQueue | None = None
+        self._pending_tasks: deque[list[list[str]]] = deque()
 
     @property
     def teachers(self) -> TeacherModels:
@@ -144,6 +150,7 @@ class Trainer:
             "lifecycle": self.life.state_dict(),
             **self.learner.state_dict(),  # teachers, losses
             **self._diloco_checkpoint_state(),
+            "pending_tasks": self.rollout_queue.pending_tasks() if self.rollout_queue else [],
         }
 
     def _diloco_checkpoint_state(self) -> dict[str, Any]:
@@ -189,6 +196,7 @@ class Trainer:
         self.task_rng.setstate(extra["task_rng"])
         self.life.load_state_dict(extra["lifecycle"], self.step)
         self.learner.load_state_dict(extra)
+        self._pending_tasks = deque(extra.get("pending_tasks") or [])
         per_rank = extra.get("diloco_per_rank")
         if per_rank is None:
             self._diloco_state = extra.get("diloco")
@@ -204,8 +212,9 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     def evaluate(self) -> float:
-        """Held-out pass@1 over every environment's held-out tasks."""
-        return self.life.evaluate(self.policy, self.tokenizer, self.heldout_tasks)
+        """Held-out pass@1 over every environment's held-out tasks (sampled by the engine
+        when there is one: it holds the current weights)."""
+        return self.life.evaluate(self.sampling_policy, self.tokenizer, self.heldout_tasks)
 
     def pick_tasks(self) -> list[list[str]]:
         """This step's train task ids of every environment (curriculum, held-out refused)."""
@@ -230,11 +239,36 @@ class Trainer:
             for rt, task_ids in zip(self.runtimes, tasks)
         ]
 
+    def next_tasks(self) -> list[list[str]]:
+        """The next step's tasks of this rank: a resumed run's pending ones first, then the
+        curriculum's (every rank picks the same tasks and samples its own share)."""
+        if self._pending_tasks:
+            return self._pending_tasks.popleft()
+        return [self.ranks.share(task_ids) for task_ids in self.pick_tasks()]
+
     def collect(self) -> tuple[list[Any], dict[str, float]]:
+        if self.rollout_queue is not None:
+            return self.collect_ahead(self.rollout_queue)
         t0 = time.perf_counter()
-        # every rank picks the same tasks and samples and grades its own share of them
-        tasks = [self.ranks.share(task_ids) for task_ids in self.pick_tasks()]
+        tasks = self.next_tasks()
         return self.assign(tasks, self.run_rollouts(tasks), t0)
+
+    def collect_ahead(self, queue: RolloutQueue) -> tuple[list[Any], dict[str, float]]:
+        """This step's rollouts from the queue (sampled while earlier steps trained), too old
+        groups dropped; then the queue is topped up to ``async_level`` steps ahead."""
+        if not len(queue):
+            queue.submit(self.next_tasks())
+        tasks, groups, submitted, waited = queue.pop()
+        tasks, groups, off_policy = drop_stale(
+            tasks,
+            groups,
+            trainer_version=self.step,
+            max_off_policy_steps=self.config.inference.max_off_policy_steps,
+        )
+        samples, row = self.assign(tasks, groups, submitted)
+        while len(queue) < queue.depth:
+            queue.submit(self.next_tasks())
+        return samples, {**row, **off_policy, "time/wait_rollouts_s": waited}
 
     def assign(
         self, tasks: list[list[str]], env_groups: list[list[list[Rollout]]], t0: float
@@ -297,6 +331,8 @@ class Trainer:
         metrics = self.learner.update(batches, self.step)
         train_s = time.perf_counter() - t0
         if self.engine is not None:  # the engine samples the next step with these weights
+            if self.rollout_queue is not None:
+                self.rollout_queue.wait_idle()  # one policy version per sampled batch
             row.update(self.engine.after_step(self.policy, self.step))
         row.update(metrics)
         row.update(
@@ -321,10 +357,20 @@ class Trainer:
 
     def run(self, *, resume: bool = False) -> RunResult:
         resumed = resume and self.resume()
+        if self.engine is not None and (resumed or self.config.inference.url):
+            # a started engine serves [model] source, which is only version 0 of a new run;
+            # a running one (url) may serve anything
+            self.engine.after_step(self.policy, self.step)
         if not resumed:
             with self.learner.weights.gathered():
-                self.life.evaluate_start(self.policy, self.tokenizer, self.heldout_tasks)
+                self.life.evaluate_start(self.sampling_policy, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
+        if self.config.inference.async_level:
+            self.rollout_queue = RolloutQueue(
+                self.run_rollouts,
+                lambda: self.engine.version if self.engine is not None else self.step,
+                depth=self.config.inference.async_level,
+            )
         try:
             with diloco_context(self.config.diloco, self.policy, self.optimizer) as sync:
                 self.sync = sync
@@ -334,6 +380,9 @@ class Trainer:
                     self._loop(progress)
         finally:
             self.sync = NO_SYNC
+            if self.rollout_queue is not None:
+                self.rollout_queue.close()
+                self.rollout_queue = None
             if self.engine is not None:
                 self.engine.stop()
             progress.close()

@@ -1,0 +1,133 @@
+"""Sampling ahead of training: ``[inference] async_level = k`` (one-step and k-step off-policy).
+
+With an inference engine the policy samples in another process, so the next steps' rollouts
+can be sampled and graded while the trainer runs the current step. :class:`RolloutQueue`
+keeps up to ``k`` steps' batches sampling in one background thread, oldest first. The
+trainer takes the oldest batch (waiting if it is not done), assigns and scores it in its own
+thread (algorithms may run the live policy), submits the next batch, trains, and before the
+weight sync waits until no batch is sampling, so every batch is sampled by one policy
+version. In steady state a batch trained at step ``n`` was sampled by version ``n - k``;
+the rl component's importance ratio uses the sampler's log-probs, which corrects for it.
+
+:func:`drop_stale` removes groups older than ``max_off_policy_steps`` (counted, never
+silently), and reports the staleness of what is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RolloutQueue", "drop_stale"]
+
+#: one step's task ids per environment, and the groups sampled for them
+Tasks = list[list[str]]
+EnvGroups = list[list[list[Any]]]
+
+
+@dataclass
+class _Batch:
+    tasks: Tasks
+    future: Future
+    submitted: float
+
+
+class RolloutQueue:
+    """Up to ``depth`` steps' batches of rollouts, sampled in one background thread.
+
+    ``sample(tasks) -> groups`` samples and grades one step's tasks (the trainer's
+    ``run_rollouts``); ``version()`` is the policy version the sampler serves when a batch
+    is submitted, stamped on every rollout of the batch as ``metadata["policy_version"]``
+    (the trainer syncs weights only while no batch samples, so it is the version that
+    sampled it).
+    """
+
+    def __init__(
+        self, sample: Callable[[Tasks], EnvGroups], version: Callable[[], int], *, depth: int
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth={depth}: a queue samples at least one step ahead")
+        self._sample = sample
+        self._version = version
+        self.depth = depth
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+        self._batches: deque[_Batch] = deque()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def submit(self, tasks: Tasks) -> None:
+        """Start sampling one step's ``tasks`` (after the batches already queued)."""
+        version = self._version()
+
+        def job() -> EnvGroups:
+            groups = self._sample(tasks)
+            for env_groups in groups:
+                for group in env_groups:
+                    for rollout in group:
+                        rollout.metadata.setdefault("policy_version", version)
+            return groups
+
+        self._batches.append(_Batch(tasks, self._executor.submit(job), time.perf_counter()))
+
+    def pop(self) -> tuple[Tasks, EnvGroups, float, float]:
+        """The oldest batch: its tasks, groups, submission time and the seconds waited for
+        it (a failure while sampling is raised here)."""
+        batch = self._batches.popleft()
+        t0 = time.perf_counter()
+        groups = batch.future.result()
+        return batch.tasks, groups, batch.submitted, time.perf_counter() - t0
+
+    def wait_idle(self) -> None:
+        """Block until no batch is sampling (before the sampler's weights change)."""
+        for batch in self._batches:
+            batch.future.exception()  # waits; the error itself surfaces at pop()
+
+    def pending_tasks(self) -> list[Tasks]:
+        """Tasks of the batches not yet trained on, oldest first (for checkpoints: a resumed
+        run samples them again)."""
+        return [batch.tasks for batch in self._batches]
+
+    def close(self) -> None:
+        """Cancel batches that have not started, wait for the running one."""
+        for batch in self._batches:
+            batch.future.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._batches.clear()
+
+
+def drop_stale(
+    tasks: Tasks, env_groups: EnvGroups, *, trainer_version: int, max_off_policy_steps: int
+) -> tuple[Tasks, EnvGroups, dict[str, float]]:
+    """Keep the groups sampled at most ``max_off_policy_steps`` versions before
+    ``trainer_version`` (the weights about to be trained); metrics of what was kept and
+    dropped: ``rollouts/stale_dropped``, ``async/staleness_mean``, ``async/staleness_max``.
+
+    A group's staleness is its oldest rollout's (``trainer_version - policy_version``).
+    """
+    kept_tasks: Tasks = []
+    kept_groups: EnvGroups = []
+    dropped, staleness = 0, []
+    for task_ids, groups in zip(tasks, env_groups):
+        env_tasks, env_kept = [], []
+        for task_id, group in zip(task_ids, groups):
+            versions = [int(r.metadata.get("policy_version", trainer_version)) for r in group]
+            age = trainer_version - min(versions, default=trainer_version)
+            if age > max_off_policy_steps:
+                dropped += len(group)
+                continue
+            env_tasks.append(task_id)
+            env_kept.append(group)
+            staleness += [trainer_version - v for v in versions]
+        kept_tasks.append(env_tasks)
+        kept_groups.append(env_kept)
+    metrics = {
+        "rollouts/stale_dropped": float(dropped),
+        "async/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "async/staleness_max": float(max(staleness, default=0)),
+    }
+    return kept_tasks, kept_groups, metrics
