@@ -181,3 +181,35 @@ def test_engine_refuses_several_training_ranks(tmp_path):
     for rank in (0, 1):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert "with 2 training ranks" in text, text
+
+
+def test_frozen_models_given_by_local_path_are_found_once(tmp_path):
+    from composer_replication.config.run import RunConfig
+    from composer_replication.inference.frozen import FrozenEngines, local_frozen_paths
+
+    toml = f"""
+output_dir = "{tmp_path}"
+[inference]
+engine = "vllm"
+[[envs]]
+name = "python_functions"
+[envs.algorithm.advantage]
+type = "opd"
+model = {{ name = "t", local_path = "embedded" }}
+[[envs]]
+name = "feature_deletion"
+[envs.algorithm.sampling]
+source = {{ name = "t", local_path = "embedded" }}
+[envs.algorithm.advantage]
+type = "sft"
+"""
+    config = RunConfig.from_toml(toml)
+    assert local_frozen_paths(config) == ["embedded"]
+    assert FrozenEngines.wanted(config)
+    in_process = RunConfig.from_toml(
+        toml.replace('engine = "vllm"', 'engine = "vllm"\nserve_frozen = false')
+    )
+    assert not FrozenEngines.wanted(in_process)
+    gguf = RunConfig.from_toml(toml.replace('"embedded"', f'"{tmp_path / "m.gguf"}"'))
+    with pytest.raises(ValueError, match="serve_frozen = false"):
+        FrozenEngines(gguf, log_dir=tmp_path).start()

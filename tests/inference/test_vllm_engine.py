@@ -331,6 +331,86 @@ type = "grpo"
     assert all("kl/inference" in r for r in rows)
 
 
+def test_a_frozen_opd_teacher_is_served_by_an_engine_of_its_own(engine, tmp_path):
+    """opd with a frozen teacher given by local_path: the run serves it with its own engine
+    server (never synced), the algorithm scores through it, and its prefill log-probs equal
+    the same model's in process."""
+    import asyncio
+
+    from composer_replication.algo.scoring import EndpointPrefillScorer, LocalPrefillScorer
+    from composer_replication.config import RunConfig
+    from composer_replication.trainer.loop import Trainer
+
+    config = RunConfig.from_toml(
+        f'''
+seed = 0
+steps = 1
+output_dir = "{tmp_path / "run"}"
+[model]
+source = "embedded"
+[optim]
+lr = 1e-5
+[eval]
+at_start = false
+every = 10
+max_tasks = 1
+samples_per_task = 1
+[guard]
+min_steps = 100
+[inference]
+engine = "vllm"
+url = "{engine.server.base_url}"
+python = "{ENGINE_PYTHON}"
+optimization_level = 0
+startup_timeout_s = 600
+[[envs]]
+name = "python_functions"
+tasks_per_step = 1
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 12
+[envs.algorithm.advantage]
+type = "opd"
+model = {{ name = "teacher", local_path = "embedded" }}
+''',
+        overrides=["model.lora=null"],
+    )
+    trainer = Trainer(config)
+    try:
+        (server,) = trainer.frozen_engines.servers.values()
+        assert server.process is not None and server.healthy()
+        scorer = trainer.runtimes[0].algorithm.scorer
+        assert isinstance(scorer, EndpointPrefillScorer)
+        assert scorer.url == f"{server.base_url}/v1/completions"
+        assert server.base_url != engine.server.base_url  # not the policy's server
+        captured = []
+        real_update = trainer.learner.update
+
+        def recording_update(batches, step):
+            captured.extend(batches)
+            return real_update(batches, step)
+
+        trainer.learner.update = recording_update
+        row = trainer.train_one_step()
+        assert row["tokens/ref_kl"] > 0
+        teacher, _ = load_policy(None)
+        local = LocalPrefillScorer(teacher)
+        for mb in captured:
+            for r in range(mb.n_rows):
+                weights = mb.ref_kl_weights[r, 1:]
+                if not bool((weights != 0).any()):
+                    continue
+                ids = mb.input_ids[r][mb.attention_mask[r] != 0].tolist()
+                start = int((weights != 0).nonzero()[0]) + 1
+                (want,) = asyncio.run(local.score([ids], [start]))
+                got = mb.ref_logprobs[r, start : len(ids)].tolist()
+                assert got == pytest.approx(want, abs=LOGPROB_ATOL)
+    finally:
+        trainer.engine.stop()
+        trainer._stop_frozen_engines()
+    assert server.process is None  # stopped with the run
+
+
 @pytest.fixture(scope="module")
 def lora_engine(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora-engine-run")

@@ -94,6 +94,12 @@ class InferenceConfig(BaseModel):
     extra_args: list[str] = Field(
         default_factory=list, description="More server flags, appended as given."
     )
+    serve_frozen: bool = Field(
+        True,
+        description="With engine = 'vllm': frozen models given by local_path (opd/opsd "
+        "references, sft sources) are served by engine servers of their own; false loads "
+        "them in the training process.",
+    )
     async_level: int = Field(
         0,
         ge=0,

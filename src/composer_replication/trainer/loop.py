@@ -28,6 +28,7 @@ from composer_replication.distributed.data_parallel import (
     start_data_parallel,
 )
 from composer_replication.inference.engine import build_policy_engine
+from composer_replication.inference.frozen import FrozenEngines
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.learner import Learner
@@ -79,17 +80,17 @@ class Trainer:
         self.split = HeldoutSplit(
             heldout_fraction=config.heldout_fraction, salt=config.heldout_salt
         )
-        self.runtimes: list[EnvRuntime] = [
-            build_runtime(
-                env_cfg,
-                policy=self.policy,
-                tokenizer=self.tokenizer,
-                split=self.split,
-                seed=config.seed,
-                env=(environments or {}).get(env_cfg.name),
-            )
-            for env_cfg in config.envs
-        ]
+        # frozen models the engine serves: their references point at those servers
+        self.frozen_engines = None
+        env_configs = config.envs
+        if FrozenEngines.wanted(config):
+            self.frozen_engines = FrozenEngines(config, log_dir=run_dir or config.output_dir)
+            env_configs = self.frozen_engines.start().envs
+        try:
+            self.runtimes = self._build_runtimes(env_configs, environments)
+        except BaseException:
+            self._stop_frozen_engines()
+            raise
         self.learner = Learner(config, self.policy, ranks=self.ranks)
         # DiLoCo replicas must see different data: offset the task stream by the rank.
         self.task_rng = random.Random(config.seed + (diloco_rank(config.diloco) or 0))
@@ -133,6 +134,25 @@ class Trainer:
     def sampling_policy(self) -> Any:
         """What samples the live policy: the engine's sampler, or the policy itself."""
         return self.policy if self.engine is None else self.engine.sampler
+
+    def _build_runtimes(
+        self, env_configs: list[Any], environments: dict[str, Environment] | None
+    ) -> list[EnvRuntime]:
+        return [
+            build_runtime(
+                env_cfg,
+                policy=self.policy,
+                tokenizer=self.tokenizer,
+                split=self.split,
+                seed=self.config.seed,
+                env=(environments or {}).get(env_cfg.name),
+            )
+            for env_cfg in env_configs
+        ]
+
+    def _stop_frozen_engines(self) -> None:
+        if self.frozen_engines is not None:
+            self.frozen_engines.stop()
 
     @property
     def heldout_tasks(self) -> list[HeldoutTasks]:
@@ -385,6 +405,7 @@ class Trainer:
                 self.rollout_queue = None
             if self.engine is not None:
                 self.engine.stop()
+            self._stop_frozen_engines()
             progress.close()
             self.life.write_report()
         return self.life.finish(final_policy(self.policy, self.ranks), self.tokenizer, self.step)
