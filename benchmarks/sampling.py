@@ -1,19 +1,27 @@
-"""In-process sampling: ours (``rollout.generate``) vs transformers' ``generate``.
+"""Sampling the policy: ours in process (``rollout.generate``) vs transformers' ``generate``,
+and vs the vLLM engine (``inference.EngineSampler``), side by side in one run.
 
-Run: ``python benchmarks/sampling.py`` (a few minutes). SmolLM2-135M-Instruct, prompts of the
-``python_functions`` bank rendered as the environment renders them, its stop string, 80 new
-tokens, temperature 1 (and greedy). Two settings, as the training job uses them:
+Run: ``python benchmarks/sampling.py`` (a few minutes; ``--engine`` adds the engine side
+after ``make vllm-env``, ``--loop-steps N`` the default job's steps synchronous and with
+``async_level = 1``). SmolLM2-135M-Instruct, prompts of the ``python_functions`` bank
+rendered as the environment renders them, its stop string, 80 new tokens, temperature 1
+(and greedy). Two settings, as the training job uses them:
 
 - the train step: 2 tasks x 4 samples = batch 8;
 - held-out evaluation: ``--eval-tasks`` tasks x 4 samples; the peer samples in chunks of 16
   (the former evaluation batch), ours once at its own batch (``--eval-batch``) and once at
-  the peer's 16.
+  the peer's 16; the engine takes each setting's prompts in one request.
 
-Both sides sample the same prompts with the same seed in one process, alternating, each
-timed ``--repeats`` times (median). Printed per setting: kept tokens per second of each
-side and the ratio. Exactness: greedy tokens must be identical with log-probs within 1e-4;
-sampled log-probs of both sides are compared with a full forward pass over prompt +
-completion (what the trainer computes) and the largest difference is printed.
+Both in-process sides sample the same prompts with the same seed in one process,
+alternating, each timed ``--repeats`` times (median); the engine's side runs after them
+(its idle workers would otherwise share the cores). Printed per setting: kept tokens per
+second of each side and the ratios. Exactness: greedy tokens must be identical with
+log-probs within 1e-4; sampled log-probs are compared with a full forward pass over prompt
++ completion (what the trainer computes) and the largest difference is printed.
+
+``--loop-steps N`` then runs the default job (the composer recipe, 2 tasks x 4 samples)
+for N steps through the same engine twice, with ``async_level = 0`` and ``= 1``, and prints
+the median seconds per step after the first and their ratio.
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _measure import machine_line
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def hf_generate(model, tokenizer, prompts, settings, eos_ids):
@@ -127,6 +138,10 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", action="store_true", help="add the vLLM engine's side")
+    parser.add_argument("--loop-steps", type=int, default=0, help="default-job steps (engine)")
+    parser.add_argument("--optimization-level", type=int, default=2)
+    parser.add_argument("--engine-python", default=str(ROOT / ".venv-vllm/bin/python"))
     ns = parser.parse_args()
 
     import torch
@@ -161,6 +176,7 @@ def main() -> None:
             ns.eval_batch,
         ),
     ]
+    ours_rate = {}
     for temperature in (1.0, 0.0):
         settings = SamplingSettings(
             max_new_tokens=ns.max_new_tokens, temperature=temperature, stop_strings=STOP_STRINGS
@@ -203,6 +219,87 @@ def main() -> None:
                     f"peer {recompute_gap(model, prompts, peer_rows, temperature):.1e}"
                 )
             print(line, flush=True)
+            ours_rate[(temperature, name)] = (our_tok / our_s, prompts, settings)
+    if ns.engine or ns.loop_steps:
+        engine_side(ns, model, tok, ours_rate)
+
+
+def engine_side(ns, model, tok, ours_rate) -> None:
+    """The same settings through the engine, then the default job's steps (see the doc)."""
+    import tempfile
+
+    from composer_replication.config.inference import InferenceConfig
+    from composer_replication.inference.engine import PolicyEngine
+    from composer_replication.models import embedded_model_dir
+
+    config = InferenceConfig(
+        engine="vllm",
+        python=ns.engine_python,
+        optimization_level=ns.optimization_level,
+        max_model_len=2048,
+    )
+    with (
+        tempfile.TemporaryDirectory() as run_dir,
+        PolicyEngine(config, model_dir=embedded_model_dir(), run_dir=run_dir, seed=0) as eng,
+    ):
+        t0 = time.perf_counter()
+        sampler = eng.sampler
+        print(f"engine start (-O {ns.optimization_level}): {time.perf_counter() - t0:.1f} s")
+        first = next(iter(ours_rate.values()))
+        sampler.sample_batch(tok, first[1][:1], first[2])  # the first request warms up
+        for (temperature, name), (rate, prompts, settings) in ours_rate.items():
+            engine_s, rows = timed(
+                lambda p=prompts, st=settings: [
+                    (g.completion_ids, g.logprobs) for g in sampler.sample_batch(tok, p, st)
+                ],
+                ns.repeats,
+                0,
+            )
+            n_tok = sum(len(t) for t, _ in rows)
+            print(
+                f"T={temperature:g} {name}: engine {n_tok / engine_s:6.1f} tok/s ({n_tok} "
+                f"tok, {engine_s:.2f} s) vs ours in process {rate:6.1f} tok/s: "
+                f"{n_tok / engine_s / rate:.2f}x; |log-prob - full forward| max "
+                f"{recompute_gap(model, prompts, rows, temperature):.1e}",
+                flush=True,
+            )
+        if ns.loop_steps:
+            loop_steps(ns.loop_steps, eng.server.base_url)
+
+
+def loop_steps(steps: int, url: str) -> None:
+    """The default job through the running engine, synchronous and one step ahead."""
+    import tempfile
+
+    from composer_replication.config.run import RunConfig
+    from composer_replication.trainer.loop import train
+
+    per_step = {}
+    for level in (0, 1):
+        with tempfile.TemporaryDirectory() as out:
+            config = RunConfig.default(
+                [
+                    f"steps={steps}",
+                    f"output_dir={out}",
+                    "eval.at_start=false",
+                    f"eval.every={steps + 1}",
+                    f"checkpoint.every={steps + 1}",
+                    "inference.engine=vllm",
+                    f"inference.url={url}",
+                    f"inference.async_level={level}",
+                ]
+            )
+            result = train(config)
+        rows = [r for r in result.metrics if "time/step_s" in r]
+        times = [r["time/step_s"] for r in rows[1:]] or [rows[0]["time/step_s"]]
+        per_step[level] = statistics.median(times)
+        waits = [r.get("time/wait_rollouts_s", 0.0) for r in rows[1:]]
+        print(
+            f"default job, async_level={level}: {per_step[level]:.1f} s/step (median of steps "
+            f"2-{steps}; sampling+grading waited for {statistics.median(waits or [0.0]):.1f} s)",
+            flush=True,
+        )
+    print(f"async_level=1 vs synchronous: {per_step[0] / per_step[1]:.2f}x steps/s")
 
 
 if __name__ == "__main__":

@@ -241,6 +241,22 @@ type = "grpo"
     assert engine.server.healthy()
 
 
+def test_a_seeded_batch_larger_than_one_steps_token_budget(engine, policy_and_tokenizer):
+    """More prompt tokens than one engine step takes (a held-out evaluation's batch): on a
+    CPU build a partial prefill of a seeded request used to kill the engine ("CPU Generator
+    does not use offset"); whole prefills keep it serving."""
+    _, tokenizer = policy_and_tokenizer
+    prompts = [
+        _prompt(tokenizer, f"Write a long docstring for function number {i}. " * 12)
+        for i in range(80)
+    ]
+    assert sum(map(len, prompts)) > 8192
+    settings = SamplingSettings(max_new_tokens=3, temperature=1.0)
+    generations = engine.sampler.sample_batch(tokenizer, prompts, settings)
+    assert len(generations) == 80 and all(g.completion_ids for g in generations)
+    assert engine.server.healthy()
+
+
 def test_async_level_one_samples_the_next_step_while_the_trainer_trains(engine, tmp_path):
     """``async_level = 1``: step n+1's rollouts are sampled (by the engine, with the weights
     before step n) while step n trains; each step trains on rollouts one version old, every

@@ -49,6 +49,19 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _cpu_flags(config: InferenceConfig) -> list[str]:
+    """Whole prefills on a machine without CUDA: the CPU build cannot rewind a seeded
+    request's generator after a partial (chunked) prefill and fails the whole engine
+    ("RuntimeError: CPU Generator does not use offset") once a batch's prompts exceed one
+    step's token budget, as a held-out evaluation's do."""
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    budget = max(config.max_model_len, 8192)
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+
+
 def server_argv(
     config: InferenceConfig, model_dir: str | Path, port: int, *, lora_rank: int | None = None
 ) -> list[str]:
@@ -94,6 +107,7 @@ def server_argv(
         "--worker-extension-cls",
         EXTENSION_CLS,
         "--disable-uvicorn-access-log",
+        *_cpu_flags(config),
         *(_lora_flags(lora_rank) if lora_rank else ()),
         *config.extra_args,
     ]
