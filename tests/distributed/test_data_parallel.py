@@ -189,6 +189,31 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
 
     want, got = final_weights(run), final_weights(resumed)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    # ... and resumed in ONE process it replays step 2 as well: a group samples the same
+    # completions on any rank (seeded by the step and its prompt), so only the summation
+    # order of the ranks' gradients differs
+    single = tmp_path / "single_run"
+    shutil.copytree(run, single, ignore=shutil.ignore_patterns("step_000002"))
+    alone = [c for c in cmd if c not in ("--nproc", "2")]
+    again = subprocess.run(
+        [*alone, "--resume", "--output-dir", str(single)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+    replayed = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
+    assert len(replayed) == len(rows)
+    for mine, theirs in zip(_steady(replayed), _steady(rows)):
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if key.startswith("heldout/"):
+                continue  # the scripted env scores an evaluation call by its tasks' positions
+            if isinstance(value, float):
+                assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+            else:
+                assert mine[key] == value, key
     # the checkpoint the two ranks wrote resumes in one process
     from composer_replication.config.run import RunConfig
     from composer_replication.trainer.loop import Trainer

@@ -213,3 +213,43 @@ def test_packed_linears_leave_other_models_alone(tiny):
     with packed_linears(bf16) as used:
         assert used is False
         assert not any("forward" in m.__dict__ for m in bf16.modules())
+
+
+def test_seeded_rows_sample_a_group_the_same_in_any_batch(tiny):
+    """Inside ``seeded_rows`` a row's completion depends on the seed, its prompt and its
+    place in its group only: the same in a batch of its own and among other prompts (what
+    makes ranks sample exactly what one process would)."""
+    from composer_replication.rollout.generate import row_seeds, seeded_rows
+
+    model, tok = tiny
+    a, b = [5, 6, 7, 8], [9, 10]
+    settings = SamplingSettings(max_new_tokens=12, temperature=1.0)
+    with seeded_rows(123):
+        together = generate(model, tok, [a, b, a, b], settings)
+        alone_a = generate(model, tok, [a, a], settings)
+        alone_b = generate(model, tok, [b, b], settings)
+    assert [g.completion_ids for g in together] == [
+        alone_a[0].completion_ids,
+        alone_b[0].completion_ids,
+        alone_a[1].completion_ids,
+        alone_b[1].completion_ids,
+    ]
+    for mixed, own in zip(together, [alone_a[0], alone_b[0], alone_a[1], alone_b[1]]):
+        assert mixed.logprobs == pytest.approx(own.logprobs, abs=1e-5)
+    # the k-th sample of a group differs from the first; another seed samples otherwise
+    assert together[0].completion_ids != together[2].completion_ids
+    with seeded_rows(124):
+        other = generate(model, tok, [a, a], settings)
+    assert [g.completion_ids for g in other] != [g.completion_ids for g in alone_a]
+    seeds = row_seeds(1, [a, b, a])
+    assert len(set(seeds)) == 3 and seeds == row_seeds(1, [a, b, a])
+    # outside the context the global generator draws, as before
+    torch.manual_seed(0)
+    first = generate(model, tok, [a], settings)
+    torch.manual_seed(0)
+    assert generate(model, tok, [a], settings)[0].completion_ids == first[0].completion_ids
+
+
+def test_row_generators_must_match_the_rows():
+    with pytest.raises(ValueError, match="2 generators for 3 rows"):
+        sample_categorical(torch.zeros(3, 4), [torch.Generator(), torch.Generator()])

@@ -24,16 +24,16 @@ def _rollout(task_id: str, version: int | None = None) -> Rollout:
     )
 
 
-def _sample(tasks):
+def _sample(tasks, index=0):
     return [[[_rollout(t), _rollout(t)] for t in env_tasks] for env_tasks in tasks]
 
 
 def test_batches_come_back_in_order_stamped_with_the_version_at_submission():
     version = [3]
     queue = RolloutQueue(_sample, lambda: version[0], depth=2)
-    queue.submit([["a", "b"]])
+    queue.submit([["a", "b"]], 0)
     version[0] = 4
-    queue.submit([["c"]])
+    queue.submit([["c"]], 0)
     assert queue.pending_tasks() == [[["a", "b"]], [["c"]]]
     tasks, groups, submitted, waited = queue.pop()
     assert tasks == [["a", "b"]] and waited >= 0 and submitted > 0
@@ -47,13 +47,13 @@ def test_batches_come_back_in_order_stamped_with_the_version_at_submission():
 def test_sampling_runs_in_the_background_until_wait_idle():
     release, started = threading.Event(), threading.Event()
 
-    def slow(tasks):
+    def slow(tasks, index):
         started.set()
         release.wait(timeout=30)
         return _sample(tasks)
 
     queue = RolloutQueue(slow, lambda: 0, depth=1)
-    queue.submit([["a"]])
+    queue.submit([["a"]], 0)
     assert started.wait(timeout=30)  # sampling began while this thread goes on
     assert not queue._batches[0].future.done()
     release.set()
@@ -63,11 +63,11 @@ def test_sampling_runs_in_the_background_until_wait_idle():
 
 
 def test_a_failure_while_sampling_is_raised_at_pop():
-    def broken(tasks):
+    def broken(tasks, index):
         raise RuntimeError("engine went away")
 
     queue = RolloutQueue(broken, lambda: 0, depth=1)
-    queue.submit([["a"]])
+    queue.submit([["a"]], 0)
     queue.wait_idle()  # does not raise: the step that needs the batch does
     with pytest.raises(RuntimeError, match="engine went away"):
         queue.pop()

@@ -116,13 +116,29 @@ def ref_kl_sample_metrics(
         return {name: value[rows] for name, value in values.items()}
 
 
+def ref_kl_step_sums(per_sample: Sequence[dict[str, Tensor]]) -> dict[str, float]:
+    """For each metric, the sum over a step's samples and their number (``<metric>/sum``,
+    ``<metric>/n``; zeros without ``ref_kl`` tokens): what data-parallel ranks add up."""
+    out: dict[str, float] = {}
+    for name in REF_KL_SAMPLE_METRICS:
+        values = [part[name].reshape(-1).double() for part in per_sample if name in part]
+        joined = torch.cat(values) if values else None
+        out[f"{name}/sum"] = float(joined.sum()) if joined is not None else 0.0
+        out[f"{name}/n"] = float(joined.numel()) if joined is not None else 0.0
+    return out
+
+
+def ref_kl_metrics_from_sums(sums: dict[str, float]) -> dict[str, float]:
+    """``<metric>/mean`` from :func:`ref_kl_step_sums` (of one rank or summed over ranks);
+    metrics without samples are left out."""
+    return {
+        f"{name}/mean": sums[f"{name}/sum"] / sums[f"{name}/n"]
+        for name in REF_KL_SAMPLE_METRICS
+        if sums.get(f"{name}/n")
+    }
+
+
 def ref_kl_step_metrics(per_sample: Sequence[dict[str, Tensor]]) -> dict[str, float]:
     """Means over a step's samples (parts from :func:`ref_kl_sample_metrics`, e.g. one per
     micro-batch), named ``<metric>/mean``; empty when no sample had ``ref_kl`` tokens."""
-    out: dict[str, float] = {}
-    for name in REF_KL_SAMPLE_METRICS:
-        values = [part[name].reshape(-1) for part in per_sample if name in part]
-        joined = torch.cat(values) if values else torch.zeros(0, device="cpu")
-        if joined.numel():
-            out[f"{name}/mean"] = float(joined.double().mean())
-    return out
+    return ref_kl_metrics_from_sums(ref_kl_step_sums(per_sample))

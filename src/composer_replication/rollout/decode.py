@@ -126,16 +126,25 @@ def _last_logits(model: Any, **inputs: Any) -> torch.Tensor:
     return out.logits[:, -1, :].float()
 
 
-def sample_categorical(log_probs: torch.Tensor) -> torch.Tensor:
+def sample_categorical(
+    log_probs: torch.Tensor, generators: Sequence[torch.Generator] | None = None
+) -> torch.Tensor:
     """One index per row drawn from ``softmax(log_probs)`` by inverting its CDF.
 
-    Exact categorical sampling with one uniform number per row from the global RNG (the
-    vocabulary-wide exponential draw of ``torch.multinomial`` costs several milliseconds a
-    step on a CPU). The CDF is accumulated in float64; a zero-probability token is never
-    drawn.
+    Exact categorical sampling with one uniform number per row from the global RNG, or from
+    each row's own host generator in ``generators`` (the vocabulary-wide exponential draw of
+    ``torch.multinomial`` costs several milliseconds a step on a CPU). The CDF is
+    accumulated in float64; a zero-probability token is never drawn.
     """
     cdf = log_probs.double().exp().cumsum(-1)
-    u = torch.rand((cdf.shape[0], 1), dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    if generators is None:
+        u = torch.rand((cdf.shape[0], 1), dtype=torch.float64, device=cdf.device)
+    else:
+        if len(generators) != cdf.shape[0]:
+            raise ValueError(f"{len(generators)} generators for {cdf.shape[0]} rows")
+        draws = [torch.rand(1, dtype=torch.float64, generator=g) for g in generators]
+        u = torch.stack(draws).to(cdf.device)
+    u = u * cdf[:, -1:]
     index = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return index.clamp_max(cdf.shape[-1] - 1)
 
@@ -150,14 +159,23 @@ def decode_rows(
     pad_id: int,
     tokenizer: Any = None,
     stop_strings: Sequence[str] = (),
+    row_seeds: Sequence[int] | None = None,
 ) -> list[DecodedRow]:
     """Sample one completion per prompt (see the module docstring); no grad, model as is.
 
     Each row ends at its first EOS (kept), at the token that completes a stop string
     (kept), or after ``max_new_tokens``. ``tokenizer`` is needed only with stop strings.
+    ``row_seeds``: one seed per prompt, each row then draws from its own generator.
     """
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need the tokenizer to decode the sampled tokens")
+    if row_seeds is not None and len(row_seeds) != len(prompts):
+        raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
+    generators = (
+        None
+        if row_seeds is None
+        else [torch.Generator().manual_seed(int(seed)) for seed in row_seeds]
+    )
     device = next(model.parameters()).device
     distinct: dict[tuple[int, ...], int] = {}
     row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
@@ -187,7 +205,11 @@ def decode_rows(
         reasons = ["length"] * len(prompts)
         for step in range(max_new_tokens):
             log_probs = torch.log_softmax(logits / scale, dim=-1)
-            picked = logits.argmax(-1) if greedy else sample_categorical(log_probs)
+            if greedy:
+                picked = logits.argmax(-1)
+            else:
+                row_generators = None if generators is None else [generators[r] for r in active]
+                picked = sample_categorical(log_probs, row_generators)
             picked_lp = log_probs.gather(-1, picked[:, None]).squeeze(-1)
             is_eos = torch.isin(picked, eos)
             keep: list[int] = []

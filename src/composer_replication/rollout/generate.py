@@ -11,16 +11,57 @@ inference engine would; the base weights are restored exactly afterwards.
 
 Each completion ends at the first EOS (kept), at the end of the first stop string (kept,
 tokens after it dropped), or at ``max_new_tokens``.
+
+Inside :func:`seeded_rows` each row draws its random numbers from its own generator, seeded
+from the context's seed, the row's prompt and its occurrence among equal prompts of the
+call: a task's group samples the same completions whichever batch (or data-parallel rank)
+it is sampled in. Outside it, rows draw from torch's global generator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+
+_ROW_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("row_seed", default=None)
+
+
+@contextlib.contextmanager
+def seeded_rows(seed: int) -> Iterator[None]:
+    """In-process sampling in the block draws each row's randomness from its own generator
+    (see the module docstring)."""
+    token = _ROW_SEED.set(int(seed))
+    try:
+        yield
+    finally:
+        _ROW_SEED.reset(token)
+
+
+def derived_seed(*parts: Any) -> int:
+    """A 63-bit seed that depends on ``parts`` only (stable across processes and runs)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def row_seeds(seed: int, prompts: Sequence[Sequence[int]]) -> list[int]:
+    """One seed per prompt from ``seed``, the prompt's tokens and its occurrence among equal
+    prompts before it (the k-th sample of a group)."""
+    seen: dict[tuple[int, ...], int] = {}
+    out = []
+    for prompt in prompts:
+        key = tuple(int(t) for t in prompt)
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        out.append(derived_seed(int(seed), key, k))
+    return out
 
 
 @dataclass(frozen=True)
@@ -89,6 +130,7 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     if generator_seed is not None:
         torch.manual_seed(generator_seed)
+    context_seed = _ROW_SEED.get()
     from composer_replication.model_parts import lora_merged
     from composer_replication.rollout.decode import decode_rows
     from composer_replication.rollout.packed_linear import packed_linears
@@ -110,6 +152,7 @@ def generate(
                 pad_id=pad_id,
                 tokenizer=tokenizer,
                 stop_strings=settings.stop_strings,
+                row_seeds=None if context_seed is None else row_seeds(context_seed, prompts),
             )
     finally:
         model.train(was_training)

@@ -15,7 +15,7 @@ import torch
 from composer_replication.diloco.integration import NO_SYNC
 from composer_replication.distributed.fsdp import NoSharding
 from composer_replication.trainer.loss_schedule import LossSchedule
-from composer_replication.trainer.setup import kl_to_initial, make_scheduler
+from composer_replication.trainer.setup import kl_to_initial_sum, make_scheduler
 from composer_replication.trainer.step import train_step
 from composer_replication.trainer.teachers import TeacherModels
 
@@ -37,12 +37,16 @@ class Learner:
         mode, decay = config.teacher_mode
         self.teachers = TeacherModels(policy, mode=mode, ema_decay=decay)
         self.count_reducer = None
+        self.metric_reducer = None
+        self.ranks = ranks
         #: gathers a sharded policy for sampling / accumulates its gradients (else no-op)
         self.weights: Any = NoSharding()
         if ranks is not None and ranks.distributed:  # after the teachers' frozen copies
+            from composer_replication.distributed.counts import sum_values_over_ranks
             from composer_replication.distributed.data_parallel import shard_for_training
 
             self.weights, self.count_reducer = shard_for_training(policy, config)
+            self.metric_reducer = sum_values_over_ranks
         self.sync: Any = NO_SYNC
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -69,6 +73,7 @@ class Learner:
                 teacher=self.teachers.teacher(self.policy),
                 reference=self.teachers.reference,
                 count_reducer=self.count_reducer,
+                metric_reducer=self.metric_reducer,
             )
         row: dict[str, Any] = {}
         if self.config.optim.grad_clip is not None:
@@ -89,14 +94,18 @@ class Learner:
         return float(self.scheduler.get_last_lr()[0])
 
     def kl_to_initial(self) -> float:
-        """Token-mean KL to the initial policy on the last step's batches."""
+        """Token-mean KL to the initial policy on the last step's batches (every rank's)."""
         with self.weights.gathered():
-            return kl_to_initial(
+            total, count = kl_to_initial_sum(
                 self.policy,
                 self.teachers.initial,
                 self.last_batches,
                 self.config.loss.log_temperature,
             )
+        if self.ranks is not None and self.ranks.distributed:
+            parts = self.ranks.gather_shares([(total, count)], self.ranks.world_size)
+            total, count = sum(t for t, _ in parts), sum(c for _, c in parts)
+        return total / count if count else 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"teachers": self.teachers.state_dict(), "losses": self.losses.state_dict()}

@@ -29,6 +29,7 @@ from composer_replication.distributed.data_parallel import (
 )
 from composer_replication.inference.engine import build_policy_engine
 from composer_replication.inference.frozen import FrozenEngines
+from composer_replication.rollout.generate import derived_seed, seeded_rows
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.learner import Learner
@@ -234,7 +235,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Held-out pass@1 over every environment's held-out tasks (sampled by the engine
         when there is one: it holds the current weights)."""
-        return self.life.evaluate(self.sampling_policy, self.tokenizer, self.heldout_tasks)
+        with seeded_rows(derived_seed(self.config.seed, "heldout", self.step)):
+            return self.life.evaluate(self.sampling_policy, self.tokenizer, self.heldout_tasks)
 
     def pick_tasks(self) -> list[list[str]]:
         """This step's train task ids of every environment (curriculum, held-out refused)."""
@@ -246,18 +248,27 @@ class Trainer:
             picked.append(task_ids)
         return picked
 
-    def run_rollouts(self, tasks: list[list[str]]) -> list[list[list[Rollout]]]:
-        """One group per task of every environment, sampled with the live policy here."""
-        return [
-            rt.env.rollouts(
-                rt.sampling_model(self.sampling_policy),
-                self.tokenizer,
-                task_ids,
-                group_size=rt.group_size,
-                sampling=rt.sampling,
-            )
-            for rt, task_ids in zip(self.runtimes, tasks)
-        ]
+    def run_rollouts(
+        self, tasks: list[list[str]], *, batch_index: int | None = None
+    ) -> list[list[list[Rollout]]]:
+        """One group per task of every environment, sampled with the live policy here.
+
+        In-process sampling draws each row's randomness from a generator seeded by the run's
+        seed, the batch's index (the step it trains) and the row's prompt, so a group's
+        completions do not depend on which rank or batch samples it.
+        """
+        index = self.step if batch_index is None else batch_index
+        with seeded_rows(derived_seed(self.config.seed, "rollouts", index)):
+            return [
+                rt.env.rollouts(
+                    rt.sampling_model(self.sampling_policy),
+                    self.tokenizer,
+                    task_ids,
+                    group_size=rt.group_size,
+                    sampling=rt.sampling,
+                )
+                for rt, task_ids in zip(self.runtimes, tasks)
+            ]
 
     def next_tasks(self) -> list[list[str]]:
         """The next step's tasks of this rank: a resumed run's pending ones first, then the
@@ -277,7 +288,7 @@ class Trainer:
         """This step's rollouts from the queue (sampled while earlier steps trained), too old
         groups dropped; then the queue is topped up to ``async_level`` steps ahead."""
         if not len(queue):
-            queue.submit(self.next_tasks())
+            queue.submit(self.next_tasks(), self.step)
         tasks, groups, submitted, waited = queue.pop()
         tasks, groups, off_policy = drop_stale(
             tasks,
@@ -286,8 +297,8 @@ class Trainer:
             max_off_policy_steps=self.config.inference.max_off_policy_steps,
         )
         samples, row = self.assign(tasks, groups, submitted)
-        while len(queue) < queue.depth:
-            queue.submit(self.next_tasks())
+        while len(queue) < queue.depth:  # the batch trained at step self.step + 1 + len
+            queue.submit(self.next_tasks(), self.step + 1 + len(queue))
         return samples, {**row, **off_policy, "time/wait_rollouts_s": waited}
 
     def assign(
@@ -382,12 +393,15 @@ class Trainer:
             # a running one (url) may serve anything
             self.engine.after_step(self.policy, self.step)
         if not resumed:
-            with self.learner.weights.gathered():
+            with (
+                self.learner.weights.gathered(),
+                seeded_rows(derived_seed(self.config.seed, "heldout", 0)),
+            ):
                 self.life.evaluate_start(self.sampling_policy, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.config.inference.async_level:
             self.rollout_queue = RolloutQueue(
-                self.run_rollouts,
+                lambda tasks, index: self.run_rollouts(tasks, batch_index=index),
                 lambda: self.engine.version if self.engine is not None else self.step,
                 depth=self.config.inference.async_level,
             )

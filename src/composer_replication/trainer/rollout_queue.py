@@ -39,15 +39,20 @@ class _Batch:
 class RolloutQueue:
     """Up to ``depth`` steps' batches of rollouts, sampled in one background thread.
 
-    ``sample(tasks) -> groups`` samples and grades one step's tasks (the trainer's
-    ``run_rollouts``); ``version()`` is the policy version the sampler serves when a batch
+    ``sample(tasks, index) -> groups`` samples and grades one step's tasks (the trainer's
+    ``run_rollouts``; ``index`` is the batch's, which seeds its sampling); ``version()`` is
+    the policy version the sampler serves when a batch
     is submitted, stamped on every rollout of the batch as ``metadata["policy_version"]``
     (the trainer syncs weights only while no batch samples, so it is the version that
     sampled it).
     """
 
     def __init__(
-        self, sample: Callable[[Tasks], EnvGroups], version: Callable[[], int], *, depth: int
+        self,
+        sample: Callable[[Tasks, int], EnvGroups],
+        version: Callable[[], int],
+        *,
+        depth: int,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth={depth}: a queue samples at least one step ahead")
@@ -60,12 +65,13 @@ class RolloutQueue:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def submit(self, tasks: Tasks) -> None:
-        """Start sampling one step's ``tasks`` (after the batches already queued)."""
+    def submit(self, tasks: Tasks, index: int) -> None:
+        """Start sampling one step's ``tasks`` (after the batches already queued); ``index``
+        is handed to ``sample`` (the trainer's batch index, which seeds the sampling)."""
         version = self._version()
 
         def job() -> EnvGroups:
-            groups = self._sample(tasks)
+            groups = self._sample(tasks, index)
             for env_groups in groups:
                 for group in env_groups:
                     for rollout in group:

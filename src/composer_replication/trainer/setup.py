@@ -79,6 +79,15 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
     sampled before the last optimizer step, and a k1/k3 estimate on tokens the current
     policy did not sample can explode (exp of a large log-ratio) where the true KL is small.
     """
+    total, count = kl_to_initial_sum(policy, initial, batches, temperature)
+    return total / count if count else 0.0
+
+
+def kl_to_initial_sum(
+    policy: Any, initial: Any, batches: list[Any], temperature: float
+) -> tuple[float, int]:
+    """:func:`kl_to_initial`'s sum over the trainable positions and their number (what
+    data-parallel ranks add up)."""
     from composer_replication.model_parts import last_hidden_states, lm_head_weight
     from composer_replication.ops.jsd import jsd_from_hidden
 
@@ -107,7 +116,7 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
         # A KL is >= 0; float32 rounding can leave -1e-9 where the models agree.
         total += float(per_token.clamp_min(0.0).sum())
         count += int(mask.sum())
-    return total / count if count else 0.0
+    return total, count
 
 
 def quiet_library_progress_bars(stream: Any = None) -> bool:

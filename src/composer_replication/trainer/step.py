@@ -34,7 +34,11 @@ from composer_replication.ops.pairs import (
     pair_terms,
 )
 from composer_replication.ops.self_distillation import aligned_from_index, divergence_terms
-from composer_replication.ops.trust_region import ref_kl_sample_metrics, ref_kl_step_metrics
+from composer_replication.ops.trust_region import (
+    ref_kl_metrics_from_sums,
+    ref_kl_sample_metrics,
+    ref_kl_step_sums,
+)
 from composer_replication.trainer.components import (
     ce_loss,
     dppo_keep_mask,
@@ -94,6 +98,7 @@ def train_step(
     teacher: Any | None = None,
     reference: Any | None = None,
     count_reducer: Callable[[dict[str, int]], dict[str, int]] | None = None,
+    metric_reducer: Callable[[dict[str, float]], dict[str, float]] | None = None,
 ) -> dict[str, float]:
     """Forward + backward over ``batches``, accumulating gradients into ``policy``.
 
@@ -108,6 +113,8 @@ def train_step(
         reference: frozen initial policy, for DPO reference log-probs a pair lacks
             (computed once, cached on the pair).
         count_reducer: sums the per-component counts over data-parallel ranks.
+        metric_reducer: sums the sums behind the returned metrics over data-parallel ranks
+            (so every rank reports the whole batch's metrics, as one process would).
 
     Returns:
         Metrics: ``loss`` (the total), ``loss/<component>`` (its mean), ``tokens/<c>``,
@@ -141,15 +148,30 @@ def train_step(
             loss = loss + cfg.coefficient(name) * value / counts[name]
         loss.backward()
         total += float(loss.detach())
-    metrics: dict[str, float] = {"loss": total}
+    parts = {
+        "loss": total,
+        **{f"sum/{name}": value for name, value in sums.items()},
+        **{f"stat/{name}": value for name, value in stats.items()},
+        **ref_kl_step_sums(ref_kl_rows),
+    }
+    if metric_reducer is not None:
+        parts = metric_reducer(parts)
+    return _step_metrics(parts, counts)
+
+
+def _step_metrics(parts: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+    """The step's metrics from its sums (see :func:`train_step`)."""
+    stat = {name[len("stat/") :]: v for name, v in parts.items() if name.startswith("stat/")}
+    metrics: dict[str, float] = {"loss": parts["loss"]}
     for name in COMPONENTS:
-        metrics[f"loss/{name}"] = sums[name] / counts[name] if counts[name] else 0.0
+        total = parts[f"sum/{name}"]
+        metrics[f"loss/{name}"] = total / counts[name] if counts[name] else 0.0
         metrics[f"tokens/{name}"] = float(counts[name])
-    metrics["rl/masked_fraction"] = stats["masked"] / stats["live"] if stats["live"] else 0.0
-    metrics["kl/inference"] = stats["kl"] / stats["live"] if stats["live"] else 0.0
-    metrics["entropy"] = stats["entropy"] / stats["trainable"] if stats["trainable"] else 0.0
-    metrics["tokens/total"] = stats["tokens"]
-    metrics.update(ref_kl_step_metrics(ref_kl_rows))
+    metrics["rl/masked_fraction"] = stat["masked"] / stat["live"] if stat["live"] else 0.0
+    metrics["kl/inference"] = stat["kl"] / stat["live"] if stat["live"] else 0.0
+    metrics["entropy"] = stat["entropy"] / stat["trainable"] if stat["trainable"] else 0.0
+    metrics["tokens/total"] = stat["tokens"]
+    metrics.update(ref_kl_metrics_from_sums(parts))
     return metrics
 
 

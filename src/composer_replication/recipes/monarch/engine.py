@@ -252,7 +252,10 @@ class MonarchTrainer(Trainer):
         self.learner = RemoteLearner(self.mesh, self.policy)
         self.split_envs = [_is_split(rt.env) for rt in self.runtimes]
 
-    def run_rollouts(self, tasks: list[list[str]]) -> list[list[list[Rollout]]]:
+    def run_rollouts(
+        self, tasks: list[list[str]], *, batch_index: int | None = None
+    ) -> list[list[list[Rollout]]]:
+        # each generator seeds its share (shard_seed); batch_index is the native loop's
         return [
             self.mesh.rollouts(i, task_ids, self.step, self.split_envs[i])
             for i, task_ids in enumerate(tasks)
