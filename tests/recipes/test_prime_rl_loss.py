@@ -370,3 +370,12 @@ def test_import_path_resolves_both_ways_and_runs_as_prime_rl_calls_it():
     out = rl_fn(x)
     torch.testing.assert_close(out.loss, loss_fn(x, **kwargs))
     assert isinstance(out.metrics, dict)
+
+
+def test_package_exports_the_same_objects_lazily():
+    import composer_replication.recipes.prime_rl as package
+
+    assert package.loss_fn is loss_fn and package.prime_rl_loss is prime_rl_loss
+    assert package.IMPORT_PATH == IMPORT_PATH
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        package.nope  # noqa: B018

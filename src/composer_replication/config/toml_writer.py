@@ -79,3 +79,20 @@ def _table(data: Mapping[str, Any], path: list[str], lines: list[str]) -> None:
         lines.append(f"{_key(str(key))} = {_value(value)}")
     for key, value in tables:
         _table(value, [*path, str(key)], lines)
+
+
+def dumps_array_of_tables(path: list[str], items: list[Mapping[str, Any]]) -> str:
+    """TOML text of an array of tables: one ``[[a.b]]`` section per item, its sub-tables as
+    ``[a.b.key]`` sections below it (valid after any other sections of a document)."""
+    lines: list[str] = []
+    header = "[[" + ".".join(_key(p) for p in path) + "]]"
+    for item in items:
+        lines.append("")
+        lines.append(header)
+        for key, value in item.items():
+            if value is not None and not isinstance(value, Mapping):
+                lines.append(f"{_key(str(key))} = {_value(value)}")
+        for key, value in item.items():
+            if isinstance(value, Mapping):
+                _table(value, [*path, str(key)], lines)
+    return "\n".join(lines).strip() + "\n"

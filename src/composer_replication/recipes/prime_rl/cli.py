@@ -1,0 +1,54 @@
+"""``composer-replication export prime-rl CONFIG.toml [-o OUT.toml]``: a run config as a
+PRIME-RL ``rl`` TOML. Heavy imports happen inside the command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+export_app = typer.Typer(
+    help="Write a run config in another engine's format.", no_args_is_help=True
+)
+
+
+@export_app.command("prime-rl")
+def export_prime_rl(
+    config: Path = typer.Argument(..., help="Our run config (TOML)."),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Where to write the PRIME-RL TOML (default: stdout)."
+    ),
+    seq_len: int = typer.Option(
+        2048, "--seq-len", help="PRIME-RL seq_len: prompt + completion tokens per sample."
+    ),
+    drop_unsupported: bool = typer.Option(
+        False,
+        "--drop-unsupported",
+        help="Export composer as its Dr.GRPO channel (grpo), dropping its jsd and "
+        "trace-replay DPO channels (named in a TOML comment and on stderr).",
+    ),
+) -> None:
+    """Write CONFIG as a PRIME-RL rl config; fails naming every algorithm it cannot map."""
+    from composer_replication.atomic_io import write_text_atomic
+    from composer_replication.cli import user_error
+    from composer_replication.config import RunConfig
+    from composer_replication.recipes.prime_rl.export import export_run_config
+
+    if not config.is_file():
+        typer.echo(f"error: config file {config} does not exist", err=True)
+        raise typer.Exit(2)
+    try:
+        result = export_run_config(
+            RunConfig.from_toml(config), seq_len=seq_len, drop_unsupported=drop_unsupported
+        )
+    except ValueError as exc:
+        message = str(exc) if "\n" in str(exc) else user_error(exc)
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(2) from exc
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if output is None:
+        typer.echo(result.toml, nl=False)
+    else:
+        write_text_atomic(output, result.toml)
+        typer.echo(f"wrote {output}", err=True)
