@@ -303,6 +303,15 @@ def test_alpha_without_reference_is_refused():
     with pytest.raises(ValueError, match="alpha_sdpo > 0 needs reference log-probs"):
         loss_fn(x, alpha_sdpo=0.1)
     loss_fn(x)  # alpha 0 needs none
+    # PRIME-RL's packing filler (0.0 for a sample without reference log-probs) is refused.
+    x.ref_logprobs = torch.zeros_like(x.inference_logprobs)
+    with pytest.raises(ValueError, match="filler"):
+        loss_fn(x, alpha_sdpo=0.1)
+    x.ref_logprobs[~x.loss_mask] = -1.0  # outside the loss tokens: still the filler
+    with pytest.raises(ValueError, match="filler"):
+        prime_rl_loss(x, alpha_sdpo=0.1)
+    x.ref_logprobs[x.loss_mask.nonzero()[0]] = -0.5  # one real value: a reference
+    loss_fn(x, alpha_sdpo=0.1)
 
 
 def test_shapes_and_types_are_checked():

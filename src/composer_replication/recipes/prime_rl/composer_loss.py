@@ -23,6 +23,11 @@ dppo_mask_high) or (A <= 0 and dp < -dppo_mask_low))`` and ``keep_ref = m and no
 (:func:`~composer_replication.trainer.components.rl_loss`), the second its ``ref_kl``
 component (:func:`~composer_replication.trainer.components.ref_kl_loss`) on the same tokens.
 
+In PRIME-RL the reference log-probs reach only opd/opsd samples, which train its own
+``ref_kl`` loss, so ``alpha_sdpo > 0`` there fails loudly (no reference, or the 0.0 filler
+PRIME-RL packs for samples without one) instead of training toward a fake reference; the
+term serves callers that pass real reference log-probs with the rl samples.
+
 ``beta_dpo`` (trace-replay DPO) cannot run here: PRIME-RL's hook sees one sample's
 log-probs, never a chosen/rejected pair nor logits, so ``beta_dpo > 0`` is rejected. Train
 that channel with our own trainer (algorithm ``replay_dpo`` or ``composer``).
@@ -134,6 +139,19 @@ def _sample_tensors(inputs: Any, need_ref: bool) -> dict[str, Tensor | None]:
             "inputs.teacher_logprobs): in PRIME-RL they ship with opd/opsd samples only; set "
             "alpha_sdpo = 0 or train an environment whose algorithm scores a reference"
         )
+    if need_ref:
+        tokens = found["loss_mask"] != 0
+        ref = found["ref_logprobs"]
+        # PRIME-RL packs samples without reference log-probs next to ones with them by
+        # filling 0.0 (probability 1): a reverse KL against that filler would train silently
+        # toward a fake reference.
+        if bool(tokens.any()) and bool((ref[tokens] == 0).all()):
+            raise ValueError(
+                "alpha_sdpo > 0 but every reference log-prob on this sample's loss tokens is "
+                "0.0: that is PRIME-RL's filler for a sample that has no reference log-probs "
+                "(in PRIME-RL they reach opd/opsd samples, which train its own ref_kl loss); "
+                "set alpha_sdpo = 0 there and give the environment algorithm opd or opsd"
+            )
     return found
 
 
