@@ -129,7 +129,13 @@ def test_mixed_run_exports_every_field_and_only_prime_rl_types():
     # Roles with alpha 0 train nothing and PRIME-RL requires alpha > 0: left out.
     assert sources[5]["algo"]["roles"] == {"tool": {"alpha": 0.2}, "user": {"alpha": 0.05}}
     trainer = doc["trainer"]
-    assert trainer["optim"] == {"lr": 2e-5}
+    assert trainer["optim"] == {
+        "lr": 2e-5,
+        "weight_decay": 0.0,
+        "betas1": 0.9,
+        "betas2": 0.99,
+        "max_norm": 1.0,
+    }
     assert trainer["model"]["lora"]["rank"] == 8 and trainer["model"]["lora"]["alpha"] == 16.0
     loss = trainer["loss"]
     assert loss["type"] == "custom"
@@ -258,6 +264,7 @@ def test_drop_unsupported_exports_composer_as_grpo_and_says_what_was_dropped():
             "PRIME-RL's opsd\nteacher is always the live policy".replace("\n", " "),
         ),
         (_env('type = "grpo"', sampling="max_new_tokens = 4096"), "raise --seq-len"),
+        (_env('type = "grpo"', sampling="temperature = 2.5"), "temperature = 2.5"),
     ],
 )
 def test_settings_prime_rl_cannot_express_are_refused(env, match):
@@ -281,6 +288,20 @@ def test_full_fine_tune_writes_no_lora_and_options_are_noted():
     doc = tomllib.loads(result.toml)
     assert "model" not in doc["trainer"]
     assert any("options ['difficulty'] are not exported" in w for w in result.warnings)
+
+
+def test_optimizer_settings_without_a_prime_rl_field_are_noted():
+    text = '[optim]\ngrad_clip = 0.5\nschedule = "cosine"\nwarmup_steps = 3\n' + _env(
+        'type = "grpo"'
+    )
+    result = export_run_config(_config(text))
+    assert tomllib.loads(result.toml)["trainer"]["optim"]["max_norm"] == 0.5
+    assert any("schedule = 'cosine', warmup_steps = 3" in w for w in result.warnings)
+    config = _config(_env('type = "grpo"'))
+    config.optim.grad_clip = None
+    result = export_run_config(config)
+    assert "max_norm" not in tomllib.loads(result.toml)["trainer"]["optim"]
+    assert any("grad_clip = null" in w for w in result.warnings)
 
 
 runner = CliRunner()

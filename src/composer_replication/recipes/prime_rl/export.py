@@ -197,6 +197,26 @@ def _check_loss(config: RunConfig, kinds: set[str], problems: list[str]) -> None
         )
 
 
+def _optim(config: RunConfig, notes: list[str]) -> dict[str, Any]:
+    """PRIME-RL's AdamW table; what it has no field for here is named in the notes."""
+    optim = config.optim
+    out: dict[str, Any] = {
+        "lr": optim.lr,
+        "weight_decay": optim.weight_decay,
+        "betas1": optim.betas[0],
+        "betas2": optim.betas[1],
+        "max_norm": optim.grad_clip,
+    }
+    if optim.grad_clip is None:
+        notes.append("optim.grad_clip = null: PRIME-RL's default max_norm (1.0) applies")
+    if optim.schedule != "constant" or optim.warmup_steps:
+        notes.append(
+            f"optim.schedule = {optim.schedule!r}, warmup_steps = {optim.warmup_steps} are not "
+            "exported: set PRIME-RL's [trainer.scheduler] yourself"
+        )
+    return out
+
+
 def _loss_kwargs(config: RunConfig) -> dict[str, float]:
     loss = config.loss
     # The rl coefficient scales the whole rl mean, i.e. both of its terms.
@@ -226,6 +246,10 @@ def export_run_config(
     for env in config.envs:  # names are unique (RunConfig checks)
         where = f"environment {env.name!r}"
         sampling = env.algorithm.sampling
+        if sampling.temperature > 2.0:
+            problems.append(
+                f"{where}: temperature = {sampling.temperature}; PRIME-RL samples at 0..2"
+            )
         if sampling.max_new_tokens >= seq_len:
             problems.append(
                 f"{where}: max_new_tokens = {sampling.max_new_tokens} leaves no room for the "
@@ -270,7 +294,7 @@ def export_run_config(
             "algo": algos[0],
         },
         "trainer": {
-            "optim": {"lr": config.optim.lr},
+            "optim": _optim(config, notes),
             "loss": {"type": "custom", "import_path": IMPORT_PATH, "kwargs": _loss_kwargs(config)},
         },
     }
