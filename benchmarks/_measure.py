@@ -76,3 +76,22 @@ def machine_line() -> str:
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
     )
+
+
+def rl_samples(n_seq: int, seq_len: int, vocab: int, *, n_prompt: int) -> list:
+    """``n_seq`` synthetic grpo-style training samples of ``seq_len`` random tokens: a
+    prompt of ``n_prompt``, then trainable tokens with sampler log-probs and advantages of
+    alternating sign (seeded: the same batch in every process)."""
+    import torch
+
+    from composer_replication.wire import TrainingSample
+
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(n_seq):
+        ids = torch.randint(100, vocab, (seq_len,), generator=gen).tolist()
+        mask = [0] * n_prompt + [1] * (seq_len - n_prompt)
+        inf = [0.0] * n_prompt + (-torch.rand(seq_len - n_prompt, generator=gen) * 8).tolist()
+        adv = 1.0 if i % 2 else -1.0
+        samples.append(TrainingSample(ids, mask, inf, advantages=[adv * m for m in mask]))
+    return samples

@@ -26,24 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import gib, machine_line, peak_rss_bytes
-
-
-def _samples(n_seq: int, seq_len: int, vocab: int):
-    import torch
-
-    from composer_replication.wire import TrainingSample
-
-    gen = torch.Generator().manual_seed(0)
-    n_prompt = 32
-    samples = []
-    for i in range(n_seq):
-        ids = torch.randint(100, vocab, (seq_len,), generator=gen).tolist()
-        mask = [0] * n_prompt + [1] * (seq_len - n_prompt)
-        inf = [0.0] * n_prompt + (-torch.rand(seq_len - n_prompt, generator=gen) * 8).tolist()
-        adv = 1.0 if i % 2 else -1.0
-        samples.append(TrainingSample(ids, mask, inf, advantages=[adv * m for m in mask]))
-    return samples
+from _measure import gib, machine_line, peak_rss_bytes, rl_samples
 
 
 def _state_bytes(policy, optimizer) -> int:
@@ -84,20 +67,13 @@ def worker(rank: int, world: int, port: int, n_seq: int, seq_len: int, steps: in
     ranks, reducer = RankGroup(), None
     if world > 1:
         from composer_replication.distributed import (
-            init_from_env,
+            join_local_group,
             shard_policy,
             sum_counts_over_ranks,
         )
         from composer_replication.distributed.fsdp import GatheredWeights
 
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        ranks = init_from_env(torch.device("cpu"), timeout_s=600)
+        ranks = join_local_group(rank, world, port, torch.device("cpu"), timeout_s=600)
         shard_policy(policy)
         weights = GatheredWeights(policy)
         reducer = sum_counts_over_ranks
@@ -107,7 +83,7 @@ def worker(rank: int, world: int, port: int, n_seq: int, seq_len: int, steps: in
         weights = NoSharding()
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-6)
-    mine = ranks.share(_samples(n_seq, seq_len, policy.config.vocab_size))
+    mine = ranks.share(rl_samples(n_seq, seq_len, policy.config.vocab_size, n_prompt=32))
     batches = pack_samples(mine, max_tokens=2 * seq_len, split=None)
 
     def step() -> float:
@@ -179,7 +155,9 @@ def main() -> None:
     cases = {world: run_ranks(world, args) for world in (1, 2)}
     one = cases[1][0]
     one_rate = one["tokens"] / one["seconds"]
-    print(f"{'ranks':>5} {'s/step':>8} {'tokens/s':>9} {'ratio':>6}  per rank: kept state, peak RSS")
+    print(
+        f"{'ranks':>5} {'s/step':>8} {'tokens/s':>9} {'ratio':>6}  per rank: kept state, peak RSS"
+    )
     for world, results in cases.items():
         seconds = max(r["seconds"] for r in results)
         rate = args.sequences * args.seq_len / seconds

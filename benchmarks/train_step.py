@@ -30,23 +30,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import gib, machine_line, measure, run_case
+from _measure import gib, machine_line, measure, rl_samples, run_case
 
 
 def _batch(n_seq: int, seq_len: int, vocab: int):
-    import torch
+    from composer_replication.wire import pack_samples
 
-    from composer_replication.wire import TrainingSample, pack_samples
-
-    gen = torch.Generator().manual_seed(0)
-    n_prompt = 64
-    samples = []
-    for i in range(n_seq):
-        ids = torch.randint(100, vocab, (seq_len,), generator=gen).tolist()
-        mask = [0] * n_prompt + [1] * (seq_len - n_prompt)
-        inf = [0.0] * n_prompt + (-torch.rand(seq_len - n_prompt, generator=gen) * 8).tolist()
-        adv = 1.0 if i % 2 else -1.0
-        samples.append(TrainingSample(ids, mask, inf, advantages=[adv * m for m in mask]))
+    samples = rl_samples(n_seq, seq_len, vocab, n_prompt=64)
     (mb,) = pack_samples(samples, max_tokens=n_seq * seq_len)
     return mb
 

@@ -6,7 +6,7 @@ Cheap to import: torch.distributed loads inside the functions.
 
 from __future__ import annotations
 
-from composer_replication.distributed.counts import sum_counts_over_ranks
+from composer_replication.distributed.counts import sum_counts_over_ranks, sum_values_over_ranks
 from composer_replication.distributed.data_parallel import (
     shard_for_training,
     start_data_parallel,
@@ -22,6 +22,7 @@ from composer_replication.distributed.setup import (
     DEFAULT_TIMEOUT_S,
     backend_for,
     init_from_env,
+    join_local_group,
     launched_by_torchrun,
 )
 
@@ -32,11 +33,13 @@ __all__ = [
     "backend_for",
     "gathered_policy",
     "init_from_env",
+    "join_local_group",
     "launch_torchrun",
     "launched_by_torchrun",
     "shard_for_training",
     "shard_policy",
     "start_data_parallel",
     "sum_counts_over_ranks",
+    "sum_values_over_ranks",
     "torchrun_command",
 ]

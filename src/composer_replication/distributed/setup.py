@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "backend_for",
     "init_from_env",
+    "join_local_group",
     "launched_by_torchrun",
     "lost_peer_error",
 ]
@@ -73,6 +74,22 @@ def init_from_env(device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S)
             backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s)
         )
     return RankGroup.current()
+
+
+def join_local_group(
+    rank: int, world_size: int, port: int, device: torch.device, *, timeout_s: float
+) -> RankGroup:
+    """Join a process group on this host as ``rank`` of ``world_size`` (rendezvous at
+    127.0.0.1:``port``), as if ``torchrun`` had started this process: for programs that
+    start their ranks themselves (benchmarks, test workers)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return init_from_env(device, timeout_s=timeout_s)
 
 
 def lost_peer_error(what: str) -> RuntimeError:
