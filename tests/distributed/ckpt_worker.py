@@ -4,7 +4,6 @@ saves what both hold (gathered whole) for the test to compare."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -49,18 +48,11 @@ def _trained_policy(lora: bool, ranks):
 def run(rank: int, world: int, port: int, lora: bool, out: str) -> None:
     from dp_worker import build_policy
 
-    from composer_replication.distributed import init_from_env, shard_policy
+    from composer_replication.distributed import join_local_group, shard_policy
     from composer_replication.trainer.checkpoint import CheckpointManager
 
     torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    ranks = init_from_env(torch.device("cpu"), timeout_s=60)
+    ranks = join_local_group(rank, world, port, torch.device("cpu"), timeout_s=60)
     policy, optimizer = _trained_policy(lora, ranks)
     manager = CheckpointManager(out, keep_last=1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

@@ -5,7 +5,6 @@ file:// object store; the rank saves the whole parameters it ends with."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -34,16 +33,9 @@ def run(replica: int, replicas: int, shard: int, shards: int, port: int, store: 
     torch.set_num_threads(1)
     policy = tiny_model(seed=replica)  # replicas start apart: the initial broadcast aligns them
     if shards > 1:
-        from composer_replication.distributed import init_from_env, shard_policy
+        from composer_replication.distributed import join_local_group, shard_policy
 
-        os.environ.update(
-            RANK=str(shard),
-            LOCAL_RANK=str(shard),
-            WORLD_SIZE=str(shards),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        init_from_env(torch.device("cpu"), timeout_s=120)
+        join_local_group(shard, shards, port, torch.device("cpu"), timeout_s=120)
         shard_policy(policy)
     all_reduce = ObjectStoreAllReduce(
         shard_rendezvous(store), replica, replicas, timeout_s=120, poll_interval_s=0.02

@@ -50,7 +50,7 @@ def build_policy(lora: bool):
 
 def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1) -> None:
     from composer_replication.distributed import (
-        init_from_env,
+        join_local_group,
         shard_policy,
         sum_counts_over_ranks,
     )
@@ -66,14 +66,7 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
     weights = NoSharding()
     mine = samples()
     if world > 1:
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        group = init_from_env(torch.device("cpu"), timeout_s=60)
+        group = join_local_group(rank, world, port, torch.device("cpu"), timeout_s=60)
         assert (group.rank, group.world_size) == (rank, world)
         shard_policy(policy)
         weights = GatheredWeights(policy)

@@ -89,6 +89,35 @@ def test_a_killed_rank_makes_the_other_fail_with_a_clear_error(tmp_path):
     assert "with the other ranks failed; a rank died" in err0
 
 
+def train_on_two_ranks(toml: Path) -> tuple[list[str], dict]:
+    """Run ``composer-replication train TOML --nproc 2`` (it must succeed); its command line
+    and environment."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, "-m", "composer_replication", "train", str(toml), "--nproc", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return cmd, env
+
+
+def _resume_step_2(cmd: list[str], env: dict, run: Path, into: Path) -> list[dict]:
+    """A copy of ``run`` without its step-2 checkpoint, resumed by ``cmd --resume``: the
+    metrics rows it ends with."""
+    shutil.copytree(run, into, ignore=shutil.ignore_patterns("step_000002"))
+    again = subprocess.run(
+        [*cmd, "--resume", "--output-dir", str(into)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+    return [json.loads(line) for line in (into / "metrics.jsonl").read_text().splitlines()]
+
+
 def _steady(rows: list[dict]) -> list[dict]:
     """Metrics rows without their timings (the only values two equal runs may differ in)."""
     volatile = ("time/", "tokens_per_s/")
@@ -135,14 +164,7 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
     model, tok = tiny_policy(seed=0)
     tiny_dir = str(save_checkpoint(model, tmp_path / "tiny", tokenizer=tok))
     toml = _run_config(tmp_path, tiny_dir)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "composer_replication", "train", str(toml), "--nproc", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    cmd, env = train_on_two_ranks(toml)
     calls = [
         [json.loads(line) for line in (tmp_path / f"calls.rank{r}.jsonl").read_text().splitlines()]
         for r in (0, 1)
@@ -169,17 +191,7 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
     # the ranks' sharded checkpoint of step 1, resumed on 2 ranks, replays step 2 exactly
     assert (run / "checkpoints" / "step_000001" / "sharded" / ".metadata").is_file()
     resumed = tmp_path / "resumed_run"
-    shutil.copytree(run, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000002")
-    again = subprocess.run(
-        [*cmd, "--resume", "--output-dir", str(resumed)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
-    replayed = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    replayed = _resume_step_2(cmd, env, run, resumed)
     assert _steady(replayed) == _steady(rows)
 
     def final_weights(run_dir: Path) -> dict:
@@ -193,17 +205,7 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
     # completions on any rank (seeded by the step and its prompt), so only the summation
     # order of the ranks' gradients differs
     single = tmp_path / "single_run"
-    shutil.copytree(run, single, ignore=shutil.ignore_patterns("step_000002"))
-    alone = [c for c in cmd if c not in ("--nproc", "2")]
-    again = subprocess.run(
-        [*alone, "--resume", "--output-dir", str(single)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
-    replayed = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
+    replayed = _resume_step_2(cmd[:-2], env, run, single)  # without --nproc 2
     assert len(replayed) == len(rows)
     for mine, theirs in zip(_steady(replayed), _steady(rows)):
         assert mine.keys() == theirs.keys()

@@ -65,7 +65,7 @@ def test_train_with_two_ranks_per_diloco_replica(tmp_path):
     """`train --nproc 2` with DiLoCo on: one replica of two FSDP2 ranks runs its outer
     steps and checkpoints each rank's own outer state."""
     sys.path.insert(0, str(WORKER.parent))
-    from test_data_parallel import _run_config
+    from test_data_parallel import _run_config, train_on_two_ranks
 
     from composer_replication.models import save_checkpoint, tiny_policy
 
@@ -85,14 +85,7 @@ rendezvous = "file://{store}"
 poll_interval_s = 0.05
 """
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "composer_replication", "train", str(toml), "--nproc", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train_on_two_ranks(toml)
     import json
 
     run = tmp_path / "run"

@@ -77,6 +77,55 @@ def _trainer_logprobs(model, prompt, completion, temperature=1.0) -> torch.Tenso
     return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
+def _engine_run(
+    tmp_path,
+    engine,
+    *,
+    steps: int = 1,
+    eval_every: int = 10,
+    max_new_tokens: int = 24,
+    inference: str = "",
+    advantage: str = 'type = "grpo"',
+):
+    """A run config for the native loop on the embedded model (full fine-tune) that
+    samples through ``engine``'s server (by url): one python_functions task x 2 per step."""
+    from composer_replication.config import RunConfig
+
+    return RunConfig.from_toml(
+        f'''
+seed = 0
+steps = {steps}
+output_dir = "{tmp_path / "run"}"
+[model]
+source = "embedded"
+[optim]
+lr = 1e-5
+[eval]
+at_start = false
+every = {eval_every}
+max_tasks = 1
+samples_per_task = 1
+[guard]
+min_steps = 100
+[checkpoint]
+every = 100
+[inference]
+engine = "vllm"
+url = "{engine.server.base_url}"
+{inference}
+[[envs]]
+name = "python_functions"
+tasks_per_step = 1
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = {max_new_tokens}
+[envs.algorithm.advantage]
+{advantage}
+''',
+        overrides=["model.lora=null"],
+    )
+
+
 def test_sampled_ids_and_logprobs_match_the_trainer(engine, policy_and_tokenizer):
     model, tokenizer = policy_and_tokenizer
     model.eval()
@@ -187,39 +236,9 @@ def test_weight_sync_makes_engine_logprobs_equal_the_trained_policy(engine, poli
 def test_training_loop_samples_through_the_engine_and_syncs_each_step(engine, tmp_path):
     """The native loop with ``[inference] engine = "vllm"`` (the server above, by url): the
     rollouts come from the engine, each step's weights reach it, versions are recorded."""
-    from composer_replication.config import RunConfig
     from composer_replication.trainer.loop import Trainer
 
-    config = RunConfig.from_toml(
-        f'''
-seed = 0
-steps = 1
-output_dir = "{tmp_path / "run"}"
-[model]
-source = "embedded"
-[optim]
-lr = 1e-5
-[eval]
-at_start = false
-every = 10
-max_tasks = 1
-samples_per_task = 1
-[guard]
-min_steps = 100
-[inference]
-engine = "vllm"
-url = "{engine.server.base_url}"
-[[envs]]
-name = "python_functions"
-tasks_per_step = 1
-[envs.algorithm.sampling]
-group_size = 2
-max_new_tokens = 24
-[envs.algorithm.advantage]
-type = "grpo"
-''',
-        overrides=["model.lora=null"],
-    )
+    config = _engine_run(tmp_path, engine)
     trainer = Trainer(config)
     assert trainer.engine is not None
     collected = []
@@ -264,42 +283,15 @@ def test_async_level_one_samples_the_next_step_while_the_trainer_trains(engine, 
     import threading
     import time
 
-    from composer_replication.config import RunConfig
     from composer_replication.trainer.loop import Trainer
 
-    config = RunConfig.from_toml(
-        f'''
-seed = 0
-steps = 3
-output_dir = "{tmp_path / "run"}"
-[model]
-source = "embedded"
-[optim]
-lr = 1e-5
-[eval]
-at_start = false
-every = 3
-max_tasks = 1
-samples_per_task = 1
-[guard]
-min_steps = 100
-[checkpoint]
-every = 100
-[inference]
-engine = "vllm"
-url = "{engine.server.base_url}"
-async_level = 1
-max_off_policy_steps = 1
-[[envs]]
-name = "python_functions"
-tasks_per_step = 1
-[envs.algorithm.sampling]
-group_size = 2
-max_new_tokens = 16
-[envs.algorithm.advantage]
-type = "grpo"
-''',
-        overrides=["model.lora=null"],
+    config = _engine_run(
+        tmp_path,
+        engine,
+        steps=3,
+        eval_every=3,
+        max_new_tokens=16,
+        inference="async_level = 1\nmax_off_policy_steps = 1",
     )
     trainer = Trainer(config)
     calls, updates = [], []
@@ -354,42 +346,14 @@ def test_a_frozen_opd_teacher_is_served_by_an_engine_of_its_own(engine, tmp_path
     import asyncio
 
     from composer_replication.algo.scoring import EndpointPrefillScorer, LocalPrefillScorer
-    from composer_replication.config import RunConfig
     from composer_replication.trainer.loop import Trainer
 
-    config = RunConfig.from_toml(
-        f'''
-seed = 0
-steps = 1
-output_dir = "{tmp_path / "run"}"
-[model]
-source = "embedded"
-[optim]
-lr = 1e-5
-[eval]
-at_start = false
-every = 10
-max_tasks = 1
-samples_per_task = 1
-[guard]
-min_steps = 100
-[inference]
-engine = "vllm"
-url = "{engine.server.base_url}"
-python = "{ENGINE_PYTHON}"
-optimization_level = 0
-startup_timeout_s = 600
-[[envs]]
-name = "python_functions"
-tasks_per_step = 1
-[envs.algorithm.sampling]
-group_size = 2
-max_new_tokens = 12
-[envs.algorithm.advantage]
-type = "opd"
-model = {{ name = "teacher", local_path = "embedded" }}
-''',
-        overrides=["model.lora=null"],
+    config = _engine_run(
+        tmp_path,
+        engine,
+        max_new_tokens=12,
+        inference=f'python = "{ENGINE_PYTHON}"\noptimization_level = 0\nstartup_timeout_s = 600',
+        advantage='type = "opd"\nmodel = { name = "teacher", local_path = "embedded" }',
     )
     trainer = Trainer(config)
     try:
