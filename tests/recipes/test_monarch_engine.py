@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 
 import pytest
 import torch
@@ -208,8 +207,8 @@ def test_a_killed_generator_ends_the_run_with_its_name(tmp_path, tiny_dir):
 
     def rollouts_then_kill(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # mid-run: the second step's sampling is under way
-            threading.Timer(0.2, os.kill, (victim, signal.SIGKILL)).start()
+        if len(calls) == 2:  # mid-run: the second step asks for its rollouts
+            os.kill(victim, signal.SIGKILL)  # before it: a timer could lose the race
         return original(*args, **kwargs)
 
     mon.mesh.rollouts = rollouts_then_kill
