@@ -18,6 +18,13 @@ def test_help_lists_commands():
         assert command in result.output
 
 
+def test_train_help_keeps_every_word_of_its_options():
+    # rich reads "[name]" as markup and drops it: option help must not depend on brackets
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "sized by the config's engine table" in result.output
+
+
 def test_top_level_import_is_cheap():
     code = (
         "import sys, composer_replication as c\n"

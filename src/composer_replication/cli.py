@@ -127,7 +127,7 @@ def train(
     engine: str | None = typer.Option(
         None,
         help="Where the native loop's roles run: in_process (default) or monarch (actors on "
-        "Monarch processes, sized by the config's [engine]); unset: the config's [engine].",
+        "Monarch processes, sized by the config's engine table); unset: the config's engine table.",
     ),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks of errors."),
     nproc: int = typer.Option(
