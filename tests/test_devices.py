@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import copy
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,10 @@ def test_setup_policy_places_the_policy_with_sdpa(tmp_path, tiny):
 
     source = save_checkpoint(tiny_model(seed=0), tmp_path / "m", tokenizer=tiny[1])
     config = RunConfig(model={"source": str(source), "device": "cpu", "dtype": "auto"})
-    policy, _ = setup_policy(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # nothing deprecated reaches the log
+        policy, _ = setup_policy(config)
+    assert config.model.lora is not None  # the LoRA path (peft) was the one taken
     assert module_device(policy) == torch.device("cpu")
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
     assert policy.config._attn_implementation == "sdpa"

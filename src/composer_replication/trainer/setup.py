@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,16 +38,22 @@ def setup_policy(config: RunConfig) -> tuple[Any, Any]:
         from peft import get_peft_model
 
         lora = config.model.lora
-        policy = get_peft_model(
-            policy,
-            PeftLoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=list(lora.target_modules),
-                task_type="CAUSAL_LM",
-            ),
-        )
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated is_gradient_checkpointing alias, which
+            # warns once per run into every log; the setting itself is applied below
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+            )
+            policy = get_peft_model(
+                policy,
+                PeftLoraConfig(
+                    r=lora.r,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=list(lora.target_modules),
+                    task_type="CAUSAL_LM",
+                ),
+            )
     if config.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if config.model.lora is not None:
