@@ -128,6 +128,34 @@ def test_guard_stops_a_hacking_run_with_reason(tmp_path, tiny_dir):
     assert fired[0]["step"] < 12
 
 
+def test_a_spent_time_budget_makes_the_step_the_last_one(tmp_path, tiny_dir):
+    # 1 ms: spent by the time step 1 ends, so step 1 is the run's last of 5
+    cfg = _config(tmp_path, tiny_dir, steps=5, extra="max_wall_seconds = 0.001")
+    cfg = cfg.model_copy(
+        update={
+            "eval": cfg.eval.model_copy(update={"every": 3}),
+            "checkpoint": cfg.checkpoint.model_copy(update={"every": 3}),
+        }
+    )
+    result = train(cfg, environments={"scripted": ScriptedEnv()})
+    run = tmp_path / "run"
+    assert result.steps == 1 and result.heldout_after is not None
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and "heldout/pass@1" in rows[1]
+    assert (run / "checkpoints" / "step_000001").exists()  # the last step is saved
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["stopped_by_time_budget"] is True
+    assert (run / "final_model" / "config.json").exists()
+
+
+def test_a_time_budget_that_is_not_spent_changes_nothing(tmp_path, tiny_dir):
+    cfg = _config(tmp_path, tiny_dir, steps=2, extra="max_wall_seconds = 3600")
+    result = train(cfg, environments={"scripted": ScriptedEnv()})
+    assert result.steps == 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_by_time_budget"] is False
+
+
 def test_cli_exit_code_when_the_guard_fires(tmp_path, tiny_dir):
     toml = tmp_path / "run.toml"
     cfg = _config(tmp_path, tiny_dir, env="scripted_env:make_env", steps=10)

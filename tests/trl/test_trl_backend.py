@@ -4,6 +4,7 @@ one end-to-end ``train_with_trl`` run on the tiny model."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -215,6 +216,36 @@ def test_lifecycle_callback_evaluates_on_schedule_and_stops_when_the_guard_fires
     assert rows[1]["guard/fired"] is False and rows[3]["guard/fired"] is True
     callback.on_log(SimpleNamespace(global_step=4), control, {"train_runtime": 1.0})
     assert len(life.metrics.rows()) == 4  # the end-of-training summary is not a step row
+
+
+def test_lifecycle_callback_ends_a_trl_run_whose_time_budget_is_spent(tmp_path):
+    from types import SimpleNamespace
+
+    from composer_replication.rollout.types import Rollout
+    from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
+    from composer_replication.trainer.trl_backend import _LifecycleCallback
+
+    class OneTaskEnv:
+        def rollouts(self, policy, tokenizer, ids, *, group_size, sampling):
+            return [[Rollout("t", [1], [2], [0.0], reward=1.0)] for _ in ids]
+
+    base = _config()
+    cfg = base.model_copy(
+        update={
+            "steps": 10,
+            "max_wall_seconds": 0.001,
+            "eval": base.eval.model_copy(update={"every": 5}),
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    life = RunLifecycle(cfg, backend="trl")
+    callback = _LifecycleCallback(life, None, None, [HeldoutTasks(OneTaskEnv(), ["t"], 8)])
+    control = SimpleNamespace(should_training_stop=False)
+    time.sleep(0.01)  # the 1 ms budget is spent by the end of step 1
+    callback.on_log(SimpleNamespace(global_step=1), control, {"reward": 0.5})
+    assert control.should_training_stop is True and life.out_of_time_step == 1
+    # the last step is evaluated although eval.every is 5
+    assert life.metrics.rows()[-1]["heldout/pass@1"] == 1.0
 
 
 def test_lifecycle_callback_stops_a_trl_run_whose_completions_game_the_grader(tmp_path):

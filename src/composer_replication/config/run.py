@@ -277,6 +277,15 @@ class RunConfig(_Strict):
 
     seed: int = Field(0, description="Seed for Python, NumPy and torch.")
     steps: int = Field(6, ge=1, description="Optimizer steps.")
+    max_wall_seconds: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Time budget: the first step that ends this many seconds into the run "
+        "(the summary's wall_time_s clock, initial evaluation included) is the last one; the "
+        "run then evaluates, saves and finishes as at step `steps`. The LR schedule still "
+        "spans `steps`. null: run every step.",
+    )
     output_dir: str = Field(
         "runs/default", description="Checkpoints, metrics, report and the final model go here."
     )

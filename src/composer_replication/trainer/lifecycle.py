@@ -108,6 +108,8 @@ class RunLifecycle:
         self.heldout_scores: dict[str, float] = {}
         self.stopped: TripwireStatus | None = None
         self.hack_streak = 0
+        # the step max_wall_seconds made the last one (None: the budget did not end the run)
+        self.out_of_time_step: int | None = None
         self._start = time.perf_counter()
 
     # ------------------------------------------------------------------ evaluation
@@ -172,7 +174,23 @@ class RunLifecycle:
         )
 
     def is_eval_step(self, step: int) -> bool:
-        return step % self.config.eval.every == 0 or step == self.config.steps
+        return step % self.config.eval.every == 0 or self.is_last_step(step)
+
+    def is_last_step(self, step: int) -> bool:
+        """Step ``steps``, or the step ``max_wall_seconds`` ran out in (see
+        :meth:`close_step_if_out_of_time`)."""
+        return step == self.config.steps or step == self.out_of_time_step
+
+    def close_step_if_out_of_time(self, step: int) -> bool:
+        """Make ``step`` the run's last when ``max_wall_seconds`` has passed (rank 0's
+        clock decides for every rank); True when it did."""
+        budget = self.config.max_wall_seconds
+        if budget is None or step >= self.config.steps:
+            return False
+        if self.ranks.agree(time.perf_counter() - self._start >= budget):
+            self.out_of_time_step = step
+            return True
+        return False
 
     def guard_round(
         self,
@@ -295,6 +313,7 @@ class RunLifecycle:
                 "heldout_after": heldout_after,
                 "final_model": str(final_dir),
                 "stopped_by_guard": stopped,
+                "stopped_by_time_budget": self.out_of_time_step is not None,
                 "wall_time_s": time.perf_counter() - self._start,
             }
             write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))

@@ -427,14 +427,15 @@ class Trainer:
     def _loop(self, progress: ProgressBar) -> None:
         while self.step < self.config.steps:
             row = self.train_one_step()
+            self.life.close_step_if_out_of_time(self.step)
             fired = self.life.hack_round(self.step, row)
             fired = (self.life.is_eval_step(self.step) and self.guard_round(row)) or fired
             self.life.append(row)
             progress.update(row)
-            last = self.step == self.config.steps
+            last = self.life.is_last_step(self.step)
             if fired or last or self.step % self.config.checkpoint.every == 0:
                 self.save()
-            if fired:
+            if fired or last:
                 return
 
 

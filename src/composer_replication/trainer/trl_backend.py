@@ -358,6 +358,8 @@ class _LifecycleCallback:
                 self.taid.update_t(float(logs["sdpo_jsd"]), step)
         if self.reward is not None and hasattr(self.reward, "drain_tally"):
             row.update(self.reward.drain_tally())
+        if self.life.close_step_if_out_of_time(step):
+            control.should_training_stop = True
         if self.life.hack_round(step, row):
             control.should_training_stop = True
         if self.life.is_eval_step(step):
