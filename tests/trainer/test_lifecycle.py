@@ -109,9 +109,6 @@ def test_heldout_evaluation_adds_pass_at_k_and_greedy_pass_at_1(tmp_path):
 
     env = _TemperatureEnv()
     life = _life(tmp_path)
-    life.config = life.config.model_copy(
-        update={"eval": life.config.eval.model_copy(update={"greedy": True})}
-    )
     assert life.config.eval.samples_per_task == 4
     tasks = [HeldoutTasks(env, ["a", "b"], 8)]
     life.evaluate_start(None, None, tasks)
@@ -127,12 +124,15 @@ def test_heldout_evaluation_adds_pass_at_k_and_greedy_pass_at_1(tmp_path):
     assert later["heldout/pass@4"] == 1.0 and later["heldout/greedy_pass@1"] == 0.5
 
 
-def test_greedy_off_by_default_adds_no_generation_pass(tmp_path):
+def test_greedy_off_adds_no_generation_pass(tmp_path):
     from composer_replication.trainer.lifecycle import HeldoutTasks
 
     env = _TemperatureEnv()
     life = _life(tmp_path)
-    assert life.config.eval.greedy is False
+    assert life.config.eval.greedy is True  # on by default: the headline number
+    life.config = life.config.model_copy(
+        update={"eval": life.config.eval.model_copy(update={"greedy": False})}
+    )
     life.evaluate_start(None, None, [HeldoutTasks(env, ["a", "b"], 8)])
     assert env.temperatures == [1.0]
     row = life.metrics.rows()[0]

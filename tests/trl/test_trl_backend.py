@@ -208,7 +208,8 @@ def test_lifecycle_callback_evaluates_on_schedule_and_stops_when_the_guard_fires
     for step in (1, 2, 3, 4):
         control = SimpleNamespace(should_training_stop=False)
         callback.on_log(SimpleNamespace(global_step=step), control, {"reward": 0.5, "entropy": 2.0})
-    assert env.calls == 2 and life.guard.seen == (4, 0.5, 1.0, 2.0)
+    # two evaluations (steps 2 and 4), each a sampled and a greedy pass
+    assert env.calls == 4 and life.guard.seen == (4, 0.5, 1.0, 2.0)
     assert control.should_training_stop is True and life.stopped.reason == "held-out collapse"
     rows = life.metrics.rows()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -102,12 +102,12 @@ class ModelConfig(_Strict):
 class OptimConfig(_Strict):
     """AdamW with warm-up and a schedule, plus gradient clipping."""
 
-    lr: float = Field(5e-4, gt=0, description="Peak learning rate.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Decay after warm-up."
+        "linear", description="Decay after warm-up (linear: to zero at step `steps`)."
     )
     grad_clip: float | None = Field(
         1.0, gt=0, description="Max global gradient norm (null: no clipping)."
@@ -179,7 +179,7 @@ def _default_envs() -> list[EnvConfig]:
         EnvConfig(
             name="python_functions",
             algorithm=AlgorithmConfig(
-                sampling=SamplingConfig(group_size=4, temperature=1.0, max_new_tokens=80),
+                sampling=SamplingConfig(group_size=4, temperature=0.7, max_new_tokens=80),
                 advantage=ComposerAdvantage(),
             ),
             tasks_per_step=2,
@@ -190,17 +190,24 @@ def _default_envs() -> list[EnvConfig]:
 class EvalConfig(_Strict):
     """Held-out evaluation (pass@1, pass@k, greedy pass@1) and when to run it.
 
-    The default pass@1 is the mean success of ``samples_per_task`` answers sampled at the
-    training temperature (the usual RL-for-code estimate, e.g. arXiv 2501.12948), drawn
+    The default pass@1 is the mean success of ``samples_per_task`` answers sampled at
+    temperature 1 (the usual RL-for-code estimate, e.g. arXiv 2501.12948; ``temperature``
+    sets another, whatever the training samples at), drawn
     with the same ``seed`` at every evaluation so that before/after differences are not
     sampling noise; ``temperature = 0`` gives greedy pass@1 instead. The same samples give
     ``heldout/pass@k`` for the other k of ``reported_ks(samples_per_task)`` (1, 5, 10 up to
     ``samples_per_task``, and ``samples_per_task`` itself) by the unbiased estimator of
-    arXiv 2107.03374. ``greedy = true`` adds ``heldout/greedy_pass@1``: one temperature-0
-    answer per task, at the cost of one more generation pass per evaluation.
+    arXiv 2107.03374. ``greedy = true`` (the default) adds ``heldout/greedy_pass@1``: one
+    temperature-0 answer per task, at the cost of one more generation pass per evaluation;
+    it is the number a user's own use of the model (greedy decoding) sees.
     """
 
-    every: int = Field(6, ge=1, description="Evaluate every N steps (and feed the kill switch).")
+    every: int = Field(
+        10,
+        ge=1,
+        description="Evaluate every N steps (and feed the kill switch); the last step "
+        "is always evaluated.",
+    )
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
     samples_per_task: int = Field(4, ge=1, description="Samples per held-out task for pass@1.")
     temperature: float = Field(
@@ -213,9 +220,9 @@ class EvalConfig(_Strict):
         0, description="Seed of evaluation sampling (training's random streams are untouched)."
     )
     greedy: bool = Field(
-        False,
+        True,
         description="Also report greedy pass@1 (heldout/greedy_pass@1): one more generation "
-        "pass per evaluation, at temperature 0.",
+        "pass per evaluation, at temperature 0 (false saves that pass).",
     )
 
 
@@ -276,7 +283,7 @@ class RunConfig(_Strict):
     """Everything a training run needs. Defaults = the embedded CPU job."""
 
     seed: int = Field(0, description="Seed for Python, NumPy and torch.")
-    steps: int = Field(6, ge=1, description="Optimizer steps.")
+    steps: int = Field(10, ge=1, description="Optimizer steps.")
     max_wall_seconds: float | None = Field(
         None,
         gt=0,

@@ -1,0 +1,247 @@
+"""What the main job does to the model: whole ``composer-replication train`` commands, timed.
+
+Three studies, each a subcommand:
+
+- ``seeds``: one run config (default: the embedded default job) over several seeds, with
+  greedy held-out pass@1 measured before and after; ``--humaneval`` also grades the base
+  model and every final model on HumanEval (greedy pass@1);
+- ``ablation``: the recipe against each of its channels alone (grpo, sdpo, replay_dpo, ...)
+  under one time budget (``max_wall_seconds``), everything else as in the default job;
+- ``plot``: curves (held-out pass@1 sampled and greedy, and the in-loop reward, per step)
+  of every run under an output directory, as one PNG.
+
+Every run writes its own directory under ``--out``; a run whose ``summary.json`` exists is
+read back instead of rerun, and ``results.json`` is rewritten atomically after each run,
+so an interrupted study resumes where it stopped. Runs are sequential: on a small machine
+two runs at once would time each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CLI = [sys.executable, "-m", "composer_replication"]
+SCORES = ("heldout/pass@1", "heldout/greedy_pass@1", "heldout/pass@4")
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def before_after(rows: list[dict[str, Any]], key: str) -> tuple[float | None, float | None]:
+    """The first and the last evaluation's value of ``key`` (None where never measured)."""
+    seen = [r[key] for r in rows if r.get(key) is not None]
+    return (seen[0], seen[-1]) if seen else (None, None)
+
+
+def run_summary(run_dir: Path, seconds: float | None) -> dict[str, Any]:
+    rows = metric_rows(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    out: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "steps": summary["steps"],
+        "command_seconds": seconds,
+        "run_wall_seconds": summary["wall_time_s"],
+        "reward_first_steps": sum(rewards[:3]) / max(1, len(rewards[:3])),
+        "reward_last_steps": sum(rewards[-3:]) / max(1, len(rewards[-3:])),
+    }
+    for key in SCORES:
+        out[key] = before_after(rows, key)
+    return out
+
+
+def train(config: str | None, run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """One whole ``train`` command (unless its summary exists), timed from the outside."""
+    if (run_dir / "summary.json").exists():
+        return run_summary(run_dir, None)
+    cmd = [*CLI, "train", *([config] if config else []), "--output-dir", str(run_dir)]
+    for item in overrides:
+        cmd += ["--set", item]
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, check=False)
+    seconds = time.perf_counter() - start
+    if proc.returncode not in (0, 3):  # 3: the kill switch stopped the run (still a result)
+        raise SystemExit(f"train exited {proc.returncode}: {' '.join(cmd)}")
+    return run_summary(run_dir, seconds)
+
+
+def humaneval(model: str, out: Path) -> float:
+    """Greedy HumanEval pass@1 of ``model`` (cached in ``out``)."""
+    if not out.exists():
+        cmd = [*CLI, "eval", model, "--suite", "humaneval", "-o", str(out)]
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())["greedy_pass@1"]
+
+
+def _fmt(pair: tuple[float | None, float | None]) -> str:
+    a, b = pair
+    if a is None or b is None:
+        return "n/a"
+    return f"{a:.3f} -> {b:.3f} ({100 * (b - a):+.1f} pts)"
+
+
+def print_table(results: dict[str, Any]) -> None:
+    for name, r in results["runs"].items():
+        took = r["command_seconds"]
+        print(
+            f"{name}: {r['steps']} steps, command {took:.0f} s" if took else f"{name}: cached",
+            f"| greedy {_fmt(r['heldout/greedy_pass@1'])} | sampled {_fmt(r['heldout/pass@1'])}"
+            f" | pass@4 {_fmt(r['heldout/pass@4'])}"
+            + (f" | HumanEval {r['humaneval']:.3f}" if "humaneval" in r else ""),
+        )
+    gains = [
+        r["heldout/greedy_pass@1"][1] - r["heldout/greedy_pass@1"][0]
+        for r in results["runs"].values()
+        if None not in r["heldout/greedy_pass@1"]
+    ]
+    if gains:
+        print(
+            f"greedy gain: mean {100 * sum(gains) / len(gains):+.1f} pts,"
+            f" min {100 * min(gains):+.1f} pts over {len(gains)} runs"
+        )
+    if "humaneval_base" in results:
+        print(f"HumanEval base {results['humaneval_base']:.3f}")
+
+
+def cmd_seeds(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    results_path = out / "results.json"
+    results: dict[str, Any] = {"study": "seeds", "config": args.config, "runs": {}}
+    if args.humaneval:
+        results["humaneval_base"] = humaneval("embedded", out / "humaneval_base.json")
+    for seed in args.seeds:
+        run_dir = out / f"seed_{seed}"
+        found = train(args.config, run_dir, [f"seed={seed}", "eval.greedy=true", *args.set])
+        if args.humaneval:
+            found["humaneval"] = humaneval(
+                str(run_dir / "final_model"), out / f"humaneval_seed_{seed}.json"
+            )
+        results["runs"][f"seed_{seed}"] = found
+        _write_json_atomic(results_path, results)
+    return results
+
+
+def cmd_ablation(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    results_path = out / "results.json"
+    results: dict[str, Any] = {
+        "study": "ablation",
+        "max_wall_seconds": args.seconds,
+        "runs": {},
+    }
+    for algorithm in args.algorithms:
+        config = out / f"{algorithm}.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(ablation_config(algorithm, args.seconds, args.seed))
+        found = train(str(config), out / algorithm, list(args.set))
+        results["runs"][algorithm] = found
+        _write_json_atomic(results_path, results)
+    return results
+
+
+def ablation_config(algorithm: str, seconds: float, seed: int) -> str:
+    """The default job with ``algorithm`` in place of composer (its own vetted settings),
+    greedy evaluation on, stopped by the time budget rather than the step count."""
+    from composer_replication.config import RunConfig
+    from composer_replication.config.toml_writer import dumps
+
+    data = RunConfig.default().model_dump(mode="json", exclude_none=True)
+    data.update(seed=seed, steps=10_000, max_wall_seconds=seconds)
+    data["eval"].update(greedy=True, every=10_000)
+    env = data["envs"][0]
+    env["algorithm"]["advantage"] = {"type": algorithm}
+    # the default's loss settings were resolved for composer: let the new algorithm's apply
+    data.pop("loss", None)
+    RunConfig.model_validate(data)  # fail here, not after minutes of other runs
+    return dumps(data)
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(args.out)
+    run_dirs = sorted(p.parent for p in out.glob("*/summary.json"))
+    if not run_dirs:
+        raise SystemExit(f"no finished runs (summary.json) under {out}")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (
+        ("heldout/greedy_pass@1", "held-out greedy pass@1"),
+        ("heldout/pass@1", "held-out sampled pass@1 (T=1)"),
+        ("reward/mean", "in-loop reward (mean of the step)"),
+    )
+    for ax, (key, title) in zip(axes, panels):
+        for run_dir in run_dirs:
+            rows = [r for r in metric_rows(run_dir) if r.get(key) is not None]
+            ax.plot(
+                [r["step"] for r in rows],
+                [r[key] for r in rows],
+                marker="o",
+                ms=3,
+                label=run_dir.name,
+            )
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(args.title or str(out))
+    fig.tight_layout()
+    target = Path(args.png or out / "curves.png")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=110)
+    print(f"wrote {target}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="study", required=True)
+    seeds = sub.add_parser("seeds", help="one config over several seeds")
+    seeds.add_argument("--config", default=None, help="run config TOML (default: embedded)")
+    seeds.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    seeds.add_argument("--humaneval", action="store_true", help="also grade HumanEval")
+    seeds.add_argument("--set", action="append", default=[], help="config override")
+    seeds.add_argument("--out", default="runs/bench/seeds")
+    ablation = sub.add_parser("ablation", help="the recipe vs its channels, equal wall time")
+    ablation.add_argument(
+        "--algorithms", nargs="+", default=["composer", "grpo", "sdpo", "replay_dpo"]
+    )
+    ablation.add_argument("--seconds", type=float, default=420.0, help="max_wall_seconds")
+    ablation.add_argument("--seed", type=int, default=0)
+    ablation.add_argument("--set", action="append", default=[], help="config override")
+    ablation.add_argument("--out", default="runs/bench/ablation")
+    plot = sub.add_parser("plot", help="curves of every run under --out")
+    plot.add_argument("--out", required=True)
+    plot.add_argument("--png", default=None)
+    plot.add_argument("--title", default=None)
+    args = parser.parse_args()
+    if args.study == "plot":
+        cmd_plot(args)
+        return
+    results = cmd_seeds(args) if args.study == "seeds" else cmd_ablation(args)
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
