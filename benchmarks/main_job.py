@@ -161,19 +161,29 @@ def cmd_ablation(args: argparse.Namespace) -> dict[str, Any]:
 
 def ablation_config(algorithm: str, seconds: float, seed: int) -> str:
     """The default job with ``algorithm`` in place of composer (its own vetted settings),
-    greedy evaluation on, stopped by the time budget rather than the step count."""
+    stopped by the time budget rather than the step count. The learning rate is constant:
+    a schedule over ``steps`` would decay at a different pace for each algorithm, whose
+    steps take different times."""
     from composer_replication.config import RunConfig
     from composer_replication.config.toml_writer import dumps
 
     data = RunConfig.default().model_dump(mode="json", exclude_none=True)
     data.update(seed=seed, steps=10_000, max_wall_seconds=seconds)
     data["eval"].update(greedy=True, every=10_000)
+    data["optim"]["schedule"] = "constant"
     env = data["envs"][0]
     env["algorithm"]["advantage"] = {"type": algorithm}
     # the default's loss settings were resolved for composer: let the new algorithm's apply
     data.pop("loss", None)
     RunConfig.model_validate(data)  # fail here, not after minutes of other runs
     return dumps(data)
+
+
+PANELS = {
+    "greedy": ("heldout/greedy_pass@1", "held-out greedy pass@1"),
+    "sampled": ("heldout/pass@1", "held-out sampled pass@1 (T=1)"),
+    "reward": ("reward/mean", "in-loop reward (mean of the step)"),
+}
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -186,13 +196,12 @@ def cmd_plot(args: argparse.Namespace) -> None:
     run_dirs = sorted(p.parent for p in out.glob("*/summary.json"))
     if not run_dirs:
         raise SystemExit(f"no finished runs (summary.json) under {out}")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (
-        ("heldout/greedy_pass@1", "held-out greedy pass@1"),
-        ("heldout/pass@1", "held-out sampled pass@1 (T=1)"),
-        ("reward/mean", "in-loop reward (mean of the step)"),
-    )
+    panels = [PANELS[name] for name in args.panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    axes = axes[0]
     for ax, (key, title) in zip(axes, panels):
+        if key == "heldout/greedy_pass@1" and args.base_greedy is not None:
+            ax.axhline(args.base_greedy, color="gray", ls="--", lw=1, label="base model")
         for run_dir in run_dirs:
             rows = [r for r in metric_rows(run_dir) if r.get(key) is not None]
             ax.plot(
@@ -235,6 +244,10 @@ def main() -> None:
     plot.add_argument("--out", required=True)
     plot.add_argument("--png", default=None)
     plot.add_argument("--title", default=None)
+    plot.add_argument("--panels", nargs="+", choices=sorted(PANELS), default=list(PANELS))
+    plot.add_argument(
+        "--base-greedy", type=float, default=None, help="draw the base model's greedy pass@1"
+    )
     args = parser.parse_args()
     if args.study == "plot":
         cmd_plot(args)
