@@ -34,11 +34,16 @@ def heldout_rollouts(
     """Rollout groups for evaluation, sampled with their own seed.
 
     The same seed at every evaluation makes before/after comparisons use common random
-    numbers; the caller's random streams continue as if nothing had been sampled.
+    numbers: each answer's random numbers depend on ``seed``, its prompt and its place in
+    the group only (not on the step, the run's seed or the batch), so a run's evaluations
+    and ``composer-replication eval`` with the same seed draw alike. The caller's random
+    streams continue as if nothing had been sampled.
     """
     import torch
 
-    with torch.random.fork_rng(devices=[]):
+    from composer_replication.rollout.generate import derived_seed, seeded_rows
+
+    with torch.random.fork_rng(devices=[]), seeded_rows(derived_seed(int(seed), "heldout")):
         torch.manual_seed(seed)
         return env.rollouts(
             policy,

@@ -357,3 +357,29 @@ def test_evaluation_sampling_is_seeded_and_leaves_training_rng_alone(tmp_path, t
 
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
+    # a run's step and seed (the row-seed context training samples under) change nothing:
+    # every evaluation of a run, and `eval` afterwards, draws the same numbers
+    from composer_replication.rollout.generate import derived_seed, seeded_rows
+
+    with seeded_rows(derived_seed(7, "rollouts", 3)):
+        inside_a_run = heldout_rollouts(env, policy, tok, env.ids, seed=5, **kwargs)
+    assert tokens(inside_a_run) == tokens(first)
+
+
+def test_every_evaluation_of_a_run_uses_the_same_random_numbers(tmp_path, tiny_dir):
+    cfg = _config(tmp_path, tiny_dir, steps=1)
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"temperature": 1.0})})
+    trainer = Trainer(cfg, environments={"scripted": ScriptedEnv()})
+    seen = []
+    original = trainer.heldout_tasks[0].env.rollouts
+
+    def recording(*args, **kwargs):
+        groups = original(*args, **kwargs)
+        seen.append([r.completion_ids for g in groups for r in g])
+        return groups
+
+    trainer.heldout_tasks[0].env.rollouts = recording
+    trainer.evaluate()
+    trainer.step = 5  # a later evaluation of the same weights
+    trainer.evaluate()
+    assert seen[0] == seen[2]  # the sampled pass (the greedy one follows each)

@@ -235,8 +235,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Held-out pass@1 over every environment's held-out tasks (sampled by the engine
         when there is one: it holds the current weights)."""
-        with seeded_rows(derived_seed(self.config.seed, "heldout", self.step)):
-            return self.life.evaluate(self.sampling_policy, self.tokenizer, self.heldout_tasks)
+        # the sampling is seeded by eval.seed inside (the same numbers at every evaluation)
+        return self.life.evaluate(self.sampling_policy, self.tokenizer, self.heldout_tasks)
 
     def pick_tasks(self) -> list[list[str]]:
         """This step's train task ids of every environment (curriculum, held-out refused)."""
@@ -393,10 +393,7 @@ class Trainer:
             # a running one (url) may serve anything
             self.engine.after_step(self.policy, self.step)
         if not resumed:
-            with (
-                self.learner.weights.gathered(),
-                seeded_rows(derived_seed(self.config.seed, "heldout", 0)),
-            ):
+            with self.learner.weights.gathered():
                 self.life.evaluate_start(self.sampling_policy, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.config.inference.async_level:
