@@ -223,7 +223,8 @@ def test_drop_unsupported_exports_composer_as_grpo_and_says_what_was_dropped():
     result = export_run_config(_config(text), drop_unsupported=True)
     doc = tomllib.loads(result.toml)
     assert doc["orchestrator"]["train"]["source"][0]["algo"] == {"type": "grpo"}
-    assert len(result.warnings) == 1
+    # the dropped channels, then the default linear LR schedule PRIME-RL is not given
+    assert len(result.warnings) == 2 and "optim.schedule = 'linear'" in result.warnings[1]
     assert "alpha_sdpo = 0.3" in result.warnings[0] and "beta_replay = 0.07" in result.warnings[0]
     assert f"# NOTE: {result.warnings[0]}" in result.toml
     # The flag never turns the other algorithms into something they are not.
