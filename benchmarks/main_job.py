@@ -90,7 +90,7 @@ def humaneval(model: str, out: Path) -> float:
         cmd = [*CLI, "eval", model, "--suite", "humaneval", "-o", str(out)]
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    return json.loads(out.read_text())["greedy_pass@1"]
+    return json.loads(out.read_text())["greedy"]["pass@1"]
 
 
 def _fmt(pair: tuple[float | None, float | None]) -> str:
