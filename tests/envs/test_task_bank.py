@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 import xml.etree.ElementTree as ET
 from collections import Counter
 
@@ -256,6 +257,16 @@ def test_extract_fenced_block():
     )
     code = extract_code(text, "add")
     assert code == "def add(a, b):\n    return a + b\n"
+
+
+def test_extract_code_does_not_print_syntax_warnings(capfd):
+    # `1for` makes Python's tokenizer warn; a run parses every completion, so such
+    # warnings would flood its log.
+    text = "def evens(xs):\n    return [x for x in xs if x % 2 == 0] + [1for _ in '']\n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SyntaxWarning)
+        assert extract_code(text, "evens") == text
+    assert "SyntaxWarning" not in capfd.readouterr().err
 
 
 def test_extract_unfenced_bare_code():

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -246,10 +247,14 @@ _FENCE_RE = re.compile(
 
 
 def _try_parse(source: str) -> ast.Module | None:
-    try:
-        return ast.parse(source)
-    except (SyntaxError, ValueError):  # ValueError: NUL bytes in the source
-        return None
+    # Model output often holds literals like ``1for``: the tokenizer's SyntaxWarning for
+    # them would print to the run's stderr once per completion.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        try:
+            return ast.parse(source)
+        except (SyntaxError, ValueError):  # ValueError: NUL bytes in the source
+            return None
 
 
 def _indent_width(line: str) -> int:
