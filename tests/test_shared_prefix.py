@@ -1,5 +1,6 @@
-"""Shared-prefix forward: the prefix tree of a batch's rows, and hidden states and gradients
-equal to the row-by-row forward (full fine-tune, LoRA, adapters disabled, checkpointing)."""
+"""Shared-prefix forward: the prefix tree and token trie of a batch's rows, and hidden states
+and gradients equal to the row-by-row forward on both ways of sharing (one packed forward,
+a forward per tree node) for full fine-tune, LoRA, adapters disabled, checkpointing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from composer_replication.model_parts import AdapterDisabled, last_hidden_states
 from composer_replication.models import tiny_model
 from composer_replication.ops.pairs import pad_rows
-from composer_replication.shared_prefix import prefix_tree
+from composer_replication import shared_prefix
+from composer_replication.shared_prefix import prefix_tree, token_trie
 
 SYSTEM = list(range(100, 140))  # 40 tokens every row starts with
 TASK_A = list(range(200, 230))
@@ -97,8 +99,18 @@ def _hidden_and_grads(model, ids, mask, share: bool):
     return hidden.detach(), grads
 
 
+@pytest.fixture(params=["packed", "tree"])
+def sharing_path(request, monkeypatch):
+    """Run the test on the packed forward (the default) and on a forward per tree node."""
+    if request.param == "tree":
+        monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize(("lora", "checkpointing"), [(False, False), (True, False), (False, True)])
-def test_hidden_states_and_gradients_equal_the_row_by_row_forward(lora, checkpointing):
+def test_hidden_states_and_gradients_equal_the_row_by_row_forward(
+    lora, checkpointing, sharing_path
+):
     model = _model(lora=lora, checkpointing=checkpointing)
     ids, mask = pad_rows(_rows())
     plain_h, plain_g = _hidden_and_grads(model, ids, mask, share=False)
@@ -111,7 +123,7 @@ def test_hidden_states_and_gradients_equal_the_row_by_row_forward(lora, checkpoi
         assert error < 1e-5, (name, float(error))
 
 
-def test_adapters_disabled_shares_prefixes_of_the_base_model():
+def test_adapters_disabled_shares_prefixes_of_the_base_model(sharing_path):
     model = _model(lora=True)
     ids, mask = pad_rows(_rows())
     with torch.no_grad():
@@ -123,23 +135,63 @@ def test_adapters_disabled_shares_prefixes_of_the_base_model():
     assert not torch.allclose(adapted[real], base[real], atol=1e-3)  # the adapters matter
 
 
-def test_the_shared_forward_computes_fewer_tokens():
-    model = _model()
-    ids, mask = pad_rows(_rows())
+def _embedded_tokens(model, ids, mask, **kwargs) -> list[int]:
+    """Tokens each forward of ``last_hidden_states`` embeds."""
     seen: list[int] = []
     hook = model.model.embed_tokens.register_forward_hook(
         lambda _m, args, _out: seen.append(args[0].numel())
     )
-    with torch.no_grad():
-        last_hidden_states(model, ids, mask, share_prefixes=False)
-        plain, seen[:] = sum(seen), []
-        last_hidden_states(model, ids, mask)
-    hook.remove()
+    try:
+        with torch.no_grad():
+            last_hidden_states(model, ids, mask, **kwargs)
+    finally:
+        hook.remove()
+    return seen
+
+
+def test_the_shared_forward_computes_fewer_tokens(monkeypatch):
+    model = _model()
+    ids, mask = pad_rows(_rows())
     width = ids.shape[1]
-    # the unshared row in full, the system prompt once, task A's and B's prompts once,
-    # then each row's own tail up to its group's longest tail (6 for A, 3 for B)
-    assert plain == 6 * width
-    assert sum(seen) == width + 40 + 30 + 25 + 3 * 6 + 2 * 3
+    assert _embedded_tokens(model, ids, mask, share_prefixes=False) == [6 * width]
+    # one packed forward of the distinct tokens: the unshared row (30), the system prompt
+    # (40), task A's and B's prompts (30, 25) once, every row's own tail (4+2+1+6+3)
+    assert _embedded_tokens(model, ids, mask) == [30 + 40 + 30 + 25 + 4 + 2 + 1 + 6 + 3]
+    # a forward per tree node: the unshared row in full, the system prompt once, task A's
+    # and B's prompts once, then each row's own tail up to its group's longest (6 for A,
+    # 3 for B)
+    monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)
+    tree = _embedded_tokens(model, ids, mask)
+    assert len(tree) > 1 and sum(tree) == width + 40 + 30 + 25 + 3 * 6 + 2 * 3
+
+
+def test_the_token_trie_shares_exactly_the_common_prefixes():
+    ids, mask = pad_rows([[5, 6, 7], [5, 6, 8, 9], [5, 7], [4]])
+    trie = token_trie(ids, mask)
+    assert trie.tokens == [5, 6, 7, 8, 9, 7, 4]
+    assert trie.positions == [0, 1, 2, 2, 3, 1, 0]
+    assert trie.paths == [[0, 1, 2], [0, 1, 3, 4], [0, 5], [6]]
+    assert token_trie(*pad_rows([[5, 6], [5]], left=True)) is None  # not right-padded
+
+
+def test_the_packed_forward_holds_for_eager_attention_and_gives_way_where_it_cannot():
+    rows = _rows()
+    ids, mask = pad_rows(rows)
+    model = _model()
+    model.config._attn_implementation = "eager"  # an additive mask instead of a boolean one
+    plain_h, plain_g = _hidden_and_grads(model, ids, mask, share=False)
+    assert len(_embedded_tokens(model, ids, mask)) == 1
+    shared_h, shared_g = _hidden_and_grads(model, ids, mask, share=True)
+    torch.testing.assert_close(shared_h[mask.bool()], plain_h[mask.bool()], rtol=1e-5, atol=1e-5)
+    for name, grad in plain_g.items():
+        assert (shared_g[name] - grad).norm() / grad.norm() < 1e-5, name
+    # a sliding window shorter than the rows: the (N, N) mask would bypass it
+    model.config.sliding_window = 32
+    assert len(_embedded_tokens(model, ids, mask)) > 1
+    model.config.sliding_window = None
+    # an attention that takes no explicit mask
+    model.config._attn_implementation = "flash_attention_2"
+    assert shared_prefix.packed_prefix_trie(model.config, ids, mask) is None
 
 
 def _composer_samples():
@@ -177,7 +229,7 @@ def _composer_samples():
     return samples
 
 
-def test_the_composer_step_is_the_same_with_shared_prefixes():
+def test_the_composer_step_is_the_same_with_shared_prefixes(sharing_path):
     from composer_replication.shared_prefix import prefix_sharing, prefix_sharing_enabled
     from composer_replication.trainer.step import LossConfig, train_step
     from composer_replication.trainer.teachers import TeacherModels
@@ -227,7 +279,8 @@ def test_leaves_of_very_different_lengths_take_separate_batches():
     assert BATCH_OVERHEAD_TOKENS > 0
 
 
-def test_a_node_with_long_and_short_leaves_still_matches_the_row_by_row_forward():
+def test_a_node_with_long_and_short_leaves_still_matches_the_row_by_row_forward(monkeypatch):
+    monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)  # the tree path's leaf batches
     model = _model()
     rows = [SYSTEM + list(range(600, 700)), [*SYSTEM, 1, 2], SYSTEM + list(range(700, 790))]
     ids, mask = pad_rows(rows)

@@ -109,9 +109,10 @@ def last_hidden_states(
 ) -> Tensor:
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
 
-    Rows that share a long prefix (a group's prompt, a pair's agent prompt) compute it once
-    (:mod:`composer_replication.shared_prefix`; same values up to float rounding, gradients
-    included); ``share_prefixes=False`` runs every row in full (default: as
+    Rows that share a prefix (a group's prompt, a pair's agent prompt) compute it once, in
+    one packed forward of their distinct tokens where the model allows it, else a forward
+    per shared segment (:mod:`composer_replication.shared_prefix`; same values up to float
+    rounding, gradients included); ``share_prefixes=False`` runs every row in full (default: as
     :func:`~composer_replication.shared_prefix.prefix_sharing` sets, on).
     """
     if isinstance(model, AdapterDisabled):
@@ -130,6 +131,8 @@ def last_hidden_states(
     if body is None:
         raise ValueError(f"cannot find the transformer body of {type(base).__name__}")
     from composer_replication.shared_prefix import (
+        packed_prefix_forward,
+        packed_prefix_trie,
         prefix_sharing_enabled,
         prefix_tree,
         shared_prefix_forward,
@@ -137,11 +140,19 @@ def last_hidden_states(
 
     if share_prefixes is None:
         share_prefixes = prefix_sharing_enabled()
-    if share_prefixes and not kwargs and not _checkpointed(base):
-        # (recomputing layers in backward drops the cache: checkpointed models go row by row)
-        tree = prefix_tree(input_ids, attention_mask)
-        if tree[0]:
-            return shared_prefix_forward(body, input_ids, attention_mask, tree)
+    if share_prefixes and not kwargs:
+        config = getattr(base, "config", None)
+        trie = packed_prefix_trie(config, input_ids, attention_mask)
+        if trie is not None:
+            additive = getattr(config, "_attn_implementation", None) == "eager"
+            return packed_prefix_forward(
+                body, trie, tuple(input_ids.shape), device=input_ids.device, additive=additive
+            )
+        if not _checkpointed(base):
+            # (recomputing layers in backward drops the cache: checkpointed models go row by row)
+            tree = prefix_tree(input_ids, attention_mask)
+            if tree[0]:
+                return shared_prefix_forward(body, input_ids, attention_mask, tree)
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     return out.last_hidden_state
 

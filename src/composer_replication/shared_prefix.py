@@ -10,12 +10,21 @@ cache repeated over the rows) gives the same hidden states for fewer tokens. Gra
 through the cache into the prefix's computation, summed over the rows that used it, as in
 the row-by-row forward. Values agree with it up to float rounding (different matmul shapes).
 
-The rows are arranged in a prefix tree (:func:`prefix_tree`): rows with the same next
-``min_prefix`` tokens form a node whose segment is their longest common continuation (each
-row keeps at least one token of its own), recursively; the rows left at a node take one
-batched forward on the node's cache. Only right-padded rows are shared (as
+Two ways to compute it, both only for right-padded rows (as
 :func:`composer_replication.wire.pack_samples` and :func:`composer_replication.ops.pairs.pad_rows`
-build them); anything else takes the plain forward.
+build them; anything else takes the plain forward):
+
+- one packed forward (:func:`packed_prefix_forward`, the default where it applies): the rows'
+  distinct prefixes form a token trie (:func:`token_trie`), its N nodes are one sequence
+  with each token's depth as its position, and an (N, N) attention mask lets a token see
+  exactly its ancestors. No padding, no cache, one forward: on 2 CPU cores the student rows
+  of a composer step ran about 1.3-2x faster than a forward per tree node. It needs an
+  attention that takes an explicit mask (SDPA or eager), no sliding window, and N at most
+  :data:`PACKED_MAX_TOKENS`;
+- a forward per prefix-tree node (:func:`shared_prefix_forward`): rows with the same next
+  ``min_prefix`` tokens form a node whose segment is their longest common continuation
+  (each row keeps at least one token of its own), recursively; the rows left at a node take
+  batched forwards on the node's cache.
 """
 
 from __future__ import annotations
@@ -34,12 +43,17 @@ if TYPE_CHECKING:
 __all__ = [
     "BATCH_OVERHEAD_TOKENS",
     "DEFAULT_MIN_PREFIX",
+    "PACKED_MAX_TOKENS",
     "PrefixNode",
+    "TokenTrie",
     "length_batches",
+    "packed_prefix_forward",
+    "packed_prefix_trie",
     "prefix_sharing",
     "prefix_sharing_enabled",
     "prefix_tree",
     "shared_prefix_forward",
+    "token_trie",
 ]
 
 #: Shorter shared segments are not worth a forward of their own.
@@ -250,3 +264,110 @@ def _node_forward(
             tail = torch.cat([tail, tail.new_zeros(len(leaves), width - stop, tail.shape[-1])], 1)
         for i, row in enumerate(leaves):
             pieces[row].append(tail[i])
+
+
+#: The packed forward holds an (N, N) attention mask over the N distinct tokens (and the
+#: attention its scores): above this many it gives way to a forward per tree node.
+PACKED_MAX_TOKENS = 4096
+#: Attention implementations that take an explicit (B, 1, Q, K) mask: a boolean one
+#: (SDPA) or an additive one (eager).
+_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class TokenTrie:
+    """The distinct prefixes of some rows: one node per distinct (prefix, token), so rows
+    that agree up to and including position p hold the same node at p.
+
+    Attributes:
+        tokens: (N,) each node's token id; a parent always comes before its children.
+        positions: (N,) each node's position in the rows that hold it (its depth).
+        paths: per row, the node of each of its real (unpadded) positions.
+    """
+
+    tokens: list[int]
+    positions: list[int]
+    paths: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def token_trie(input_ids: Tensor, attention_mask: Tensor | None = None) -> TokenTrie | None:
+    """The rows' :class:`TokenTrie`, or None when some row is not right-padded (or the
+    tokens live on the ``meta`` device, which holds no values)."""
+    if input_ids.device.type == "meta":
+        return None
+    lengths = _right_padded_lengths(input_ids, attention_mask)
+    if lengths is None:
+        return None
+    children: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    positions: list[int] = []
+    paths: list[list[int]] = []
+    for row, length in zip(input_ids.detach().to("cpu").tolist(), lengths):
+        node, path = -1, []
+        for position, token in enumerate(row[:length]):
+            child = children.get((node, token))
+            if child is None:
+                child = children[(node, token)] = len(tokens)
+                tokens.append(token)
+                positions.append(position)
+            path.append(child)
+            node = child
+        paths.append(path)
+    return TokenTrie(tokens, positions, paths)
+
+
+def packed_prefix_trie(
+    model_config: Any, input_ids: Tensor, attention_mask: Tensor | None
+) -> TokenTrie | None:
+    """The trie to run :func:`packed_prefix_forward` on, or None where that forward does not
+    apply or saves nothing: an attention without explicit masks, a sliding window shorter
+    than the rows, rows not right-padded, no fewer distinct tokens than the padded batch,
+    or more than :data:`PACKED_MAX_TOKENS`."""
+    if getattr(model_config, "_attn_implementation", None) not in _MASKED_ATTENTION:
+        return None
+    window = getattr(model_config, "sliding_window", None)
+    if window is not None and window < input_ids.shape[1]:
+        return None
+    trie = token_trie(input_ids, attention_mask)
+    if trie is None or not 0 < len(trie) < input_ids.numel() or len(trie) > PACKED_MAX_TOKENS:
+        return None
+    return trie
+
+
+def packed_prefix_forward(
+    body: Any, trie: TokenTrie, shape: tuple[int, int], *, device: Any, additive: bool = False
+) -> Tensor:
+    """(B, T, H) last hidden states of ``body`` over rows of ``shape`` from ONE forward of
+    the trie's N tokens (each at its depth, each attending to its ancestors and itself).
+
+    Padding positions get zero hidden states (no loss reads them). Gradients reach a shared
+    token summed over the rows that hold it, as in the row-by-row forward. ``additive``:
+    give the mask as 0 / dtype-min floats (eager attention) instead of booleans (SDPA).
+    """
+    n_rows, width = shape
+    n_tokens = len(trie)
+    allowed = torch.zeros((n_tokens, n_tokens), dtype=torch.bool, device=device)
+    for path in trie.paths:
+        if path:
+            nodes = torch.tensor(path, device=device)
+            ancestry = torch.ones((len(path), len(path)), dtype=torch.bool, device=device)
+            allowed[nodes[:, None], nodes[None, :]] = ancestry.tril()
+    mask: Tensor = allowed
+    if additive:
+        dtype = body.get_input_embeddings().weight.dtype
+        mask = torch.zeros((n_tokens, n_tokens), dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    out = body(
+        input_ids=torch.tensor([trie.tokens], device=device),
+        attention_mask=mask[None, None],
+        position_ids=torch.tensor([trie.positions], device=device),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state[0]
+    # row r, position p reads node paths[r][p]; padding reads an appended zero row
+    where = [path + [n_tokens] * (width - len(path)) for path in trie.paths]
+    index = torch.tensor(where, device=device).reshape(n_rows, width)
+    return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])[index]
