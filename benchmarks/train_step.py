@@ -16,7 +16,9 @@ heap kept; ``--glibc-defaults`` measures with glibc's dynamic threshold.
 embedded default recipe (2 tasks x 4 rollouts on ``python_functions``: rl, the SDPO jsd at
 error sites with the hinted teacher contexts, and the trace-replay DPO pairs), timed
 through ``train_step`` once as the recipe trains them and once as plain grpo (the same
-rollouts with the jsd weights, teacher contexts and pairs taken out), in one process.
+rollouts with the jsd weights, teacher contexts and pairs taken out), in one process, each
+three ways: row by row, a forward per shared-prefix tree node, and one packed forward of
+the rows' token trie (the default).
 Printed: seconds per step and per rollout token of each, their ratio, and where the
 composer step's extra tokens come from (teacher contexts, pair sequences).
 """
@@ -24,6 +26,7 @@ composer step's extra tokens come from (teacher contexts, pair sequences).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -152,33 +155,52 @@ def composer_case(repeats: int) -> None:
     torch.manual_seed(0)
     teacher = trainer.teachers.teacher(policy)
     results = {}
-    for sharing in (False, True):
-        with prefix_sharing(sharing):
-            results["composer", sharing] = timed(samples, teacher)
-            results["grpo", sharing] = timed(grpo_samples, None)
+    # row by row; a forward per prefix-tree node; one packed forward of the token trie
+    ways = {"row by row": (False, 0), "tree nodes": (True, 0), "packed": (True, None)}
+    for way, (sharing, packed_limit) in ways.items():
+        with prefix_sharing(sharing), _packed_limit(packed_limit):
+            results["composer", way] = timed(samples, teacher)
+            results["grpo", way] = timed(grpo_samples, None)
     print(f"machine: {machine_line()}")
     print(
         f"one step of the embedded default recipe: {len(grpo_samples)} rollouts, "
         f"{rollout_tokens} rollout tokens ({student_tokens} tokens in the student rows), "
         f"{teacher_tokens} teacher-context tokens, {pair_tokens} pair tokens"
     )
-    for (name, sharing), (seconds, m) in results.items():
-        label = f"{name} ({'shared prefixes' if sharing else 'row by row'})"
+    for (name, way), (seconds, m) in results.items():
+        label = f"{name} ({way})"
         print(
-            f"  {label:30s}: {seconds:5.1f} s/step, {rollout_tokens / seconds:5.1f} rollout "
+            f"  {label:25s}: {seconds:5.1f} s/step, {rollout_tokens / seconds:5.1f} rollout "
             f"tokens/s  (loss {m['loss']:.6f}; loss/jsd {m['loss/jsd']:.6f}, loss/dpo "
             f"{m['loss/dpo']:.6f}; tokens rl {m['tokens/rl']:.0f}, jsd {m['tokens/jsd']:.0f}, "
             f"dpo pairs {m['tokens/dpo']:.0f})"
         )
-    before, after = results["composer", False][0], results["composer", True][0]
+    row_by_row = results["composer", "row by row"][0]
     print(
         f"  composer / grpo time per rollout token (row by row): "
-        f"{before / results['grpo', False][0]:.2f}x"
+        f"{row_by_row / results['grpo', 'row by row'][0]:.2f}x"
     )
+    for way in ("tree nodes", "packed"):
+        seconds = results["composer", way][0]
+        print(f"  composer, {way} vs row by row: {row_by_row / seconds:.2f}x faster")
     print(
-        f"  composer, shared prefixes vs row by row: {before / after:.2f}x faster per rollout token"
+        f"  composer (packed) / grpo (row by row): "
+        f"{results['composer', 'packed'][0] / results['grpo', 'row by row'][0]:.2f}x"
     )
-    print(f"  composer (shared) / grpo (row by row): {after / results['grpo', False][0]:.2f}x")
+
+
+@contextlib.contextmanager
+def _packed_limit(limit: int | None):
+    """Within the block, the packed forward takes at most ``limit`` tokens (None: as is)."""
+    from composer_replication import shared_prefix
+
+    saved = shared_prefix.PACKED_MAX_TOKENS
+    if limit is not None:
+        shared_prefix.PACKED_MAX_TOKENS = limit
+    try:
+        yield
+    finally:
+        shared_prefix.PACKED_MAX_TOKENS = saved
 
 
 def main() -> None:
