@@ -253,3 +253,118 @@ def test_seeded_rows_sample_a_group_the_same_in_any_batch(tiny):
 def test_row_generators_must_match_the_rows():
     with pytest.raises(ValueError, match="2 generators for 3 rows"):
         sample_categorical(torch.zeros(3, 4), [torch.Generator(), torch.Generator()])
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_ngram():
+    from composer_replication.rollout.decode import PromptLookup
+
+    lookup = PromptLookup([1, 2, 3, 4, 5, 1, 2], n=2)
+    assert lookup.draft(3) == [3, 4, 5]  # "1 2" was followed by 3 4 5
+    assert lookup.draft(0) == []
+    lookup.extend([9])  # "2 9" never occurred before
+    assert lookup.draft(3) == []
+    lookup.extend([1, 2])  # the latest earlier "1 2" is now the one followed by 9
+    assert lookup.draft(2) == [9, 1]
+    assert PromptLookup([7], n=3).draft(4) == []
+    with pytest.raises(ValueError, match="n=0"):
+        PromptLookup([1], n=0)
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny):
+    """The tiny model with its final norm scaled up: peaked next-token distributions, so
+    sampled rows fall into repetitions (as a trained model copies its prompt) and drafts
+    get kept at a temperature above 0."""
+    import copy
+
+    model, tok = tiny
+    sharp = copy.deepcopy(model)
+    with torch.no_grad():
+        sharp.model.norm.weight.mul_(60.0)
+    return sharp.eval(), tok
+
+
+def _repetitive_prompts(tok):
+    # repeated text gives the drafts something to copy, as code answers copy their prompt
+    line = "def total(values):\n    return sum(values)\n"
+    return [tok(line * 3)["input_ids"], tok("x = [1, 2, 3]\n" * 4)["input_ids"], tok("a")["input_ids"]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafts_change_no_token_and_save_forwards(sharp, temperature):
+    """Drafts decide how many tokens a forward yields, never which: with the same row
+    seeds, decoding with drafts samples exactly what one token per forward samples."""
+    from composer_replication.rollout.decode import DecodeStats
+    from composer_replication.rollout.generate import row_seeds
+
+    model, tok = sharp
+    prompts = _repetitive_prompts(tok)
+    prompts = [prompts[0], prompts[1], prompts[0], prompts[2]]
+    seeds = row_seeds(7, prompts)
+    runs = {}
+    for budget in (0, 8, 64):
+        stats = DecodeStats()
+        rows = decode_rows(
+            model,
+            prompts,
+            max_new_tokens=40,
+            temperature=temperature,
+            eos_ids=[tok.eos_token_id],
+            pad_id=tok.pad_token_id,
+            row_seeds=seeds,
+            draft_token_budget=budget,
+            stats=stats,
+        )
+        runs[budget] = (rows, stats)
+    plain, plain_stats = runs[0]
+    assert plain_stats.drafted == 0 and plain_stats.accepted == 0
+    for budget in (8, 64):
+        rows, stats = runs[budget]
+        assert [r.tokens for r in rows] == [r.tokens for r in plain]
+        assert [r.finish_reason for r in rows] == [r.finish_reason for r in plain]
+        for row, ref in zip(rows, plain):
+            assert row.logprobs == pytest.approx(ref.logprobs, abs=2e-5)
+        assert stats.accepted > 0 and stats.drafted >= stats.accepted
+        assert stats.forwards < plain_stats.forwards
+    # a larger budget drafts more per forward
+    assert runs[64][1].forwards <= runs[8][1].forwards
+
+
+def test_drafted_decoding_compacts_its_cache_and_matches_the_full_forward(sharp):
+    """Rejected drafts fill the cache with masked positions; compaction drops them without
+    changing any later token or log-prob."""
+    from composer_replication.rollout.decode import DecodeStats
+
+    model, tok = sharp
+    prompts = _repetitive_prompts(tok)
+    stats = DecodeStats()
+    torch.manual_seed(3)
+    rows = decode_rows(
+        model,
+        prompts,
+        max_new_tokens=120,
+        temperature=4.0,  # some drafted tokens are drawn otherwise
+        eos_ids=[-1],
+        pad_id=tok.pad_token_id,
+        draft_token_budget=64,
+        stats=stats,
+    )
+    assert stats.compactions > 0 and stats.drafted > stats.accepted
+    for prompt, row in zip(prompts, rows):
+        assert len(row.tokens) == 120 and row.finish_reason == "length"
+        ids = torch.tensor([prompt + row.tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits / 4.0, -1).gather(-1, torch.tensor(row.tokens)[:, None])
+        torch.testing.assert_close(
+            torch.tensor(row.logprobs), ref.squeeze(-1), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_draft_budget_must_not_be_negative(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="draft_token_budget=-1"):
+        decode_rows(
+            model, [[1, 2]], max_new_tokens=2, temperature=0.0, eos_ids=[0], pad_id=0,
+            draft_token_budget=-1,
+        )
