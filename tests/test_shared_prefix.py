@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from composer_replication import shared_prefix
 from composer_replication.model_parts import AdapterDisabled, last_hidden_states
 from composer_replication.models import tiny_model
 from composer_replication.ops.pairs import pad_rows
-from composer_replication import shared_prefix
 from composer_replication.shared_prefix import prefix_tree, token_trie
 
 SYSTEM = list(range(100, 140))  # 40 tokens every row starts with

@@ -60,7 +60,9 @@ class FrozenEngines:
     def wanted(config: RunConfig) -> bool:
         inference = config.inference
         return (
-            inference.engine == "vllm" and inference.serve_frozen and bool(local_frozen_paths(config))
+            inference.engine == "vllm"
+            and inference.serve_frozen
+            and bool(local_frozen_paths(config))
         )
 
     def start(self) -> RunConfig:
