@@ -315,7 +315,7 @@ def test_lora_initial_policy_is_the_adapter_free_base(base_model):
     from peft import get_peft_model
 
     from composer_replication.model_parts import AdapterDisabled, last_hidden_states
-    from composer_replication.trainer.setup import kl_to_initial
+    from composer_replication.trainer.setup import kl_to_initial, kl_to_initial_sum
 
     original = copy.deepcopy(base_model).eval()
     policy = get_peft_model(
@@ -338,7 +338,16 @@ def test_lora_initial_policy_is_the_adapter_free_base(base_model):
         moved = last_hidden_states(policy, ids, attn)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     assert not torch.allclose(moved, want)  # the adapters are back on after the view's forward
-    assert kl_to_initial(policy, teachers.initial, batches, 1.0) > 1e-4
+    grad_modes = []  # a measurement builds no graph
+    layer = next(m for name, m in policy.named_modules() if name.endswith("layers.0"))
+    hook = layer.register_forward_pre_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
+    try:
+        total, count = kl_to_initial_sum(policy, teachers.initial, batches, 1.0)
+    finally:
+        hook.remove()
+    assert total / count == pytest.approx(kl_to_initial(policy, teachers.initial, batches, 1.0))
+    assert total / count > 1e-4
+    assert grad_modes and not any(grad_modes)
     # A policy with trainable non-LoRA weights gets a real frozen copy.
     full = TeacherModels(copy.deepcopy(base_model))
     assert not isinstance(full.initial, AdapterDisabled)

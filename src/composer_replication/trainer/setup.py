@@ -78,7 +78,6 @@ def make_scheduler(optimizer: Any, config: RunConfig) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-@torch.no_grad()
 def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: float) -> float:
     """Token-mean KL(policy || initial) in nats/token at the batches' trainable positions.
 
@@ -90,6 +89,7 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
     return total / count if count else 0.0
 
 
+@torch.no_grad()  # a measurement: no graph to build
 def kl_to_initial_sum(
     policy: Any, initial: Any, batches: list[Any], temperature: float
 ) -> tuple[float, int]:
