@@ -178,13 +178,23 @@ class PythonFunctionsEnv:
         """The grading half of :meth:`rollouts`: each sampled rollout with its reward,
         feedback, error and grading info filled in (graded in ``grading_workers`` threads)."""
         flat = [r for group in groups for r in group]
+        # answers whose code is the same are graded once (samples of a group often agree)
+        keys = [self._grading_key(r) for r in flat]
+        distinct = list(dict.fromkeys(keys))
+        by_key = {key: r for key, r in zip(keys, flat)}
         with ThreadPoolExecutor(self.grading_workers) as pool:
-            graded = list(
-                pool.map(
-                    lambda r: self.grade(self.tasks[r.task_id], r.metadata["completion_text"]),
-                    flat,
+            verdicts = dict(
+                zip(
+                    distinct,
+                    pool.map(
+                        lambda key: self.grade(
+                            self.tasks[key[0]], by_key[key].metadata["completion_text"]
+                        ),
+                        distinct,
+                    ),
                 )
             )
+        graded = [verdicts[key] for key in keys]
         results = iter(
             replace(
                 r,
@@ -196,6 +206,14 @@ class PythonFunctionsEnv:
             for r, (reward, feedback, error, info) in zip(flat, graded)
         )
         return [[next(results) for _ in group] for group in groups]
+
+    def _grading_key(self, rollout: Rollout) -> tuple[str, str]:
+        """What a completion's grade depends on: its task and the code graded (its text
+        when no function can be extracted)."""
+        task = self.tasks[rollout.task_id]
+        text = rollout.metadata["completion_text"]
+        code = extract_code(text, task.entry_point)
+        return rollout.task_id, text if code is None else code
 
     def grade(
         self, task: PythonTask, completion_text: str
