@@ -54,7 +54,49 @@ def heldout_rollouts(
         )
 
 
-def configured_heldout_rollouts(
+def evaluation_rollouts(
+    env: Any,
+    policy: Any,
+    tokenizer: Any,
+    task_ids: list[str],
+    *,
+    samples_per_task: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    greedy: bool,
+) -> tuple[list[list[Any]], list[list[Any]] | None]:
+    """The sampled groups of :func:`heldout_rollouts` and, with ``greedy``, one greedy
+    (temperature 0) answer per task (the samples' first answers when ``temperature`` is 0).
+
+    Both sample the same prompts, which are prefilled once
+    (:func:`~composer_replication.rollout.generate.reuse_prompt_states`): the policy does not
+    change in between.
+    """
+    from composer_replication.rollout.generate import reuse_prompt_states
+
+    settings = dict(max_new_tokens=max_new_tokens, seed=seed)
+    with reuse_prompt_states():
+        groups = heldout_rollouts(
+            env,
+            policy,
+            tokenizer,
+            task_ids,
+            samples_per_task=samples_per_task,
+            temperature=temperature,
+            **settings,
+        )
+        if not greedy:
+            return groups, None
+        if temperature == 0:
+            return groups, [g[:1] for g in groups]
+        greedy_groups = heldout_rollouts(
+            env, policy, tokenizer, task_ids, samples_per_task=1, temperature=0.0, **settings
+        )
+    return groups, greedy_groups
+
+
+def configured_evaluation_rollouts(
     env: Any,
     policy: Any,
     tokenizer: Any,
@@ -62,44 +104,20 @@ def configured_heldout_rollouts(
     eval_config: Any,
     *,
     max_new_tokens: int,
-    samples_per_task: int | None = None,
-    temperature: float | None = None,
-) -> list[list[Any]]:
-    """:func:`heldout_rollouts` as a run's ``EvalConfig`` asks (task cap, samples, seed);
-    ``samples_per_task`` / ``temperature`` override the config's."""
+) -> tuple[list[list[Any]], list[list[Any]] | None]:
+    """:func:`evaluation_rollouts` as a run's ``EvalConfig`` asks (task cap, samples,
+    temperature, seed, greedy)."""
     ev = eval_config
-    return heldout_rollouts(
+    return evaluation_rollouts(
         env,
         policy,
         tokenizer,
         heldout_ids[: ev.max_tasks] if ev.max_tasks else list(heldout_ids),
-        samples_per_task=ev.samples_per_task if samples_per_task is None else samples_per_task,
-        temperature=ev.temperature if temperature is None else temperature,
+        samples_per_task=ev.samples_per_task,
+        temperature=ev.temperature,
         max_new_tokens=max_new_tokens,
         seed=ev.seed,
-    )
-
-
-def configured_greedy_rollouts(
-    env: Any,
-    policy: Any,
-    tokenizer: Any,
-    heldout_ids: list[str],
-    eval_config: Any,
-    *,
-    max_new_tokens: int,
-) -> list[list[Any]]:
-    """One greedy (temperature 0) answer per held-out task, with the ``EvalConfig``'s task
-    cap: the groups greedy pass@1 is computed from."""
-    return configured_heldout_rollouts(
-        env,
-        policy,
-        tokenizer,
-        heldout_ids,
-        eval_config,
-        max_new_tokens=max_new_tokens,
-        samples_per_task=1,
-        temperature=0.0,
+        greedy=ev.greedy,
     )
 
 
@@ -172,25 +190,17 @@ def evaluate_model(
     train_ids, heldout_ids = HeldoutSplit(heldout_fraction, heldout_salt).split(env.task_ids())
     ids = {"heldout": heldout_ids, "train": train_ids, "all": env.task_ids()}[split]
     ids = ids[:limit] if limit is not None else ids
-    settings = dict(max_new_tokens=max_new_tokens, seed=seed)
-    groups = heldout_rollouts(
+    groups, greedy_groups = evaluation_rollouts(
         env,
         policy,
         tokenizer,
         ids,
         samples_per_task=samples_per_task,
         temperature=temperature,
-        **settings,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        greedy=greedy,
     )
-    greedy_groups = None
-    if greedy:  # at temperature 0 the samples are the greedy answers already
-        greedy_groups = (
-            [g[:1] for g in groups]
-            if temperature == 0
-            else heldout_rollouts(
-                env, policy, tokenizer, ids, samples_per_task=1, temperature=0.0, **settings
-            )
-        )
     rewards = [r.reward for g in groups for r in g]
     more_ks = [k for k in reported_ks(samples_per_task) if k > 1]
     result: dict[str, Any] = {

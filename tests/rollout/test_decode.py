@@ -287,7 +287,11 @@ def sharp(tiny):
 def _repetitive_prompts(tok):
     # repeated text gives the drafts something to copy, as code answers copy their prompt
     line = "def total(values):\n    return sum(values)\n"
-    return [tok(line * 3)["input_ids"], tok("x = [1, 2, 3]\n" * 4)["input_ids"], tok("a")["input_ids"]]
+    return [
+        tok(line * 3)["input_ids"],
+        tok("x = [1, 2, 3]\n" * 4)["input_ids"],
+        tok("a")["input_ids"],
+    ]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -362,9 +366,57 @@ def test_drafted_decoding_compacts_its_cache_and_matches_the_full_forward(sharp)
 
 
 def test_draft_budget_must_not_be_negative(tiny):
-    model, tok = tiny
+    model, _ = tiny
     with pytest.raises(ValueError, match="draft_token_budget=-1"):
         decode_rows(
-            model, [[1, 2]], max_new_tokens=2, temperature=0.0, eos_ids=[0], pad_id=0,
+            model,
+            [[1, 2]],
+            max_new_tokens=2,
+            temperature=0.0,
+            eos_ids=[0],
+            pad_id=0,
             draft_token_budget=-1,
         )
+
+
+def test_prompt_states_are_reused_and_change_no_sample(tiny):
+    """Inside ``reuse_prompt_states`` a prompt is prefilled once over several calls, and
+    the rows sample what they sample without it."""
+    from composer_replication.rollout.decode import DecodeStats, PromptStates
+    from composer_replication.rollout.generate import reuse_prompt_states, seeded_rows
+
+    model, tok = tiny
+    a, b = [5, 6, 7, 8, 9], [9, 10]
+    store = PromptStates()
+    counts = []
+    rows = []
+    for prompts in ([a, b, a], [b, a]):
+        stats = DecodeStats()
+        rows.append(
+            decode_rows(
+                model,
+                prompts,
+                max_new_tokens=6,
+                temperature=0.0,
+                eos_ids=[-1],
+                pad_id=tok.pad_token_id,
+                prompt_states=store,
+                stats=stats,
+            )
+        )
+        counts.append(stats.prefilled)
+    assert counts == [len(a) + len(b), 0] and len(store) == 2
+    assert rows[1][0].tokens == rows[0][1].tokens and rows[1][1].tokens == rows[0][0].tokens
+    fresh = _decode(model, tok, [b, a], 6, 0.0)
+    assert [r.tokens for r in fresh] == [r.tokens for r in rows[1]]
+    for cached, plain in zip(rows[1], fresh):
+        assert cached.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    # through generate: the context keeps the states of every call inside it
+    settings = SamplingSettings(max_new_tokens=5, temperature=1.0)
+    with seeded_rows(3):
+        plain = generate(model, tok, [a, a], settings)
+        with reuse_prompt_states() as states:
+            generate(model, tok, [a], SamplingSettings(max_new_tokens=5, temperature=0.0))
+            assert len(states) == 1
+            again = generate(model, tok, [a, a], settings)
+    assert [g.completion_ids for g in again] == [g.completion_ids for g in plain]

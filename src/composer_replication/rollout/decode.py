@@ -43,7 +43,15 @@ import torch
 
 from composer_replication.rollout.generate import left_pad
 
-__all__ = ["DecodeStats", "DecodedRow", "PromptLookup", "decode_rows", "sample_categorical"]
+__all__ = [
+    "DecodeStats",
+    "DecodedRow",
+    "PromptLookup",
+    "PromptState",
+    "PromptStates",
+    "decode_rows",
+    "sample_categorical",
+]
 
 #: The n-gram a row looks up in its own context to draft the tokens that followed it.
 NGRAM = 3
@@ -66,10 +74,12 @@ class DecodedRow:
 
 @dataclass
 class DecodeStats:
-    """Counters of one :func:`decode_rows` call: decode forwards after the prefill, tokens
-    drafted, drafted tokens kept, and cache compactions."""
+    """Counters of one :func:`decode_rows` call: decode forwards after the prefill, prompt
+    tokens prefilled (prompts found in :class:`PromptStates` are not), tokens drafted,
+    drafted tokens kept, and cache compactions."""
 
     forwards: int = 0
+    prefilled: int = 0
     drafted: int = 0
     accepted: int = 0
     compactions: int = 0
@@ -175,7 +185,9 @@ class _PreallocatedLayer:
                 if not self.is_initialized:
                     return
                 for buffer in (self._key_buffer, self._value_buffer):
-                    index = positions[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+                    index = positions[:, None, :, None].expand(
+                        -1, buffer.shape[1], -1, buffer.shape[3]
+                    )
                     buffer[:, :, : positions.shape[1]] = buffer.gather(2, index)
                 self._set_length(positions.shape[1])
 
@@ -213,6 +225,96 @@ def _compact(cache: Any, mask: torch.Tensor) -> torch.Tensor:
     return new_mask
 
 
+#: Prompts prefilled per forward: sorted by length, so a chunk carries little padding.
+PREFILL_ROWS = 16
+
+
+@dataclass(frozen=True)
+class PromptState:
+    """The model's state after one prompt: per layer its keys and values (heads, length,
+    dim), and the float32 logits (vocab,) of its last position."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    logits: torch.Tensor
+
+
+class PromptStates:
+    """Prompt states kept across decode calls of one model whose weights do not change
+    meanwhile (an evaluation samples greedy and sampled answers of the same prompts)."""
+
+    def __init__(self) -> None:
+        self._states: dict[tuple[int, tuple[int, ...]], PromptState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, model: Any, prompt: tuple[int, ...]) -> PromptState | None:
+        return self._states.get((id(model), prompt))
+
+    def put(self, model: Any, prompt: tuple[int, ...], state: PromptState) -> None:
+        self._states[(id(model), prompt)] = state
+
+
+def _prompt_states(
+    model: Any,
+    prompts: Sequence[tuple[int, ...]],
+    pad_id: int,
+    store: PromptStates | None,
+    stats: DecodeStats,
+) -> dict[tuple[int, ...], PromptState]:
+    """Each prompt's state: from ``store``, else prefilled (length-sorted chunks of
+    :data:`PREFILL_ROWS`, left-padded) and added to ``store``."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    states: dict[tuple[int, ...], PromptState] = {}
+    missing = []
+    for prompt in prompts:
+        found = store.get(model, prompt) if store is not None else None
+        if found is None:
+            missing.append(prompt)
+        else:
+            states[prompt] = found
+    missing.sort(key=len)
+    for start in range(0, len(missing), PREFILL_ROWS):
+        chunk = missing[start : start + PREFILL_ROWS]
+        ids, mask = left_pad(chunk, pad_id, device=device)
+        width = ids.shape[1]
+        cache = DynamicCache()
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+            use_cache=True,
+            cache=cache,
+            logits_to_keep=1,
+        )
+        stats.prefilled += int(mask.sum())
+        last = out.logits[:, -1, :].float()
+        for i, prompt in enumerate(chunk):
+            begin = width - len(prompt)
+            state = PromptState(
+                keys=[layer.keys[i, :, begin:].clone() for layer in cache.layers],
+                values=[layer.values[i, :, begin:].clone() for layer in cache.layers],
+                logits=last[i].clone(),
+            )
+            states[prompt] = state
+            if store is not None:
+                store.put(model, prompt, state)
+    return states
+
+
+def _right_aligned(parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """(rows, heads, width, dim) from per-row (heads, length, dim) tensors, left-padded
+    with zeros (masked out)."""
+    first = parts[0]
+    out = first.new_zeros((len(parts), first.shape[0], width, first.shape[2]))
+    for row, part in enumerate(parts):
+        out[row, :, width - part.shape[1] :] = part
+    return out
+
+
 def sample_categorical(
     log_probs: torch.Tensor, generators: Sequence[torch.Generator] | None = None
 ) -> torch.Tensor:
@@ -226,9 +328,7 @@ def sample_categorical(
     return _invert_cdf(log_probs.double().exp().cumsum(-1), _uniforms(log_probs, generators))
 
 
-def _uniforms(
-    like: torch.Tensor, generators: Sequence[torch.Generator] | None
-) -> torch.Tensor:
+def _uniforms(like: torch.Tensor, generators: Sequence[torch.Generator] | None) -> torch.Tensor:
     """(rows, 1) float64 uniforms on ``like``'s device: global RNG, or one per generator."""
     if generators is None:
         return torch.rand((like.shape[0], 1), dtype=torch.float64, device=like.device)
@@ -303,6 +403,7 @@ def decode_rows(
     stop_strings: Sequence[str] = (),
     row_seeds: Sequence[int] | None = None,
     draft_token_budget: int = DRAFT_TOKEN_BUDGET,
+    prompt_states: PromptStates | None = None,
     stats: DecodeStats | None = None,
 ) -> list[DecodedRow]:
     """Sample one completion per prompt (see the module docstring); no grad, model as is.
@@ -312,7 +413,8 @@ def decode_rows(
     ``row_seeds``: one seed per prompt, each row then draws from its own generator.
     ``draft_token_budget``: drafts are added while a forward stays within this many tokens
     over all live rows (at most :data:`MAX_DRAFT` per row); 0 decodes one token per row
-    per forward. ``stats``, when given, receives the call's counters.
+    per forward. ``prompt_states``: prompt states to reuse and to add to (the weights must
+    be those they were computed with). ``stats``, when given, receives the call's counters.
     """
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need the tokenizer to decode the sampled tokens")
@@ -330,15 +432,13 @@ def decode_rows(
     distinct: dict[tuple[int, ...], int] = {}
     row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
     unique = list(distinct)
-    ids, mask = left_pad(unique, pad_id, device=device)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    width = max(len(p) for p in unique)
     # room for the completion plus rejected drafts between compactions
-    capacity = ids.shape[1] + max_new_tokens + 2 * (MAX_DRAFT + 1)
+    capacity = width + max_new_tokens + 2 * (MAX_DRAFT + 1)
     cache = _new_cache(model, capacity)
     compactable = all(hasattr(layer, "compact") for layer in getattr(cache, "layers", ()))
     if not compactable:  # an unknown cache cannot drop rejected drafts
         draft_token_budget = 0
-    greedy = temperature == 0
     eos = set(int(e) for e in eos_ids)
     matcher = _StopMatcher(tokenizer, stop_strings) if stop_strings else None
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -367,19 +467,18 @@ def decode_rows(
         return True
 
     with torch.no_grad():
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            cache=cache,
-            logits_to_keep=1,
-        )
-        # every row starts from its prompt's prefill
-        select = torch.as_tensor(row_prompt, dtype=torch.long, device=device)
-        if len(unique) != len(prompts) or row_prompt != list(range(len(prompts))):
-            cache.batch_select_indices(select)
-        logits, mask = out.logits[:, -1:, :].float()[select], mask[select]
+        states = _prompt_states(model, unique, pad_id, prompt_states, stats)
+        # every row starts from its prompt's state, right-aligned in the batch's cache
+        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for b, p in enumerate(row_prompt):
+            mask[b, width - len(unique[p]) :] = 1
+        for layer_index, layer in enumerate(cache.layers):
+            row_states = [states[unique[p]] for p in row_prompt]
+            layer.update(
+                _right_aligned([st.keys[layer_index] for st in row_states], width),
+                _right_aligned([st.values[layer_index] for st in row_states], width),
+            )
+        logits = torch.stack([states[unique[p]].logits for p in row_prompt])[:, None, :]
         # (rows, 1): the position of each row's first input in the last forward
         first_position = mask.sum(-1, keepdim=True) - 1
         active = list(range(len(prompts)))  # prompt index of each live batch row
@@ -401,9 +500,9 @@ def decode_rows(
                 offsets = torch.arange(q, device=device)[None, :]
                 mask[:, -q:] = (offsets < kept).to(mask.dtype)
             # each row's next input: its last drawn token, after its kept ones
-            pending_position = first_position + torch.as_tensor(
-                [len(run) for run in runs], device=device
-            )[:, None]
+            pending_position = (
+                first_position + torch.as_tensor([len(run) for run in runs], device=device)[:, None]
+            )
             if len(keep) != len(active):  # finished rows leave the batch
                 index = torch.as_tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)

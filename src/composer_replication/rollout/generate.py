@@ -12,7 +12,8 @@ inference engine would; the base weights are restored exactly afterwards.
 Each completion ends at the first EOS (kept), at the end of the first stop string (kept,
 tokens after it dropped), or at ``max_new_tokens``.
 
-Inside :func:`seeded_rows` each row draws its random numbers from its own generator, seeded
+Inside :func:`reuse_prompt_states` a prompt is prefilled once however many calls sample
+it. Inside :func:`seeded_rows` each row draws its random numbers from its own generator, seeded
 from the context's seed, the row's prompt and its occurrence among equal prompts of the
 call: a task's group samples the same completions whichever batch (or data-parallel rank)
 it is sampled in. Outside it, rows draw from torch's global generator.
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 
 _ROW_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("row_seed", default=None)
+_PROMPT_STATES: contextvars.ContextVar[Any] = contextvars.ContextVar("prompt_states", default=None)
 
 
 @contextlib.contextmanager
@@ -43,6 +45,21 @@ def seeded_rows(seed: int) -> Iterator[None]:
         yield
     finally:
         _ROW_SEED.reset(token)
+
+
+@contextlib.contextmanager
+def reuse_prompt_states() -> Iterator[Any]:
+    """In-process sampling in the block prefills each distinct prompt once: its state is
+    kept and later calls start from it. Only while the policy's weights stay as they are
+    (an evaluation); yields the :class:`~composer_replication.rollout.decode.PromptStates`."""
+    from composer_replication.rollout.decode import PromptStates
+
+    states = PromptStates()
+    token = _PROMPT_STATES.set(states)
+    try:
+        yield states
+    finally:
+        _PROMPT_STATES.reset(token)
 
 
 def derived_seed(*parts: Any) -> int:
@@ -153,6 +170,7 @@ def generate(
                 tokenizer=tokenizer,
                 stop_strings=settings.stop_strings,
                 row_seeds=None if context_seed is None else row_seeds(context_seed, prompts),
+                prompt_states=_PROMPT_STATES.get(),
             )
     finally:
         model.train(was_training)

@@ -123,11 +123,7 @@ class RunLifecycle:
         """
         from composer_replication.envs import pass_at_1
         from composer_replication.evals.pass_at_k import reported_ks
-        from composer_replication.evaluate import (
-            configured_greedy_rollouts,
-            configured_heldout_rollouts,
-            groups_pass_at_k,
-        )
+        from composer_replication.evaluate import configured_evaluation_rollouts, groups_pass_at_k
 
         ev = self.config.eval
         groups: list[Any] = []
@@ -135,16 +131,17 @@ class RunLifecycle:
         for item in tasks:
             # each rank samples its share of the (capped) tasks; all get every group back
             task_ids = item.task_ids[: ev.max_tasks] if ev.max_tasks else list(item.task_ids)
-            args = (item.env, policy, tokenizer, self.ranks.share(task_ids), ev)
-            groups += self.ranks.gather_shares(
-                configured_heldout_rollouts(*args, max_new_tokens=item.max_new_tokens),
-                len(task_ids),
+            sampled, greedy = configured_evaluation_rollouts(
+                item.env,
+                policy,
+                tokenizer,
+                self.ranks.share(task_ids),
+                ev,
+                max_new_tokens=item.max_new_tokens,
             )
-            if ev.greedy and ev.temperature != 0:  # at temperature 0 the samples are greedy
-                greedy_groups += self.ranks.gather_shares(
-                    configured_greedy_rollouts(*args, max_new_tokens=item.max_new_tokens),
-                    len(task_ids),
-                )
+            groups += self.ranks.gather_shares(sampled, len(task_ids))
+            if greedy is not None:
+                greedy_groups += self.ranks.gather_shares(greedy, len(task_ids))
         attempts = [r for group in groups for r in group if not r.infrastructure_error]
         # the held-out set is the kill switch's real signal: gaming it must show
         self.heldout_hack_fraction = (
@@ -155,8 +152,7 @@ class RunLifecycle:
             f"heldout/pass@{k}": v for k, v in groups_pass_at_k(groups, more_ks).items()
         }
         if ev.greedy:
-            greedy = greedy_groups if ev.temperature != 0 else [g[:1] for g in groups]
-            self.heldout_scores["heldout/greedy_pass@1"] = pass_at_1(greedy)
+            self.heldout_scores["heldout/greedy_pass@1"] = pass_at_1(greedy_groups)
         return pass_at_1(groups)
 
     def evaluate_start(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> None:
