@@ -382,8 +382,9 @@ def test_draft_budget_must_not_be_negative(tiny):
 def test_prompt_states_are_reused_and_change_no_sample(tiny):
     """Inside ``reuse_prompt_states`` a prompt is prefilled once over several calls, and
     the rows sample what they sample without it."""
-    from composer_replication.rollout.decode import DecodeStats, PromptStates
+    from composer_replication.rollout.decode import DecodeStats
     from composer_replication.rollout.generate import reuse_prompt_states, seeded_rows
+    from composer_replication.rollout.kv_cache import PromptStates
 
     model, tok = tiny
     a, b = [5, 6, 7, 8, 9], [9, 10]
@@ -420,3 +421,45 @@ def test_prompt_states_are_reused_and_change_no_sample(tiny):
             assert len(states) == 1
             again = generate(model, tok, [a, a], settings)
     assert [g.completion_ids for g in again] == [g.completion_ids for g in plain]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_join_as_others_finish_and_sample_the_same(sharp, temperature):
+    """With ``max_rows`` only that many rows decode at once; the rest join as rows finish
+    (their prompts' states appended to the running batch) and sample exactly what they
+    sample all in one batch."""
+    from composer_replication.rollout.decode import DecodeStats
+    from composer_replication.rollout.generate import row_seeds
+
+    model, tok = sharp
+    base = _repetitive_prompts(tok)
+    prompts = [base[0], base[1], base[2], base[0], tok("def f(x):")["input_ids"], base[2]]
+    # rows of different lengths: some finish early on a stop string, others run to the end
+    first = decode_rows(
+        model, [base[2]], max_new_tokens=3, temperature=0.0, eos_ids=[-1], pad_id=0
+    )[0]
+    settings = dict(
+        max_new_tokens=24,
+        temperature=temperature,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        tokenizer=tok,
+        stop_strings=[tok.decode(first.tokens[1:3])],
+        row_seeds=row_seeds(11, prompts),
+    )
+    together = decode_rows(model, prompts, **settings)
+    recorder = _RowRecorder(model)
+    stats = DecodeStats()
+    try:
+        joined = decode_rows(model, prompts, max_rows=2, stats=stats, **settings)
+    finally:
+        recorder.close()
+    assert [r.tokens for r in joined] == [r.tokens for r in together]
+    assert [r.finish_reason for r in joined] == [r.finish_reason for r in together]
+    for a, b in zip(joined, together):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=2e-5)
+    assert len({r.finish_reason for r in together}) > 1  # rows did end at different times
+    assert max(recorder.rows) <= 2  # never more than max_rows rows in a forward
+    assert stats.prefilled == sum(len(p) for p in {tuple(p) for p in prompts})
+    with pytest.raises(ValueError, match="max_rows=0"):
+        decode_rows(model, prompts, max_rows=0, **settings)

@@ -149,12 +149,16 @@ class PythonFunctionsEnv:
         stops = tuple(dict.fromkeys((*sampling.stop_strings, *STOP_STRINGS)))
         sampling = replace(sampling, stop_strings=stops)
         prompts = {tid: self.prompt_ids(tokenizer, self.tasks[tid]) for tid in task_ids}
-        generations, seconds = [], []
-        for start in range(0, len(jobs), self.generation_batch):
-            chunk = jobs[start : start + self.generation_batch]
-            t0 = time.perf_counter()
-            generations += generate(policy, tokenizer, [prompts[tid] for tid, _ in chunk], sampling)
-            seconds += [(time.perf_counter() - t0) / len(chunk)] * len(chunk)
+        # one call: at most generation_batch rows decode at once, the others join as rows end
+        t0 = time.perf_counter()
+        generations = generate(
+            policy,
+            tokenizer,
+            [prompts[tid] for tid, _ in jobs],
+            sampling,
+            max_rows=self.generation_batch,
+        )
+        seconds = [(time.perf_counter() - t0) / len(jobs)] * len(jobs)
         groups: dict[str, list[Rollout]] = {tid: [] for tid in task_ids}
         for (tid, _), gen, gen_s in zip(jobs, generations, seconds):
             groups[tid].append(

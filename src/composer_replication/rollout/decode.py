@@ -41,17 +41,16 @@ from typing import Any
 
 import torch
 
-from composer_replication.rollout.generate import left_pad
+from composer_replication.rollout.kv_cache import (
+    PromptStates,
+    cache_capacity,
+    can_relayout,
+    new_cache,
+    relayout,
+)
+from composer_replication.rollout.kv_cache import prompt_states as _prompt_states
 
-__all__ = [
-    "DecodeStats",
-    "DecodedRow",
-    "PromptLookup",
-    "PromptState",
-    "PromptStates",
-    "decode_rows",
-    "sample_categorical",
-]
+__all__ = ["DecodeStats", "DecodedRow", "PromptLookup", "decode_rows", "sample_categorical"]
 
 #: The n-gram a row looks up in its own context to draft the tokens that followed it.
 NGRAM = 3
@@ -61,6 +60,9 @@ MAX_DRAFT = 7
 #: it a forward on this project's reference CPU costs about as much as one token per row
 #: (8 rows x 4 tokens ~ 1.3x the time of 8 x 1; 64 x 2 ~ 2.1x the time of 64 x 1).
 DRAFT_TOKEN_BUDGET = 32
+#: With ``max_rows``, waiting rows join once this share of the rows has finished (each
+#: joining re-lays the cache out, so rows join in groups).
+REFILL_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -131,188 +133,6 @@ class PromptLookup:
             return []
         start = self._index.get(tuple(self.tokens[-self.n :]))
         return [] if start is None else self.tokens[start : start + k]
-
-
-class _PreallocatedLayer:
-    """A KV-cache layer that writes into buffers sized for the whole decode.
-
-    The default cache grows by concatenation, copying the whole cache of every layer at
-    every step; here each step writes its new positions in place and attention reads a
-    view of the filled part. :meth:`compact` drops positions no row attends to any more.
-    """
-
-    @staticmethod
-    def make(capacity: int) -> Any:
-        from transformers.cache_utils import DynamicLayer
-
-        class PreallocatedLayer(DynamicLayer):
-            def lazy_initialization(self, key_states: torch.Tensor, value_states: Any) -> None:
-                self.device = key_states.device
-                rows, heads, _, dim = key_states.shape
-                shape = (rows, heads, capacity, value_states.shape[-1])
-                self._key_buffer = key_states.new_empty((rows, heads, capacity, dim))
-                self._value_buffer = value_states.new_empty(shape)
-                self.length = 0
-                self.is_initialized = True
-
-            def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
-                if not self.is_initialized:
-                    self.lazy_initialization(key_states, value_states)
-                end = self.length + key_states.shape[-2]
-                if end > capacity:
-                    raise RuntimeError(f"KV cache capacity {capacity} exceeded ({end})")
-                self._key_buffer[:, :, self.length : end] = key_states
-                self._value_buffer[:, :, self.length : end] = value_states
-                self._set_length(end)
-                return self.keys, self.values
-
-            def _set_length(self, length: int) -> None:
-                self.length = length
-                self.keys = self._key_buffer[:, :, :length]
-                self.values = self._value_buffer[:, :, :length]
-
-            def get_seq_length(self) -> int:
-                return self.length if self.is_initialized else 0
-
-            def batch_select_indices(self, indices: torch.Tensor) -> None:
-                if self.is_initialized:
-                    self._key_buffer = self._key_buffer[indices]
-                    self._value_buffer = self._value_buffer[indices]
-                    self._set_length(self.length)
-
-            def compact(self, positions: torch.Tensor) -> None:
-                """Keep, per row, the cache positions ``positions`` (rows, width) in order."""
-                if not self.is_initialized:
-                    return
-                for buffer in (self._key_buffer, self._value_buffer):
-                    index = positions[:, None, :, None].expand(
-                        -1, buffer.shape[1], -1, buffer.shape[3]
-                    )
-                    buffer[:, :, : positions.shape[1]] = buffer.gather(2, index)
-                self._set_length(positions.shape[1])
-
-        return PreallocatedLayer()
-
-
-def _new_cache(model: Any, capacity: int) -> Any:
-    """A cache of preallocated layers for ``model``, or the default one if its layer count
-    is unknown."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import Cache
-
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config(decoder=True) if config is not None else None
-    n_layers = getattr(text_config, "num_hidden_layers", None)
-    if not isinstance(n_layers, int) or getattr(text_config, "sliding_window", None):
-        return DynamicCache()
-    return Cache(layers=[_PreallocatedLayer.make(capacity) for _ in range(n_layers)])
-
-
-def _compact(cache: Any, mask: torch.Tensor) -> torch.Tensor:
-    """Drop the cache positions that ``mask`` (rows, length) marks 0 in every row's tail,
-    left-aligning what each row keeps; returns the new mask."""
-    keep = mask.bool()
-    counts = keep.sum(-1)
-    width = int(counts.max())
-    # each row's kept positions, right-aligned; the padding slots repeat position 0, masked
-    order = torch.argsort(keep.long(), dim=-1, stable=True)  # masked first, then kept in order
-    positions = order[:, -width:]
-    new_mask = (torch.arange(width, device=mask.device)[None, :] >= width - counts[:, None]).to(
-        mask.dtype
-    )
-    for layer in cache.layers:
-        layer.compact(positions)
-    return new_mask
-
-
-#: Prompts prefilled per forward: sorted by length, so a chunk carries little padding.
-PREFILL_ROWS = 16
-
-
-@dataclass(frozen=True)
-class PromptState:
-    """The model's state after one prompt: per layer its keys and values (heads, length,
-    dim), and the float32 logits (vocab,) of its last position."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    logits: torch.Tensor
-
-
-class PromptStates:
-    """Prompt states kept across decode calls of one model whose weights do not change
-    meanwhile (an evaluation samples greedy and sampled answers of the same prompts)."""
-
-    def __init__(self) -> None:
-        self._states: dict[tuple[int, tuple[int, ...]], PromptState] = {}
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def get(self, model: Any, prompt: tuple[int, ...]) -> PromptState | None:
-        return self._states.get((id(model), prompt))
-
-    def put(self, model: Any, prompt: tuple[int, ...], state: PromptState) -> None:
-        self._states[(id(model), prompt)] = state
-
-
-def _prompt_states(
-    model: Any,
-    prompts: Sequence[tuple[int, ...]],
-    pad_id: int,
-    store: PromptStates | None,
-    stats: DecodeStats,
-) -> dict[tuple[int, ...], PromptState]:
-    """Each prompt's state: from ``store``, else prefilled (length-sorted chunks of
-    :data:`PREFILL_ROWS`, left-padded) and added to ``store``."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    states: dict[tuple[int, ...], PromptState] = {}
-    missing = []
-    for prompt in prompts:
-        found = store.get(model, prompt) if store is not None else None
-        if found is None:
-            missing.append(prompt)
-        else:
-            states[prompt] = found
-    missing.sort(key=len)
-    for start in range(0, len(missing), PREFILL_ROWS):
-        chunk = missing[start : start + PREFILL_ROWS]
-        ids, mask = left_pad(chunk, pad_id, device=device)
-        width = ids.shape[1]
-        cache = DynamicCache()
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-            use_cache=True,
-            cache=cache,
-            logits_to_keep=1,
-        )
-        stats.prefilled += int(mask.sum())
-        last = out.logits[:, -1, :].float()
-        for i, prompt in enumerate(chunk):
-            begin = width - len(prompt)
-            state = PromptState(
-                keys=[layer.keys[i, :, begin:].clone() for layer in cache.layers],
-                values=[layer.values[i, :, begin:].clone() for layer in cache.layers],
-                logits=last[i].clone(),
-            )
-            states[prompt] = state
-            if store is not None:
-                store.put(model, prompt, state)
-    return states
-
-
-def _right_aligned(parts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """(rows, heads, width, dim) from per-row (heads, length, dim) tensors, left-padded
-    with zeros (masked out)."""
-    first = parts[0]
-    out = first.new_zeros((len(parts), first.shape[0], width, first.shape[2]))
-    for row, part in enumerate(parts):
-        out[row, :, width - part.shape[1] :] = part
-    return out
 
 
 def sample_categorical(
@@ -403,6 +223,7 @@ def decode_rows(
     stop_strings: Sequence[str] = (),
     row_seeds: Sequence[int] | None = None,
     draft_token_budget: int = DRAFT_TOKEN_BUDGET,
+    max_rows: int | None = None,
     prompt_states: PromptStates | None = None,
     stats: DecodeStats | None = None,
 ) -> list[DecodedRow]:
@@ -413,8 +234,10 @@ def decode_rows(
     ``row_seeds``: one seed per prompt, each row then draws from its own generator.
     ``draft_token_budget``: drafts are added while a forward stays within this many tokens
     over all live rows (at most :data:`MAX_DRAFT` per row); 0 decodes one token per row
-    per forward. ``prompt_states``: prompt states to reuse and to add to (the weights must
-    be those they were computed with). ``stats``, when given, receives the call's counters.
+    per forward. ``max_rows``: at most this many rows decode at once (None: all); the
+    others wait in order and join as rows finish (:data:`REFILL_FRACTION`).
+    ``prompt_states``: prompt states to reuse and to add to (the weights must be those
+    they were computed with). ``stats``, when given, receives the call's counters.
     """
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need the tokenizer to decode the sampled tokens")
@@ -422,23 +245,22 @@ def decode_rows(
         raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
     if draft_token_budget < 0:
         raise ValueError(f"draft_token_budget={draft_token_budget} must be >= 0 (0 = no drafts)")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows={max_rows} must be >= 1 (or None for every row at once)")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
     stats = stats if stats is not None else DecodeStats()
+    store = prompt_states if prompt_states is not None else PromptStates()
     generators = (
         None
         if row_seeds is None
         else [torch.Generator().manual_seed(int(seed)) for seed in row_seeds]
     )
     device = next(model.parameters()).device
-    distinct: dict[tuple[int, ...], int] = {}
-    row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    unique = list(distinct)
-    width = max(len(p) for p in unique)
-    # room for the completion plus rejected drafts between compactions
-    capacity = width + max_new_tokens + 2 * (MAX_DRAFT + 1)
-    cache = _new_cache(model, capacity)
-    compactable = all(hasattr(layer, "compact") for layer in getattr(cache, "layers", ()))
-    if not compactable:  # an unknown cache cannot drop rejected drafts
-        draft_token_budget = 0
+    room = max_new_tokens + 2 * (MAX_DRAFT + 1)  # the completion plus rejected drafts
+    if not can_relayout(new_cache(model, 1)):  # no compaction, no rows joining later
+        draft_token_budget, max_rows = 0, None
+    max_rows = len(prompts) if max_rows is None else min(max_rows, len(prompts))
     eos = set(int(e) for e in eos_ids)
     matcher = _StopMatcher(tokenizer, stop_strings) if stop_strings else None
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -466,52 +288,51 @@ def decode_rows(
                 return False
         return True
 
+    def row_generators(rows: Sequence[int]) -> list[torch.Generator] | None:
+        return None if generators is None else [generators[r] for r in rows]
+
+    waiting = list(range(len(prompts)))  # rows not started yet, in order
+    # the live batch: prompt index, last drawn token and its position per row
+    active: list[int] = []
+    pending: list[int] = []
+    pending_position = torch.zeros((0, 1), dtype=torch.long, device=device)
+    cache: Any = None
+    mask: torch.Tensor | None = None
     with torch.no_grad():
-        states = _prompt_states(model, unique, pad_id, prompt_states, stats)
-        # every row starts from its prompt's state, right-aligned in the batch's cache
-        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-        for b, p in enumerate(row_prompt):
-            mask[b, width - len(unique[p]) :] = 1
-        for layer_index, layer in enumerate(cache.layers):
-            row_states = [states[unique[p]] for p in row_prompt]
-            layer.update(
-                _right_aligned([st.keys[layer_index] for st in row_states], width),
-                _right_aligned([st.values[layer_index] for st in row_states], width),
-            )
-        logits = torch.stack([states[unique[p]].logits for p in row_prompt])[:, None, :]
-        # (rows, 1): the position of each row's first input in the last forward
-        first_position = mask.sum(-1, keepdim=True) - 1
-        active = list(range(len(prompts)))  # prompt index of each live batch row
-        drafts: list[list[int]] = [[] for _ in prompts]
         while True:
-            runs, run_lps, accepted = _draw_along_drafts(
-                logits,
-                drafts,
-                temperature=temperature,
-                generators=None if generators is None else [generators[r] for r in active],
-            )
-            stats.accepted += sum(accepted)
-            keep = [b for b, row in enumerate(active) if emit(row, runs[b], run_lps[b])]
-            if not keep:
-                break
-            q = logits.shape[1]
-            if q > 1:  # drafted positions after a row's accepted ones: out of attention
-                kept = torch.as_tensor(accepted, device=device)[:, None] + 1
-                offsets = torch.arange(q, device=device)[None, :]
-                mask[:, -q:] = (offsets < kept).to(mask.dtype)
-            # each row's next input: its last drawn token, after its kept ones
-            pending_position = (
-                first_position + torch.as_tensor([len(run) for run in runs], device=device)[:, None]
-            )
-            if len(keep) != len(active):  # finished rows leave the batch
-                index = torch.as_tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(index)
-                mask, pending_position = mask[index], pending_position[index]
-            pending = [runs[b][-1] for b in keep]
-            active = [active[b] for b in keep]
-            room = min(MAX_DRAFT, draft_token_budget // len(active) - 1) if lookups else 0
+            free = max_rows - len(active)
+            if waiting and (not active or free >= max(1, int(max_rows * REFILL_FRACTION))):
+                # rows join: each draws its first token from its prompt's state
+                joining, waiting = waiting[:free], waiting[free:]
+                keys = [tuple(int(t) for t in prompts[r]) for r in joining]
+                states, prefilled = _prompt_states(model, keys, pad_id, store)
+                stats.prefilled += prefilled
+                first = torch.stack([states[k].logits for k in keys])[:, None, :]
+                runs, run_lps, _ = _draw_along_drafts(
+                    first,
+                    [[] for _ in joining],
+                    temperature=temperature,
+                    generators=row_generators(joining),
+                )
+                going = [b for b, row in enumerate(joining) if emit(row, runs[b], run_lps[b])]
+                if going:
+                    cache, mask = relayout(
+                        model, cache, mask, [states[keys[b]] for b in going], room=room
+                    )
+                    active += [joining[b] for b in going]
+                    pending += [runs[b][-1] for b in going]
+                    joined = torch.as_tensor(
+                        [len(keys[b]) for b in going], dtype=torch.long, device=device
+                    )[:, None]
+                    pending_position = torch.cat([pending_position, joined])
+                if not active:
+                    if waiting:
+                        continue
+                    break
+            assert cache is not None and mask is not None
+            room_per_row = min(MAX_DRAFT, draft_token_budget // len(active) - 1) if lookups else 0
             drafts = [
-                lookups[row].draft(min(room, max_new_tokens - len(tokens[row]) - 1))
+                lookups[row].draft(min(room_per_row, max_new_tokens - len(tokens[row]) - 1))
                 if lookups is not None
                 else []
                 for row in active
@@ -521,8 +342,8 @@ def decode_rows(
             inputs = torch.full((len(active), q), int(pad_id), dtype=torch.long)
             for b, (token, draft) in enumerate(zip(pending, drafts)):
                 inputs[b, : 1 + len(draft)] = torch.as_tensor([token, *draft])
-            if compactable and cache.get_seq_length() + q > capacity:
-                mask = _compact(cache, mask)
+            if cache.get_seq_length() + q > cache_capacity(cache):  # rejected drafts filled it
+                cache, mask = relayout(model, cache, mask, [], room=room)
                 stats.compactions += 1
             mask = torch.cat([mask, mask.new_ones((len(active), q))], dim=-1)
             out = model(
@@ -534,6 +355,28 @@ def decode_rows(
                 logits_to_keep=q,
             )
             stats.forwards += 1
-            logits = out.logits.float()
-            first_position = pending_position
+            runs, run_lps, accepted = _draw_along_drafts(
+                out.logits.float(),
+                drafts,
+                temperature=temperature,
+                generators=row_generators(active),
+            )
+            stats.accepted += sum(accepted)
+            if q > 1:  # drafted positions after a row's accepted ones: out of attention
+                kept = torch.as_tensor(accepted, device=device)[:, None] + 1
+                offsets = torch.arange(q, device=device)[None, :]
+                mask[:, -q:] = (offsets < kept).to(mask.dtype)
+            pending_position = (
+                pending_position
+                + torch.as_tensor([len(run) for run in runs], device=device)[:, None]
+            )
+            keep = [b for b, row in enumerate(active) if emit(row, runs[b], run_lps[b])]
+            if len(keep) != len(active):  # finished rows leave the batch
+                index = torch.as_tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(index)
+                mask, pending_position = mask[index], pending_position[index]
+            pending = [runs[b][-1] for b in keep]
+            active = [active[b] for b in keep]
+            if not active and not waiting:
+                break
     return [DecodedRow(t, lp, r) for t, lp, r in zip(tokens, logprobs, reasons)]

@@ -52,7 +52,7 @@ def reuse_prompt_states() -> Iterator[Any]:
     """In-process sampling in the block prefills each distinct prompt once: its state is
     kept and later calls start from it. Only while the policy's weights stay as they are
     (an evaluation); yields the :class:`~composer_replication.rollout.decode.PromptStates`."""
-    from composer_replication.rollout.decode import PromptStates
+    from composer_replication.rollout.kv_cache import PromptStates
 
     states = PromptStates()
     token = _PROMPT_STATES.set(states)
@@ -132,8 +132,12 @@ def generate(
     settings: SamplingSettings | None = None,
     *,
     generator_seed: int | None = None,
+    max_rows: int | None = None,
 ) -> list[Generation]:
-    """Sample one completion per prompt with the policy, in one batched ``generate`` call."""
+    """Sample one completion per prompt with the policy, in one batched call.
+
+    ``max_rows``: in process, at most this many rows decode at once and the others join as
+    rows finish (None: all at once)."""
     import torch
 
     settings = settings or SamplingSettings()
@@ -158,7 +162,7 @@ def generate(
         with (
             torch.no_grad(),
             lora_merged(model),
-            packed_linears(model, batch_hint=len(prompts)),
+            packed_linears(model, batch_hint=min(len(prompts), max_rows or len(prompts))),
         ):
             rows = decode_rows(
                 model,
@@ -171,6 +175,7 @@ def generate(
                 stop_strings=settings.stop_strings,
                 row_seeds=None if context_seed is None else row_seeds(context_seed, prompts),
                 prompt_states=_PROMPT_STATES.get(),
+                max_rows=max_rows,
             )
     finally:
         model.train(was_training)

@@ -1,0 +1,245 @@
+"""The decode loop's KV cache: preallocated layers, prompt states, and re-layout.
+
+A batch's cache holds, per row, its prompt right-aligned behind left padding, then the
+positions its forwards wrote; the attention mask says which positions a row attends to.
+:func:`relayout` rebuilds that cache with only the attended positions of the live rows
+and appends new rows from their prompt states: it drops the masked positions that
+rejected drafts leave behind (compaction) and lets waiting prompts join a running batch
+(continuous batching), in one copy.
+
+A :class:`PromptState` is the model's state after a prompt (per-layer keys and values and
+the last position's logits): a prompt is prefilled once per call, or once across calls
+inside a :class:`PromptStates` store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from composer_replication.rollout.generate import left_pad
+
+__all__ = [
+    "PREFILL_ROWS",
+    "PromptState",
+    "PromptStates",
+    "cache_capacity",
+    "can_relayout",
+    "new_cache",
+    "prompt_states",
+    "relayout",
+]
+
+#: Prompts prefilled per forward: sorted by length, so a chunk carries little padding.
+PREFILL_ROWS = 16
+
+
+@dataclass(frozen=True)
+class PromptState:
+    """The model's state after one prompt: per layer its keys and values (heads, length,
+    dim), and the float32 logits (vocab,) of its last position."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    logits: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[1])
+
+
+class PromptStates:
+    """Prompt states kept across decode calls of one model whose weights do not change
+    meanwhile (an evaluation samples greedy and sampled answers of the same prompts)."""
+
+    def __init__(self) -> None:
+        self._states: dict[tuple[int, tuple[int, ...]], PromptState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, model: Any, prompt: tuple[int, ...]) -> PromptState | None:
+        return self._states.get((id(model), prompt))
+
+    def put(self, model: Any, prompt: tuple[int, ...], state: PromptState) -> None:
+        self._states[(id(model), prompt)] = state
+
+
+def prompt_states(
+    model: Any, prompts: Sequence[tuple[int, ...]], pad_id: int, store: PromptStates
+) -> tuple[dict[tuple[int, ...], PromptState], int]:
+    """Each distinct prompt's state, from ``store`` or prefilled (length-sorted chunks of
+    :data:`PREFILL_ROWS`, left-padded) and added to it; and the prompt tokens prefilled."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    states: dict[tuple[int, ...], PromptState] = {}
+    missing = []
+    for prompt in dict.fromkeys(prompts):
+        found = store.get(model, prompt)
+        if found is None:
+            missing.append(prompt)
+        else:
+            states[prompt] = found
+    missing.sort(key=len)
+    prefilled = 0
+    for start in range(0, len(missing), PREFILL_ROWS):
+        chunk = missing[start : start + PREFILL_ROWS]
+        ids, mask = left_pad(chunk, pad_id, device=device)
+        width = ids.shape[1]
+        cache = DynamicCache()
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+            use_cache=True,
+            cache=cache,
+            logits_to_keep=1,
+        )
+        prefilled += int(mask.sum())
+        last = out.logits[:, -1, :].float()
+        for i, prompt in enumerate(chunk):
+            begin = width - len(prompt)
+            state = PromptState(
+                keys=[layer.keys[i, :, begin:].clone() for layer in cache.layers],
+                values=[layer.values[i, :, begin:].clone() for layer in cache.layers],
+                logits=last[i].clone(),
+            )
+            states[prompt] = state
+            store.put(model, prompt, state)
+    return states, prefilled
+
+
+class _PreallocatedLayer:
+    """A KV-cache layer that writes into buffers sized for the whole decode.
+
+    The default cache grows by concatenation, copying the whole cache of every layer at
+    every step; here each step writes its new positions in place and attention reads a
+    view of the filled part.
+    """
+
+    @staticmethod
+    def make(capacity: int) -> Any:
+        from transformers.cache_utils import DynamicLayer
+
+        class PreallocatedLayer(DynamicLayer):
+            preallocated = True
+            positions = capacity
+
+            def lazy_initialization(self, key_states: torch.Tensor, value_states: Any) -> None:
+                self.device = key_states.device
+                rows, heads, _, dim = key_states.shape
+                shape = (rows, heads, capacity, value_states.shape[-1])
+                self._key_buffer = key_states.new_empty((rows, heads, capacity, dim))
+                self._value_buffer = value_states.new_empty(shape)
+                self.length = 0
+                self.is_initialized = True
+
+            def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                end = self.length + key_states.shape[-2]
+                if end > capacity:
+                    raise RuntimeError(f"KV cache capacity {capacity} exceeded ({end})")
+                self._key_buffer[:, :, self.length : end] = key_states
+                self._value_buffer[:, :, self.length : end] = value_states
+                self.length = end
+                self.keys = self._key_buffer[:, :, :end]
+                self.values = self._value_buffer[:, :, :end]
+                return self.keys, self.values
+
+            def get_seq_length(self) -> int:
+                return self.length if self.is_initialized else 0
+
+            def batch_select_indices(self, indices: torch.Tensor) -> None:
+                if self.is_initialized:
+                    self._key_buffer = self._key_buffer[indices]
+                    self._value_buffer = self._value_buffer[indices]
+                    self.keys = self._key_buffer[:, :, : self.length]
+                    self.values = self._value_buffer[:, :, : self.length]
+
+        return PreallocatedLayer()
+
+
+def new_cache(model: Any, capacity: int) -> Any:
+    """A cache of preallocated layers for ``model``, or the default one if its layer count
+    is unknown or it attends through a sliding window."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache
+
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if config is not None else None
+    n_layers = getattr(text_config, "num_hidden_layers", None)
+    if not isinstance(n_layers, int) or getattr(text_config, "sliding_window", None):
+        return DynamicCache()
+    return Cache(layers=[_PreallocatedLayer.make(capacity) for _ in range(n_layers)])
+
+
+def cache_capacity(cache: Any) -> int:
+    """Positions ``cache`` can hold (unbounded unless it is preallocated)."""
+    layers = getattr(cache, "layers", None) or [None]
+    return int(getattr(layers[0], "positions", 1 << 62))
+
+
+def can_relayout(cache: Any) -> bool:
+    """Whether :func:`relayout` may rebuild ``cache`` (preallocated layers hold every
+    position written; a sliding-window cache does not)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(getattr(layer, "preallocated", False) for layer in layers)
+
+
+def relayout(
+    model: Any,
+    cache: Any | None,
+    mask: torch.Tensor | None,
+    new_states: Sequence[PromptState],
+    *,
+    room: int,
+) -> tuple[Any, torch.Tensor]:
+    """A new cache (and its (rows, width) mask) holding the attended positions of the rows
+    of ``cache`` (``mask``; none when ``cache`` is None), then one row per state of
+    ``new_states``, every row right-aligned; ``room`` positions are left for the forwards
+    to come. Rows keep their order; the new rows come last."""
+    parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # per block: keys, values
+    lengths: list[int] = []
+    if cache is not None and mask is not None and mask.shape[0]:
+        keep = mask.bool()
+        counts = keep.sum(-1)
+        width = int(counts.max())
+        # each row's attended positions in order, right-aligned; the filler is masked
+        order = torch.argsort(keep.to(torch.uint8), dim=-1, stable=True)[:, -width:]
+        keys, values = [], []
+        for layer in cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            keys.append(layer.keys.gather(2, index))
+            values.append(layer.values.gather(2, index))
+        parts.append((keys, values))
+        lengths += counts.tolist()
+    for state in new_states:
+        parts.append(([k[None] for k in state.keys], [v[None] for v in state.values]))
+        lengths.append(state.length)
+    if not parts:
+        raise ValueError("relayout needs at least one row")
+    width = max(lengths)
+    device = parts[0][0][0].device
+    rows = len(lengths)
+    fresh = new_cache(model, width + room)
+    n_layers = len(parts[0][0])
+    for layer_index in range(n_layers):
+        first = parts[0][0][layer_index]
+        key = first.new_zeros((rows, first.shape[1], width, first.shape[3]))
+        value = torch.zeros_like(key)
+        row = 0
+        for block_keys, block_values in parts:
+            block_k, block_v = block_keys[layer_index], block_values[layer_index]
+            n, span = block_k.shape[0], block_k.shape[2]
+            key[row : row + n, :, width - span :] = block_k
+            value[row : row + n, :, width - span :] = block_v
+            row += n
+        fresh.update(key, value, layer_index)
+    offsets = torch.arange(width, device=device)[None, :]
+    starts = torch.as_tensor([width - n for n in lengths], device=device)[:, None]
+    return fresh, (offsets >= starts).long()
