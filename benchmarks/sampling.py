@@ -1,19 +1,20 @@
 """Sampling the policy: ours in process (``rollout.generate``) vs transformers' ``generate``,
 and vs the vLLM engine (``inference.EngineSampler``), side by side in one run.
 
-Run: ``python benchmarks/sampling.py`` (a few minutes; ``--engine`` adds the engine side
+Run: ``python benchmarks/sampling.py`` (about 25 minutes; ``--engine`` adds the engine side
 after ``make vllm-env``, ``--loop-steps N`` the default job's steps synchronous and with
 ``async_level = 1``). SmolLM2-135M-Instruct, prompts of the ``python_functions`` bank
 rendered as the environment renders them, its stop string, 80 new tokens, temperature 1
-(and greedy). Two settings, as the training job uses them:
+, 0.7 and greedy). Two settings, as the training job uses them:
 
 - the train step: 2 tasks x 4 samples = batch 8;
-- held-out evaluation: ``--eval-tasks`` tasks x 4 samples; the peer samples in chunks of 16
-  (the former evaluation batch), ours once at its own batch (``--eval-batch``) and once at
-  the peer's 16; the engine takes each setting's prompts in one request.
+- held-out evaluation: ``--eval-tasks`` tasks x 4 samples; the peer samples in chunks of 16,
+  ours in one call with ``--eval-batch`` rows decoding at once (the others join as rows
+  finish); the engine takes each setting's prompts in one request.
 
-Both in-process sides sample the same prompts with the same seed in one process,
-alternating, each timed ``--repeats`` times (median); the engine's side runs after them
+Ours runs twice, with and without prompt-lookup drafts. All in-process sides sample the
+same prompts with the same seed in one process, one after the other, each timed
+``--repeats`` times (median); the engine's side runs after them
 (its idle workers would otherwise share the cores). Printed per setting: kept tokens per
 second of each side and the ratios. Exactness: greedy tokens must be identical with
 log-probs within 1e-4; sampled log-probs are compared with a full forward pass over prompt
@@ -87,10 +88,37 @@ def hf_generate(model, tokenizer, prompts, settings, eos_ids):
     return rows
 
 
-def ours(model, tokenizer, prompts, settings):
+def ours(model, tokenizer, prompts, settings, max_rows=None):
     from composer_replication.rollout.generate import generate
 
-    return [(g.completion_ids, g.logprobs) for g in generate(model, tokenizer, prompts, settings)]
+    return [
+        (g.completion_ids, g.logprobs)
+        for g in generate(model, tokenizer, prompts, settings, max_rows=max_rows)
+    ]
+
+
+def ours_without_drafts(model, tokenizer, prompts, settings, max_rows=None):
+    """Our decode loop with prompt-lookup drafts off (one token per row per forward)."""
+    import torch
+
+    from composer_replication.rollout.decode import decode_rows
+    from composer_replication.rollout.generate import _eos_ids
+    from composer_replication.rollout.packed_linear import packed_linears
+
+    with torch.no_grad(), packed_linears(model, batch_hint=min(len(prompts), max_rows or 10**9)):
+        rows = decode_rows(
+            model,
+            prompts,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            eos_ids=_eos_ids(model, tokenizer),
+            pad_id=tokenizer.pad_token_id,
+            tokenizer=tokenizer,
+            stop_strings=settings.stop_strings,
+            draft_token_budget=0,
+            max_rows=max_rows,
+        )
+    return [(r.tokens, r.logprobs) for r in rows]
 
 
 def in_chunks(fn, prompts, size):
@@ -134,9 +162,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--max-new-tokens", type=int, default=80)
-    parser.add_argument("--eval-tasks", type=int, default=16)
+    parser.add_argument("--eval-tasks", type=int, default=32)
     parser.add_argument("--eval-batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", action="store_true", help="add the vLLM engine's side")
     parser.add_argument("--loop-steps", type=int, default=0, help="default-job steps (engine)")
@@ -161,27 +189,23 @@ def main() -> None:
         return [env.prompt_ids(tok, env.tasks[t]) for t in task_ids[:n_tasks] for _ in range(4)]
 
     print(f"machine: {machine_line()}; torch threads {ns.threads}")
+    # (name, prompts, the peer's prompts per call, our rows decoding at once: one call)
     cases = [
-        ("train step, batch 8", prompts_for(2), 8, 8),
+        ("train step, batch 8", prompts_for(2), 8, None),
         (
-            f"evaluation, {ns.eval_tasks}x4 (peer 16/call, ours 16/call)",
-            prompts_for(ns.eval_tasks),
-            16,
-            16,
-        ),
-        (
-            f"evaluation, {ns.eval_tasks}x4 (peer 16/call, ours {ns.eval_batch}/call)",
+            f"evaluation, {ns.eval_tasks}x4 (peer 16/call, ours one call, "
+            f"{ns.eval_batch} rows at once)",
             prompts_for(ns.eval_tasks),
             16,
             ns.eval_batch,
         ),
     ]
     ours_rate = {}
-    for temperature in (1.0, 0.0):
+    for temperature in (1.0, 0.7, 0.0):
         settings = SamplingSettings(
             max_new_tokens=ns.max_new_tokens, temperature=temperature, stop_strings=STOP_STRINGS
         )
-        for name, prompts, peer_batch, our_batch in cases:
+        for name, prompts, peer_batch, our_rows_at_once in cases:
             peer_s, peer_rows = timed(
                 lambda p=prompts, b=peer_batch, s=settings: in_chunks(
                     lambda c: hf_generate(model, tok, c, s, eos), p, b
@@ -189,19 +213,26 @@ def main() -> None:
                 ns.repeats,
                 0,
             )
-            our_s, our_rows = timed(
-                lambda p=prompts, b=our_batch, s=settings: in_chunks(
-                    lambda c: ours(model, tok, c, s), p, b
+            plain_s, plain_rows = timed(
+                lambda p=prompts, s=settings, m=our_rows_at_once: ours_without_drafts(
+                    model, tok, p, s, m
                 ),
                 ns.repeats,
                 0,
             )
-            peer_tok = sum(len(t) for t, _ in peer_rows)
+            our_s, our_rows = timed(
+                lambda p=prompts, s=settings, m=our_rows_at_once: ours(model, tok, p, s, m),
+                ns.repeats,
+                0,
+            )
+            peer_rate = sum(len(t) for t, _ in peer_rows) / peer_s
+            plain_rate = sum(len(t) for t, _ in plain_rows) / plain_s
             our_tok = sum(len(t) for t, _ in our_rows)
             line = (
-                f"T={temperature:g} {name}: peer {peer_tok / peer_s:6.1f} tok/s "
-                f"({peer_tok} tok, {peer_s:.2f} s), ours {our_tok / our_s:6.1f} tok/s "
-                f"({our_tok} tok, {our_s:.2f} s): {our_tok / our_s / (peer_tok / peer_s):.2f}x"
+                f"T={temperature:g} {name}: peer {peer_rate:6.1f} tok/s, ours without drafts "
+                f"{plain_rate:6.1f} tok/s ({plain_rate / peer_rate:.2f}x), ours "
+                f"{our_tok / our_s:6.1f} tok/s ({our_tok} tok, {our_s:.2f} s): "
+                f"{our_tok / our_s / peer_rate:.2f}x"
             )
             if temperature == 0:
                 same = sum(a[0] == b[0] for a, b in zip(peer_rows, our_rows))
