@@ -463,3 +463,23 @@ def test_rows_join_as_others_finish_and_sample_the_same(sharp, temperature):
     assert stats.prefilled == sum(len(p) for p in {tuple(p) for p in prompts})
     with pytest.raises(ValueError, match="max_rows=0"):
         decode_rows(model, prompts, max_rows=0, **settings)
+
+
+def test_forward_cost_and_the_drafts_worth_checking():
+    from composer_replication.rollout.decode import FORWARD_COST, draft_positions, forward_cost
+
+    for tokens, cost in FORWARD_COST:
+        assert forward_cost(tokens) == pytest.approx(cost)
+    assert forward_cost(12) == pytest.approx((1.1 + 1.8) / 2)
+    assert forward_cost(256) == pytest.approx(7.6 + (7.6 - 3.8) * 2)
+    assert forward_cost(0) == pytest.approx(1.0)
+    # a full batch pays for every drafted position: only well-accepted drafts are worth it
+    assert draft_positions([[1, 2, 3]] * 8, [0.5] * 8) == 1
+    assert draft_positions([[1, 2, 3]] * 8, [0.9] * 8) == 4
+    # 8 x 4 positions cost 2.2 forwards of 8 x 1; at acceptance 0.9 they yield
+    # 8 * (1 + 0.9 + 0.81 + 0.729) tokens: 12.5 per unit against 7.3 without drafts
+    assert 8 * (1 + 0.9 + 0.81 + 0.729) / forward_cost(32) > 8 / forward_cost(8)
+    # a lone row checks long drafts even at a middling acceptance; no drafts, one position
+    assert draft_positions([[1] * 7], [0.5]) == 6
+    assert draft_positions([[], []], [0.9, 0.9]) == 1
+    assert draft_positions([[1, 2]] * 64, [0.9] * 64) == 1

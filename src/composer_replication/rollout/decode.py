@@ -35,6 +35,7 @@ keep every row's computation that of its own prompt and accepted tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,16 +51,29 @@ from composer_replication.rollout.kv_cache import (
 )
 from composer_replication.rollout.kv_cache import prompt_states as _prompt_states
 
-__all__ = ["DecodeStats", "DecodedRow", "PromptLookup", "decode_rows", "sample_categorical"]
+__all__ = [
+    "DecodeStats",
+    "DecodedRow",
+    "PromptLookup",
+    "decode_rows",
+    "draft_positions",
+    "forward_cost",
+    "sample_categorical",
+]
 
 #: The n-gram a row looks up in its own context to draft the tokens that followed it.
 NGRAM = 3
 #: Most tokens drafted for one row in one forward.
 MAX_DRAFT = 7
-#: Default upper bound on the tokens one decode forward computes over all live rows: below
-#: it a forward on this project's reference CPU costs about as much as one token per row
-#: (8 rows x 4 tokens ~ 1.3x the time of 8 x 1; 64 x 2 ~ 2.1x the time of 64 x 1).
+#: Default upper bound on the tokens one decode forward computes over all live rows.
 DRAFT_TOKEN_BUDGET = 32
+#: Relative time of a decode forward by the tokens it computes (rows x positions), measured
+#: on this project's reference CPU (2 cores, SmolLM2-135M, float32): a forward is bound by
+#: reading the weights up to about 8 tokens, then by arithmetic. Interpolated linearly,
+#: extrapolated along the last segment.
+FORWARD_COST = ((1, 1.0), (8, 1.1), (16, 1.8), (32, 2.2), (64, 3.8), (128, 7.6))
+#: A row's draft acceptance before its first check (then an average over its checks).
+INITIAL_ACCEPTANCE = 0.6
 #: With ``max_rows``, waiting rows join once this share of the rows has finished (each
 #: joining re-lays the cache out, so rows join in groups).
 REFILL_FRACTION = 0.25
@@ -211,6 +225,36 @@ def _draw_along_drafts(
     )
 
 
+def forward_cost(tokens: int) -> float:
+    """:data:`FORWARD_COST` at ``tokens`` (relative time of a forward computing them)."""
+    points = FORWARD_COST
+    for (n0, c0), (n1, c1) in itertools.pairwise(points):
+        if tokens <= n1:
+            return c0 + (c1 - c0) * (max(tokens, n0) - n0) / (n1 - n0)
+    (n0, c0), (n1, c1) = points[-2], points[-1]
+    return c1 + (c1 - c0) * (tokens - n1) / (n1 - n0)
+
+
+def draft_positions(drafts: Sequence[Sequence[int]], acceptance: Sequence[float]) -> int:
+    """Positions per row of the next forward (1 + drafted tokens kept in it): the number
+    that maximises the expected tokens per unit of time, :func:`forward_cost`.
+
+    A row with draft d and acceptance a yields ``1 + a + ... + a^k`` tokens in expectation
+    when k of its drafted tokens are checked (each is kept only after the ones before it).
+    """
+    rows = len(drafts)
+    longest = max((len(d) for d in drafts), default=0)
+    best_q, best_rate = 1, rows / forward_cost(rows)
+    for q in range(2, longest + 2):
+        expected = sum(
+            sum(a**j for j in range(min(q - 1, len(d)) + 1)) for d, a in zip(drafts, acceptance)
+        )
+        rate = expected / forward_cost(rows * q)
+        if rate > best_rate:
+            best_q, best_rate = q, rate
+    return best_q
+
+
 def decode_rows(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -232,9 +276,10 @@ def decode_rows(
     Each row ends at its first EOS (kept), at the token that completes a stop string
     (kept), or after ``max_new_tokens``. ``tokenizer`` is needed only with stop strings.
     ``row_seeds``: one seed per prompt, each row then draws from its own generator.
-    ``draft_token_budget``: drafts are added while a forward stays within this many tokens
-    over all live rows (at most :data:`MAX_DRAFT` per row); 0 decodes one token per row
-    per forward. ``max_rows``: at most this many rows decode at once (None: all); the
+    ``draft_token_budget``: drafts are considered while a forward stays within this many
+    tokens over all live rows (at most :data:`MAX_DRAFT` per row), and a forward checks as
+    many drafted positions as :func:`draft_positions` finds worth their cost given each
+    row's acceptance so far; 0 decodes one token per row per forward. ``max_rows``: at most this many rows decode at once (None: all); the
     others wait in order and join as rows finish (:data:`REFILL_FRACTION`).
     ``prompt_states``: prompt states to reuse and to add to (the weights must be those
     they were computed with). ``stats``, when given, receives the call's counters.
@@ -268,6 +313,7 @@ def decode_rows(
     texts = [""] * len(prompts)
     reasons = ["length"] * len(prompts)
     lookups = [PromptLookup(p) for p in prompts] if draft_token_budget else None
+    acceptance = [INITIAL_ACCEPTANCE] * len(prompts)
 
     def emit(row: int, run: list[int], run_lp: list[float]) -> bool:
         """Append a row's new tokens up to where it ends; True while it goes on."""
@@ -337,7 +383,8 @@ def decode_rows(
                 else []
                 for row in active
             ]
-            q = 1 + max(len(d) for d in drafts)
+            q = draft_positions(drafts, [acceptance[row] for row in active])
+            drafts = [d[: q - 1] for d in drafts]
             stats.drafted += sum(len(d) for d in drafts)
             inputs = torch.full((len(active), q), int(pad_id), dtype=torch.long)
             for b, (token, draft) in enumerate(zip(pending, drafts)):
@@ -362,6 +409,9 @@ def decode_rows(
                 generators=row_generators(active),
             )
             stats.accepted += sum(accepted)
+            for row, draft, kept_drafts in zip(active, drafts, accepted):
+                if draft:  # each check moves the row's estimate halfway to what it saw
+                    acceptance[row] = 0.5 * acceptance[row] + 0.5 * kept_drafts / len(draft)
             if q > 1:  # drafted positions after a row's accepted ones: out of attention
                 kept = torch.as_tensor(accepted, device=device)[:, None] + 1
                 offsets = torch.arange(q, device=device)[None, :]
