@@ -116,6 +116,63 @@ def test_sdpo_hints_without_demos(tokenizer, hint_source, feedback, expected):
     _check_teacher(samples[1], group[1], _hinted(tokenizer, f"{TASK}\n\nHint: {expected}"), 0.5)
 
 
+@pytest.mark.parametrize("kind", ["sdpo", "composer"])
+def test_reference_demonstrations_stand_in_for_a_missing_better_sibling(tokenizer, kind):
+    """With ``use_reference_demos`` an error site without a better sibling gets the task's
+    reference solution as its demonstration; a better sibling still comes first, and
+    without the flag (or without a reference) the hint is used as before."""
+    reference = "```python\ndef add(a, b):\n    return b + a\n```"
+
+    def group():
+        rollouts = [
+            _rollout(tokenizer, BAD, 0.0, feedback="assert add(1, 2) == 3 failed"),
+            _rollout(tokenizer, BAD, 0.0, feedback="assert add(0, 1) == 1 failed"),
+        ]
+        for r in rollouts:
+            r.metadata["reference"] = reference
+        return rollouts
+
+    on = AlgorithmConfig(advantage={"type": kind, "use_reference_demos": True})
+    samples = build_algorithm(on, tokenizer=tokenizer).assign(group())
+    demo = f"{TASK}\n\nHere is a correct solution, for reference:\n{reference}"
+    alpha = 1.0 if kind == "sdpo" else 0.1
+    for sample, rollout in zip(samples, group()):
+        _check_teacher(sample, rollout, _hinted(tokenizer, demo), alpha)
+        assert sample.metadata["jsd_note"] == "reference"
+    # a better sibling is still the demonstration
+    better = [*group(), _rollout(tokenizer, GOOD, 1.0)]
+    notes = [
+        s.metadata.get("jsd_note") for s in build_algorithm(on, tokenizer=tokenizer).assign(better)
+    ]
+    assert notes[:3] == ["demo", "demo", None]  # (composer adds its pair sample after)
+    # off (the default), or no reference on the rollout: a hint
+    off = AlgorithmConfig(advantage={"type": kind})
+    off_samples = build_algorithm(off, tokenizer=tokenizer).assign(group())
+    assert [s.metadata.get("jsd_note") for s in off_samples[:2]] == ["hint", "hint"]
+    bare = [
+        _rollout(tokenizer, BAD, 0.0, feedback="failed"),
+        _rollout(tokenizer, BAD, 0.0, feedback="failed"),
+    ]
+    bare_samples = build_algorithm(on, tokenizer=tokenizer).assign(bare)
+    assert [s.metadata.get("jsd_note") for s in bare_samples[:2]] == ["hint", "hint"]
+
+
+def test_python_functions_rollouts_carry_the_reference_as_an_answer():
+    from composer_replication.envs.python_functions import (
+        PythonFunctionsEnv,
+        reference_demonstration,
+    )
+    from composer_replication.envs.task_bank import extract_code
+
+    env = PythonFunctionsEnv()
+    task = env.tasks["pf-001-sum-list"]
+    demo = reference_demonstration(task)
+    assert demo.startswith("```python\n") and demo.endswith("\n```")
+    assert extract_code(demo, task.entry_point).strip() == task.reference.strip()
+    # the prompt the policy sees never contains it
+    assert task.reference.strip() not in str(env.messages(task))
+
+
 def test_sdpo_no_signal_without_notes_or_error_sites(tokenizer):
     config = AlgorithmConfig(
         advantage={"type": "sdpo", "use_sibling_demos": False, "hint_source": "none"}

@@ -10,8 +10,9 @@ construction.
 Error sites and their notes:
 - a rollout with ``feedback`` (or ``error``), or with a reward below the group's best, is
   an error site;
-- its note is a demonstration (a better sibling's completion) when one exists and demos
-  are enabled, else a hint: ``hint_generator.classify_error`` + ``dispatch`` on the
+- its note is a demonstration (a better sibling's completion, or the task's reference
+  solution, ``rollout.reference``) when one exists and demos are enabled,
+  else a hint: ``hint_generator.classify_error`` + ``dispatch`` on the
   feedback, falling back to a generic hint that quotes the feedback's tail.
 """
 

@@ -30,8 +30,6 @@ from composer_replication.algo.scoring import LocalPrefillScorer, PrefillScorer,
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
-REFERENCE_KEY = "reference"
-
 
 class OPSDAlgorithm(Algorithm):
     """ref_kl against the (policy's) log-probs in a demonstration-augmented context."""
@@ -63,7 +61,7 @@ class OPSDAlgorithm(Algorithm):
         sibling = better_sibling(group, i)
         if sibling is not None:
             return demonstration_text(self.tokenizer, sibling)
-        reference = group[i].metadata.get(REFERENCE_KEY)
+        reference = group[i].reference
         return str(reference) if reference else None
 
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:

@@ -5,7 +5,10 @@ Dr.GRPO advantage on its sampled tokens (``rl``). A rollout at an error site (it
 ``feedback`` / ``error``, or a reward below the group's best) also gets a teacher context:
 its prompt re-rendered with a note in the last user message, followed by the same
 completion ids. The note is a better sibling's completion as a demonstration (when
-``use_sibling_demos`` and one exists), else a hint (``hint_source``: ``hint_generator`` on
+``use_sibling_demos`` and one exists), else, with ``use_reference_demos``, the task's
+reference solution (``rollout.reference``, from environments that have one: the
+teacher then knows an answer the student does not, privileged-information
+self-distillation), else a hint (``hint_source``: ``hint_generator`` on
 the feedback, the raw feedback, or none). The trainer's ``jsd`` component (weight
 ``alpha_sdpo`` on the sampled tokens) matches the plain-context policy to the teacher model
 (live policy, frozen initial policy or EMA, per ``teacher``) on that context.
@@ -44,17 +47,19 @@ def attach_self_distillation(
     alpha: float,
     use_sibling_demos: bool,
     hint_source: str,
+    use_reference_demos: bool = False,
 ) -> None:
     """Give ``sample`` (of ``group[i]``) a teacher context and jsd weights if it is an error
-    site with a note; ``metadata["jsd_note"]`` records "demo" or "hint"."""
+    site with a note; ``metadata["jsd_note"]`` records "demo", "reference" or "hint"."""
     rollout = group[i]
     if alpha == 0 or not rollout.n_sampled_tokens or not is_error_site(group, i):
         return
     sibling = better_sibling(group, i) if use_sibling_demos else None
-    if sibling is not None:
-        demo = demonstration_text(tokenizer, sibling)
+    reference = rollout.reference if use_reference_demos else None
+    if sibling is not None or reference:
+        demo = demonstration_text(tokenizer, sibling) if sibling is not None else str(reference)
         ids, index = teacher_context(tokenizer, rollout, DEFAULT_DEMO_TEMPLATE, demonstration=demo)
-        note = "demo"
+        note = "demo" if sibling is not None else "reference"
     else:
         hint = hint_text(rollout, hint_source)
         if hint is None:
@@ -104,6 +109,7 @@ def grpo_with_self_distillation(
             alpha=cfg.alpha_sdpo,
             use_sibling_demos=cfg.use_sibling_demos,
             hint_source=cfg.hint_source,
+            use_reference_demos=cfg.use_reference_demos,
         )
         samples.append(sample)
     return samples

@@ -177,6 +177,11 @@ class _SelfDistillation(_Advantage):
     use_sibling_demos: bool = Field(
         True, description="Use a better sibling's completion as the demonstration when one exists."
     )
+    use_reference_demos: bool = Field(
+        False,
+        description="Without a better sibling, use the task's reference solution as the "
+        "demonstration (environments that provide one, e.g. python_functions); else a hint.",
+    )
     hint_source: Literal["generator", "feedback", "none"] = Field(
         "generator",
         description="Hint at error sites without a demonstration: 'generator' "

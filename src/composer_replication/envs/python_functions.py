@@ -26,7 +26,7 @@ from typing import Any
 from composer_replication.envs.function_grader import grade_function
 from composer_replication.envs.task_bank import PythonTask, extract_code, load_tasks
 from composer_replication.rollout.generate import SamplingSettings, generate
-from composer_replication.rollout.types import Rollout
+from composer_replication.rollout.types import REFERENCE_KEY, Rollout
 
 SYSTEM_PROMPT = (
     "You are a careful Python programmer. Complete the function the user gives you. "
@@ -36,6 +36,11 @@ FEEDBACK_CHARS = 1500
 # The closing fence of the code block on its own line: nothing after it is graded, so
 # sampling stops there (the opening "```python" never matches: it has no newline after ```).
 STOP_STRINGS = ("\n```\n",)
+
+
+def reference_demonstration(task: PythonTask) -> str:
+    """The task's reference solution as an answer in the requested format."""
+    return f"```python\n{task.reference.rstrip()}\n```"
 
 
 def user_message(task: PythonTask) -> str:
@@ -173,6 +178,8 @@ class PythonFunctionsEnv:
                         "finish_reason": gen.finish_reason,
                         "completion_text": gen.text,
                         "generation_s": gen_s,  # this rollout's share of its batch's time
+                        # a demonstration for self-distillation; never shown to the policy
+                        REFERENCE_KEY: reference_demonstration(self.tasks[tid]),
                     },
                 )
             )

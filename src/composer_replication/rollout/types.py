@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The ``metadata`` key under which an environment gives a task's reference solution (an
+#: answer in the requested format): a demonstration for self-distillation, never shown to
+#: the policy.
+REFERENCE_KEY = "reference"
+
 
 @dataclass
 class Rollout:
@@ -38,7 +43,9 @@ class Rollout:
             for the trainer: ``infrastructure_error`` (True: the sandbox failed before the
             attempt ran; the rollout says nothing about the policy and is left out of
             training and evaluation) and ``hack_flags`` (what the attempt did outside its
-            answer, counted in the metrics and fed to the kill switch).
+            answer, counted in the metrics and fed to the kill switch). ``reference``
+            (:data:`REFERENCE_KEY`): the task's reference solution, for algorithms that
+            distil from a demonstration.
     """
 
     task_id: str
@@ -79,6 +86,12 @@ class Rollout:
     def hack_flags(self) -> list[str]:
         """What the attempt did outside its answer (empty when nothing was seen)."""
         return list(self.metadata.get("hack_flags") or ())
+
+    @property
+    def reference(self) -> str | None:
+        """The task's reference solution, when the environment gives one."""
+        value = self.metadata.get(REFERENCE_KEY)
+        return str(value) if value else None
 
     @property
     def n_sampled_tokens(self) -> int:
