@@ -1,7 +1,7 @@
 """Sampling the policy: ours in process (``rollout.generate``) vs transformers' ``generate``,
 and vs the vLLM engine (``inference.EngineSampler``), side by side in one run.
 
-Run: ``python benchmarks/sampling.py`` (about 25 minutes; ``--engine`` adds the engine side
+Run: ``python benchmarks/sampling.py`` (about 20 minutes; ``--engine`` adds the engine side
 after ``make vllm-env``, ``--loop-steps N`` the default job's steps synchronous and with
 ``async_level = 1``). SmolLM2-135M-Instruct, prompts of the ``python_functions`` bank
 rendered as the environment renders them, its stop string, 80 new tokens, temperature 1
