@@ -192,7 +192,12 @@ def test_step_creates_no_stray_tensor(tiny):
 def test_sampler_scorer_kl_and_teachers_create_no_stray_tensor(tiny):
     from composer_replication.algo.advantage import grpo_advantages, max_rl_advantages
     from composer_replication.algo.scoring import LocalPrefillScorer
-    from composer_replication.rollout.generate import SamplingSettings, generate
+    from composer_replication.rollout.generate import (
+        SamplingSettings,
+        generate,
+        reuse_prompt_states,
+        seeded_rows,
+    )
     from composer_replication.trainer.setup import kl_to_initial
     from composer_replication.trainer.teachers import TeacherModels
 
@@ -200,13 +205,23 @@ def test_sampler_scorer_kl_and_teachers_create_no_stray_tensor(tiny):
     teachers = TeacherModels(model, mode="ema")
     batches = pack_samples([_rl_sample(1), _rl_sample(2)], max_tokens=1000, split=None)
     settings = SamplingSettings(max_new_tokens=5, temperature=1.0, stop_strings=("\n\n",))
+    greedy = SamplingSettings(max_new_tokens=12, temperature=0.0)
+    repetitive = [7, 8, 9, 10] * 6
     with _strays_fail():
         out = generate(model, tokenizer, [[1, 2, 3], [4, 5], [1, 2, 3]], settings)
+        # seeded rows, rows joining a running batch, drafts, prompt states kept across calls
+        with seeded_rows(5), reuse_prompt_states():
+            joined = generate(
+                model, tokenizer, [repetitive, [4, 5], [1, 2, 3], [6]], settings, max_rows=2
+            )
+            drafted = generate(model, tokenizer, [repetitive, repetitive[:9]], greedy, max_rows=1)
         scored = asyncio.run(LocalPrefillScorer(model).score([[1, 2, 3, 4], [5, 6, 7]], [1, 2]))
         kl = kl_to_initial(model, teachers.initial, batches, 1.0)
         teachers.update(model)
         adv = grpo_advantages([1.0, 0.0, 0.5]).tolist() + max_rl_advantages([1.0, 0.0]).tolist()
     assert [len(g.completion_ids) <= 5 for g in out] == [True] * 3
+    assert [len(g.completion_ids) <= 5 for g in joined] == [True] * 4
+    assert [len(g.completion_ids) for g in drafted] == [12, 12]
     assert [len(s) for s in scored] == [3, 1]
     assert kl == pytest.approx(0.0, abs=1e-6)
     max_rl = 0.5 / (0.5 + 1e-6)  # (r - mean) / (mean + eps)

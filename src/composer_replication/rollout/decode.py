@@ -168,7 +168,7 @@ def _uniforms(like: torch.Tensor, generators: Sequence[torch.Generator] | None) 
         return torch.rand((like.shape[0], 1), dtype=torch.float64, device=like.device)
     if len(generators) != like.shape[0]:
         raise ValueError(f"{len(generators)} generators for {like.shape[0]} rows")
-    draws = [torch.rand(1, dtype=torch.float64, generator=g) for g in generators]
+    draws = [torch.rand(1, dtype=torch.float64, generator=g, device="cpu") for g in generators]
     return torch.stack(draws).to(like.device)
 
 
@@ -386,15 +386,20 @@ def decode_rows(
             q = draft_positions(drafts, [acceptance[row] for row in active])
             drafts = [d[: q - 1] for d in drafts]
             stats.drafted += sum(len(d) for d in drafts)
-            inputs = torch.full((len(active), q), int(pad_id), dtype=torch.long)
-            for b, (token, draft) in enumerate(zip(pending, drafts)):
-                inputs[b, : 1 + len(draft)] = torch.as_tensor([token, *draft])
+            inputs = torch.tensor(
+                [
+                    [token, *draft] + [int(pad_id)] * (q - 1 - len(draft))
+                    for token, draft in zip(pending, drafts)
+                ],
+                dtype=torch.long,
+                device=device,
+            )
             if cache.get_seq_length() + q > cache_capacity(cache):  # rejected drafts filled it
                 cache, mask = relayout(model, cache, mask, [], room=room)
                 stats.compactions += 1
             mask = torch.cat([mask, mask.new_ones((len(active), q))], dim=-1)
             out = model(
-                input_ids=inputs.to(device),
+                input_ids=inputs,
                 attention_mask=mask,
                 position_ids=pending_position + torch.arange(q, device=device)[None, :],
                 use_cache=True,
