@@ -279,8 +279,9 @@ def decode_rows(
     ``draft_token_budget``: drafts are considered while a forward stays within this many
     tokens over all live rows (at most :data:`MAX_DRAFT` per row), and a forward checks as
     many drafted positions as :func:`draft_positions` finds worth their cost given each
-    row's acceptance so far; 0 decodes one token per row per forward. ``max_rows``: at most this many rows decode at once (None: all); the
-    others wait in order and join as rows finish (:data:`REFILL_FRACTION`).
+    row's acceptance so far; 0 decodes one token per row per forward. ``max_rows``: at
+    most this many rows decode at once (None: all); the others wait in order and join as
+    rows finish (:data:`REFILL_FRACTION`).
     ``prompt_states``: prompt states to reuse and to add to (the weights must be those
     they were computed with). ``stats``, when given, receives the call's counters.
     """
