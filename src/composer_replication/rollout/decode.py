@@ -2,18 +2,23 @@
 
 What it does that a general-purpose ``generate`` does not, and why it pays on a CPU:
 
-- distinct prompts are prefilled once and their KV cache is copied to every row that
-  shares them (a group samples ``group_size`` completions of one prompt);
+- distinct prompts are prefilled once (in length-sorted chunks) and every row's cache
+  starts from its prompt's state (a group samples ``group_size`` completions of one
+  prompt; inside ``reuse_prompt_states`` the states serve later calls too);
 - only the positions whose logits are used are projected on the vocabulary;
 - a row that has finished (EOS, stop string) leaves the batch at once, so the steps after
-  it run on fewer rows and the loop ends when the last row finishes;
+  it run on fewer rows and the loop ends when the last row finishes; with ``max_rows``,
+  waiting prompts take the freed places (continuous batching: the cache is re-laid out with
+  the live rows and the joining prompts' states, :func:`~.kv_cache.relayout`);
 - no per-call set-up: stop strings are matched on the decoded text of each row's new
   tokens, not through a vocabulary-wide table built per call;
 - prompt-lookup drafts (arXiv 2304.04487): a small batch is bound by reading the weights,
   not by arithmetic, so one forward can check several tokens for the price of about one.
   Each row proposes the tokens that followed the latest earlier occurrence of its last
   :data:`NGRAM` tokens in its own prompt and completion (answers copy signatures and
-  docstrings), and the forward computes the distributions at all of them at once.
+  docstrings), and the forward computes the distributions at all of them at once. How
+  many drafted positions a forward checks is chosen for the expected tokens per unit of
+  time (:func:`draft_positions`): only where drafts are kept often enough to pay.
 
 The distribution is unchanged, and so are the samples. Each position's token is drawn from
 ``softmax(logits / temperature)`` exactly as without drafts (float32 log-probs, inverse-CDF
