@@ -177,7 +177,7 @@ class PythonFunctionsEnv:
                     metadata={
                         "finish_reason": gen.finish_reason,
                         "completion_text": gen.text,
-                        "generation_s": gen_s,  # this rollout's share of its batch's time
+                        "generation_s": gen_s,  # this rollout's share of the call's time
                         # a demonstration for self-distillation; never shown to the policy
                         REFERENCE_KEY: reference_demonstration(self.tasks[tid]),
                     },
