@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -164,3 +165,83 @@ def test_run_bounded_rejects_bad_arguments(tmp_path) -> None:
         run_bounded(["true"], cwd=tmp_path, env={}, timeout_s=0, max_output_bytes=100)
     with pytest.raises(ValueError, match="max_output_bytes"):
         run_bounded(["true"], cwd=tmp_path, env={}, timeout_s=1, max_output_bytes=10)
+
+
+def test_action_command_accepts_only_a_str_command() -> None:
+    from composer_replication.sandbox.base import action_command
+
+    assert action_command({"command": "ls -la"}) == "ls -la"
+    for bad in ({"command": ["ls"]}, {"cmd": "ls"}, "ls", None):
+        with pytest.raises(ValueError, match="a str 'command'"):
+            action_command(bad)  # type: ignore[arg-type]
+
+
+def test_start_marker_separates_a_started_command_from_a_failed_start(tmp_path) -> None:
+    from composer_replication.sandbox.process import (
+        ProcessOutcome,
+        strip_start_marker,
+        with_start_marker,
+    )
+
+    outcome = run_bounded(
+        with_start_marker(["/bin/sh", "-c", "echo 'hello $1'; exit 4"]),
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout_s=30,
+        max_output_bytes=1000,
+    )
+    started = strip_start_marker(outcome)
+    assert started is not None
+    assert (started.output, started.total_bytes, started.exit_code) == (b"hello $1\n", 9, 4)
+    never_ran = ProcessOutcome(1, b"bwrap: Can't fork\n", 18, False, False, 0.0)
+    assert strip_start_marker(never_ran) is None
+
+
+def test_exec_suffix_names_how_a_command_ended() -> None:
+    from composer_replication.sandbox.process import ProcessOutcome, exec_suffix
+
+    def ended(exit_code, timed_out=False, stopped=None):
+        return ProcessOutcome(exit_code, b"", 0, False, timed_out, 1.0, stopped=stopped)
+
+    assert exec_suffix(ended(0), 5) == ""
+    assert exec_suffix(ended(2), 5) == "\n[exit code 2]"
+    assert exec_suffix(ended(-9), 5) == "\n[killed by signal 9]"
+    assert exec_suffix(ended(None, timed_out=True), 5) == (
+        "\n[timed out after 5 s; process group killed]"
+    )
+    assert exec_suffix(ended(None, stopped="over quota"), 5) == (
+        "\n[stopped: over quota; process group killed]"
+    )
+
+
+def test_resolve_identity_as_root_and_as_a_user(monkeypatch) -> None:
+    from composer_replication.sandbox import uid_pool
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert uid_pool.resolve_identity(None, None) == (uid_pool.NOBODY_UID, uid_pool.NOBODY_UID)
+    assert uid_pool.resolve_identity(1234, 99) == (1234, 99)
+    assert uid_pool.resolve_identity(0, None) == (None, None)  # root stays root
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert uid_pool.resolve_identity(None, None) == (None, None)
+    assert uid_pool.resolve_identity(1000, None) == (None, None)
+    with pytest.raises(ValueError, match="run_as_uid=1234 needs root"):
+        uid_pool.resolve_identity(1234, None)
+
+
+def test_over_quota_measures_the_tree(tmp_path) -> None:
+    from composer_replication.sandbox.workdir import over_quota
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "big").write_bytes(os.urandom(3 * 1024 * 1024))
+    assert over_quota(tmp_path, None) is None
+    assert over_quota(tmp_path, 8 * 1024 * 1024) is None
+    assert over_quota(tmp_path, 1024 * 1024) == "the workdir passed its disk quota of 1 MB"
+
+
+def test_find_bwrap_says_why_not(tmp_path) -> None:
+    from composer_replication.sandbox.bwrap import find_bwrap
+
+    assert find_bwrap(None, None, None) == (None, "bwrap_path=None")
+    missing = tmp_path / "no-bwrap"
+    found, reason = find_bwrap(missing, None, None)
+    assert found is None and reason == f"bubblewrap not found ({missing!r})"

@@ -216,6 +216,23 @@ def test_failing_sandbox_does_not_crash_the_loop(tmp_path, tiny_dir):
     assert row["rollouts/infrastructure_errors"] == 4 and row["tokens/rl"] == 0
 
 
+def test_training_twice_into_one_directory_keeps_the_runs_apart(tmp_path, tiny_dir):
+    from composer_replication.trainer.run_record import PREVIOUS_DIR
+
+    cfg = _config(tmp_path, tiny_dir, steps=1)
+    first = train(cfg, environments={"scripted": ScriptedEnv()})
+    second = train(cfg, environments={"scripted": ScriptedEnv()})
+    rows = [json.loads(x) for x in (second.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]  # the second run's rows alone
+    assert [r["step"] for r in rows] == [r["step"] for r in first.metrics]
+    (previous,) = (second.run_dir / PREVIOUS_DIR).iterdir()
+    old_rows = (previous / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in old_rows] == [0, 1]
+    assert (previous / "final_model" / "config.json").is_file()
+    assert (previous / "checkpoints" / "step_000001").is_dir()
+    assert (second.run_dir / "final_model" / "config.json").is_file()
+
+
 def _strip(rows):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 

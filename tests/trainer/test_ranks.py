@@ -60,6 +60,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         decision = group.agree(f"decided by rank {rank}")
         config = RunConfig(output_dir=str(Path(out_dir) / "run"))
         life = RunLifecycle(config, backend="native")
+        life.begin(resumed=False)
         life.append({"step": 1, "reward/mean": float(rank)})
         record = {
             "rank": group.rank,

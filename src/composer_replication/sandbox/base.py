@@ -19,6 +19,7 @@ __all__ = [
     "SANDBOX_DENYLIST",
     "GuardSpec",
     "TestRunResult",
+    "action_command",
     "denied_message",
     "first_command_token",
     "is_command_allowed",
@@ -96,6 +97,13 @@ def is_command_allowed(command: str, denylist: frozenset[str] = SANDBOX_DENYLIST
         raise TypeError(f"command must be a str, got {command!r} ({type(command).__name__})")
     token = first_command_token(command)
     return token is not None and token not in denylist
+
+
+def action_command(action: Mapping[str, Any]) -> str:
+    """The shell command of an ``exec`` action; ``ValueError`` for anything else."""
+    if not isinstance(action, Mapping) or not isinstance(action.get("command"), str):
+        raise ValueError(f"action must be a dict with a str 'command', got {action!r}")
+    return action["command"]
 
 
 def denied_message(command: str) -> str:

@@ -8,12 +8,14 @@ the hidden tmpfs are remounted read-only (their mount points had to be created f
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from composer_replication.sandbox.process import run_bounded
 
-__all__ = ["BASE_PATH", "DEFAULT_HIDE_PATHS", "bwrap_argv", "probe_bwrap"]
+__all__ = ["BASE_PATH", "DEFAULT_HIDE_PATHS", "bwrap_argv", "find_bwrap", "probe_bwrap"]
 
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 DEFAULT_HIDE_PATHS: tuple[str, ...] = (
@@ -60,6 +62,22 @@ def probe_bwrap(bwrap: str, uid: int | None, gid: int | None) -> str | None:
         ok = outcome.exit_code == 0
         _PROBES[key] = None if ok else f"bwrap failed: {outcome.text().strip()!r}"
     return _PROBES[key]
+
+
+def find_bwrap(
+    bwrap_path: str | os.PathLike[str] | None, uid: int | None, gid: int | None
+) -> tuple[str | None, str]:
+    """(the usable ``bwrap`` executable, "") or (None, why not) for ``bwrap_path``: "auto"
+    looks it up on PATH, None means "do not use bubblewrap"."""
+    if bwrap_path is None:
+        return None, "bwrap_path=None"
+    found = shutil.which("bwrap") if bwrap_path == "auto" else os.fspath(bwrap_path)
+    if not found or not os.access(found, os.X_OK):
+        return None, f"bubblewrap not found ({bwrap_path!r})"
+    reason = probe_bwrap(found, uid, gid)
+    if reason is not None:
+        return None, reason
+    return found, ""
 
 
 def _is_under(path: Path, root: Path) -> bool:

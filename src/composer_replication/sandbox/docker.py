@@ -39,6 +39,7 @@ from composer_replication.datagen.scrub import scrub_tree
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
     TestRunResult,
+    action_command,
     denied_message,
     is_command_allowed,
 )
@@ -55,8 +56,7 @@ from composer_replication.sandbox.docker_daemon import (
     reap_leaked,
     runsc_available,
 )
-from composer_replication.sandbox.local import exec_suffix
-from composer_replication.sandbox.process import OutputCapture, ProcessOutcome
+from composer_replication.sandbox.process import OutputCapture, ProcessOutcome, exec_suffix
 from composer_replication.sandbox.pytest_support import JunitReport, build_pytest_argv, parse_junit
 from composer_replication.sandbox.workdir import hand_over
 
@@ -327,9 +327,7 @@ class DockerSandbox:
 
     def exec(self, action: Mapping[str, Any]) -> str:
         """Run `action["command"]` with sh in the container; combined stdout/stderr."""
-        command = action.get("command") if isinstance(action, Mapping) else None
-        if not isinstance(command, str):
-            raise ValueError(f"action must be a dict with a str 'command', got {action!r}")
+        command = action_command(action)
         entry: dict[str, Any] = {"type": "exec", "command": command, "isolated": True}
         if not is_command_allowed(command, self.denylist):
             text = denied_message(command)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -70,38 +69,43 @@ from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
     GuardSpec,
     TestRunResult,
+    action_command,
     denied_message,
     is_command_allowed,
 )
-from composer_replication.sandbox.behaviour_guard import GUARD_ENV, parse_guard_flags
+from composer_replication.sandbox.behaviour_guard import parse_guard_flags
 from composer_replication.sandbox.bwrap import (
     BASE_PATH,
     DEFAULT_HIDE_PATHS,
     bwrap_argv,
-    probe_bwrap,
+    find_bwrap,
 )
 from composer_replication.sandbox.cgroups import RunCgroup, cgroup_support
-from composer_replication.sandbox.process import ProcessOutcome, ResourceLimits, run_bounded
+from composer_replication.sandbox.process import (
+    ProcessOutcome,
+    ResourceLimits,
+    exec_suffix,
+    run_bounded,
+    strip_start_marker,
+    with_start_marker,
+)
 from composer_replication.sandbox.pytest_support import (
     JUNIT_PREFIX,
     JunitReport,
     build_pytest_argv,
-    guard_site_dir,
+    guard_environment,
     interpreter_bin_dir,
     parse_junit,
     pytest_bundle_dir,
     support_root,
 )
-from composer_replication.sandbox.uid_pool import lease_uid
-from composer_replication.sandbox.workdir import check_reachable, disk_usage, hand_over
+from composer_replication.sandbox.uid_pool import NOBODY_UID, lease_uid, resolve_identity
+from composer_replication.sandbox.workdir import check_reachable, disk_usage, hand_over, over_quota
 
 __all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox", "exec_suffix"]
 
 log = logging.getLogger(__name__)
 
-NOBODY_UID = 65534
-#: Printed by the sandbox's own shell before the command runs (then removed from output).
-START_MARKER = "composer-replication sandbox started"
 # (python, uid, isolated) -> whether that interpreter imports pytest on its own.
 _OWN_PYTEST: dict[tuple[str, int | None, bool], bool] = {}
 
@@ -110,25 +114,6 @@ def _default_python() -> str:
     if os.access("/usr/bin/python3", os.X_OK):
         return "/usr/bin/python3"
     return shutil.which("python3") or sys.executable
-
-
-def _command_of(action: Mapping[str, Any]) -> str:
-    if not isinstance(action, Mapping) or not isinstance(action.get("command"), str):
-        raise ValueError(f"action must be a dict with a str 'command', got {action!r}")
-    return action["command"]
-
-
-def exec_suffix(outcome: ProcessOutcome, timeout_s: float) -> str:
-    """The note appended to an agent-visible output: timeout, signal or non-zero exit."""
-    if outcome.stopped:
-        return f"\n[stopped: {outcome.stopped}; process group killed]"
-    if outcome.timed_out:
-        return f"\n[timed out after {timeout_s:g} s; process group killed]"
-    if outcome.exit_code is not None and outcome.exit_code < 0:
-        return f"\n[killed by signal {-outcome.exit_code}]"
-    if outcome.exit_code:
-        return f"\n[exit code {outcome.exit_code}]"
-    return ""
 
 
 class LocalSubprocessSandbox:
@@ -234,7 +219,7 @@ class LocalSubprocessSandbox:
         self.pytest_from = pytest_from
         self.denylist = denylist
         self.extra_env = dict(env or {})
-        self.uid, self.gid = self._resolve_identity(run_as_uid, run_as_gid)
+        self.uid, self.gid = resolve_identity(run_as_uid, run_as_gid)
         # As root without a fixed identity, each run leases a uid of its own.
         self.lease_uids = run_as_uid is None and os.geteuid() == 0
         self.cgroups = None
@@ -249,7 +234,8 @@ class LocalSubprocessSandbox:
             p for p in dict.fromkeys(hidden) if not any(p.startswith(q + "/") for q in hidden)
         )
         self.ro_binds = tuple(str(Path(p).resolve()) for p in ro_binds)
-        self.isolated, reason = self._resolve_bwrap(bwrap_path)
+        self.bwrap, reason = find_bwrap(bwrap_path, self.uid, self.gid)
+        self.isolated = self.bwrap is not None
         if not self.isolated:
             if require_isolation:
                 raise RuntimeError(
@@ -270,38 +256,11 @@ class LocalSubprocessSandbox:
         self._trajectory: list[dict[str, Any]] = []
 
     # identity and isolation -------------------------------------------------------------
-    @staticmethod
-    def _resolve_identity(uid: int | None, gid: int | None) -> tuple[int | None, int | None]:
-        euid = os.geteuid()
-        if uid is None:
-            uid = NOBODY_UID if euid == 0 else None
-        if uid is not None and euid != 0 and uid != euid:
-            raise ValueError(
-                f"run_as_uid={uid} needs root to switch user (we run as uid {euid}); "
-                "leave run_as_uid unset to run as the current user"
-            )
-        if uid is None or uid == euid:
-            return None, None
-        return uid, gid if gid is not None else uid
-
     def _effective_uid(self) -> int:
         return self.uid if self.uid is not None else os.geteuid()
 
     def _effective_gid(self) -> int:
         return self.gid if self.gid is not None else os.getegid()
-
-    def _resolve_bwrap(self, bwrap_path: str | os.PathLike[str] | None) -> tuple[bool, str]:
-        self.bwrap: str | None = None
-        if bwrap_path is None:
-            return False, "bwrap_path=None"
-        found = shutil.which("bwrap") if bwrap_path == "auto" else os.fspath(bwrap_path)
-        if not found or not os.access(found, os.X_OK):
-            return False, f"bubblewrap not found ({bwrap_path!r})"
-        reason = probe_bwrap(found, self.uid, self.gid)
-        if reason is not None:
-            return False, reason
-        self.bwrap = found
-        return True, ""
 
     def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {
@@ -342,16 +301,7 @@ class LocalSubprocessSandbox:
         extra_env: Mapping[str, str] | None = None,
     ) -> ProcessOutcome:
         env = self._env(extra_env)
-        # Our shell prints the marker before the command starts: without it in the output,
-        # the sandbox itself failed (no fork, no mount) and the command never ran.
-        started = [
-            "/bin/sh",
-            "-c",
-            'printf "%s\\n" "$1"; shift; exec "$@"',
-            "sandbox",
-            START_MARKER,
-        ]
-        started += inner
+        started = with_start_marker(inner)
         if self.bwrap is not None:
             argv = bwrap_argv(
                 self.bwrap,
@@ -398,26 +348,16 @@ class LocalSubprocessSandbox:
             if outcome.stopped is None:
                 outcome = dataclasses.replace(outcome, stopped=self._quota_watch())
             self.over_quota = outcome.stopped
-        marker = START_MARKER.encode() + b"\n"
-        if outcome.output.startswith(marker):
-            return dataclasses.replace(
-                outcome,
-                output=outcome.output[len(marker) :],
-                total_bytes=outcome.total_bytes - len(marker),
-            )
+        started_outcome = strip_start_marker(outcome)
+        if started_outcome is not None:
+            return started_outcome
         self.last_infrastructure_error = (
             f"the sandbox did not start the command: {outcome.text().strip()[-300:]!r}"
         )
         return outcome
 
     def _quota_watch(self) -> str | None:
-        quota = self.workdir_quota_bytes
-        if quota is None:
-            return None
-        used = disk_usage(self.workdir, quota)
-        if used <= quota:
-            return None
-        return f"the workdir passed its disk quota of {quota // (1024 * 1024)} MB"
+        return over_quota(self.workdir, self.workdir_quota_bytes)
 
     def _refused(self) -> ProcessOutcome:
         text = f"Error: {self.over_quota}; no further commands run in this workdir".encode()
@@ -463,7 +403,7 @@ class LocalSubprocessSandbox:
 
     def exec(self, action: Mapping[str, Any]) -> str:
         """Run `action["command"]` with /bin/sh in the workdir; combined stdout/stderr."""
-        command = _command_of(action)
+        command = action_command(action)
         entry: dict[str, Any] = {"type": "exec", "command": command, "isolated": self.isolated}
         if not is_command_allowed(command, self.denylist):
             text = denied_message(command)
@@ -510,16 +450,7 @@ class LocalSubprocessSandbox:
         )
         guard_env = None
         if guard is not None:
-            config = {
-                "root": str(self.workdir),
-                "protected": list(guard.protected),
-                "candidates": list(guard.candidates),
-                "report_prefix": JUNIT_PREFIX,
-            }
-            path = [str(guard_site_dir())]
-            if self._use_bundle:
-                path.append(str(pytest_bundle_dir()))
-            guard_env = {GUARD_ENV: json.dumps(config), "PYTHONPATH": ":".join(path)}
+            guard_env = guard_environment(guard, self.workdir, with_bundle=self._use_bundle)
         outcome = self._refused() if self.over_quota else self._run(argv, extra_env=guard_env)
         report: JunitReport | None = None
         if is_pytest:

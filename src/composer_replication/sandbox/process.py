@@ -10,6 +10,7 @@ command printing gigabytes never makes the host hold them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import resource
 import selectors
@@ -20,7 +21,16 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["OutputCapture", "ProcessOutcome", "ResourceLimits", "run_bounded"]
+__all__ = [
+    "START_MARKER",
+    "OutputCapture",
+    "ProcessOutcome",
+    "ResourceLimits",
+    "exec_suffix",
+    "run_bounded",
+    "strip_start_marker",
+    "with_start_marker",
+]
 
 _READ_CHUNK = 65536
 # After the main process exits, how long to keep draining output written by leftovers.
@@ -254,4 +264,44 @@ def run_bounded(
         timed_out=timed_out,
         duration_s=time.monotonic() - start,
         stopped=stopped,
+    )
+
+
+def exec_suffix(outcome: ProcessOutcome, timeout_s: float) -> str:
+    """The note appended to an agent-visible output: timeout, signal or non-zero exit."""
+    if outcome.stopped:
+        return f"\n[stopped: {outcome.stopped}; process group killed]"
+    if outcome.timed_out:
+        return f"\n[timed out after {timeout_s:g} s; process group killed]"
+    if outcome.exit_code is not None and outcome.exit_code < 0:
+        return f"\n[killed by signal {-outcome.exit_code}]"
+    if outcome.exit_code:
+        return f"\n[exit code {outcome.exit_code}]"
+    return ""
+
+
+#: Printed by a sandbox's own shell before the command runs (then removed from the output).
+START_MARKER = "composer-replication sandbox started"
+
+
+def with_start_marker(inner: Sequence[str]) -> list[str]:
+    """``inner`` behind a shell that prints ``START_MARKER`` first: output without the marker
+    means the sandbox itself failed (no fork, no mount) and the command never ran."""
+    return [
+        "/bin/sh",
+        "-c",
+        'printf "%s\\n" "$1"; shift; exec "$@"',
+        "sandbox",
+        START_MARKER,
+        *inner,
+    ]
+
+
+def strip_start_marker(outcome: ProcessOutcome) -> ProcessOutcome | None:
+    """``outcome`` without the leading marker, or None when the marker is missing."""
+    marker = START_MARKER.encode() + b"\n"
+    if not outcome.output.startswith(marker):
+        return None
+    return dataclasses.replace(
+        outcome, output=outcome.output[len(marker) :], total_bytes=outcome.total_bytes - len(marker)
     )

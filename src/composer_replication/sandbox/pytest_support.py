@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import importlib.metadata as metadata
+import json
 import os
 import shlex
 import shutil
@@ -30,12 +31,17 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from composer_replication.sandbox.base import GuardSpec
 
 __all__ = [
     "JUNIT_PREFIX",
     "JunitReport",
     "build_pytest_argv",
     "bundle_distributions",
+    "guard_environment",
     "guard_site_dir",
     "interpreter_bin_dir",
     "parse_junit",
@@ -148,6 +154,26 @@ def guard_site_dir() -> Path:
             os.chmod(partial, 0o644)
             os.replace(partial, target / "sitecustomize.py")
     return target
+
+
+def guard_environment(
+    guard: GuardSpec, root: str | os.PathLike[str], *, with_bundle: bool
+) -> dict[str, str]:
+    """The environment variables that put a test run under the behaviour guard: its
+    configuration (what to protect under ``root``) and the ``PYTHONPATH`` that loads it
+    first (then the pytest bundle when the run uses it)."""
+    from composer_replication.sandbox.behaviour_guard import GUARD_ENV
+
+    config = {
+        "root": os.fspath(root),
+        "protected": list(guard.protected),
+        "candidates": list(guard.candidates),
+        "report_prefix": JUNIT_PREFIX,
+    }
+    path = [str(guard_site_dir())]
+    if with_bundle:
+        path.append(str(pytest_bundle_dir()))
+    return {GUARD_ENV: json.dumps(config), "PYTHONPATH": ":".join(path)}
 
 
 def interpreter_bin_dir(python: str) -> Path:

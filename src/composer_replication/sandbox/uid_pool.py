@@ -16,8 +16,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["FIRST_UID", "POOL_SIZE", "lease_uid"]
+__all__ = ["FIRST_UID", "NOBODY_UID", "POOL_SIZE", "lease_uid", "resolve_identity"]
 
+NOBODY_UID = 65534
 FIRST_UID = 612_000
 POOL_SIZE = 256
 LOCK_DIR = Path("/dev/shm/composer-replication-uids")
@@ -46,3 +47,22 @@ def lease_uid(lock_dir: Path = LOCK_DIR) -> Iterator[int]:
             os.close(fd)
         return
     raise RuntimeError(f"all {POOL_SIZE} sandbox uids are in use; lower the number of workers")
+
+
+def resolve_identity(uid: int | None, gid: int | None) -> tuple[int | None, int | None]:
+    """The (uid, gid) a sandbox switches to, or (None, None) for "stay who we are".
+
+    As root the default is nobody (so RLIMIT_NPROC is enforced); a non-root process cannot
+    switch, so asking it to is a ``ValueError``.
+    """
+    euid = os.geteuid()
+    if uid is None:
+        uid = NOBODY_UID if euid == 0 else None
+    if uid is not None and euid != 0 and uid != euid:
+        raise ValueError(
+            f"run_as_uid={uid} needs root to switch user (we run as uid {euid}); "
+            "leave run_as_uid unset to run as the current user"
+        )
+    if uid is None or uid == euid:
+        return None, None
+    return uid, gid if gid is not None else uid

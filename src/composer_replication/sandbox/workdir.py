@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["check_reachable", "disk_usage", "hand_over", "make_shared_tempdir"]
+__all__ = ["check_reachable", "disk_usage", "hand_over", "make_shared_tempdir", "over_quota"]
 
 
 def _can_traverse(st: os.stat_result, uid: int, gid: int) -> bool:
@@ -103,3 +103,11 @@ def disk_usage(root: str | os.PathLike[str], stop_above: int | None = None) -> i
                 if stop_above is not None and total > stop_above:
                     return total
     return total
+
+
+def over_quota(root: str | os.PathLike[str], quota_bytes: int | None) -> str | None:
+    """Why the tree under ``root`` is past ``quota_bytes`` of disk, or None when it is not
+    (or there is no quota)."""
+    if quota_bytes is None or disk_usage(root, quota_bytes) <= quota_bytes:
+        return None
+    return f"the workdir passed its disk quota of {quota_bytes // (1024 * 1024)} MB"

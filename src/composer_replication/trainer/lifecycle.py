@@ -5,7 +5,8 @@ A backend (the native loop, the trl trainer) owns only its steps. Around them,
 :class:`RunLifecycle`:
 
 - creates the run directory (after the policy has loaded: a failed start leaves nothing)
-  and writes ``config.json``;
+  and, at :meth:`RunLifecycle.begin`, writes ``config.json`` (a new run moves a previous
+  run's record found there to ``previous/<UTC time>/`` first);
 - evaluates held-out pass@1 over every environment's held-out tasks (seeded sampling,
   common random numbers before/after) at the start and every ``eval.every`` steps, and
   feeds each evaluation to the ``HeldOutGuard`` kill switch (held-out score,
@@ -27,6 +28,7 @@ gathered (every rank computes the same scores), and every stop decision is rank 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +48,8 @@ EXIT_USAGE = 2  # a bad config, path or option (one line on stderr)
 EXIT_KILL_SWITCH = 3  # the held-out kill switch stopped the run
 
 BACKENDS = ("native", "trl")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,6 @@ class RunLifecycle:
         self.metrics: MetricsLog | MemoryMetricsLog
         if self.ranks.is_writer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.run_dir / "config.json", config.model_dump_json(indent=2))
             self.metrics = MetricsLog(
                 self.run_dir / "metrics.jsonl",
                 trackers=config.trackers,
@@ -154,6 +157,27 @@ class RunLifecycle:
         if ev.greedy:
             self.heldout_scores["heldout/greedy_pass@1"] = pass_at_1(greedy_groups)
         return pass_at_1(groups)
+
+    def begin(self, *, resumed: bool) -> Path | None:
+        """Start the run's record: a new run first moves a previous run's record found in
+        the run directory to ``previous/<UTC time>/`` (returned; see
+        :mod:`~composer_replication.trainer.run_record`), then ``config.json`` is written.
+        A resumed run keeps its record (its rows past the checkpoint are already dropped)."""
+        from composer_replication.trainer.run_record import set_aside_previous_run
+
+        moved = None
+        if self.ranks.is_writer:
+            if not resumed:
+                moved = set_aside_previous_run(self.run_dir)
+                if moved is not None:
+                    log.warning(
+                        "%s held a previous run; its record is now in %s (pass --resume to "
+                        "continue a run instead of starting a new one)",
+                        self.run_dir,
+                        moved,
+                    )
+            write_text_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
+        return moved
 
     def evaluate_start(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> None:
         """The initial policy's held-out pass@1 (when ``eval.at_start``), as step 0."""

@@ -388,6 +388,7 @@ class Trainer:
 
     def run(self, *, resume: bool = False) -> RunResult:
         resumed = resume and self.resume()
+        self.life.begin(resumed=resumed)
         if self.engine is not None and (resumed or self.config.inference.url):
             # a started engine serves [model] source, which is only version 0 of a new run;
             # a running one (url) may serve anything

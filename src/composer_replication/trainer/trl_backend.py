@@ -316,6 +316,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
         split=split,
         **settings,
     )
+    life.begin(resumed=False)
     life.evaluate_start(policy, tokenizer, heldout)
     callback = _LifecycleCallback(
         life, policy, tokenizer, heldout, settings.get("taid_t"), trainer.reward_funcs[0]
