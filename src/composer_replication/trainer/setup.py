@@ -175,10 +175,12 @@ class ProgressBar:
 
     @staticmethod
     def describe(row: dict[str, Any]) -> str:
-        """Reward, loss and (when measured) held-out pass@1 of a metrics row."""
+        """Reward, loss and (when measured) held-out pass@1, sampled and greedy, of a row."""
         info = f"reward {row.get('reward/mean', 0):.3f} loss {row.get('loss', 0):.4f}"
         if row.get("heldout/pass@1") is not None:
             info += f" held-out {row['heldout/pass@1']:.3f}"
+        if row.get("heldout/greedy_pass@1") is not None:
+            info += f" greedy {row['heldout/greedy_pass@1']:.3f}"
         return info
 
     def update(self, row: dict[str, Any]) -> None:
