@@ -52,8 +52,7 @@ def test_the_whole_record_moves_and_two_starts_get_two_folders(tmp_path):
     assert (first / "checkpoints" / "step_000002" / "state.pt").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", PREVIOUS_DIR]
     assert set_aside_previous_run(tmp_path) is None  # nothing left to move
-    _fill_again = tmp_path / "metrics.jsonl"
-    _fill_again.write_text('{"step": 0}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # the next run's first row
     second = set_aside_previous_run(tmp_path)
     assert second is not None and second != first and first.exists()
 
