@@ -11,7 +11,7 @@ than reading those weights from memory. This measures, side by side in one proce
   uses), each over 30 distinct copies so no weight stays in cache: microseconds per product
   and the bandwidth it reaches;
 - one whole decode forward (``--rows`` rows, one new token each after a 150-token cache)
-  with the packed linear layers, as the decode loop runs it.
+  as the decode loop runs it (packed linear layers, preallocated cache).
 
 Printed: the lower bound of a forward (weight bytes / read bandwidth), our forward and its
 ratio to the bound: the most any faster kernel could still gain for the same number of
@@ -75,25 +75,34 @@ def product_seconds(out_features: int, in_features: int, rows: int, packed: bool
 
 
 def decode_forward_seconds(model, rows: int, cached: int, repeats: int) -> float:
-    """Median seconds of one decode forward of ``rows`` rows behind a ``cached``-token cache
-    (the cache is rebuilt per forward outside the timing)."""
+    """Median seconds of a decode forward of ``rows`` rows, one new token each, run back to
+    back after a ``cached``-token prefill as the decode loop runs them (preallocated cache,
+    attention mask, position ids, logits of the new position only)."""
     import torch
-    from transformers import DynamicCache
 
+    from composer_replication.rollout.kv_cache import new_cache
     from composer_replication.rollout.packed_linear import packed_linears
 
+    steps = repeats + 1  # the first is a warm-up
     prompt = torch.randint(0, model.config.vocab_size, (rows, cached))
-    token = torch.randint(0, model.config.vocab_size, (rows, 1))
+    tokens = torch.randint(0, model.config.vocab_size, (rows, steps))
+    mask = torch.ones(rows, cached + steps, dtype=torch.long)
     times = []
     with torch.no_grad(), packed_linears(model, batch_hint=rows):
-        for i in range(repeats + 1):
-            cache = DynamicCache()
-            model(prompt, use_cache=True, cache=cache)
+        cache = new_cache(model, cached + steps)
+        model(input_ids=prompt, attention_mask=mask[:, :cached], use_cache=True, cache=cache)
+        for i in range(steps):
             start = time.perf_counter()
-            model(token, use_cache=True, cache=cache)
-            if i:  # the first is a warm-up
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            model(
+                input_ids=tokens[:, i : i + 1],
+                attention_mask=mask[:, : cached + i + 1],
+                position_ids=torch.full((rows, 1), cached + i),
+                use_cache=True,
+                cache=cache,
+                logits_to_keep=1,
+            )
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def main() -> None:
