@@ -47,8 +47,8 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
 
 bench: install
 	$(BIN)/python benchmarks/losses.py

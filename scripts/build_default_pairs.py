@@ -30,21 +30,43 @@ from composer_replication.safety import HeldoutSplit
 from composer_replication.teacher_replay import extract_dpo_pairs, replay_trace, save_pairs
 from composer_replication.testing.openai_server import LocalOpenAIServer
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src/composer_replication/envs/data/replay_pairs.jsonl"
+DEFAULT_OUT = (
+    Path(__file__).resolve().parents[1] / "src/composer_replication/envs/data/replay_pairs.jsonl"
+)
 
 
 def _session_lines(session_id: str, prompt: str, answer: str) -> list[str]:
-    base = {"sessionId": session_id, "isSidechain": False, "cwd": "/home/dev/tasks",
-            "version": "2.0.61", "userType": "external"}
-    user = {**base, "type": "user", "uuid": f"{session_id}-u", "parentUuid": None,
-            "timestamp": "2026-11-01T10:00:00.000Z",
-            "message": {"role": "user", "content": prompt}}
-    assistant = {**base, "type": "assistant", "uuid": f"{session_id}-a",
-                 "parentUuid": f"{session_id}-u", "timestamp": "2026-11-01T10:00:05.000Z",
-                 "requestId": f"req_{session_id}",
-                 "message": {"id": f"msg_{session_id}", "type": "message", "role": "assistant",
-                             "model": "student", "content": [{"type": "text", "text": answer}],
-                             "stop_reason": "end_turn"}}
+    base = {
+        "sessionId": session_id,
+        "isSidechain": False,
+        "cwd": "/home/dev/tasks",
+        "version": "2.0.61",
+        "userType": "external",
+    }
+    user = {
+        **base,
+        "type": "user",
+        "uuid": f"{session_id}-u",
+        "parentUuid": None,
+        "timestamp": "2026-11-01T10:00:00.000Z",
+        "message": {"role": "user", "content": prompt},
+    }
+    assistant = {
+        **base,
+        "type": "assistant",
+        "uuid": f"{session_id}-a",
+        "parentUuid": f"{session_id}-u",
+        "timestamp": "2026-11-01T10:00:05.000Z",
+        "requestId": f"req_{session_id}",
+        "message": {
+            "id": f"msg_{session_id}",
+            "type": "message",
+            "role": "assistant",
+            "model": "student",
+            "content": [{"type": "text", "text": answer}],
+            "stop_reason": "end_turn",
+        },
+    }
     return [json.dumps(user), json.dumps(assistant)]
 
 
@@ -70,14 +92,22 @@ def build(out: Path, n_tasks: int = 24) -> int:
             return "I cannot help with that."
         code = task.reference.strip()
         # teachers differ in layout only; the pipeline's normalisation must see agreement
-        return {"local/teacher-a": f"```python\n{code}\n```",
-                "local/teacher-b": f"```python\n{code}\n```\n",
-                "local/teacher-c": f"```python\n\n{code}\n```"}[model]
+        return {
+            "local/teacher-a": f"```python\n{code}\n```",
+            "local/teacher-b": f"```python\n{code}\n```\n",
+            "local/teacher-c": f"```python\n\n{code}\n```",
+        }[model]
 
     with LocalOpenAIServer(responder) as server:
-        teachers = [{"slug": slug, "input_per_mtok": 0.0, "output_per_mtok": 0.0,
-                     "base_url": server.base_url}
-                    for slug in ("local/teacher-a", "local/teacher-b", "local/teacher-c")]
+        teachers = [
+            {
+                "slug": slug,
+                "input_per_mtok": 0.0,
+                "output_per_mtok": 0.0,
+                "base_url": server.base_url,
+            }
+            for slug in ("local/teacher-a", "local/teacher-b", "local/teacher-c")
+        ]
         results = asyncio.run(replay_trace(states, teachers=teachers, max_total_usd=1.0))
     actions = [r for r in results if r.get("response_text")]
     pairs = extract_dpo_pairs(states, actions, agreement_threshold=2)
@@ -86,7 +116,9 @@ def build(out: Path, n_tasks: int = 24) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("-o", "--output", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--n-tasks", type=int, default=24)
     ns = parser.parse_args()
