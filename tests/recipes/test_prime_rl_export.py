@@ -182,12 +182,14 @@ def test_exported_import_path_resolves_and_its_kwargs_run():
     assert lp.grad is not None and torch.isfinite(lp.grad).all()
 
 
-def _env(advantage: str, name: str = "python_functions", sampling: str = "") -> str:
+def _env(
+    advantage: str, name: str = "python_functions", sampling: str = "", group_size: int = 4
+) -> str:
     return f"""
 [[envs]]
 name = "{name}"
 [envs.algorithm.sampling]
-group_size = 4
+group_size = {group_size}
 {sampling}
 [envs.algorithm.advantage]
 {advantage}
@@ -242,6 +244,10 @@ def test_drop_unsupported_exports_composer_as_grpo_and_says_what_was_dropped():
         (
             _env('type = "sft"', sampling='source = {name = "s", local_path = "/models/s"}'),
             "sft sampling source is the local model",
+        ),
+        (
+            _env('type = "sft"', sampling='source = "reference"', group_size=1),
+            "sft sampling source is 'reference'",
         ),
         (_env('type = "grpo"\nstd_normalize = true'), "std_normalize"),
         (_env('type = "grpo"\nlength_penalty = 0.1\nlength_target = 50'), "length_penalty"),

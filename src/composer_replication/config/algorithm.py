@@ -4,6 +4,7 @@ Shape (as PRIME-RL's algorithm configs after its PR #2746)::
 
     [sampling]
     source = "policy"          # or {name, base_url[, api_key_env]} / {name, local_path}
+                               # or "reference" (the environment's reference solutions)
     group_size = 4
     [advantage]
     type = "grpo"              # grpo | max_rl | reward | custom | opd | opsd | sdpo | sft
@@ -17,6 +18,9 @@ saying what to change:
 - a frozen sampling source feeding an rl type -> rejected: no policy log-probs to form
   the importance ratio;
 - sft sampling from ``"policy"`` -> rejected;
+- ``"reference"`` (reference solutions as demonstrations) feeding anything but sft ->
+  rejected; its group is the one demonstration (``group_size`` 1 when left out, another
+  value rejected);
 - a group-relative type with ``group_size = 1`` -> a loud ``UserWarning`` (all
   advantages are 0);
 - a frozen reference without ``base_url`` / ``local_path`` -> parse error.
@@ -37,7 +41,12 @@ from composer_replication.config.advantage import (
     AdvantageConfig,
     GRPOAdvantage,
 )
-from composer_replication.config.references import ModelReference, is_frozen
+from composer_replication.config.references import (
+    REFERENCE_SOLUTIONS,
+    ModelReference,
+    SamplingSource,
+    is_frozen,
+)
 from composer_replication.config.toml_writer import dumps
 
 if sys.version_info >= (3, 11):
@@ -54,8 +63,11 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: ModelReference = Field(
-        "policy", description="Sampling model: 'policy' or a frozen model (sft only)."
+    source: SamplingSource = Field(
+        "policy",
+        description="Sampling model: 'policy', a frozen model (sft only), or 'reference': the "
+        "environment's reference solutions as demonstrations (sft only; the environment "
+        "must give them, as python_functions does).",
     )
     group_size: int = Field(4, ge=1, description="Rollouts per task (the advantage group).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
@@ -103,8 +115,17 @@ class AlgorithmConfig(BaseModel):
             raise ValueError(
                 "sft trains on tokens sampled from a frozen source; sampling.source = 'policy' "
                 "would imitate the policy's own samples: set sampling.source (or top-level "
-                "model) to {name, base_url} or {name, local_path}"
+                "model) to {name, base_url} or {name, local_path}, or to 'reference' (the "
+                "environment's reference solutions)"
             )
+        if source == REFERENCE_SOLUTIONS and adv.type != "sft":
+            raise ValueError(
+                f"sampling.source = 'reference' (the environment's reference solutions) feeds "
+                f"only type = 'sft', which imitates them; advantage type {adv.type!r} needs "
+                "the policy's own samples: set sampling.source = 'policy'"
+            )
+        if source == REFERENCE_SOLUTIONS:
+            self._one_demonstration_per_task()
         if adv.type in RL_TYPES and is_frozen(source):
             raise ValueError(
                 f"advantage type {adv.type!r} trains the rl component, which needs the "
@@ -120,6 +141,17 @@ class AlgorithmConfig(BaseModel):
                 stacklevel=2,
             )
         return self
+
+    def _one_demonstration_per_task(self) -> None:
+        """A task has one reference solution: its group is that one demonstration."""
+        if "group_size" not in self.sampling.model_fields_set:
+            self.sampling = self.sampling.model_copy(update={"group_size": 1})
+        elif self.sampling.group_size != 1:
+            raise ValueError(
+                f"sampling.source = 'reference' gives each task its one reference solution; "
+                f"group_size = {self.sampling.group_size} would only repeat it: set "
+                "group_size = 1 (or leave it out)"
+            )
 
     def _fold_model_shorthand(self) -> None:
         if self.model is None:

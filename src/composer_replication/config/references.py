@@ -7,6 +7,10 @@ A reference is one of:
 - ``LocalFrozenModel{name, local_path}``: a frozen model loaded in-process (the embedded
   default and tests).
 
+A sampling source (``sampling.source``) may also be ``"reference"``
+(:data:`REFERENCE_SOLUTIONS`): the environment answers each task with its reference
+solution, a demonstration for ``sft`` to imitate (no model samples).
+
 A table with neither ``base_url`` nor ``local_path`` is a parse error: a frozen model the
 framework cannot reach is a configuration mistake, not something to discover mid-run.
 """
@@ -57,11 +61,16 @@ class LocalFrozenModel(BaseModel):
     )
 
 
-def _check_reference(value: Any) -> Any:
+#: ``sampling.source`` value: the environment's reference solutions are the samples.
+REFERENCE_SOLUTIONS = "reference"
+
+
+def _check_reference(value: Any, *, names: tuple[str, ...] = ("policy",)) -> Any:
     """Turn the two common mistakes into messages that say what to write instead."""
-    if isinstance(value, str) and value != "policy":
+    if isinstance(value, str) and value not in names:
+        allowed = " or ".join(repr(n) for n in names)
         raise ValueError(
-            f"model reference {value!r} is not 'policy'; a frozen model is a table: "
+            f"model reference {value!r} is not {allowed}; a frozen model is a table: "
             "{name = '...', base_url = 'http://host:port/v1'} or {name = '...', local_path = '...'}"
         )
     if isinstance(value, dict) and not value.get("base_url") and not value.get("local_path"):
@@ -77,6 +86,18 @@ ModelReference = Annotated[
     Literal["policy"] | FrozenEndpoint | LocalFrozenModel, BeforeValidator(_check_reference)
 ]
 """``"policy"``, a :class:`FrozenEndpoint` or a :class:`LocalFrozenModel`."""
+
+
+def _check_sampling_source(value: Any) -> Any:
+    return _check_reference(value, names=("policy", REFERENCE_SOLUTIONS))
+
+
+SamplingSource = Annotated[
+    Literal["policy", "reference"] | FrozenEndpoint | LocalFrozenModel,
+    BeforeValidator(_check_sampling_source),
+]
+"""What samples an environment's rollouts: a :data:`ModelReference`, or ``"reference"``
+(the environment's reference solutions, for ``sft``)."""
 
 FrozenReference = Annotated[FrozenEndpoint | LocalFrozenModel, BeforeValidator(_check_reference)]
 """A frozen model only (no ``"policy"``)."""

@@ -352,9 +352,15 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        names = [e.name for e in self.envs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"environment names must be unique, got {names}")
+        # one environment may feed several entries (a demonstration entry beside an rl one),
+        # but two identical entries are one entry with twice the tasks
+        entries = [e.model_dump_json() for e in self.envs]
+        repeated = sorted({e.name for e, j in zip(self.envs, entries) if entries.count(j) > 1})
+        if repeated:
+            raise ValueError(
+                f"envs repeats an identical entry for {repeated}: merge them into one entry "
+                "(raise its tasks_per_step), or give them different algorithms or options"
+            )
         if not self.envs:
             raise ValueError("envs is empty: configure at least one environment")
         self._fold_run_level_spellings()
@@ -398,7 +404,9 @@ class RunConfig(_Strict):
     def _resolve_loss(self) -> None:
         """Fill the loss settings the algorithms require; explicit conflicts are errors."""
         required: dict[str, tuple[Any, str]] = {}
-        temperatures = {e.algorithm.sampling.temperature for e in self.envs}
+        # reference solutions are not sampled: their entry's temperature means nothing
+        sampled = [e for e in self.envs if e.algorithm.sampling.source != "reference"]
+        temperatures = {e.algorithm.sampling.temperature for e in sampled or self.envs}
         if len(temperatures) > 1:
             raise ValueError(
                 f"environments sample at different temperatures {sorted(temperatures)}; the "

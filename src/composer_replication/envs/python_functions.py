@@ -25,6 +25,7 @@ from typing import Any
 
 from composer_replication.envs.function_grader import grade_function
 from composer_replication.envs.task_bank import PythonTask, extract_code, load_tasks
+from composer_replication.rollout.demonstrations import ReferenceSolutions, demonstration_rollout
 from composer_replication.rollout.generate import SamplingSettings, generate
 from composer_replication.rollout.types import REFERENCE_KEY, Rollout
 
@@ -147,9 +148,9 @@ class PythonFunctionsEnv:
         """The sampling half of :meth:`rollouts`: ungraded groups (reward 0, the completion's
         text in ``metadata["completion_text"]``), one per task id, in order. Single-turn, so
         sampling and grading can run in different processes (:meth:`grade_groups`)."""
-        unknown = [t for t in task_ids if t not in self.tasks]
-        if unknown:
-            raise ValueError(f"unknown python_functions task ids {unknown[:5]}")
+        if isinstance(policy, ReferenceSolutions):
+            return self.demonstrations(tokenizer, task_ids, group_size=group_size)
+        self._check_known(task_ids)
         jobs = [(tid, k) for tid in task_ids for k in range(group_size)]
         stops = tuple(dict.fromkeys((*sampling.stop_strings, *STOP_STRINGS)))
         sampling = replace(sampling, stop_strings=stops)
@@ -185,9 +186,39 @@ class PythonFunctionsEnv:
             )
         return [groups[tid] for tid in task_ids]
 
+    def demonstrations(
+        self, tokenizer: Any, task_ids: Sequence[str], *, group_size: int = 1
+    ) -> list[list[Rollout]]:
+        """Each task's prompt answered with its reference solution (``group_size`` copies,
+        one group per task id, in order): the samples of ``sampling.source = "reference"``."""
+        self._check_known(task_ids)
+        groups = []
+        for tid in task_ids:
+            task = self.tasks[tid]
+            prompt = self.prompt_ids(tokenizer, task)
+            answer = reference_demonstration(task)
+            groups.append(
+                [
+                    demonstration_rollout(
+                        tid, prompt, answer, tokenizer, prompt_messages=self.messages(task)
+                    )
+                    for _ in range(group_size)
+                ]
+            )
+        return groups
+
+    def _check_known(self, task_ids: Sequence[str]) -> None:
+        unknown = [t for t in task_ids if t not in self.tasks]
+        if unknown:
+            raise ValueError(f"unknown python_functions task ids {unknown[:5]}")
+
     def grade_groups(self, groups: Sequence[Sequence[Rollout]]) -> list[list[Rollout]]:
         """The grading half of :meth:`rollouts`: each sampled rollout with its reward,
-        feedback, error and grading info filled in (graded in ``grading_workers`` threads)."""
+        feedback, error and grading info filled in (graded in ``grading_workers`` threads).
+        Demonstrations (reference solutions, which pass by construction) are kept as they
+        are."""
+        if all(r.is_demonstration for group in groups for r in group):
+            return [list(group) for group in groups]
         flat = [r for group in groups for r in group]
         # answers whose code is the same are graded once (samples of a group often agree)
         keys = [self._grading_key(r) for r in flat]

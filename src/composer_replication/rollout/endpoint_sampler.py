@@ -94,9 +94,15 @@ class EndpointSampler:
 
 
 def sampling_source(reference: Any, policy: Any) -> Any:
-    """The model object to sample with for a ``sampling.source`` reference."""
+    """The model object to sample with for a ``sampling.source`` reference (for
+    ``"reference"``, the marker that makes the environment answer with its reference
+    solutions)."""
     if reference is None or reference == "policy":
         return policy
+    if reference == "reference":
+        from composer_replication.rollout.demonstrations import ReferenceSolutions
+
+        return ReferenceSolutions()
     local_path = getattr(reference, "local_path", None)
     if local_path:
         from composer_replication.models import load_policy

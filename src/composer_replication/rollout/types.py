@@ -13,6 +13,9 @@ from typing import Any
 #: answer in the requested format): a demonstration for self-distillation, never shown to
 #: the policy.
 REFERENCE_KEY = "reference"
+#: The ``metadata`` key marking a demonstration: a rollout whose completion is the task's
+#: reference solution (``sampling.source = "reference"``), not a sample of the policy.
+DEMONSTRATION_KEY = "demonstration"
 
 
 @dataclass
@@ -45,7 +48,9 @@ class Rollout:
             training and evaluation) and ``hack_flags`` (what the attempt did outside its
             answer, counted in the metrics and fed to the kill switch). ``reference``
             (:data:`REFERENCE_KEY`): the task's reference solution, for algorithms that
-            distil from a demonstration.
+            distil from a demonstration. ``demonstration`` (:data:`DEMONSTRATION_KEY`):
+            the completion IS that reference solution, not a policy sample (left out of
+            reward metrics, the curriculum and the kill switch).
     """
 
     task_id: str
@@ -86,6 +91,11 @@ class Rollout:
     def hack_flags(self) -> list[str]:
         """What the attempt did outside its answer (empty when nothing was seen)."""
         return list(self.metadata.get("hack_flags") or ())
+
+    @property
+    def is_demonstration(self) -> bool:
+        """The completion is the task's reference solution, not a sample of the policy."""
+        return bool(self.metadata.get(DEMONSTRATION_KEY))
 
     @property
     def reference(self) -> str | None:

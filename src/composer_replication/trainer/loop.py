@@ -157,8 +157,15 @@ class Trainer:
 
     @property
     def heldout_tasks(self) -> list[HeldoutTasks]:
+        # each environment once, even when several entries train on it (say a demonstration
+        # entry beside an rl one), with the answer budget of an entry the policy samples
+        chosen: dict[tuple[str, str], EnvRuntime] = {}
+        for rt in sorted(self.runtimes, key=lambda rt: rt.sampler is not None):
+            chosen.setdefault(rt.evaluation_key, rt)
         return [
-            HeldoutTasks(rt.env, rt.heldout_ids, rt.sampling.max_new_tokens) for rt in self.runtimes
+            HeldoutTasks(rt.env, rt.heldout_ids, rt.sampling.max_new_tokens)
+            for rt in self.runtimes
+            if chosen[rt.evaluation_key] is rt
         ]
 
     # ------------------------------------------------------------------ state
@@ -308,10 +315,15 @@ class Trainer:
         algorithms assign and score; the curricula see each task's mean reward)."""
         samples, rewards, errors, n_rollouts = [], [], 0, 0
         infrastructure, flagged = 0, 0
-        sampled_tokens, generation_s = 0, 0.0
+        sampled_tokens, generation_s, demonstrations = 0, 0.0, 0
         for rt, task_ids, groups in zip(self.runtimes, tasks, env_groups):
             env_samples, results = [], {}
             for task_id, sampled_group in zip(task_ids, groups):
+                if sampled_group and all(r.is_demonstration for r in sampled_group):
+                    # reference solutions: trained on, but not the policy's reward
+                    demonstrations += len(sampled_group)
+                    env_samples += rt.algorithm.assign(list(sampled_group))
+                    continue
                 # A rollout whose sandbox never ran says nothing about the policy: left out.
                 group = [r for r in sampled_group if not r.infrastructure_error]
                 infrastructure += len(sampled_group) - len(group)
@@ -341,6 +353,8 @@ class Trainer:
             "time/generate_score_s": time.perf_counter() - t0,
             "tokens/sampled": float(sampled_tokens),
         }
+        if demonstrations:
+            stats["rollouts/demonstrations"] = float(demonstrations)
         if generation_s > 0:  # environments that time their sampling (python_functions)
             stats["time/generate_s"] = generation_s
             stats["tokens_per_s/generate"] = sampled_tokens / generation_s

@@ -34,7 +34,8 @@ class EnvRuntime:
         sampling: generation settings of its rollouts.
         group_size: rollouts per task.
         curriculum: picks the train tasks of each step.
-        sampler: the frozen sampling source, or None when the live policy samples.
+        sampler: the frozen sampling source (or the reference solutions), or None when
+            the live policy samples.
     """
 
     config: EnvConfig
@@ -50,6 +51,13 @@ class EnvRuntime:
     def sampling_model(self, policy: Any) -> Any:
         """The model (or endpoint) that samples this environment's rollouts."""
         return policy if self.sampler is None else self.sampler
+
+    @property
+    def evaluation_key(self) -> tuple[str, str]:
+        """Entries with the same environment and options share their held-out tasks."""
+        import json
+
+        return self.config.name, json.dumps(self.config.options, sort_keys=True, default=str)
 
 
 def build_runtime(
@@ -74,6 +82,13 @@ def build_runtime(
 
         check_same_split(recorded, split, f"the tasks of environment {env.name!r}")
     algo_cfg = env_config.algorithm
+    sampling = algo_cfg.sampling
+    if sampling.source == "reference" and not callable(getattr(env, "demonstrations", None)):
+        raise ValueError(
+            f"environment {env.name!r} gives no reference solutions (it has no "
+            "demonstrations method), so sampling.source = 'reference' has nothing to train "
+            "on: use an environment that does (python_functions), or a frozen model as source"
+        )
     algorithm = build_algorithm(
         algo_cfg, tokenizer=tokenizer, policy=policy, rng=random.Random(seed)
     )
@@ -83,7 +98,6 @@ def build_runtime(
             f"environment {env.name!r}: the split left {len(train_ids)} train and "
             f"{len(heldout_ids)} held-out tasks; change heldout_fraction or add tasks"
         )
-    sampling = algo_cfg.sampling
     return EnvRuntime(
         config=env_config,
         env=env,

@@ -74,6 +74,11 @@ def _frozen(reference: Any, where: str, problems: list[str]) -> dict[str, Any] |
             "PRIME-RL reaches frozen models over HTTP only: serve it (e.g. vLLM) and give "
             "{name, base_url} instead"
         )
+    if reference == "reference":
+        problems.append(
+            f"{where} is 'reference' (the environment's reference solutions); PRIME-RL's sft "
+            "samples a frozen model over HTTP: give {name, base_url} instead"
+        )
     return None
 
 
