@@ -15,11 +15,18 @@ def test_a_console_that_is_not_a_terminal_gets_one_plain_line_per_step():
     bar.update({"step": 1, "reward/mean": 0.25, "loss": 0.0123, "time/step_s": 31.04})
     bar.update({"step": 2, "reward/mean": 0.5, "loss": 0.01, "heldout/pass@1": 0.125})
     bar.update({"step": 3, "heldout/pass@1": 0.25, "heldout/greedy_pass@1": 0.0898876})
+    # demonstrations beside the policy's rollouts: the policy's reward; alone: their count
+    both = {"rollouts/count": 8.0, "rollouts/demonstrations": 16.0, "reward/mean": 0.125}
+    bar.update({"step": 4, "loss": 0.5, **both})
+    alone = {"rollouts/count": 0.0, "rollouts/demonstrations": 16.0, "reward/mean": 0.0}
+    bar.update({"step": 5, "loss": 0.5, **alone})
     bar.close()
     assert out.getvalue().splitlines() == [
         "step 1/6 reward 0.250 loss 0.0123 31.0 s",
         "step 2/6 reward 0.500 loss 0.0100 held-out 0.125",
         "step 3/6 reward 0.000 loss 0.0000 held-out 0.250 greedy 0.090",
+        "step 4/6 reward 0.125 loss 0.5000",
+        "step 5/6 demonstrations 16 loss 0.5000",
     ]
 
 

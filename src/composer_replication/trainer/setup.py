@@ -175,8 +175,13 @@ class ProgressBar:
 
     @staticmethod
     def describe(row: dict[str, Any]) -> str:
-        """Reward, loss and (when measured) held-out pass@1, sampled and greedy, of a row."""
-        info = f"reward {row.get('reward/mean', 0):.3f} loss {row.get('loss', 0):.4f}"
+        """Reward, loss and (when measured) held-out pass@1, sampled and greedy, of a row.
+        A step that trained on demonstrations only has no reward of the policy's to show."""
+        info = f"loss {row.get('loss', 0):.4f}"
+        if row.get("rollouts/count", 1) or not row.get("rollouts/demonstrations"):
+            info = f"reward {row.get('reward/mean', 0):.3f} {info}"
+        else:
+            info = f"demonstrations {row['rollouts/demonstrations']:.0f} {info}"
         if row.get("heldout/pass@1") is not None:
             info += f" held-out {row['heldout/pass@1']:.3f}"
         if row.get("heldout/greedy_pass@1") is not None:
