@@ -41,3 +41,38 @@ def rename_deprecated(data: Any, renames: Mapping[str, str], where: str) -> Any:
         )
         out[new] = value
     return out
+
+
+def fold_run_level_spellings(config: Any) -> None:
+    """Move a run config's deprecated run-level settings (``jsd_teacher``, ``ema_decay``,
+    ``pairs_file``) into the algorithms of its ``envs`` that own them, warning once each."""
+    moves = (
+        ("jsd_teacher", "teacher", "sdpo / composer"),
+        ("ema_decay", "ema_decay", "sdpo / composer"),
+        ("pairs_file", "pairs_path", "replay_dpo / composer"),
+    )
+    for run_field, field, owners in moves:
+        value = getattr(config, run_field)
+        if value is None:
+            continue
+        warnings.warn(
+            f"{run_field} is deprecated: write advantage.{field} in the {owners} "
+            "algorithms of [[envs]]",
+            ConfigDeprecationWarning,
+            stacklevel=3,
+        )
+        for i, env in enumerate(config.envs):
+            advantage = env.algorithm.advantage
+            if field not in type(advantage).model_fields:
+                continue
+            current = getattr(advantage, field)
+            if field in advantage.model_fields_set and current != value:
+                raise ValueError(
+                    f"{run_field} = {value!r} contradicts envs.{i}.algorithm.advantage."
+                    f"{field} = {current!r}; set it in one place (advantage.{field})"
+                )
+            updated = advantage.model_copy(update={field: value})
+            updated.model_fields_set.add(field)
+            algorithm = env.algorithm.model_copy(update={"advantage": updated})
+            config.envs[i] = env.model_copy(update={"algorithm": algorithm})
+        setattr(config, run_field, None)

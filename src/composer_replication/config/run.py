@@ -19,7 +19,6 @@ fold into every algorithm that has the setting, with a warning.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from composer_replication.config.advantage import ComposerAdvantage
 from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
-from composer_replication.config.deprecation import ConfigDeprecationWarning
+from composer_replication.config.deprecation import (
+    fold_run_level_spellings,
+)
 from composer_replication.config.diloco import DiLoCoConfig
 from composer_replication.config.engine import EngineConfig, InProcessEngineConfig
 from composer_replication.config.evaluation_only import (
@@ -363,43 +364,10 @@ class RunConfig(_Strict):
             )
         if not self.envs:
             raise ValueError("envs is empty: configure at least one environment")
-        self._fold_run_level_spellings()
+        fold_run_level_spellings(self)
         self._resolve_loss()
         self.teacher_mode  # noqa: B018 - validates that the environments agree
         return self
-
-    def _fold_run_level_spellings(self) -> None:
-        """Move the deprecated run-level settings into the algorithms that own them."""
-        moves = (
-            ("jsd_teacher", "teacher", "sdpo / composer"),
-            ("ema_decay", "ema_decay", "sdpo / composer"),
-            ("pairs_file", "pairs_path", "replay_dpo / composer"),
-        )
-        for run_field, field, owners in moves:
-            value = getattr(self, run_field)
-            if value is None:
-                continue
-            warnings.warn(
-                f"{run_field} is deprecated: write advantage.{field} in the {owners} "
-                "algorithms of [[envs]]",
-                ConfigDeprecationWarning,
-                stacklevel=2,
-            )
-            for i, env in enumerate(self.envs):
-                advantage = env.algorithm.advantage
-                if field not in type(advantage).model_fields:
-                    continue
-                current = getattr(advantage, field)
-                if field in advantage.model_fields_set and current != value:
-                    raise ValueError(
-                        f"{run_field} = {value!r} contradicts envs.{i}.algorithm.advantage."
-                        f"{field} = {current!r}; set it in one place (advantage.{field})"
-                    )
-                updated = advantage.model_copy(update={field: value})
-                updated.model_fields_set.add(field)
-                algorithm = env.algorithm.model_copy(update={"advantage": updated})
-                self.envs[i] = env.model_copy(update={"algorithm": algorithm})
-            setattr(self, run_field, None)
 
     def _resolve_loss(self) -> None:
         """Fill the loss settings the algorithms require; explicit conflicts are errors."""
