@@ -27,9 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from composer_replication.config.advantage import ComposerAdvantage
 from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
-from composer_replication.config.deprecation import (
-    fold_run_level_spellings,
-)
+from composer_replication.config.deprecation import fold_run_level_spellings
 from composer_replication.config.diloco import DiLoCoConfig
 from composer_replication.config.engine import EngineConfig, InProcessEngineConfig
 from composer_replication.config.evaluation_only import (
@@ -39,6 +37,7 @@ from composer_replication.config.evaluation_only import check_trainable_environm
 from composer_replication.config.inference import InferenceConfig
 from composer_replication.config.loss import LossConfig
 from composer_replication.config.placement import check_device_spec, check_dtype_spec
+from composer_replication.config.references import REFERENCE_SOLUTIONS
 from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSandboxConfig
 
 
@@ -373,7 +372,7 @@ class RunConfig(_Strict):
         """Fill the loss settings the algorithms require; explicit conflicts are errors."""
         required: dict[str, tuple[Any, str]] = {}
         # reference solutions are not sampled: their entry's temperature means nothing
-        sampled = [e for e in self.envs if e.algorithm.sampling.source != "reference"]
+        sampled = [e for e in self.envs if e.algorithm.sampling.source != REFERENCE_SOLUTIONS]
         temperatures = {e.algorithm.sampling.temperature for e in sampled or self.envs}
         if len(temperatures) > 1:
             raise ValueError(

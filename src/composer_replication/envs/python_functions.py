@@ -147,7 +147,8 @@ class PythonFunctionsEnv:
     ) -> list[list[Rollout]]:
         """The sampling half of :meth:`rollouts`: ungraded groups (reward 0, the completion's
         text in ``metadata["completion_text"]``), one per task id, in order. Single-turn, so
-        sampling and grading can run in different processes (:meth:`grade_groups`)."""
+        sampling and grading can run in different processes (:meth:`grade_groups`). With
+        :class:`ReferenceSolutions` as ``policy``, the :meth:`demonstrations`."""
         if isinstance(policy, ReferenceSolutions):
             return self.demonstrations(tokenizer, task_ids, group_size=group_size)
         self._check_known(task_ids)

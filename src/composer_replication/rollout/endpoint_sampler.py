@@ -99,7 +99,9 @@ def sampling_source(reference: Any, policy: Any) -> Any:
     solutions)."""
     if reference is None or reference == "policy":
         return policy
-    if reference == "reference":
+    from composer_replication.config.references import REFERENCE_SOLUTIONS
+
+    if reference == REFERENCE_SOLUTIONS:
         from composer_replication.rollout.demonstrations import ReferenceSolutions
 
         return ReferenceSolutions()

@@ -71,6 +71,7 @@ def build_runtime(
 ) -> EnvRuntime:
     """The runtime of one ``[[envs]]`` entry (``env`` overrides building it by name)."""
     from composer_replication.algo import build_algorithm
+    from composer_replication.config.references import REFERENCE_SOLUTIONS
     from composer_replication.datagen.curriculum import DifficultyCurriculum
     from composer_replication.envs import build_environment
     from composer_replication.rollout.endpoint_sampler import sampling_source
@@ -83,7 +84,9 @@ def build_runtime(
         check_same_split(recorded, split, f"the tasks of environment {env.name!r}")
     algo_cfg = env_config.algorithm
     sampling = algo_cfg.sampling
-    if sampling.source == "reference" and not callable(getattr(env, "demonstrations", None)):
+    if sampling.source == REFERENCE_SOLUTIONS and not callable(
+        getattr(env, "demonstrations", None)
+    ):
         raise ValueError(
             f"environment {env.name!r} gives no reference solutions (it has no "
             "demonstrations method), so sampling.source = 'reference' has nothing to train "

@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_replication.config.advantage import DEFAULT_DEMO_TEMPLATE
-from composer_replication.config.references import FrozenEndpoint, LocalFrozenModel
+from composer_replication.config.references import (
+    REFERENCE_SOLUTIONS,
+    FrozenEndpoint,
+    LocalFrozenModel,
+)
 from composer_replication.config.run import EnvConfig, RunConfig
 from composer_replication.config.toml_writer import dumps, dumps_array_of_tables
 from composer_replication.recipes.prime_rl.composer_loss import IMPORT_PATH
@@ -74,7 +78,7 @@ def _frozen(reference: Any, where: str, problems: list[str]) -> dict[str, Any] |
             "PRIME-RL reaches frozen models over HTTP only: serve it (e.g. vLLM) and give "
             "{name, base_url} instead"
         )
-    if reference == "reference":
+    if reference == REFERENCE_SOLUTIONS:
         problems.append(
             f"{where} is 'reference' (the environment's reference solutions); PRIME-RL's sft "
             "samples a frozen model over HTTP: give {name, base_url} instead"
