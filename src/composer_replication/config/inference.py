@@ -114,6 +114,32 @@ class InferenceConfig(BaseModel):
         "that train on them are dropped (and counted in rollouts/stale_dropped).",
     )
 
+    decode_loop: Literal["auto", "static", "general"] = Field(
+        "auto",
+        description="In-process decode loop: 'static' keeps the batch on the device (static "
+        "KV cache, device-side sampling, one host read every sync_every tokens, a CUDA graph "
+        "per step on a GPU); 'general' is the host-driven loop with prompt-lookup drafts and "
+        "rows joining as others finish (fastest on a CPU); 'auto' picks static on a GPU for "
+        "a Llama-family model, general otherwise.",
+    )
+    sync_every: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Static decode loop: decode steps between two host reads of the batch "
+        "(finished rows are found and trimmed then).",
+    )
+    compile_decode: bool = Field(
+        False,
+        description="Static decode loop: compile the decode step with torch.compile (fused "
+        "kernels; the first call of each shape compiles, tens of seconds on a GPU).",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="Static decode loop on a GPU: replay each decode step as a captured CUDA "
+        "graph (one launch per token instead of one per operator).",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> InferenceConfig:
         if self.url is not None and not self.url.startswith(("http://", "https://")):

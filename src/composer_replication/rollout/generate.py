@@ -9,6 +9,11 @@ log-probs are then reported at temperature 1). A LoRA policy samples with its ad
 merged into the base weights (:func:`~composer_replication.model_parts.lora_merged`), as an
 inference engine would; the base weights are restored exactly afterwards.
 
+Two decode loops sample in process (:class:`DecodeOptions`, set for a block by
+:func:`decode_options`): the general one above, and on a GPU the static one
+(:mod:`.static_decode`: the batch stays on the device, the host reads it once every
+``sync_every`` tokens, each step is one CUDA graph).
+
 Each completion ends at the first EOS (kept), at the end of the first stop string (kept,
 tokens after it dropped), or at ``max_new_tokens``.
 
@@ -32,7 +37,33 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Which in-process decode loop samples, and how (the ``[inference]`` settings of the
+    same names): ``loop`` 'auto' | 'static' | 'general', ``sync_every`` (static loop: steps
+    between host reads), ``compile`` (static loop: torch.compile the step), ``cuda_graphs``
+    (static loop on a GPU: one captured graph per step shape)."""
+
+    loop: str = "auto"
+    sync_every: int = 16
+    compile: bool = False
+    cuda_graphs: bool = True
+
+    @classmethod
+    def of(cls, inference: Any) -> DecodeOptions:
+        """The options an ``InferenceConfig`` sets."""
+        return cls(
+            loop=inference.decode_loop,
+            sync_every=inference.sync_every,
+            compile=inference.compile_decode,
+            cuda_graphs=inference.cuda_graphs,
+        )
+
+
 _ROW_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("row_seed", default=None)
+_DECODE: contextvars.ContextVar[DecodeOptions | None] = contextvars.ContextVar(
+    "decode_options", default=None
+)
 _PROMPT_STATES: contextvars.ContextVar[Any] = contextvars.ContextVar("prompt_states", default=None)
 
 
@@ -45,6 +76,31 @@ def seeded_rows(seed: int) -> Iterator[None]:
         yield
     finally:
         _ROW_SEED.reset(token)
+
+
+@contextlib.contextmanager
+def decode_options(options: DecodeOptions) -> Iterator[None]:
+    """In-process sampling in the block uses ``options``."""
+    token = _DECODE.set(options)
+    try:
+        yield
+    finally:
+        _DECODE.reset(token)
+
+
+def static_loop_applies(model: Any, options: DecodeOptions) -> bool:
+    """Whether ``options`` send ``model``'s sampling through the static loop ('static' on a
+    model it cannot run is an error naming why)."""
+    from composer_replication.rollout.static_decode import static_decoding_supported
+
+    if options.loop == "general":
+        return False
+    why = static_decoding_supported(model)
+    if options.loop == "static":
+        if why is not None:
+            raise ValueError(f"inference.decode_loop = 'static' cannot decode this model: {why}")
+        return True
+    return why is None and next(model.parameters()).device.type == "cuda"
 
 
 @contextlib.contextmanager
@@ -153,30 +209,36 @@ def generate(
         torch.manual_seed(generator_seed)
     context_seed = _ROW_SEED.get()
     from composer_replication.model_parts import lora_merged
-    from composer_replication.rollout.decode import decode_rows
-    from composer_replication.rollout.packed_linear import packed_linears
 
+    common = {
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "eos_ids": eos_ids,
+        "tokenizer": tokenizer,
+        "stop_strings": settings.stop_strings,
+        "row_seeds": None if context_seed is None else row_seeds(context_seed, prompts),
+        "max_rows": max_rows,
+    }
     was_training = model.training
     model.eval()
     try:
-        with (
-            torch.no_grad(),
-            lora_merged(model),
-            packed_linears(model, batch_hint=min(len(prompts), max_rows or len(prompts))),
-        ):
-            rows = decode_rows(
-                model,
-                prompts,
-                max_new_tokens=settings.max_new_tokens,
-                temperature=settings.temperature,
-                eos_ids=eos_ids,
-                pad_id=pad_id,
-                tokenizer=tokenizer,
-                stop_strings=settings.stop_strings,
-                row_seeds=None if context_seed is None else row_seeds(context_seed, prompts),
-                prompt_states=_PROMPT_STATES.get(),
-                max_rows=max_rows,
-            )
+        with torch.no_grad(), lora_merged(model):
+            options = _DECODE.get() or DecodeOptions()
+            if static_loop_applies(model, options):
+                rows = _static_rows(model, prompts, options, common)
+            else:
+                from composer_replication.rollout.decode import decode_rows
+                from composer_replication.rollout.packed_linear import packed_linears
+
+                hint = min(len(prompts), max_rows or len(prompts))
+                with packed_linears(model, batch_hint=hint):
+                    rows = decode_rows(
+                        model,
+                        prompts,
+                        pad_id=pad_id,
+                        prompt_states=_PROMPT_STATES.get(),
+                        **common,
+                    )
     finally:
         model.train(was_training)
     return [
@@ -189,6 +251,31 @@ def generate(
         )
         for prompt, row in zip(prompts, rows)
     ]
+
+
+def _static_rows(
+    model: Any, prompts: Sequence[Sequence[int]], options: DecodeOptions, common: dict
+) -> list[Any]:
+    """The static loop's rows; under autocast its matrix products run in the autocast
+    dtype (as the trainer's forward does), with autocast itself off inside."""
+    import torch
+
+    from composer_replication.rollout.static_decode import static_decode_rows
+
+    device = next(model.parameters()).device
+    compute_dtype = None
+    if torch.is_autocast_enabled(device.type):
+        compute_dtype = torch.get_autocast_dtype(device.type)
+    with torch.autocast(device.type, enabled=False):
+        return static_decode_rows(
+            model,
+            prompts,
+            compute_dtype=compute_dtype,
+            compile=options.compile,
+            graphs=options.cuda_graphs and device.type == "cuda",
+            sync_every=options.sync_every,
+            **common,
+        )
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -245,6 +245,16 @@ class StaticDecoder:
         if self.graphs:
             for tensor in bucket.tensors():
                 torch._dynamo.mark_static_address(tensor)
+        if self.compile:  # one compiled step for every bucket and width
+            for tensor in (bucket.keys, bucket.values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+                torch._dynamo.maybe_mark_dynamic(tensor, 3)
+            for tensor in (bucket.valid, bucket.uniforms):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            for tensor in (bucket.token, bucket.position, bucket.window_tokens):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(bucket.window_logprobs, 0)
         self._buckets[key] = bucket
         return bucket
 

@@ -9,8 +9,8 @@ calls, so counting them on the CPU tells how often the same code would stop a GP
 :class:`HostReads` counts at two levels at once:
 
 - Python entry points (a ``TorchFunctionMode``): ``item``, ``tolist``, ``numpy``, ``bool``,
-  ``int``, ``float``, ``index``, and ``cpu`` / ``to`` / ``copy_`` whose destination is the
-  CPU;
+  ``int``, ``float``, ``index``, ``cpu``, and ``to`` / ``copy_`` from another device to the
+  CPU (a tensor such a read returned is on the host: reading it again is not counted);
 - operators (a ``TorchDispatchMode``) that need a value or an output size on the host:
   ``_local_scalar_dense``, ``nonzero``, ``masked_select``, ``equal``, ``is_nonzero``,
   indexing by a boolean mask and the like, unless they run inside an entry point already
@@ -22,6 +22,7 @@ Python values, any tensor read is a read of device data.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -65,16 +66,22 @@ def _bool_index(args: tuple) -> bool:
     )
 
 
-def _targets_cpu(name: str, args: tuple, kwargs: dict) -> bool:
-    """Whether a ``to`` / ``copy_`` call moves data to the CPU from another tensor."""
+def _moves_to_cpu(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a ``to`` / ``copy_`` call moves data from another device to the CPU."""
     if name == "copy_":
         dst, src = args[0], args[1] if len(args) > 1 else kwargs.get("src")
-        return isinstance(src, torch.Tensor) and dst.device.type == "cpu"
+        return (
+            isinstance(src, torch.Tensor) and dst.device.type == "cpu" and src.device.type != "cpu"
+        )
+    source = args[0]
     for value in (*args[1:], kwargs.get("device")):
+        target = None
         if isinstance(value, (str, torch.device)):
-            return torch.device(value).type == "cpu"
-        if isinstance(value, torch.Tensor):
-            return value.device.type == "cpu"
+            target = torch.device(value)
+        elif isinstance(value, torch.Tensor):
+            target = value.device
+        if target is not None:
+            return target.type == "cpu" and source.device.type != "cpu"
     return False
 
 
@@ -87,16 +94,21 @@ class _Entry(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         counted = name in _READ_METHODS or (
-            name in _MOVE_METHODS and _targets_cpu(name, args, kwargs)
+            name in _MOVE_METHODS and _moves_to_cpu(name, args, kwargs)
         )
+        if counted and args and isinstance(args[0], torch.Tensor):
+            counted = not self.owner.is_host_copy(args[0])
         if not counted:
             return func(*args, **kwargs)
         self.owner.counts[name] += 1
         self.owner.depth += 1
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         finally:
             self.owner.depth -= 1
+        if isinstance(result, torch.Tensor):  # what was read is on the host now
+            self.owner.host_copies[id(result)] = weakref.ref(result)
+        return result
 
 
 class _Ops(TorchDispatchMode):
@@ -122,7 +134,13 @@ class HostReads:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.depth = 0
+        #: tensors this block read to the host: reading them again costs nothing
+        self.host_copies: dict[int, weakref.ref[torch.Tensor]] = {}
         self._modes: list[Any] = []
+
+    def is_host_copy(self, tensor: torch.Tensor) -> bool:
+        ref = self.host_copies.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     @property
     def total(self) -> int:

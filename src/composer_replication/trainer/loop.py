@@ -29,7 +29,12 @@ from composer_replication.distributed.data_parallel import (
 )
 from composer_replication.inference.engine import build_policy_engine
 from composer_replication.inference.frozen import FrozenEngines
-from composer_replication.rollout.generate import derived_seed, seeded_rows
+from composer_replication.rollout.generate import (
+    DecodeOptions,
+    decode_options,
+    derived_seed,
+    seeded_rows,
+)
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.learner import Learner
@@ -401,6 +406,10 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def run(self, *, resume: bool = False) -> RunResult:
+        with decode_options(DecodeOptions.of(self.config.inference)):
+            return self._run(resume=resume)
+
+    def _run(self, *, resume: bool) -> RunResult:
         resumed = resume and self.resume()
         self.life.begin(resumed=resumed)
         if self.engine is not None and (resumed or self.config.inference.url):
