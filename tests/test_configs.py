@@ -23,9 +23,27 @@ def test_a_run_config_for_every_algorithm():
 def test_run_config_loads(path):
     cfg = RunConfig.from_toml(path)
     assert cfg.envs and cfg.steps >= 1
-    if path.stem not in ("default", "embedded_long"):  # <type>.toml or <type>_<variant>.toml
+    # <type>.toml or <type>_<variant>.toml, except the jobs sized for a machine
+    if path.stem not in ("default", "embedded_long", "gpu"):
         algo = cfg.envs[0].algorithm.type
         assert path.stem == algo or path.stem.startswith(f"{algo}_")
+
+
+def test_gpu_toml_is_the_composer_recipe_sized_for_one_gpu():
+    cfg = RunConfig.from_toml(RUNS[[p.stem for p in RUNS].index("gpu")])
+    env = cfg.envs[0]
+    assert env.algorithm.type == "composer" and cfg.model.lora is None  # full fine-tune
+    assert env.tasks_per_step * env.algorithm.sampling.group_size == 512
+    assert env.algorithm.sampling.max_new_tokens == 256
+    assert cfg.inference.decode_loop == "auto" and cfg.micro_batch_tokens >= 16384
+
+
+def test_lora_switch_in_toml(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nlora = false\n")
+    assert RunConfig.from_toml(path).model.lora is None
+    path.write_text("[model]\nlora = true\n")
+    assert RunConfig.from_toml(path).model.lora.r == 16
 
 
 def test_default_toml_is_the_builtin_default():

@@ -82,11 +82,20 @@ class ModelConfig(_Strict):
         "supports it, float32 on a CPU; or a parameter dtype (float32, bfloat16, ...).",
     )
     lora: LoraConfig | None = Field(
-        default_factory=LoraConfig, description="LoRA settings; null = full fine-tune."
+        default_factory=LoraConfig,
+        description="LoRA settings; null or false = full fine-tune, true = the defaults."
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (less memory, more time)."
     )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_switch(cls, value: Any) -> Any:
+        # TOML has no null: `lora = false` is a full fine-tune, `lora = true` the defaults
+        if value is False:
+            return None
+        return {} if value is True else value
 
     @field_validator("device")
     @classmethod
