@@ -16,9 +16,11 @@ into a hint. What the candidate did beside its answer is in ``metadata["hack_fla
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,10 @@ FEEDBACK_CHARS = 1500
 # The closing fence of the code block on its own line: nothing after it is graded, so
 # sampling stops there (the opening "```python" never matches: it has no newline after ```).
 STOP_STRINGS = ("\n```\n",)
+#: A grade slower than this (seconds) is logged with its cause.
+GRADING_STALL_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 def reference_demonstration(task: PythonTask) -> str:
@@ -80,6 +86,41 @@ def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[[Path], Any]:
     return DockerSandboxFactory(options.pop("image"), **options)
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class _Graders:
+    """Completions graded in a pool as they arrive; a code graded once per task."""
+
+    def __init__(self, env: PythonFunctionsEnv, pool: ThreadPoolExecutor) -> None:
+        self.env = env
+        self.pool = pool
+        self.futures: dict[tuple[str, str], Future] = {}
+
+    def submit(self, task_id: str, text: str) -> None:
+        key = self.env.grading_key(task_id, text)
+        if key not in self.futures:  # samples of a group often agree
+            task = self.env.tasks[task_id]
+            self.futures[key] = self.pool.submit(self.env.timed_grade, task, text)
+
+    def graded(self, groups: Sequence[Sequence[Rollout]]) -> list[list[Rollout]]:
+        """``groups`` graded (completions not submitted yet are submitted now)."""
+
+        def verdict(rollout: Rollout) -> tuple:
+            text = rollout.metadata["completion_text"]
+            self.submit(rollout.task_id, text)
+            return self.futures[self.env.grading_key(rollout.task_id, text)].result()
+
+        flat = [r for group in groups for r in group]
+        for r in flat:
+            self.submit(r.task_id, r.metadata["completion_text"])
+        return self.env._with_verdicts(groups, verdict)
+
+
 class PythonFunctionsEnv:
     """The built-in function-writing environment (the embedded default)."""
 
@@ -93,6 +134,7 @@ class PythonFunctionsEnv:
         difficulties: Sequence[str] | None = None,
         grading_workers: int = 2,
         generation_batch: int = 64,
+        grading_stall_s: float = GRADING_STALL_S,
     ) -> None:
         tasks = list(tasks if tasks is not None else load_tasks())
         if difficulties:
@@ -103,7 +145,9 @@ class PythonFunctionsEnv:
             )
         self.tasks = {t.task_id: t for t in tasks}
         self.sandbox_factory = sandbox_factory
-        self.grading_workers = max(1, grading_workers)
+        # 0: one grader per CPU core this process may use
+        self.grading_workers = grading_workers if grading_workers > 0 else _usable_cores()
+        self.grading_stall_s = grading_stall_s
         self.generation_batch = max(1, generation_batch)
 
     def task_ids(self) -> list[str]:
@@ -132,9 +176,21 @@ class PythonFunctionsEnv:
         group_size: int,
         sampling: SamplingSettings,
     ) -> list[list[Rollout]]:
-        return self.grade_groups(
-            self.sample(policy, tokenizer, task_ids, group_size=group_size, sampling=sampling)
-        )
+        """Sampled and graded groups. Each completion is handed to the graders as soon as
+        sampling knows it (the static decode loop finishes rows while others decode)."""
+        if isinstance(policy, ReferenceSolutions):
+            return self.demonstrations(tokenizer, task_ids, group_size=group_size)
+        with ThreadPoolExecutor(self.grading_workers) as pool:
+            graders = _Graders(self, pool)
+            groups = self.sample(
+                policy,
+                tokenizer,
+                task_ids,
+                group_size=group_size,
+                sampling=sampling,
+                on_completion=graders.submit,
+            )
+            return graders.graded(groups)
 
     def sample(
         self,
@@ -144,11 +200,14 @@ class PythonFunctionsEnv:
         *,
         group_size: int,
         sampling: SamplingSettings,
+        on_completion: Callable[[str, str], None] | None = None,
     ) -> list[list[Rollout]]:
         """The sampling half of :meth:`rollouts`: ungraded groups (reward 0, the completion's
         text in ``metadata["completion_text"]``), one per task id, in order. Single-turn, so
         sampling and grading can run in different processes (:meth:`grade_groups`). With
-        :class:`ReferenceSolutions` as ``policy``, the :meth:`demonstrations`."""
+        :class:`ReferenceSolutions` as ``policy``, the :meth:`demonstrations`.
+        ``on_completion(task_id, text)`` is called for each completion as soon as it is
+        sampled."""
         if isinstance(policy, ReferenceSolutions):
             return self.demonstrations(tokenizer, task_ids, group_size=group_size)
         self._check_known(task_ids)
@@ -164,6 +223,9 @@ class PythonFunctionsEnv:
             [prompts[tid] for tid, _ in jobs],
             sampling,
             max_rows=self.generation_batch,
+            on_row_done=None
+            if on_completion is None
+            else lambda index, gen: on_completion(jobs[index][0], gen.text),
         )
         seconds = [(time.perf_counter() - t0) / len(jobs)] * len(jobs)
         groups: dict[str, list[Rollout]] = {tid: [] for tid in task_ids}
@@ -220,24 +282,15 @@ class PythonFunctionsEnv:
         are."""
         if all(r.is_demonstration for group in groups for r in group):
             return [list(group) for group in groups]
-        flat = [r for group in groups for r in group]
-        # answers whose code is the same are graded once (samples of a group often agree)
-        keys = [self._grading_key(r) for r in flat]
-        distinct = list(dict.fromkeys(keys))
-        by_key = {key: r for key, r in zip(keys, flat)}
         with ThreadPoolExecutor(self.grading_workers) as pool:
-            verdicts = dict(
-                zip(
-                    distinct,
-                    pool.map(
-                        lambda key: self.grade(
-                            self.tasks[key[0]], by_key[key].metadata["completion_text"]
-                        ),
-                        distinct,
-                    ),
-                )
-            )
-        graded = [verdicts[key] for key in keys]
+            return _Graders(self, pool).graded(groups)
+
+    def _with_verdicts(
+        self, groups: Sequence[Sequence[Rollout]], verdict: Callable[[Rollout], tuple]
+    ) -> list[list[Rollout]]:
+        """``groups`` with each rollout's reward, feedback, error and info from ``verdict``."""
+        flat = [r for group in groups for r in group]
+        graded = [verdict(r) for r in flat]
         results = iter(
             replace(
                 r,
@@ -250,13 +303,30 @@ class PythonFunctionsEnv:
         )
         return [[next(results) for _ in group] for group in groups]
 
-    def _grading_key(self, rollout: Rollout) -> tuple[str, str]:
+    def grading_key(self, task_id: str, text: str) -> tuple[str, str]:
         """What a completion's grade depends on: its task and the code graded (its text
         when no function can be extracted)."""
-        task = self.tasks[rollout.task_id]
-        text = rollout.metadata["completion_text"]
-        code = extract_code(text, task.entry_point)
-        return rollout.task_id, text if code is None else code
+        code = extract_code(text, self.tasks[task_id].entry_point)
+        return task_id, text if code is None else code
+
+    def timed_grade(
+        self, task: PythonTask, completion_text: str
+    ) -> tuple[float, str | None, str | None, dict]:
+        """:meth:`grade`, with its seconds in ``info["grading_s"]``; a grade slower than
+        ``grading_stall_s`` is logged with what it ended in."""
+        start = time.perf_counter()
+        reward, feedback, error, info = self.grade(task, completion_text)
+        seconds = time.perf_counter() - start
+        if seconds > self.grading_stall_s:
+            cause = error or f"{info.get('passed', 0)}/{info.get('total', 0)} tests passed"
+            log.warning(
+                "grading %s took %.3g s (over %.3g s): %s",
+                task.task_id,
+                seconds,
+                self.grading_stall_s,
+                cause,
+            )
+        return reward, feedback, error, {**info, "grading_s": seconds}
 
     def grade(
         self, task: PythonTask, completion_text: str

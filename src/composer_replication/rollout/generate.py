@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -189,16 +189,19 @@ def generate(
     *,
     generator_seed: int | None = None,
     max_rows: int | None = None,
+    on_row_done: Callable[[int, Generation], None] | None = None,
 ) -> list[Generation]:
     """Sample one completion per prompt with the policy, in one batched call.
 
     ``max_rows``: in process, at most this many rows decode at once and the others join as
-    rows finish (None: all at once)."""
+    rows finish (None: all at once). ``on_row_done(index, generation)`` is called once per
+    prompt as soon as its completion is known: while the rest of the batch still decodes
+    in the static loop, after the call otherwise (a grader can start on it at once)."""
     import torch
 
     settings = settings or SamplingSettings()
     if hasattr(model, "sample_batch"):  # a frozen endpoint sampler
-        return model.sample_batch(tokenizer, prompts, settings)
+        return _announced(model.sample_batch(tokenizer, prompts, settings), on_row_done)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -225,7 +228,14 @@ def generate(
         with torch.no_grad(), lora_merged(model):
             options = _DECODE.get() or DecodeOptions()
             if static_loop_applies(model, options):
-                rows = _static_rows(model, prompts, options, common)
+                done = None
+                if on_row_done is not None:
+
+                    def done(index: int, row: Any) -> None:
+                        on_row_done(index, _generation(prompts[index], row, tokenizer))
+
+                rows = _static_rows(model, prompts, options, {**common, "on_row_done": done})
+                on_row_done = None  # every row was announced as it finished
             else:
                 from composer_replication.rollout.decode import decode_rows
                 from composer_replication.rollout.packed_linear import packed_linears
@@ -241,16 +251,28 @@ def generate(
                     )
     finally:
         model.train(was_training)
-    return [
-        Generation(
-            prompt_ids=list(prompt),
-            completion_ids=row.tokens,
-            logprobs=row.logprobs,
-            finish_reason=row.finish_reason,
-            text=tokenizer.decode(row.tokens, skip_special_tokens=True),
-        )
-        for prompt, row in zip(prompts, rows)
-    ]
+    return _announced(
+        [_generation(prompt, row, tokenizer) for prompt, row in zip(prompts, rows)], on_row_done
+    )
+
+
+def _generation(prompt: Sequence[int], row: Any, tokenizer: Any) -> Generation:
+    return Generation(
+        prompt_ids=list(prompt),
+        completion_ids=row.tokens,
+        logprobs=row.logprobs,
+        finish_reason=row.finish_reason,
+        text=tokenizer.decode(row.tokens, skip_special_tokens=True),
+    )
+
+
+def _announced(
+    generations: list[Generation], on_row_done: Callable[[int, Generation], None] | None
+) -> list[Generation]:
+    if on_row_done is not None:
+        for index, generation in enumerate(generations):
+            on_row_done(index, generation)
+    return generations
 
 
 def _static_rows(

@@ -320,7 +320,7 @@ class Trainer:
         algorithms assign and score; the curricula see each task's mean reward)."""
         samples, rewards, errors, n_rollouts = [], [], 0, 0
         infrastructure, flagged = 0, 0
-        sampled_tokens, generation_s, demonstrations = 0, 0.0, 0
+        sampled_tokens, generation_s, demonstrations, grading_max_s = 0, 0.0, 0, 0.0
         for rt, task_ids, groups in zip(self.runtimes, tasks, env_groups):
             env_samples, results = [], {}
             for task_id, sampled_group in zip(task_ids, groups):
@@ -339,6 +339,7 @@ class Trainer:
                     r.metadata.setdefault("policy_version", self.step)
                     sampled_tokens += sum(r.completion_mask or ())
                     generation_s += float(r.metadata.get("generation_s", 0.0))
+                    grading_max_s = max(grading_max_s, float(r.metadata.get("grading_s", 0.0)))
                 if not group:
                     continue
                 env_samples += rt.algorithm.assign(group)
@@ -360,6 +361,8 @@ class Trainer:
         }
         if demonstrations:
             stats["rollouts/demonstrations"] = float(demonstrations)
+        if grading_max_s > 0:  # environments that time their grading (python_functions)
+            stats["time/grade_max_s"] = grading_max_s
         if generation_s > 0:  # environments that time their sampling (python_functions)
             stats["time/generate_s"] = generation_s
             stats["tokens_per_s/generate"] = sampled_tokens / generation_s
