@@ -67,6 +67,7 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
         DecodeOptions,
         SamplingSettings,
         decode_options,
+        seeded_rows,
     )
 
     model, tok = tiny_policy(seed=5)
@@ -75,7 +76,8 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
     task_ids = env.task_ids()[:3]
     settings = SamplingSettings(max_new_tokens=48, temperature=1.0)
     # frequent tokens end rows early, at many different steps
-    probe = env.sample(model, tok, task_ids, group_size=4, sampling=settings)
+    with seeded_rows(1):
+        probe = env.sample(model, tok, task_ids, group_size=4, sampling=settings)
     counts = collections.Counter(t for g in probe for r in g for t in r.completion_ids)
     model.generation_config.eos_token_id = [t for t, _ in counts.most_common(30)]
     started, ended = [], []
@@ -96,6 +98,7 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
     with (
         caplog.at_level(logging.WARNING),
         decode_options(DecodeOptions(loop="static", sync_every=2)),
+        seeded_rows(1),
     ):
         groups = env.rollouts(model, tok, task_ids, group_size=4, sampling=settings)
     lengths = sorted(len(r.completion_ids) for g in groups for r in g)
