@@ -207,7 +207,9 @@ class StaticDecoder:
         self.compile = compile
         self.graphs = graphs
         self.sync_every = sync_every
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: dict[int, _Bucket] = {}  # by rows
+        self._capacity = 0
+        self._tokens = 0
         self._pool: Any = None
         self._step: Callable[..., None] = _decode_step
         if compile:
@@ -218,13 +220,24 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ buffers
 
-    def _bucket(self, rows: int, capacity: int, tokens: int) -> _Bucket:
-        key = (rows, capacity)
-        found = self._buckets.get(key)
-        if found is not None and found.uniforms.shape[1] >= tokens:
+    def _reserve(self, capacity: int, tokens: int) -> None:
+        """Make every bucket hold at least ``capacity`` columns and ``tokens`` uniforms.
+
+        All buckets share one capacity, the largest asked for so far: a call with shorter
+        prompts attends over fewer columns of the same buffers (and replays the same graphs),
+        so memory holds one set of buffers, whatever the calls' lengths.
+        """
+        if capacity <= self._capacity and tokens <= self._tokens:
+            return
+        self._capacity = max(capacity, self._capacity)
+        self._tokens = max(tokens, self._tokens)
+        self.release()
+
+    def _bucket(self, rows: int) -> _Bucket:
+        found = self._buckets.get(rows)
+        if found is not None:
             return found
-        if found is not None:  # longer completions than before: new buffers (and graphs)
-            del self._buckets[key]
+        capacity, tokens = self._capacity, self._tokens
         w, device = self.weights, self.device
         shape = (w.n_layers, rows, w.n_kv_heads, capacity, w.head_dim)
         bucket = _Bucket(
@@ -255,7 +268,7 @@ class StaticDecoder:
             for tensor in (bucket.token, bucket.position, bucket.window_tokens):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(bucket.window_logprobs, 0)
-        self._buckets[key] = bucket
+        self._buckets[rows] = bucket
         return bucket
 
     def release(self) -> None:
@@ -408,9 +421,11 @@ class StaticDecoder:
         device, k = self.device, self.sync_every
         greedy = temperature == 0
         width = max(len(p) for p in prompts)
-        capacity = _round_up(width + max_new_tokens, WIDTH_STEP)
-        tokens_cap = _round_up(max_new_tokens, WIDTH_STEP)
-        bucket = self._bucket(bucket_rows(len(prompts)), capacity, tokens_cap)
+        self._reserve(
+            _round_up(width + max_new_tokens, WIDTH_STEP), _round_up(max_new_tokens, WIDTH_STEP)
+        )
+        bucket = self._bucket(bucket_rows(len(prompts)))
+        tokens_cap = bucket.uniforms.shape[1]
         first_logits = self._prefill(bucket, prompts, width, stats)
         # the uniforms of every token, drawn before the loop
         if greedy:
@@ -490,15 +505,13 @@ class StaticDecoder:
                 return
             smaller = bucket_rows(len(live))
             if smaller < bucket.rows:  # trim finished rows: move the live ones down
-                bucket = self._compact(bucket, live, smaller, tokens_cap, stats)
+                bucket = self._compact(bucket, live, smaller, stats)
                 slot_rows = [slot_rows[s] for s in live] + [None] * (smaller - len(live))
 
-    def _compact(
-        self, bucket: _Bucket, live: list[int], rows: int, tokens: int, stats: DecodeStats
-    ) -> _Bucket:
+    def _compact(self, bucket: _Bucket, live: list[int], rows: int, stats: DecodeStats) -> _Bucket:
         """A bucket of ``rows`` rows holding ``live``'s rows of ``bucket`` in order (the
         rest of its rows copy the first live row)."""
-        target = self._bucket(rows, bucket.capacity, tokens)
+        target = self._bucket(rows)
         stats.compactions += 1
         chosen = live + [live[0]] * (rows - len(live))
         index = torch.tensor(chosen, dtype=torch.long).to(self.device)
