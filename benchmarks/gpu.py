@@ -77,7 +77,8 @@ def make_model_dir(args: argparse.Namespace, where: Path) -> str:
 
     shape = QUICK_SHAPE if args.quick else SMOLLM2_135M
     model = tiny_model(seed=0, **shape)
-    return str(save_checkpoint(model, where / "model", tokenizer=load_tokenizer()))
+    tokenizer = load_tokenizer(args.tokenizer)
+    return str(save_checkpoint(model, where / "model", tokenizer=tokenizer))
 
 
 def load_model(source: str, device: Any) -> tuple[Any, Any]:
@@ -336,14 +337,47 @@ def section_train(args: argparse.Namespace, source: str, device: Any) -> dict[st
 
 
 def busy_fraction(run: Any, device: Any) -> float:
-    """Share of ``run()``'s wall time during which at least one kernel ran on the GPU
-    (union of the kernel intervals of a profiler trace)."""
+    """Share of ``run()``'s wall time during which a kernel ran on the GPU: NVML's
+    utilisation (the share of each sample period with a kernel running) read every 20 ms,
+    or without NVML the union of the kernel intervals of a profiler trace."""
+    import threading
+
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     if device.type != "cuda":
         run()
         return float("nan")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    except Exception:
+        return _profiled_busy_fraction(run)
+    readings: list[int] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            readings.append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            stop.wait(0.02)
+
+    torch.cuda.synchronize()
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        run()
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        poller.join()
+    return statistics.mean(readings) / 100 if readings else float("nan")
+
+
+def _profiled_busy_fraction(run: Any) -> float:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -553,6 +587,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="with --random-weights: a directory holding SmolLM2's tokenizer files "
+        "(default: the embedded model's)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small model: a dry run")
     parser.add_argument("--sections", default="sampling,train,steps")
     parser.add_argument("--steps", type=int, default=3, help="steps per recipe (>= 2)")
