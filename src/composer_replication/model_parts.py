@@ -4,7 +4,7 @@ adapter-free view of a LoRA policy that serves as its frozen initial policy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -105,6 +105,7 @@ def last_hidden_states(
     attention_mask: Tensor | None = None,
     *,
     share_prefixes: bool | None = None,
+    row_tokens: Sequence[Sequence[int]] | None = None,
     **kwargs: Any,
 ) -> Tensor:
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
@@ -114,6 +115,10 @@ def last_hidden_states(
     per shared segment (:mod:`composer_replication.shared_prefix`; same values up to float
     rounding, gradients included); ``share_prefixes=False`` runs every row in full (default: as
     :func:`~composer_replication.shared_prefix.prefix_sharing` sets, on).
+
+    ``row_tokens``: each row's real tokens as host lists, the rows right-padded (as packed
+    micro-batches and pair rows are): the prefixes and the padding are then planned from
+    them, and nothing is read back from the device (each such read makes a GPU idle).
     """
     if isinstance(model, AdapterDisabled):
         with model.peft_model.disable_adapter():
@@ -122,6 +127,7 @@ def last_hidden_states(
                 input_ids,
                 attention_mask,
                 share_prefixes=share_prefixes,
+                row_tokens=row_tokens,
                 **kwargs,
             )
     base = _unwrap_peft(model)
@@ -142,7 +148,7 @@ def last_hidden_states(
         share_prefixes = prefix_sharing_enabled()
     if share_prefixes and not kwargs:
         config = getattr(base, "config", None)
-        trie = packed_prefix_trie(config, input_ids, attention_mask)
+        trie = packed_prefix_trie(config, input_ids, attention_mask, row_tokens=row_tokens)
         if trie is not None:
             additive = getattr(config, "_attn_implementation", None) == "eager"
             return packed_prefix_forward(
@@ -150,11 +156,44 @@ def last_hidden_states(
             )
         if not _checkpointed(base):
             # (recomputing layers in backward drops the cache: checkpointed models go row by row)
-            tree = prefix_tree(input_ids, attention_mask)
+            tree = prefix_tree(input_ids, attention_mask, row_tokens=row_tokens)
             if tree[0]:
                 return shared_prefix_forward(body, input_ids, attention_mask, tree)
+    if row_tokens is not None and not kwargs:
+        attention_mask = _right_padded_attention(base, attention_mask, row_tokens)
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     return out.last_hidden_state
+
+
+def _right_padded_attention(
+    model: Any, attention_mask: Tensor | None, row_tokens: Sequence[Sequence[int]]
+) -> Tensor | None:
+    """The mask to hand ``model`` for right-padded rows whose lengths the host knows.
+
+    Given a 2-D mask, the model reads on the host whether it holds padding (a GPU waits),
+    then builds the (B, 1, T, T) causal-and-padding mask. With padding, that mask is built
+    here on the device instead (booleans for SDPA, 0 / dtype-min for eager attention), the
+    same values without the read. Without padding the 2-D mask goes through unchanged: the
+    model then runs SDPA's causal kernel (flash attention on a GPU), worth more than the one
+    read it costs (an explicit mask, or none, costs the kernel or a read of the positions).
+    Other attention implementations also get the 2-D mask."""
+    import torch
+
+    if attention_mask is None:
+        return None
+    width = attention_mask.shape[-1]
+    if all(len(row) == width for row in row_tokens):
+        return attention_mask
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return attention_mask
+    causal = torch.ones((width, width), dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal & (attention_mask != 0)[:, None, None, :]
+    if implementation == "sdpa":
+        return allowed
+    dtype = model.get_input_embeddings().weight.dtype
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return additive.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _checkpointed(model: Any) -> bool:

@@ -30,7 +30,7 @@ build them; anything else takes the plain forward):
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -178,13 +178,22 @@ def prefix_tree(
     attention_mask: Tensor | None = None,
     *,
     min_prefix: int = DEFAULT_MIN_PREFIX,
+    row_tokens: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[PrefixNode], list[int]]:
     """``(nodes, unshared_rows)``: the rows' shared-prefix tree (empty for rows that are
-    not right-padded or share no ``min_prefix`` tokens) and the rows in no node."""
+    not right-padded or share no ``min_prefix`` tokens) and the rows in no node.
+
+    ``row_tokens``: each row's real tokens as host lists (the rows right-padded): the tree
+    is built from them, without reading ``input_ids`` back from the device."""
     if min_prefix < 1:
         raise ValueError(f"min_prefix={min_prefix}: need at least 1 shared token")
     n_rows = input_ids.shape[0]
-    if n_rows < 2 or input_ids.device.type == "meta":  # meta tensors hold no token values
+    if n_rows < 2:
+        return [], list(range(n_rows))
+    if row_tokens is not None:
+        ids = [list(row) for row in row_tokens]
+        return _split(ids, [len(row) for row in ids], list(range(n_rows)), 0, min_prefix)
+    if input_ids.device.type == "meta":  # meta tensors hold no token values
         return [], list(range(n_rows))
     lengths = _right_padded_lengths(input_ids, attention_mask)
     if lengths is None:
@@ -301,13 +310,19 @@ def token_trie(input_ids: Tensor, attention_mask: Tensor | None = None) -> Token
     lengths = _right_padded_lengths(input_ids, attention_mask)
     if lengths is None:
         return None
+    rows = input_ids.detach().to("cpu").tolist()
+    return token_trie_of_rows([row[:length] for row, length in zip(rows, lengths)])
+
+
+def token_trie_of_rows(rows: Sequence[Sequence[int]]) -> TokenTrie:
+    """The :class:`TokenTrie` of rows given as host token lists (no padding)."""
     children: dict[tuple[int, int], int] = {}
     tokens: list[int] = []
     positions: list[int] = []
     paths: list[list[int]] = []
-    for row, length in zip(input_ids.detach().to("cpu").tolist(), lengths):
+    for row in rows:
         node, path = -1, []
-        for position, token in enumerate(row[:length]):
+        for position, token in enumerate(row):
             child = children.get((node, token))
             if child is None:
                 child = children[(node, token)] = len(tokens)
@@ -320,18 +335,25 @@ def token_trie(input_ids: Tensor, attention_mask: Tensor | None = None) -> Token
 
 
 def packed_prefix_trie(
-    model_config: Any, input_ids: Tensor, attention_mask: Tensor | None
+    model_config: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    row_tokens: Sequence[Sequence[int]] | None = None,
 ) -> TokenTrie | None:
     """The trie to run :func:`packed_prefix_forward` on, or None where that forward does not
     apply or saves nothing: an attention without explicit masks, a sliding window shorter
     than the rows, rows not right-padded, no fewer distinct tokens than the padded batch,
-    or more than :data:`PACKED_MAX_TOKENS`."""
+    or more than :data:`PACKED_MAX_TOKENS`. ``row_tokens``: as in :func:`prefix_tree`."""
     if getattr(model_config, "_attn_implementation", None) not in _MASKED_ATTENTION:
         return None
     window = getattr(model_config, "sliding_window", None)
     if window is not None and window < input_ids.shape[1]:
         return None
-    trie = token_trie(input_ids, attention_mask)
+    if row_tokens is None:
+        trie = token_trie(input_ids, attention_mask)
+    else:
+        trie = token_trie_of_rows(row_tokens)
     if trie is None or not 0 < len(trie) < input_ids.numel() or len(trie) > PACKED_MAX_TOKENS:
         return None
     return trie
@@ -347,27 +369,35 @@ def packed_prefix_forward(
     token summed over the rows that hold it, as in the row-by-row forward. ``additive``:
     give the mask as 0 / dtype-min floats (eager attention) instead of booleans (SDPA).
     """
+    from composer_replication.wire import to_device
+
     n_rows, width = shape
     n_tokens = len(trie)
-    allowed = torch.zeros((n_tokens, n_tokens), dtype=torch.bool, device=device)
+    # The mask and every index are built on the host from the trie's lists and copied once,
+    # without blocking: a tensor made from a list right on a GPU waits for the device.
+    host = {"dtype": torch.long, "device": "cpu"}
+    allowed = torch.zeros((n_tokens, n_tokens), dtype=torch.bool, device="cpu")
     for path in trie.paths:
         if path:
-            nodes = torch.tensor(path, device=device)
-            ancestry = torch.ones((len(path), len(path)), dtype=torch.bool, device=device)
+            nodes = torch.tensor(path, **host)
+            ancestry = torch.ones((len(path), len(path)), dtype=torch.bool, device="cpu")
             allowed[nodes[:, None], nodes[None, :]] = ancestry.tril()
+    allowed = to_device(allowed, device)
+    # row r, position p reads node paths[r][p]; padding reads an appended zero row
+    where = [path + [n_tokens] * (width - len(path)) for path in trie.paths]
+    index = to_device(torch.tensor(where, **host).reshape(n_rows, width), device)
+    tokens = to_device(torch.tensor([trie.tokens], **host), device)
+    positions = to_device(torch.tensor([trie.positions], **host), device)
     mask: Tensor = allowed
     if additive:
         dtype = body.get_input_embeddings().weight.dtype
         mask = torch.zeros((n_tokens, n_tokens), dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     out = body(
-        input_ids=torch.tensor([trie.tokens], device=device),
+        input_ids=tokens,
         attention_mask=mask[None, None],
-        position_ids=torch.tensor([trie.positions], device=device),
+        position_ids=positions,
         use_cache=False,
     )
     hidden = out.last_hidden_state[0]
-    # row r, position p reads node paths[r][p]; padding reads an appended zero row
-    where = [path + [n_tokens] * (width - len(path)) for path in trie.paths]
-    index = torch.tensor(where, device=device).reshape(n_rows, width)
     return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])])[index]

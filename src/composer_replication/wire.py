@@ -158,6 +158,91 @@ class TrainingSample:
         return sum(1 for m, w in zip(self.loss_mask, weights) if m and w != 0)
 
 
+def to_device(tensor: Tensor, device: Any) -> Tensor:
+    """``tensor`` on ``device`` without making the host wait (itself when already there).
+
+    A host tensor bound for a GPU is copied from pinned memory with ``non_blocking``: the copy
+    is queued on the device's stream, before every kernel that reads it, and the host goes on
+    (a copy from pageable memory would wait for all queued work first)."""
+    import torch
+
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def flat_positions(mask: Tensor) -> Tensor:
+    """(M,) flat indices of the True entries of a host ``mask`` (row-major, as ``x[mask]``
+    takes them): lets the device gather rows without a boolean index, which needs ``nonzero``
+    and so a host read of the device."""
+    return mask.reshape(-1).nonzero().squeeze(-1)
+
+
+@dataclass
+class PairRows:
+    """A micro-batch's preference pairs as right-padded rows: every pair's chosen side, then
+    every rejected side, as :func:`pair_rows` builds them on the host.
+
+    Attributes:
+        input_ids, attention_mask, response_mask: (2P, W), padded with 0.
+        head_rows: flat indices into (2P, W - 1) of the response tokens that have a log-prob
+            (every response position but the first).
+        weights: (P,) float64 pair weights.
+        tokens: each row's token ids, host lists (a forward plans shared prefixes from them).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    head_rows: Tensor
+    weights: Tensor
+    tokens: list[list[int]]
+
+    @property
+    def device(self) -> Any:
+        return self.input_ids.device
+
+    def to(self, device: Any) -> PairRows:
+        """The same rows on ``device`` (non-blocking from the host; itself when already there)."""
+        moved = {
+            name: to_device(getattr(self, name), device)
+            for name in ("input_ids", "attention_mask", "response_mask", "head_rows", "weights")
+        }
+        return replace(self, **moved)
+
+
+def _padded(rows: Sequence[Sequence[int]], width: int, value: int) -> list[list[int]]:
+    return [[*row, *([value] * (width - len(row)))] for row in rows]
+
+
+def pair_rows(pairs: Sequence[DPOPairTokens]) -> PairRows:
+    """The pairs' :class:`PairRows`, host tensors (built from lists: no tensor is read)."""
+    import torch
+
+    seqs = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+    masks = [p.chosen_mask for p in pairs] + [p.rejected_mask for p in pairs]
+    width = max((len(s) for s in seqs), default=0)
+    host = {"dtype": torch.long, "device": "cpu"}
+    # from the lists, not the tensors: a step builds these for the reference forward
+    head_rows = [
+        row * (width - 1) + position - 1
+        for row, mask in enumerate(masks)
+        for position, value in enumerate(mask)
+        if position and value
+    ]
+    return PairRows(
+        input_ids=torch.tensor(_padded(seqs, width, 0), **host),
+        attention_mask=torch.tensor(_padded([[1] * len(s) for s in seqs], width, 0), **host),
+        response_mask=torch.tensor(_padded(masks, width, 0), **host),
+        head_rows=torch.tensor(head_rows, **host),
+        weights=torch.tensor([p.weight for p in pairs], dtype=torch.float64, device="cpu"),
+        tokens=[list(s) for s in seqs],
+    )
+
+
 @dataclass
 class MicroBatch:
     """Samples packed as right-padded (B, T) rows, plus the preference pairs they carry.
@@ -165,6 +250,18 @@ class MicroBatch:
     Streams a micro-batch does not use at all are None. ``has_rl_stream`` marks the rows
     whose sample gave an explicit ``rl_weights`` (others get weight 1 on trainable tokens,
     already folded into ``rl_weights``).
+
+    Besides the streams, packing records on the host what the trainer step would otherwise
+    read back from the device (each read makes the host wait for the device):
+
+    - ``counts``: per component, the tokens (pairs, for dpo) with a non-zero weight;
+    - ``head_rows``: flat indices into (B, T - 1) of the positions whose log-prob a stream
+      needs (trainable or ce-weighted next tokens); ``trainable_rows``: those of the
+      trainable ones;
+    - ``jsd_tokens``: (4, M) per jsd token (non-zero weight): batch row, student position,
+      teacher position, and the index of its row in ``jsd_rows``, the (R,) rows that
+      have jsd tokens (their teacher contexts are the ones the teacher forward runs on);
+    - ``pair_rows``: the pairs as padded rows (:class:`PairRows`).
     """
 
     input_ids: Tensor
@@ -182,6 +279,12 @@ class MicroBatch:
     teacher_index: Tensor | None
     pairs: list[DPOPairTokens]
     samples: list[TrainingSample]
+    counts: dict[str, int]
+    head_rows: Tensor
+    trainable_rows: Tensor
+    jsd_tokens: Tensor | None
+    jsd_rows: Tensor | None
+    pair_rows: PairRows | None
 
     @property
     def n_rows(self) -> int:
@@ -192,19 +295,37 @@ class MicroBatch:
         """Where the micro-batch's tensors are."""
         return self.input_ids.device
 
+    @property
+    def row_samples(self) -> list[TrainingSample]:
+        """The samples behind the (B, T) rows, in row order."""
+        return [s for s in self.samples if s.n_tokens]
+
+    def row_tokens(self) -> list[list[int]]:
+        """Each row's token ids (host lists, no padding)."""
+        return [s.input_ids for s in self.row_samples]
+
+    def teacher_tokens(self) -> list[list[int]]:
+        """The teacher context ids of the rows in ``jsd_rows``, in that order (host lists)."""
+        return [
+            s.teacher_input_ids or []
+            for s in self.row_samples
+            if s.jsd_weights is not None and any(s.jsd_weights)
+        ]
+
     def to(self, device: Any) -> MicroBatch:
         """The same micro-batch with every tensor on ``device`` (itself when already there).
 
-        Pairs and samples stay host data (lists)."""
+        Host tensors bound for a GPU are copied without blocking (:func:`to_device`); pairs,
+        samples and counts stay host data."""
         import torch
 
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
         moved = {
-            name: None if value is None else value.to(device)
+            name: value.to(device) if isinstance(value, PairRows) else to_device(value, device)
             for name, value in vars(self).items()
-            if name not in ("pairs", "samples")
+            if isinstance(value, (torch.Tensor, PairRows))
         }
         return replace(self, **moved)
 
@@ -323,6 +444,19 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
             teacher_attn[i, :n_t] = 1
             if sample.teacher_index is not None:
                 teacher_index[i, : sample.n_tokens] = torch.tensor(sample.teacher_index, **host)
+    streams = {
+        "ce_weights": optional("ce_weights"),
+        "ref_kl_weights": optional("ref_kl_weights"),
+        "jsd_weights": optional("jsd_weights"),
+    }
+    pairs = [s.dpo for s in group if s.dpo is not None]
+    trainable = loss_mask[:, 1:] != 0
+    needed = (
+        trainable
+        if streams["ce_weights"] is None
+        else trainable | (streams["ce_weights"][:, 1:] != 0)
+    )
+    jsd_tokens, jsd_rows = _jsd_tokens(streams["jsd_weights"], teacher_index)
     return MicroBatch(
         input_ids=ids,
         attention_mask=attn,
@@ -330,13 +464,56 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
         inference_logprobs=_stream_tensor(rows, "inference_logprobs", width, f32),
         advantages=_stream_tensor(rows, "advantages", width, f32),
         rl_weights=rl_weights,
-        ce_weights=optional("ce_weights"),
-        ref_kl_weights=optional("ref_kl_weights"),
-        jsd_weights=optional("jsd_weights"),
+        **streams,
         ref_logprobs=optional("ref_logprobs"),
         teacher_input_ids=teacher_ids,
         teacher_attention_mask=teacher_attn,
         teacher_index=teacher_index,
-        pairs=[s.dpo for s in group if s.dpo is not None],
+        pairs=pairs,
         samples=list(group),
+        counts=_component_counts(loss_mask, rl_weights, streams, pairs),
+        head_rows=flat_positions(needed),
+        trainable_rows=flat_positions(trainable),
+        jsd_tokens=jsd_tokens,
+        jsd_rows=jsd_rows,
+        pair_rows=pair_rows(pairs) if pairs else None,
     )
+
+
+def _component_counts(
+    loss_mask: Tensor,
+    rl_weights: Tensor,
+    streams: dict[str, Tensor | None],
+    pairs: list[DPOPairTokens],
+) -> dict[str, int]:
+    """Per component, the next tokens (pairs) with a non-zero weight, from host tensors."""
+    trainable = loss_mask[:, 1:] != 0
+
+    def live(name: str, mask: Tensor | None = None) -> int:
+        weights = streams[name]
+        if weights is None:
+            return 0
+        on = weights[:, 1:] != 0
+        return int((on if mask is None else mask & on).sum())
+
+    return {
+        "rl": int((trainable & (rl_weights[:, 1:] != 0)).sum()),
+        "ce": live("ce_weights"),
+        "ref_kl": live("ref_kl_weights", trainable),
+        "jsd": live("jsd_weights"),
+        "dpo": sum(1 for p in pairs if p.weight != 0),
+    }
+
+
+def _jsd_tokens(
+    jsd_weights: Tensor | None, teacher_index: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(jsd_tokens, jsd_rows)`` of :class:`MicroBatch` from host tensors (None, None
+    without a jsd stream)."""
+    import torch
+
+    if jsd_weights is None or teacher_index is None:
+        return None, None
+    rows, positions = (jsd_weights != 0).nonzero(as_tuple=True)
+    teacher_rows, slots = torch.unique(rows, return_inverse=True)
+    return torch.stack([rows, positions, teacher_index[rows, positions], slots]), teacher_rows

@@ -256,6 +256,21 @@ def _select_rows(
     return sel_hidden, sel_targets, rows
 
 
+def _take_rows(
+    hidden: Tensor, weight: Tensor, targets: Tensor, rows: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Flattened hidden rows and targets at ``rows`` (flat indices the caller found on the
+    host): shapes are checked, target values are not (reading them would stop a GPU)."""
+    check_head(hidden, weight)
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must match hidden's leading shape "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    return flat_hidden.index_select(0, rows), targets.reshape(-1).index_select(0, rows)
+
+
 def token_logprobs_from_hidden(
     hidden: Tensor,
     weight: Tensor,
@@ -265,6 +280,7 @@ def token_logprobs_from_hidden(
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
+    rows: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probabilities of ``targets`` under ``softmax(hidden @ weight.T / temperature)``.
 
@@ -275,12 +291,19 @@ def token_logprobs_from_hidden(
         temperature: logits are divided by it (the sampling temperature for RL ratios).
         chunk_size: rows per chunk (default: about 32 MiB of fp32 logits per chunk).
         return_entropy: also return the per-token entropy (nats, detached).
+        rows: (M,) flat indices of the positions whose target is not ``ignore_index``, in
+            increasing order, when the caller knows them from host data (packed
+            micro-batches do): the head then reads nothing back from the device (finding
+            them, and checking the token-id range, would). The caller vouches for the ids.
 
     Returns:
         (...) log-probs, and (...) entropies when ``return_entropy``.
     """
     check_temperature(temperature)
-    sel_hidden, sel_targets, rows = _select_rows(hidden, weight, targets, ignore_index)
+    if rows is None:
+        sel_hidden, sel_targets, rows = _select_rows(hidden, weight, targets, ignore_index)
+    else:
+        sel_hidden, sel_targets = _take_rows(hidden, weight, targets, rows)
     all_kept = rows is None
     flat_targets = targets.reshape(-1)
     chunk = chunk_size or default_head_chunk_rows(weight.shape[0])

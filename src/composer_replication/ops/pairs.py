@@ -24,7 +24,7 @@ import torch
 
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
-from composer_replication.wire import DPOPairTokens
+from composer_replication.wire import DPOPairTokens, PairRows, pair_rows, to_device
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -38,6 +38,7 @@ __all__ = [
     "PAIR_KNOBS",
     "PAIR_VARIANTS",
     "PairLossSettings",
+    "UncachedReferences",
     "fill_reference_logps",
     "pad_rows",
     "pair_logps",
@@ -45,6 +46,7 @@ __all__ = [
     "pair_losses",
     "pair_terms",
     "pairs_from_padded",
+    "reference_logps",
     "sequence_logps",
     "set_reference_logps",
 ]
@@ -118,44 +120,53 @@ def sequence_logps(
     attention_mask: Tensor | None = None,
     *,
     chunk_size: int | None = None,
+    row_tokens: Sequence[Sequence[int]] | None = None,
+    head_rows: Tensor | None = None,
 ) -> Tensor:
     """(B,) summed log-probs of the response tokens, on the hidden-state path.
 
-    Token 0 has no log-prob, so a response mask on it is ignored.
+    Token 0 has no log-prob, so a response mask on it is ignored. ``row_tokens`` (each
+    row's ids, host lists) and ``head_rows`` (flat indices into (B, T - 1) of the response
+    tokens after the first position), when the caller has them from host data, spare the
+    forward and the head their reads of the device.
     """
     if response_mask.shape != input_ids.shape:
         raise ValueError(
             f"response_mask {tuple(response_mask.shape)} must match input_ids "
             f"{tuple(input_ids.shape)}"
         )
-    hidden = last_hidden_states(model, input_ids, attention_mask)
+    hidden = last_hidden_states(model, input_ids, attention_mask, row_tokens=row_tokens)
     targets = input_ids[:, 1:].masked_fill(response_mask[:, 1:] == 0, IGNORE_INDEX)
     logprobs = token_logprobs_from_hidden(
-        hidden[:, :-1], lm_head_weight(model), targets, chunk_size=chunk_size
+        hidden[:, :-1], lm_head_weight(model), targets, chunk_size=chunk_size, rows=head_rows
     )
     return logprobs.sum(-1)
 
 
-def _stacked_sides(
-    pairs: Sequence[DPOPairTokens], device: Any
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Chosen rows then rejected rows: ids, attention, response mask (2P, W) and the
-    (2P,) count of response tokens that have a log-prob."""
-    seqs = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
-    masks = [p.chosen_mask for p in pairs] + [p.rejected_mask for p in pairs]
-    ids, attention = pad_rows(seqs, device=device)
-    response, _ = pad_rows(masks, device=device)
-    return ids, attention, response, response[:, 1:].sum(-1).clamp_min(1)
-
-
 def pair_logps(
-    model: Any, pairs: Sequence[DPOPairTokens], *, chunk_size: int | None = None
+    model: Any,
+    pairs: Sequence[DPOPairTokens],
+    *,
+    chunk_size: int | None = None,
+    rows: PairRows | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(chosen, rejected, n_chosen, n_rejected)``, each (P,): summed response log-probs of
-    both sides (one forward pass) and their response-token counts."""
+    both sides (one forward pass) and their response-token counts.
+
+    ``rows``: the pairs already padded (:func:`~composer_replication.wire.pair_rows`, as a
+    packed micro-batch carries them); built here otherwise."""
     device = lm_head_weight(model).device
-    ids, attention, response, counts = _stacked_sides(pairs, device)
-    logps = sequence_logps(model, ids, response, attention, chunk_size=chunk_size)
+    rows = (pair_rows(pairs) if rows is None else rows).to(device)
+    logps = sequence_logps(
+        model,
+        rows.input_ids,
+        rows.response_mask,
+        rows.attention_mask,
+        chunk_size=chunk_size,
+        row_tokens=rows.tokens,
+        head_rows=rows.head_rows,
+    )
+    counts = rows.response_mask[:, 1:].sum(-1).clamp_min(1)
     k = len(pairs)
     return logps[:k], logps[k:], counts[:k], counts[k:]
 
@@ -193,6 +204,58 @@ def fill_reference_logps(
         chunk = todo[start : start + batch_size]
         chosen, rejected, _, _ = pair_logps(reference, chunk, chunk_size=chunk_size)
         set_reference_logps(chunk, chosen.tolist(), rejected.tolist())
+
+
+@dataclass
+class UncachedReferences:
+    """Reference log-probs computed for pairs that had none cached, still on the device:
+    whoever reads them to the host (with its other values, in one transfer) caches them."""
+
+    pairs: list[DPOPairTokens]
+    #: (2, K) float64: chosen then rejected log-probs of ``pairs``
+    values: Tensor
+
+    def cache(self, values: Sequence[float]) -> None:
+        """Store the read ``values`` (``self.values`` flattened, as host floats) on the pairs."""
+        k = len(self.pairs)
+        set_reference_logps(self.pairs, values[:k], values[k:])
+
+
+@torch.no_grad()
+def reference_logps(
+    reference: Any | None,
+    pairs: Sequence[DPOPairTokens],
+    *,
+    device: Any,
+    batch_size: int = 8,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, UncachedReferences | None]:
+    """(2, P) float64 reference log-probs of the pairs (chosen row, rejected row) on
+    ``device``, without reading the device: cached values come from the pairs, the others
+    from ``reference`` (``batch_size`` pairs per forward, as :func:`fill_reference_logps`),
+    returned as :class:`UncachedReferences` for the caller to cache once it reads them."""
+    slots = [i for i, p in enumerate(pairs) if None in (p.ref_chosen_logp, p.ref_rejected_logp)]
+    missing = [pairs[i] for i in slots]
+    known = [[getattr(p, f"ref_{side}_logp") for p in pairs] for side in ("chosen", "rejected")]
+    cached = [[float("nan") if v is None else v for v in side] for side in known]
+    values = to_device(torch.tensor(cached, dtype=torch.float64, device="cpu"), device)
+    if not missing:
+        return values, None
+    if reference is None:
+        raise ValueError(
+            "a DPO pair has no reference log-probs and no reference model was given: "
+            "score the pairs first (Algorithm.score) or pass the frozen initial policy"
+        )
+    parts = []
+    for start in range(0, len(missing), batch_size):
+        chosen, rejected, _, _ = pair_logps(
+            reference, missing[start : start + batch_size], chunk_size=chunk_size
+        )
+        parts.append(torch.stack([chosen, rejected]).double())
+    computed = torch.cat(parts, dim=1)
+    index = to_device(torch.tensor(slots, dtype=torch.long, device="cpu"), device)
+    values = values.index_copy(1, index, computed.to(values.device))
+    return values, UncachedReferences(missing, computed)
 
 
 def pair_losses(
@@ -236,30 +299,30 @@ def pair_terms(
     *,
     reference: Any | None = None,
     chunk_size: int | None = None,
+    rows: PairRows | None = None,
+    references: Tensor | None = None,
 ) -> Tensor:
     """(P,) per-pair loss of ``policy`` on ``pairs`` (with grad).
 
-    DPO reference log-probs come from the pairs' cache; pairs without them are scored once
-    by ``reference`` (and cached). SimPO needs none.
+    DPO reference log-probs: ``references`` ((2, P), from :func:`reference_logps`) when
+    given; else from the pairs' cache, pairs without them scored once by ``reference`` (and
+    cached). SimPO needs none. ``rows``: as in :func:`pair_logps`.
     """
-    if settings.needs_reference and missing_reference(pairs):
+    if settings.needs_reference and references is None and missing_reference(pairs):
         if reference is None:
             raise ValueError(
                 "a DPO pair has no reference log-probs and no reference model was given: "
                 "score the pairs first (Algorithm.score) or pass the frozen initial policy"
             )
         fill_reference_logps(reference, pairs, chunk_size=chunk_size)
-    chosen, rejected, n_chosen, n_rejected = pair_logps(policy, pairs, chunk_size=chunk_size)
+    chosen, rejected, n_chosen, n_rejected = pair_logps(
+        policy, pairs, chunk_size=chunk_size, rows=rows
+    )
     refs: tuple[Tensor | None, Tensor | None] = (None, None)
     if settings.needs_reference:
-        refs = tuple(  # type: ignore[assignment]
-            torch.tensor(
-                [getattr(p, f"ref_{side}_logp") for p in pairs],
-                dtype=chosen.dtype,
-                device=chosen.device,
-            )
-            for side in ("chosen", "rejected")
-        )
+        if references is None:
+            references, _ = reference_logps(None, pairs, device=chosen.device)
+        refs = (references[0].to(chosen.dtype), references[1].to(chosen.dtype))
     return pair_losses(chosen, rejected, n_chosen, n_rejected, settings, *refs)
 
 

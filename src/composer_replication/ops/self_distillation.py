@@ -16,6 +16,7 @@ micro-batches (a per-token ``teacher_index``), :func:`aligned_from_masks` for th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +33,18 @@ __all__ = ["AlignedTokens", "aligned_from_index", "aligned_from_masks", "diverge
 
 @dataclass(frozen=True)
 class AlignedTokens:
-    """Distilled tokens: (M,) batch rows, student positions and teacher positions (>= 1)."""
+    """Distilled tokens: (M,) batch rows, student positions and teacher positions (>= 1).
+
+    ``teacher_rows`` (the rows that have distilled tokens, sorted) and ``teacher_slot``
+    (each token's index in them) may come from host data (a packed micro-batch has them);
+    else :func:`divergence_terms` finds them with ``unique``, which reads the device.
+    """
 
     rows: Tensor
     student: Tensor
     teacher: Tensor
+    teacher_rows: Tensor | None = None
+    teacher_slot: Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -97,6 +105,8 @@ def divergence_terms(
     teacher_attention_mask: Tensor | None,
     tokens: AlignedTokens,
     settings: DivergenceSettings,
+    *,
+    teacher_tokens: Sequence[Sequence[int]] | None = None,
 ) -> Tensor:
     """Per-token divergence (M,) of the distilled tokens; the teacher forward runs here.
 
@@ -108,13 +118,21 @@ def divergence_terms(
             student row b.
         tokens: which tokens are distilled and where they sit in both contexts.
         settings: the divergence and its knobs.
+        teacher_tokens: host token lists of the teacher rows the forward runs on (those of
+            ``tokens.teacher_rows``, unpadded): the forward then plans from them instead of
+            reading the ids back from the device.
     """
     if tokens.n_tokens == 0:
         return student_hidden.new_zeros(0, dtype=torch.float32)
-    needed, inverse = torch.unique(tokens.rows, return_inverse=True)
+    if tokens.teacher_rows is None or tokens.teacher_slot is None:
+        needed, inverse = torch.unique(tokens.rows, return_inverse=True)
+    else:
+        needed, inverse = tokens.teacher_rows, tokens.teacher_slot
     with torch.no_grad():
         attention = None if teacher_attention_mask is None else teacher_attention_mask[needed]
-        teacher_hidden = last_hidden_states(teacher, teacher_ids[needed], attention)
+        teacher_hidden = last_hidden_states(
+            teacher, teacher_ids[needed], attention, row_tokens=teacher_tokens
+        )
         teacher_weight = lm_head_weight(teacher)
     student_rows = student_hidden[tokens.rows, tokens.student - 1]
     teacher_rows = teacher_hidden[inverse, tokens.teacher - 1]

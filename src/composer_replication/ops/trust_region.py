@@ -60,7 +60,7 @@ def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * m).sum(-1) / m.sum(-1).clamp_min(1.0)
 
 
-def ref_kl_sample_metrics(
+def ref_kl_row_metrics(
     logprobs: Tensor,
     inference_logprobs: Tensor,
     ref_logprobs: Tensor,
@@ -68,18 +68,13 @@ def ref_kl_sample_metrics(
     weights: Tensor | None = None,
     *,
     mask_low: float = 0.2,
-) -> dict[str, Tensor]:
-    """Per-sample trust-region metrics of the ``ref_kl`` component (no grad).
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Per-row trust-region metrics of the ``ref_kl`` component (no grad), for every row.
 
-    Args:
-        logprobs, inference_logprobs, ref_logprobs, loss_mask: (B, T) rows (one sample
-            each) or one flat (T,) sample, as the ``ref_kl`` loss receives them.
-        weights: the ``ref_kl`` weight stream (None: 1 on every token).
-        mask_low: the loss's trust-region bound.
-
-    Returns:
-        ``REF_KL_SAMPLE_METRICS`` -> a (S,) tensor, one value per sample that has at least
-        one ``ref_kl`` token (samples without any are left out).
+    Same arguments as :func:`ref_kl_sample_metrics`. Returns ``(values, has_tokens)``:
+    ``REF_KL_SAMPLE_METRICS`` -> (B,) per-row values (0.0 on rows without ``ref_kl``
+    tokens) and the (B,) boolean of the rows that have any. Nothing is read back from the
+    device (selecting the rows would need their number on the host).
     """
     tensors = {
         "logprobs": logprobs,
@@ -106,14 +101,52 @@ def ref_kl_sample_metrics(
         masked = tokens & outside_trust_region(lp, inference_logprobs, mask_low)
         kept = tokens & ~masked
         mkl = mismatch_kl(lp, inference_logprobs)
-        rows = tokens.any(-1)
         values = {
             "ref_kl": _masked_mean(ref_logprobs - lp, tokens),
             "ref_kl/is_masked": _masked_mean(masked.to(lp.dtype), tokens),
             "ref_kl/masked_mismatch_kl": _masked_mean(mkl, masked),
             "ref_kl/unmasked_mismatch_kl": _masked_mean(mkl, kept),
         }
-        return {name: value[rows] for name, value in values.items()}
+        return values, tokens.any(-1)
+
+
+def ref_kl_sample_metrics(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    loss_mask: Tensor,
+    weights: Tensor | None = None,
+    *,
+    mask_low: float = 0.2,
+) -> dict[str, Tensor]:
+    """Per-sample trust-region metrics of the ``ref_kl`` component (no grad).
+
+    Args:
+        logprobs, inference_logprobs, ref_logprobs, loss_mask: (B, T) rows (one sample
+            each) or one flat (T,) sample, as the ``ref_kl`` loss receives them.
+        weights: the ``ref_kl`` weight stream (None: 1 on every token).
+        mask_low: the loss's trust-region bound.
+
+    Returns:
+        ``REF_KL_SAMPLE_METRICS`` -> a (S,) tensor, one value per sample that has at least
+        one ``ref_kl`` token (samples without any are left out).
+    """
+    values, rows = ref_kl_row_metrics(
+        logprobs, inference_logprobs, ref_logprobs, loss_mask, weights, mask_low=mask_low
+    )
+    return {name: value[rows] for name, value in values.items()}
+
+
+def ref_kl_row_sums(values: dict[str, Tensor], has_tokens: Tensor) -> dict[str, Tensor]:
+    """``<metric>/sum`` and ``<metric>/n`` over the rows that have ``ref_kl`` tokens, as
+    float64 device scalars (from :func:`ref_kl_row_metrics`; masked sums, no row selection)."""
+    n = has_tokens.sum().double()
+    out: dict[str, Tensor] = {}
+    for name in REF_KL_SAMPLE_METRICS:
+        # where, not a product: a row without tokens adds 0 even if its value is not finite
+        out[f"{name}/sum"] = torch.where(has_tokens, values[name].double(), 0.0).sum()
+        out[f"{name}/n"] = n
+    return out
 
 
 def ref_kl_step_sums(per_sample: Sequence[dict[str, Tensor]]) -> dict[str, float]:

@@ -29,6 +29,7 @@ says whether a model qualifies.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +152,19 @@ def _decode_step(w: DecoderWeights, b: _Bucket, width: int, greedy: bool) -> Non
     b.token.copy_(token)
     b.position.add_(1)
     b.step.add_(1)
+
+
+@dataclass
+class _Window:
+    """Tokens ``start`` to ``end`` (exclusive) of every slot, on their way to the host:
+    ``host`` holds them (token ids, then log-probs) once ``event`` has completed;
+    ``slot_rows`` is the row each slot decoded when the window was launched."""
+
+    start: int
+    end: int
+    slot_rows: list[int | None]
+    host: torch.Tensor
+    event: Any
 
 
 class _StopText:
@@ -452,31 +466,28 @@ class StaticDecoder:
         bucket.step.fill_(1)
         bucket.column_base.fill_(width - 1)
 
-        # host bookkeeping: per slot, the row it decodes (None: padding or finished)
+        # host bookkeeping: per slot, the row it decodes (None: padding)
         slot_rows: list[int | None] = list(range(len(prompts))) + [None] * (
             bucket.rows - len(prompts)
         )
         out_tokens: list[list[int]] = [[] for _ in prompts]
         out_logprobs: list[list[float]] = [[] for _ in prompts]
         texts = [""] * len(prompts)
-        drawn = 1  # tokens drawn so far per row (the first one from the prefill)
-        window_start = 0  # windows are aligned: token n sits in window column n % k
-        while True:
-            window_end = min(window_start + k, max_new_tokens)
-            if window_end > drawn:
-                attended = min(_round_up(width + window_end - 1, WIDTH_STEP), bucket.capacity)
-                for _ in range(window_end - drawn):
-                    self._run_step(bucket, attended, greedy, stats)
-            # one transfer: the window's tokens and log-probs of every slot
-            packed = torch.cat(
-                [bucket.window_tokens.double(), bucket.window_logprobs.double()], dim=1
-            ).cpu()
-            table = packed.tolist()
-            for slot, row in enumerate(slot_rows):
-                if row is None:
+        finished: set[int] = set()
+
+        def going() -> list[int]:
+            return [s for s, r in enumerate(slot_rows) if r is not None and r not in finished]
+
+        def read(window: _Window) -> None:
+            """Extend each row by the window's tokens up to where it ends."""
+            if window.event is not None:
+                window.event.synchronize()
+            table = window.host.tolist()
+            for slot, row in enumerate(window.slot_rows):
+                if row is None or row in finished:
                     continue
                 reason = None
-                for n in range(window_start, window_end):
+                for n in range(window.start, window.end):
                     token_id = int(table[slot][n % k])
                     out_tokens[row].append(token_id)
                     out_logprobs[row].append(float(table[slot][k + n % k]))
@@ -490,23 +501,66 @@ class StaticDecoder:
                     if reason is not None:
                         break
                 if reason is not None:
+                    finished.add(row)
                     done = DecodedRow(out_tokens[row], out_logprobs[row], reason)
                     results[rows[row]] = done
-                    slot_rows[slot] = None
                     if on_row_done is not None:
                         on_row_done(rows[row], done)
-            drawn = window_start = window_end
-            live = [slot for slot, row in enumerate(slot_rows) if row is not None]
-            if not live or drawn >= max_new_tokens:
-                for slot in live:  # cannot happen: the token limit ends every row
-                    row = slot_rows[slot]
-                    assert row is not None
-                    results[rows[row]] = DecodedRow(out_tokens[row], out_logprobs[row], "length")
-                return
+
+        # The device runs one window ahead of the host: while the host reads window w
+        # (ends rows, stop strings), window w + 1 decodes. Windows are aligned: token n sits
+        # in window column n % k. Trimming happens after the host read a window; rows that
+        # ended in the window already launched are dropped when it is read.
+        in_flight: deque[_Window] = deque()
+        launched = 0  # tokens drawn or being drawn per row
+        while True:
+            if launched < max_new_tokens and going():
+                end = min(launched + k - launched % k, max_new_tokens)
+                in_flight.append(
+                    self._launch(bucket, slot_rows, launched, end, width, greedy, stats)
+                )
+                launched = end
+                if len(in_flight) < 2 and launched < max_new_tokens:
+                    continue  # keep one window decoding while the host reads the other
+            if not in_flight:
+                break
+            read(in_flight.popleft())
+            live = going()
+            if not live:
+                break
             smaller = bucket_rows(len(live))
             if smaller < bucket.rows:  # trim finished rows: move the live ones down
                 bucket = self._compact(bucket, live, smaller, stats)
                 slot_rows = [slot_rows[s] for s in live] + [None] * (smaller - len(live))
+        for row in range(len(prompts)):  # cannot happen: the token limit ends every row
+            if row not in finished:
+                results[rows[row]] = DecodedRow(out_tokens[row], out_logprobs[row], "length")
+
+    def _launch(
+        self,
+        bucket: _Bucket,
+        slot_rows: list[int | None],
+        start: int,
+        end: int,
+        width: int,
+        greedy: bool,
+        stats: DecodeStats,
+    ) -> _Window:
+        """Decode tokens ``start`` to ``end`` (exclusive; token 0 comes from the prefill) and
+        queue the copy of the window to the host, without waiting for either."""
+        first = max(start, 1)
+        if end > first:
+            attended = min(_round_up(width + end - 1, WIDTH_STEP), bucket.capacity)
+            for _ in range(end - first):
+                self._run_step(bucket, attended, greedy, stats)
+        packed = torch.cat([bucket.window_tokens.double(), bucket.window_logprobs.double()], 1)
+        if self.device.type != "cuda":
+            return _Window(start, end, list(slot_rows), packed.cpu(), None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Window(start, end, list(slot_rows), host, event)
 
     def _compact(self, bucket: _Bucket, live: list[int], rows: int, stats: DecodeStats) -> _Bucket:
         """A bucket of ``rows`` rows holding ``live``'s rows of ``bucket`` in order (the

@@ -16,7 +16,7 @@ from composer_replication.diloco.integration import NO_SYNC
 from composer_replication.distributed.fsdp import NoSharding
 from composer_replication.trainer.loss_schedule import LossSchedule
 from composer_replication.trainer.setup import kl_to_initial_sum, make_scheduler
-from composer_replication.trainer.step import train_step
+from composer_replication.trainer.step import accumulate_step, step_metrics
 from composer_replication.trainer.teachers import TeacherModels
 
 if TYPE_CHECKING:
@@ -24,7 +24,24 @@ if TYPE_CHECKING:
     from composer_replication.trainer.ranks import RankGroup
     from composer_replication.wire import MicroBatch
 
-__all__ = ["Learner"]
+__all__ = ["Learner", "adamw_kernel"]
+
+
+def adamw_kernel(params: list[Any]) -> dict[str, bool]:
+    """AdamW's implementation for ``params``: the fused kernel where torch has one for their
+    device and dtype (CUDA, CPU), else the multi-tensor one.
+
+    The multi-tensor (foreach) step reads each parameter's step count on the host (one
+    ``item`` per parameter); the fused one keeps the counts on the parameters' device and
+    reads nothing."""
+    fusable = bool(params) and all(
+        p.device.type in _FUSED_DEVICES and p.dtype in _FUSED_DTYPES for p in params
+    )
+    return {"fused": True} if fusable else {"foreach": True}
+
+
+_FUSED_DEVICES = ("cuda", "cpu")
+_FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 class Learner:
@@ -54,6 +71,7 @@ class Learner:
             lr=config.optim.lr,
             betas=config.optim.betas,
             weight_decay=config.optim.weight_decay,
+            **adamw_kernel(self.params),
         )
         self.scheduler = make_scheduler(self.optimizer, config)
         self.last_batches: list[MicroBatch] = []
@@ -62,25 +80,27 @@ class Learner:
         """One optimizer step over ``batches``; ``step`` is the step number after it.
 
         Returns the step's loss metrics plus ``grad_norm`` (when clipping) and
-        ``diloco/synced``.
+        ``diloco/synced``. The host reads the device once, after the optimizer step: the
+        metric sums and the gradient norm in one transfer.
         """
         self.optimizer.zero_grad(set_to_none=True)
         with self.weights.accumulating():
-            metrics = train_step(
+            sums = accumulate_step(
                 self.policy,
                 batches,
                 self.losses.current(),
                 teacher=self.teachers.teacher(self.policy),
                 reference=self.teachers.reference,
                 count_reducer=self.count_reducer,
-                metric_reducer=self.metric_reducer,
             )
-        row: dict[str, Any] = {}
+        extra = {}
         if self.config.optim.grad_clip is not None:
-            row["grad_norm"] = float(
-                torch.nn.utils.clip_grad_norm_(self.params, self.config.optim.grad_clip)
+            extra["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                self.params, self.config.optim.grad_clip
             )
         self.optimizer.step()
+        parts, row = sums.read(extra)
+        metrics = step_metrics(parts, sums.counts, self.metric_reducer)
         row["diloco/synced"] = float(self.sync.after_inner_step())
         self.scheduler.step()
         self.teachers.update(self.policy)

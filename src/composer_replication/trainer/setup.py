@@ -98,17 +98,20 @@ def kl_to_initial_sum(
     from composer_replication.model_parts import last_hidden_states, lm_head_weight
     from composer_replication.ops.jsd import jsd_from_hidden
 
-    total, count = 0.0, 0
+    total, count = None, 0
     device = lm_head_weight(policy).device
     for mb in batches:
-        if mb.n_rows == 0:
+        n_trainable = mb.trainable_rows.numel()  # found when packing: no device read
+        if mb.n_rows == 0 or n_trainable == 0:
             continue
         mb = mb.to(device)
-        mask = mb.loss_mask[:, 1:] != 0
-        if not bool(mask.any()):
-            continue
         hidden = [
-            last_hidden_states(model, mb.input_ids, mb.attention_mask)[:, :-1][mask]
+            _rows(
+                last_hidden_states(
+                    model, mb.input_ids, mb.attention_mask, row_tokens=mb.row_tokens()
+                )[:, :-1],
+                mb.trainable_rows,
+            )
             for model in (policy, initial)
         ]
         # Generalized JSD at beta = 1 is KL(student || teacher) (GKD convention).
@@ -121,9 +124,16 @@ def kl_to_initial_sum(
             temperature=temperature,
         )
         # A KL is >= 0; float32 rounding can leave -1e-9 where the models agree.
-        total += float(per_token.clamp_min(0.0).sum())
-        count += int(mask.sum())
-    return total, count
+        part = per_token.clamp_min(0.0).sum().double()
+        total = part if total is None else total + part
+        count += n_trainable
+    return (0.0 if total is None else float(total)), count  # the one read
+
+
+def _rows(hidden: Any, flat_rows: Any) -> Any:
+    """(M, H) rows of (B, T, H) ``hidden`` at flat indices into (B, T) (as ``hidden[mask]``
+    takes them, without the boolean index's device read)."""
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_rows)
 
 
 def quiet_library_progress_bars(stream: Any = None) -> bool:
