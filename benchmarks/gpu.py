@@ -7,7 +7,8 @@ small model, about a minute on 2 CPU cores).
 Sections (``--sections``, all by default), each on SmolLM2-135M-Instruct (``--random-weights``:
 its exact shape with random weights, nothing loaded, the same cost per token):
 
-- ``sampling``: kept tokens per second at batch 8, 64 and 256 (python_functions prompts,
+- ``sampling`` (and ``compiled``, its compiled side, last because it compiles): kept
+  tokens per second at batch 8, 64 and 256 (python_functions prompts,
   128 new tokens, temperature 1, bfloat16 autocast as in training) for transformers'
   ``generate`` (the peer), our general loop (the host-driven one), our static loop eager
   (no graphs), with CUDA graphs (the default on a GPU) and compiled + graphs; and the
@@ -189,7 +190,10 @@ def decode_bytes(model: Any, rows: int, prompt_len: float, new_tokens: int) -> f
     return weights + cache
 
 
-def section_sampling(args: argparse.Namespace, source: str, device: Any) -> dict[str, Any]:
+def section_sampling(
+    args: argparse.Namespace, source: str, device: Any, only: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Sampling throughput of every side (``only``: just these sides)."""
     from composer_replication.rollout.generate import DecodeOptions
 
     model, tokenizer = load_model(source, device)
@@ -215,6 +219,8 @@ def section_sampling(args: argparse.Namespace, source: str, device: Any) -> dict
                 model, tokenizer, p, new_tokens, o
             )
         for name, run in runs.items():
+            if only and name not in only:
+                continue
             if name == "general" and rows > 64 and not args.quick:
                 continue  # minutes at batch 256; batch 64 shows its slope
             try:
@@ -583,6 +589,16 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge(results: dict[str, Any], key: str, found: dict[str, Any]) -> None:
+    """``found`` into ``results[key]``, one level down (batch entries keep their sides)."""
+    into = results.setdefault(key, {})
+    for name, value in found.items():
+        if isinstance(value, dict) and isinstance(into.get(name), dict):
+            into[name].update(value)
+        else:
+            into[name] = value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
@@ -594,7 +610,7 @@ def main() -> None:
         "(default: the embedded model's)",
     )
     parser.add_argument("--quick", action="store_true", help="a small model: a dry run")
-    parser.add_argument("--sections", default="sampling,train,steps")
+    parser.add_argument("--sections", default="sampling,train,steps,compiled")
     parser.add_argument("--steps", type=int, default=3, help="steps per recipe (>= 2)")
     parser.add_argument("--heldout", type=float, default=0.0, metavar="MINUTES")
     parser.add_argument("--ablation", type=float, default=0.0, metavar="MINUTES")
@@ -619,8 +635,12 @@ def main() -> None:
             log(f"[{section}]")
             start = time.perf_counter()
             try:
-                if section == "sampling":
-                    results[section] = section_sampling(args, source, device)
+                if section == "sampling":  # compiled: its own section (compilation time)
+                    sides = ("hf", "general", "static_eager", "static_graphs")
+                    merge(results, "sampling", section_sampling(args, source, device, sides))
+                elif section == "compiled":
+                    only = ("static_compiled",)
+                    merge(results, "sampling", section_sampling(args, source, device, only))
                 elif section == "train":
                     results[section] = section_train(args, source, device)
                 elif section == "steps":
