@@ -244,7 +244,8 @@ def test_compiled_step_matches_eager_and_recompiles_are_bounded(tiny):
     counters.clear()
     eager = StaticDecoder(model, sync_every=8)
     compiled = StaticDecoder(model, sync_every=8, compile=True)
-    cases = [(_prompts(n, seed=n), m) for n, m in ((9, 24), (3, 30), (20, 24), (5, 40), (14, 16))]
+    sizes = ((9, 24), (3, 30), (20, 24), (5, 40), (14, 16), (40, 20), (2, 12), (30, 44))
+    cases = [(_prompts(n, seed=n), m) for n, m in sizes]
     shapes = set()
     for prompts, max_new in cases:
         kwargs = {"max_new_tokens": max_new, "temperature": 0.0, "eos_ids": [2]}
@@ -255,8 +256,9 @@ def test_compiled_step_matches_eager_and_recompiles_are_bounded(tiny):
             torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
         shapes |= {(b.rows, b.capacity) for b in compiled._buckets.values()}
     assert len(shapes) >= 3  # several batch buckets and widths were decoded
-    # sizes are marked dynamic: a new bucket or width adds no graph after the first few
-    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    # two compiled pieces (BlockKernels), each specialised on its first batch, then with
+    # the batch size dynamic: a bounded number of graphs whatever the shapes that follow
+    assert counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])
 
 
 def test_bucket_rows():

@@ -10,6 +10,9 @@ rejected drafts leave behind (compaction) and lets waiting prompts join a runnin
 A :class:`PromptState` is the model's state after a prompt (per-layer keys and values and
 the last position's logits): a prompt is prefilled once per call, or once across calls
 inside a :class:`PromptStates` store.
+
+A forward writes into a cache passed with :func:`~composer_replication.compat.cache_kwargs`
+(the keyword differs across the supported transformers releases).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from composer_replication.compat import SUPPORTED_TRANSFORMERS, cache_kwargs
 from composer_replication.rollout.generate import left_pad
 
 __all__ = [
@@ -96,9 +100,17 @@ def prompt_states(
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
             use_cache=True,
-            cache=cache,
             logits_to_keep=1,
+            **cache_kwargs(cache),
         )
+        if not cache.layers:  # the forward took no cache under that keyword
+            import transformers
+
+            raise RuntimeError(
+                f"{type(model).__name__} wrote nothing into the KV cache passed as "
+                f"{', '.join(cache_kwargs(cache))}= under transformers {transformers.__version__}; "
+                f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'"
+            )
         prefilled += int(mask.sum())
         last = out.logits[:, -1, :].float()
         for i, prompt in enumerate(chunk):

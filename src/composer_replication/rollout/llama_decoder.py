@@ -28,7 +28,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DecoderWeights", "decode_forward", "prefill_forward", "supports"]
+__all__ = [
+    "BlockKernels",
+    "DecoderWeights",
+    "attention_inputs",
+    "block_output",
+    "decode_forward",
+    "prefill_forward",
+    "supports",
+]
 
 _ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -261,6 +269,60 @@ def prefill_forward(
     return _linear(last, w.head).float()
 
 
+def attention_inputs(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    qkv: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    n_heads: int,
+    n_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's attention inputs for one token per row: ``x`` (rows, 1, hidden) normed and
+    projected; the query (rows, kv_heads, group, dim) with its group's heads as the query
+    positions of their key/value head, the key and value (rows, kv_heads, 1, dim); the
+    rotary embedding applied to query and key."""
+    rows = x.shape[0]
+    dim = qkv.shape[0] // (n_heads + 2 * n_kv_heads)
+    h = _rms_norm(x, norm, eps)
+    q, k, v = _linear(h, qkv, qkv_bias).split(
+        [n_heads * dim, n_kv_heads * dim, n_kv_heads * dim], dim=-1
+    )
+    q = q.view(rows, n_heads, 1, dim)
+    k = k.view(rows, n_kv_heads, 1, dim)
+    v = v.view(rows, n_kv_heads, 1, dim)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q.reshape(rows, n_kv_heads, n_heads // n_kv_heads, dim), k, v
+
+
+def block_output(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o: torch.Tensor,
+    norm_post: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The rest of a block after attention: output projection, residual, the MLP."""
+    x = x + _linear(attended.reshape(x.shape[0], 1, -1), o)
+    gate, up = _linear(_rms_norm(x, norm_post, eps), gate_up).chunk(2, dim=-1)
+    return x + _linear(F.silu(gate) * up, down)
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """The two pieces of a decode block that hold no cache write (so they compile into
+    fused kernels with nothing to copy back); the cache write and the attention between
+    them run as they are."""
+
+    attention_inputs: Any = attention_inputs
+    block_output: Any = block_output
+
+
 def decode_forward(
     w: DecoderWeights,
     tokens: torch.Tensor,
@@ -269,6 +331,7 @@ def decode_forward(
     keys: torch.Tensor,
     values: torch.Tensor,
     valid: torch.Tensor,
+    kernels: BlockKernels = BlockKernels(),
 ) -> torch.Tensor:
     """One token per row: ``tokens`` (rows,) at ``positions`` (rows,) write their keys and
     values at cache column ``column`` (a 1-element long tensor) of ``keys`` / ``values``
@@ -276,25 +339,23 @@ def decode_forward(
     width) is True (the written column included). Returns float32 logits (rows, vocab).
 
     The query heads that share a key/value head are laid out as that head's queries, so
-    grouped-query attention reads each cached key once.
+    grouped-query attention reads each cached key once. ``kernels``: the block pieces to
+    use (compiled ones, say).
     """
-    rows = tokens.shape[0]
-    group = w.n_heads // w.n_kv_heads
     cos, sin = _rope(w, positions[:, None], w.compute_dtype)
     cos, sin = cos[:, None], sin[:, None]  # (rows, 1, 1, dim)
     mask = valid[:, None, None, :]
     x = w.embed[tokens][:, None]  # (rows, 1, hidden)
     for index, layer in enumerate(w.layers):
-        h = _rms_norm(x, layer.norm_in, w.eps)
-        q, k, v = _qkv(w, layer, h)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = kernels.attention_inputs(
+            x, layer.norm_in, layer.qkv, layer.qkv_bias, cos, sin, w.eps, w.n_heads, w.n_kv_heads
+        )
         keys[index].index_copy_(2, column, k)
         values[index].index_copy_(2, column, v)
-        q = q.reshape(rows, w.n_kv_heads, group, w.head_dim)
-        a = F.scaled_dot_product_attention(
+        attended = F.scaled_dot_product_attention(
             q, keys[index], values[index], attn_mask=mask, scale=w.head_dim**-0.5
         )
-        x = x + _linear(a.reshape(rows, 1, -1), layer.o)
-        x = x + _mlp(layer, _rms_norm(x, layer.norm_post, w.eps))
+        x = kernels.block_output(
+            x, attended, layer.o, layer.norm_post, layer.gate_up, layer.down, w.eps
+        )
     return _linear(_rms_norm(x[:, 0], w.norm, w.eps), w.head).float()

@@ -38,7 +38,10 @@ import torch
 
 from composer_replication.rollout.decode import DecodedRow, DecodeStats
 from composer_replication.rollout.llama_decoder import (
+    BlockKernels,
     DecoderWeights,
+    attention_inputs,
+    block_output,
     decode_forward,
     prefill_forward,
     supports,
@@ -131,7 +134,9 @@ def _draw(
     return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
 
 
-def _decode_step(w: DecoderWeights, b: _Bucket, width: int, greedy: bool) -> None:
+def _decode_step(
+    w: DecoderWeights, b: _Bucket, width: int, greedy: bool, kernels: BlockKernels
+) -> None:
     """One token for every row of ``b``, entirely on the device (see the module docstring)."""
     n = b.step
     column = b.column_base + n
@@ -144,6 +149,7 @@ def _decode_step(w: DecoderWeights, b: _Bucket, width: int, greedy: bool) -> Non
         b.keys[:, :, :, :width],
         b.values[:, :, :, :width],
         b.valid[:, :width],
+        kernels,
     )
     token, logprob = _draw(logits, b.uniforms.index_select(1, n)[:, 0], b.temperature, greedy)
     slot = n % b.window_tokens.shape[1]
@@ -225,9 +231,12 @@ class StaticDecoder:
         self._capacity = 0
         self._tokens = 0
         self._pool: Any = None
-        self._step: Callable[..., None] = _decode_step
-        if compile:
-            self._step = torch.compile(_decode_step, dynamic=None)
+        self._kernels = BlockKernels()
+        if compile:  # the block pieces only: no cache write or sampling inside (see BlockKernels)
+            self._kernels = BlockKernels(
+                torch.compile(attention_inputs, dynamic=None),
+                torch.compile(block_output, dynamic=None),
+            )
         if graphs:
             for tensor in self.weights.tensors():
                 torch._dynamo.mark_static_address(tensor)
@@ -272,16 +281,6 @@ class StaticDecoder:
         if self.graphs:
             for tensor in bucket.tensors():
                 torch._dynamo.mark_static_address(tensor)
-        if self.compile:  # one compiled step for every bucket and width
-            for tensor in (bucket.keys, bucket.values):
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
-                torch._dynamo.maybe_mark_dynamic(tensor, 3)
-            for tensor in (bucket.valid, bucket.uniforms):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
-            for tensor in (bucket.token, bucket.position, bucket.window_tokens):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            torch._dynamo.maybe_mark_dynamic(bucket.window_logprobs, 0)
         self._buckets[rows] = bucket
         return bucket
 
@@ -294,7 +293,7 @@ class StaticDecoder:
     def _run_step(self, bucket: _Bucket, width: int, greedy: bool, stats: DecodeStats) -> None:
         stats.forwards += 1
         if not self.graphs:
-            self._step(self.weights, bucket, width, greedy)
+            _decode_step(self.weights, bucket, width, greedy, self._kernels)
             return
         key = (width, greedy)
         graph = bucket.graphs.get(key)
@@ -306,14 +305,14 @@ class StaticDecoder:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._step(self.weights, bucket, width, greedy)
+            _decode_step(self.weights, bucket, width, greedy, self._kernels)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         saved = [bucket.token.clone(), bucket.position.clone(), bucket.step.clone()]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(self.weights, bucket, width, greedy)
+            _decode_step(self.weights, bucket, width, greedy, self._kernels)
         # recording ran nothing, but keep the counters exactly as the real step left them
         bucket.token.copy_(saved[0])
         bucket.position.copy_(saved[1])
