@@ -165,6 +165,23 @@ def test_the_shared_forward_computes_fewer_tokens(monkeypatch):
     assert len(tree) > 1 and sum(tree) == width + 40 + 30 + 25 + 3 * 6 + 2 * 3
 
 
+def test_a_gpu_takes_one_forward_where_the_packed_one_does_not_apply(monkeypatch):
+    """Off the devices where a forward per segment pays (a GPU), rows the packed forward
+    cannot take run in one padded forward: one launch of the layers, not one per segment."""
+    import composer_replication.model_parts as model_parts
+
+    model = _model()
+    ids, mask = pad_rows(_rows())
+    monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)
+    assert len(_embedded_tokens(model, ids, mask)) > 1  # on a CPU: a forward per segment
+    monkeypatch.setattr(model_parts, "SEGMENT_SHARING_DEVICES", ())
+    assert _embedded_tokens(model, ids, mask) == [6 * ids.shape[1]]
+    plain_h, plain_g = _hidden_and_grads(model, ids, mask, share=False)
+    gpu_h, gpu_g = _hidden_and_grads(model, ids, mask, share=True)
+    assert torch.equal(gpu_h, plain_h)
+    assert all(torch.equal(gpu_g[n], g) for n, g in plain_g.items())
+
+
 def test_the_token_trie_shares_exactly_the_common_prefixes():
     ids, mask = pad_rows([[5, 6, 7], [5, 6, 8, 9], [5, 7], [4]])
     trie = token_trie(ids, mask)

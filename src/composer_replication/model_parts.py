@@ -99,6 +99,13 @@ def lm_head_weight(model: Any) -> Tensor:
     return head.weight
 
 
+#: Devices where a forward per shared segment pays. It saves the shared tokens' arithmetic
+#: at the price of one whole forward (every layer's kernels) per segment: worth it where
+#: arithmetic is the cost (a CPU), not on a GPU, where a gpu.toml step ran 15x more
+#: operators that way (a bounded single packed forward still shares prefixes there).
+SEGMENT_SHARING_DEVICES = ("cpu",)
+
+
 def last_hidden_states(
     model: Any,
     input_ids: Tensor,
@@ -111,8 +118,8 @@ def last_hidden_states(
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
 
     Rows that share a prefix (a group's prompt, a pair's agent prompt) compute it once, in
-    one packed forward of their distinct tokens where the model allows it, else a forward
-    per shared segment (:mod:`composer_replication.shared_prefix`; same values up to float
+    one packed forward of their distinct tokens where the model allows it, else (on the
+    devices of :data:`SEGMENT_SHARING_DEVICES`) a forward per shared segment (:mod:`composer_replication.shared_prefix`; same values up to float
     rounding, gradients included); ``share_prefixes=False`` runs every row in full (default: as
     :func:`~composer_replication.shared_prefix.prefix_sharing` sets, on).
 
@@ -154,7 +161,7 @@ def last_hidden_states(
             return packed_prefix_forward(
                 body, trie, tuple(input_ids.shape), device=input_ids.device, additive=additive
             )
-        if not _checkpointed(base):
+        if not _checkpointed(base) and input_ids.device.type in SEGMENT_SHARING_DEVICES:
             # (recomputing layers in backward drops the cache: checkpointed models go row by row)
             tree = prefix_tree(input_ids, attention_mask, row_tokens=row_tokens)
             if tree[0]:
