@@ -41,6 +41,19 @@ def user_error(exc: BaseException) -> str:
     return text
 
 
+def _require_supported_transformers() -> None:
+    """Exit with the usage code and one line unless the installed transformers release is
+    one this package supports (a model would load, then fail later in a less clear way)."""
+    from composer_replication.compat import check_transformers_version, installed_transformers
+    from composer_replication.trainer.lifecycle import EXIT_USAGE
+
+    try:
+        check_transformers_version(installed_transformers())
+    except ValueError as exc:
+        typer.echo(f"Error: {user_error(exc)}", err=True)
+        raise typer.Exit(code=EXIT_USAGE) from None
+
+
 def _run_config(
     config: Path | None, overrides: list[str], output_dir: str | None, backend: str, resume: bool
 ) -> Any:
@@ -89,6 +102,7 @@ def smoke(
     seed: int = typer.Option(0, help="Random seed."),
 ) -> None:
     """Loss/model smoke: compose_loss on build_batch, AdamW steps, print the components."""
+    _require_supported_transformers()
     from rich.console import Console
 
     from composer_replication.smoke import run_smoke
@@ -139,6 +153,7 @@ def train(
     ),
 ) -> None:
     """Train a policy. With no config: the embedded default job (a few minutes on a CPU)."""
+    _require_supported_transformers()
     from rich.console import Console
 
     if nproc > 1:
@@ -313,6 +328,7 @@ def evaluate(
 
     if suite not in SUITES:
         raise typer.BadParameter(f"{suite!r}; use {' or '.join(SUITES)}", param_hint="--suite")
+    _require_supported_transformers()
     try:
         _check_model_source(model)
     except FileNotFoundError as exc:

@@ -232,15 +232,34 @@ def dequantize_gguf_model(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True, attn_implementation=ATTENTION
     )
+    return dequantize_gguf_model(model), _gguf_tokenizer(path)
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file, with the end-of-sequence and padding tokens the file
+    names (transformers 5.17 and older convert its BOS token as EOS and drop the padding one).
+    """
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True
     )
-    return dequantize_gguf_model(model), _with_pad_token(tokenizer)
+    fields = GGUFReader(str(path)).fields
+    for name, key in (
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ):
+        field = fields.get(key)
+        if field is not None:
+            token_id = int(field.parts[field.data[0]][0])
+            setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
+    return _with_pad_token(tokenizer)
 
 
 # --------------------------------------------------------------------------- loading
@@ -280,10 +299,7 @@ def _tokenizer_from(
 
     if kind == "gguf":
         assert isinstance(where, Path)
-        tokenizer = AutoTokenizer.from_pretrained(
-            where.parent, gguf_file=where.name, local_files_only=True
-        )
-        return _with_pad_token(tokenizer)
+        return _gguf_tokenizer(where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             where, local_files_only=True, trust_remote_code=trust_remote_code

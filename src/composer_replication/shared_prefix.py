@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.compat import cache_kwargs
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -217,7 +219,7 @@ def shared_prefix_forward(
     tree: tuple[list[PrefixNode], list[int]],
 ) -> Tensor:
     """(B, T, H) last hidden states of ``body`` (a Hugging Face decoder body, called with
-    ``input_ids``, ``attention_mask``, ``cache`` and ``use_cache``) over the rows, each
+    ``input_ids``, ``attention_mask``, ``use_cache`` and a KV cache) over the rows, each
     shared prefix of ``tree`` (from :func:`prefix_tree`) computed once."""
     n_rows = input_ids.shape[0]
     pieces: dict[int, list[Tensor]] = {row: [] for row in range(n_rows)}
@@ -241,23 +243,22 @@ def _node_forward(
     cache: Any | None,
     pieces: dict[int, list[Tensor]],
 ) -> None:
+    from transformers import DynamicCache
+
     device = input_ids.device
     segment = input_ids[node.rows[0] : node.rows[0] + 1, node.start : node.end]
     seen = torch.ones((1, node.end), dtype=torch.long, device=device)
-    out = body(
-        input_ids=segment,
-        attention_mask=seen,
-        cache=None if cache is None else _branch(cache),
-        use_cache=True,
-    )
+    # the forward writes the node's positions into this cache: the children continue it
+    cache = DynamicCache(config=body.config) if cache is None else _branch(cache)
+    out = body(input_ids=segment, attention_mask=seen, use_cache=True, **cache_kwargs(cache))
     shared = out.last_hidden_state[0]
     for row in node.rows:
         pieces[row].append(shared)
     for child in node.children:
-        _node_forward(body, input_ids, attention_mask, child, out.cache, pieces)
+        _node_forward(body, input_ids, attention_mask, child, cache, pieces)
     for leaves, stop in node.leaf_batches:
         index = torch.tensor(leaves, device=device)
-        leaf_cache = _branch(out.cache)
+        leaf_cache = _branch(cache)
         leaf_cache.batch_repeat_interleave(len(leaves))
         mask = torch.ones((len(leaves), stop), dtype=torch.long, device=device)
         if attention_mask is not None:
@@ -265,8 +266,8 @@ def _node_forward(
         tail = body(
             input_ids=input_ids[index, node.end : stop],
             attention_mask=mask,
-            cache=leaf_cache,
             use_cache=True,
+            **cache_kwargs(leaf_cache),
         ).last_hidden_state
         width = input_ids.shape[1]
         if stop < width:

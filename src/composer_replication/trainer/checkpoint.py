@@ -97,7 +97,17 @@ def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> N
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
+    with _state_on_model_device(model):
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
+
+
+def _state_on_model_device(model: Any) -> torch.device:
+    """The model's device as the default device, for ``set_optimizer_state_dict``: it takes a
+    zero-gradient step to create the state it fills, and before torch 2.13 Adam creates its
+    step counter there without a device (it then follows any default device, not the model)."""
+    from composer_replication.devices import module_device
+
+    return torch.device(module_device(model))
 
 
 def load_trainable_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
@@ -173,7 +183,8 @@ def load_sharded(directory: Path, *, model: Any, optimizer: Any) -> None:
                 "setting?"
             ) from None
         raise
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"])
+    with _state_on_model_device(model):
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"])
 
 
 def _rank_rng(state: dict[str, Any], rank: int) -> dict[str, Any]:
