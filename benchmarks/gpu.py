@@ -490,31 +490,52 @@ def section_steps(args: argparse.Namespace, source: str, device: Any, where: Pat
 
 
 def heldout_runs(
-    args: argparse.Namespace, minutes: float, algorithms: list[str], where: Path
+    args: argparse.Namespace, source: str, minutes: float, algorithms: list[str], where: Path
 ) -> dict:
-    """gpu.toml with each algorithm for ``minutes`` of training: held-out pass@1 before and
-    after (greedy and sampled)."""
+    """gpu.toml with each algorithm for ``minutes`` (the run's clock, its first evaluation
+    included): greedy and sampled held-out pass@1 before and after."""
     from composer_replication.config.run import RunConfig
     from composer_replication.trainer.loop import Trainer
 
+    quick = [
+        "envs.0.tasks_per_step=2",
+        "envs.0.algorithm.sampling.max_new_tokens=16",
+        "eval.max_tasks=4",
+        "eval.samples_per_task=2",
+    ]
     out = {}
     for algorithm in algorithms:
+        run_dir = where / algorithm
         overrides = [
-            f"max_wall_seconds={minutes * 60}",
-            f"output_dir={where / algorithm}",
+            f"model.source={source}",
             f"model.device={args.device}",
+            f"output_dir={run_dir}",
+            # the run's clock includes its first evaluation (seconds on a GPU)
+            f"max_wall_seconds={minutes * 60}",
+            *(quick if args.quick else []),
         ]
-        if algorithm != "composer":
-            overrides.append(f"envs.0.algorithm.advantage.type={algorithm}")
+        if algorithm != "composer":  # the algorithm's own defaults, nothing of composer's
+            overrides.append(f'envs.0.algorithm.advantage={{"type": "{algorithm}"}}')
         try:
             config = RunConfig.from_toml(ROOT / "configs/runs/gpu.toml", overrides)
-            result = Trainer(config, console=None, run_dir=where / algorithm).run()
-            summary = json.loads((Path(result.run_dir) / "summary.json").read_text())
-            out[algorithm] = summary
-            log(f"  held-out {algorithm}: {json.dumps(summary)[:400]}")
+            start = time.perf_counter()
+            result = Trainer(config, console=None, run_dir=run_dir).run()
+            rows = [r for r in result.metrics if "heldout/greedy_pass@1" in r]
+            entry = {
+                "steps": result.steps,
+                "seconds": time.perf_counter() - start,
+                "greedy_before": rows[0]["heldout/greedy_pass@1"] if rows else None,
+                "greedy_after": rows[-1]["heldout/greedy_pass@1"] if rows else None,
+                "sampled_before": result.heldout_before,
+                "sampled_after": result.heldout_after,
+            }
+            out[algorithm] = entry
+            log(f"  held-out {algorithm}: {entry}")
         except Exception as err:
             out[algorithm] = {"error": f"{type(err).__name__}: {err}"[:300]}
             log(f"  held-out {algorithm} failed: {out[algorithm]['error']}")
+            if args.debug:
+                traceback.print_exc()
     return out
 
 
@@ -586,7 +607,31 @@ def table(results: dict[str, Any]) -> str:
                 f" | {r['train_s']:.2f} | {r['sampled_tokens']:,.0f} | {r['train_tokens']:,.0f}"
                 f" | {r['gpu_busy']:.0%} |"
             )
+    for key in ("heldout", "ablation"):
+        runs = results.get(key)
+        if not runs:
+            continue
+        lines += [
+            "",
+            f"Held-out pass@1 ({key}; gpu.toml, greedy and sampled, before -> after):",
+            "| algorithm | steps | greedy | sampled |",
+            "|---|---|---|---|",
+        ]
+        for name, r in runs.items():
+            if "error" in r:
+                lines.append(f"| {name} | failed: {r['error'][:80]} | | |")
+                continue
+            lines.append(
+                f"| {name} | {r['steps']} | {_pair(r['greedy_before'], r['greedy_after'])} | "
+                f"{_pair(r['sampled_before'], r['sampled_after'])} |"
+            )
     return "\n".join(lines)
+
+
+def _pair(before: float | None, after: float | None) -> str:
+    if before is None or after is None:
+        return "-"
+    return f"{before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points)"
 
 
 def merge(results: dict[str, Any], key: str, found: dict[str, Any]) -> None:
@@ -657,11 +702,15 @@ def main() -> None:
                 torch.cuda.empty_cache()
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1, default=str))
-        if not args.random_weights and args.heldout:
-            results["heldout"] = heldout_runs(args, args.heldout, ["composer"], where / "heldout")
-        if not args.random_weights and args.ablation:
+        if args.random_weights and (args.heldout or args.ablation):
+            log("held-out pass@1 of random weights says nothing: a dry run of the code path")
+        if args.heldout:
+            results["heldout"] = heldout_runs(
+                args, source, args.heldout, ["composer"], where / "heldout"
+            )
+        if args.ablation:
             results["ablation"] = heldout_runs(
-                args, args.ablation, ["composer", "grpo", "sdpo"], where / "ablation"
+                args, source, args.ablation, ["composer", "grpo", "sdpo"], where / "ablation"
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))

@@ -22,6 +22,8 @@ def test_gpu_benchmark_dry_run_on_the_cpu(tmp_path):
             "--device",
             "cpu",
             "--quick",
+            "--heldout",
+            "0.05",
             "--json",
             str(out),
         ],
@@ -39,5 +41,12 @@ def test_gpu_benchmark_dry_run_on_the_cpu(tmp_path):
         steps = results["steps"][recipe]
         assert steps["sample_s"] > 0 and steps["train_s"] > 0, steps
         assert steps["sampled_tokens"] > 0
-    for heading in ("Sampling, kept tokens/s", "Training, tokens/s", "Seconds per step"):
+    heldout = results["heldout"]["composer"]
+    assert heldout["steps"] >= 1 and heldout["greedy_before"] is not None, heldout
+    for heading in (
+        "Sampling, kept tokens/s",
+        "Training, tokens/s",
+        "Seconds per step",
+        "Held-out pass@1",
+    ):
         assert heading in proc.stdout
