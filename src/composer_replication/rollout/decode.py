@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from composer_replication.compat import cache_kwargs
 from composer_replication.rollout.kv_cache import (
     PromptStates,
     cache_capacity,
@@ -409,7 +410,7 @@ def decode_rows(
                 attention_mask=mask,
                 position_ids=pending_position + torch.arange(q, device=device)[None, :],
                 use_cache=True,
-                cache=cache,
+                **cache_kwargs(cache),
                 logits_to_keep=q,
             )
             stats.forwards += 1
