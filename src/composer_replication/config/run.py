@@ -83,7 +83,7 @@ class ModelConfig(_Strict):
     )
     lora: LoraConfig | None = Field(
         default_factory=LoraConfig,
-        description="LoRA settings; null or false = full fine-tune, true = the defaults."
+        description="LoRA settings; null or false = full fine-tune, true = the defaults.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (less memory, more time)."

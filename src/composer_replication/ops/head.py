@@ -234,14 +234,7 @@ def _select_rows(
 
     Validates shapes and token-id range; ``rows`` is None when nothing is ignored.
     """
-    check_head(hidden, weight)
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets {tuple(targets.shape)} must match hidden's leading shape "
-            f"{tuple(hidden.shape[:-1])}"
-        )
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1)
+    flat_hidden, flat_targets = _flat_checked(hidden, weight, targets)
     keep = flat_targets != ignore_index
     rows = None if bool(keep.all()) else keep.nonzero().squeeze(-1)
     sel_hidden = flat_hidden if rows is None else flat_hidden.index_select(0, rows)
@@ -261,14 +254,19 @@ def _take_rows(
 ) -> tuple[Tensor, Tensor]:
     """Flattened hidden rows and targets at ``rows`` (flat indices the caller found on the
     host): shapes are checked, target values are not (reading them would stop a GPU)."""
+    flat_hidden, flat_targets = _flat_checked(hidden, weight, targets)
+    return flat_hidden.index_select(0, rows), flat_targets.index_select(0, rows)
+
+
+def _flat_checked(hidden: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(M, H) hidden rows and (M,) targets, flattened after checking their shapes."""
     check_head(hidden, weight)
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"targets {tuple(targets.shape)} must match hidden's leading shape "
             f"{tuple(hidden.shape[:-1])}"
         )
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    return flat_hidden.index_select(0, rows), targets.reshape(-1).index_select(0, rows)
+    return hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
 
 
 def token_logprobs_from_hidden(
