@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from composer_replication.rollout.decode import DecodeStats, decode_rows
+from composer_replication.rollout.decode_buckets import bucket_rows
 from composer_replication.rollout.generate import (
     DecodeOptions,
     SamplingSettings,
@@ -22,7 +23,7 @@ from composer_replication.rollout.llama_decoder import (
     prefill_forward,
     supports,
 )
-from composer_replication.rollout.static_decode import StaticDecoder, bucket_rows
+from composer_replication.rollout.static_decode import StaticDecoder
 from composer_replication.testing.host_reads import HostReads
 
 

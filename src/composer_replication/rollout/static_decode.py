@@ -22,8 +22,9 @@ inside a window has decoded a few tokens too many, which are dropped). On CUDA e
 step is a captured CUDA graph (one launch per token), optionally compiled first with
 ``torch.compile`` (fused kernels); on a CPU the same step runs eagerly or compiled.
 
-The forward is :mod:`.llama_decoder`'s (Llama-family models); :func:`static_decoding_supported`
-says whether a model qualifies.
+The device side (buckets, the step, its graphs) is :mod:`.decode_buckets`; the forward is
+:mod:`.llama_decoder`'s (Llama-family models), and :func:`static_decoding_supported` says
+whether a model qualifies.
 """
 
 from __future__ import annotations
@@ -31,18 +32,18 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from composer_replication.rollout.decode import DecodedRow, DecodeStats
+from composer_replication.rollout.decode_buckets import Bucket, StepRunner, bucket_rows, draw
 from composer_replication.rollout.llama_decoder import (
     BlockKernels,
     DecoderWeights,
     attention_inputs,
     block_output,
-    decode_forward,
     prefill_forward,
     supports,
 )
@@ -50,6 +51,7 @@ from composer_replication.rollout.llama_decoder import (
 __all__ = [
     "SYNC_EVERY",
     "StaticDecoder",
+    "decoder_for",
     "static_decode_rows",
     "static_decoding_supported",
 ]
@@ -58,8 +60,6 @@ __all__ = [
 SYNC_EVERY = 16
 #: Cache capacity and attended width are multiples of this many columns.
 WIDTH_STEP = 64
-#: Smallest batch bucket (rows are rounded up to a power of two at least this).
-MIN_BUCKET = 8
 #: Most padded prompt tokens prefilled in one forward.
 PREFILL_TOKENS = 16384
 
@@ -69,95 +69,8 @@ def static_decoding_supported(model: Any) -> str | None:
     return supports(model)
 
 
-def bucket_rows(rows: int, minimum: int = MIN_BUCKET) -> int:
-    """The batch bucket for ``rows`` live rows: the next power of two, at least ``minimum``."""
-    size = max(1, minimum)
-    while size < rows:
-        size *= 2
-    return size
-
-
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
-
-
-@dataclass
-class _Bucket:
-    """Device state of ``rows`` decoding rows over a cache of ``capacity`` columns."""
-
-    rows: int
-    capacity: int
-    keys: torch.Tensor  # (layers, rows, kv_heads, capacity, dim)
-    values: torch.Tensor
-    valid: torch.Tensor  # (rows, capacity) bool: the columns a row attends to
-    token: torch.Tensor  # (rows,) the last drawn token, input of the next step
-    position: torch.Tensor  # (rows,) its position id
-    step: torch.Tensor  # (1,) index of the token the next step draws
-    column_base: torch.Tensor  # (1,) the cache column of token n's input is base + n
-    uniforms: torch.Tensor  # (rows, tokens) float64, one per token
-    temperature: torch.Tensor  # (1,) float32
-    window_tokens: torch.Tensor  # (rows, sync_every) long
-    window_logprobs: torch.Tensor  # (rows, sync_every) float32
-    graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [
-            self.keys,
-            self.values,
-            self.valid,
-            self.token,
-            self.position,
-            self.step,
-            self.column_base,
-            self.uniforms,
-            self.temperature,
-            self.window_tokens,
-            self.window_logprobs,
-        ]
-
-
-def _draw(
-    logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor, greedy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens drawn from ``softmax(logits / temperature)`` by inverting the float64 CDF at
-    ``uniforms`` (argmax when ``greedy``), and their log-probs (at temperature 1 for
-    greedy): the draw of :func:`~.decode.sample_categorical`, on the device."""
-    if greedy:
-        log_probs = torch.log_softmax(logits, dim=-1)
-        token = logits.argmax(-1)
-    else:
-        log_probs = torch.log_softmax(logits / temperature, dim=-1)
-        cdf = log_probs.double().exp().cumsum(-1)
-        target = (uniforms[:, None] * cdf[:, -1:]).contiguous()
-        token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-        token = token.clamp_max(logits.shape[-1] - 1)
-    return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
-
-
-def _decode_step(
-    w: DecoderWeights, b: _Bucket, width: int, greedy: bool, kernels: BlockKernels
-) -> None:
-    """One token for every row of ``b``, entirely on the device (see the module docstring)."""
-    n = b.step
-    column = b.column_base + n
-    b.valid.index_fill_(1, column, True)
-    logits = decode_forward(
-        w,
-        b.token,
-        b.position,
-        column,
-        b.keys[:, :, :, :width],
-        b.values[:, :, :, :width],
-        b.valid[:, :width],
-        kernels,
-    )
-    token, logprob = _draw(logits, b.uniforms.index_select(1, n)[:, 0], b.temperature, greedy)
-    slot = n % b.window_tokens.shape[1]
-    b.window_tokens.index_copy_(1, slot, token[:, None])
-    b.window_logprobs.index_copy_(1, slot, logprob[:, None])
-    b.token.copy_(token)
-    b.position.add_(1)
-    b.step.add_(1)
 
 
 @dataclass
@@ -227,16 +140,16 @@ class StaticDecoder:
         self.compile = compile
         self.graphs = graphs
         self.sync_every = sync_every
-        self._buckets: dict[int, _Bucket] = {}  # by rows
+        self._buckets: dict[int, Bucket] = {}  # by rows
         self._capacity = 0
         self._tokens = 0
-        self._pool: Any = None
-        self._kernels = BlockKernels()
+        kernels = BlockKernels()
         if compile:  # the block pieces only: no cache write or sampling inside (see BlockKernels)
-            self._kernels = BlockKernels(
+            kernels = BlockKernels(
                 torch.compile(attention_inputs, dynamic=None),
                 torch.compile(block_output, dynamic=None),
             )
+        self._steps = StepRunner(self.weights, kernels, graphs=graphs)
         if graphs:
             for tensor in self.weights.tensors():
                 torch._dynamo.mark_static_address(tensor)
@@ -256,68 +169,22 @@ class StaticDecoder:
         self._tokens = max(tokens, self._tokens)
         self.release()
 
-    def _bucket(self, rows: int) -> _Bucket:
+    def _bucket(self, rows: int) -> Bucket:
         found = self._buckets.get(rows)
-        if found is not None:
-            return found
-        capacity, tokens = self._capacity, self._tokens
-        w, device = self.weights, self.device
-        shape = (w.n_layers, rows, w.n_kv_heads, capacity, w.head_dim)
-        bucket = _Bucket(
-            rows=rows,
-            capacity=capacity,
-            keys=torch.zeros(shape, dtype=w.compute_dtype, device=device),
-            values=torch.zeros(shape, dtype=w.compute_dtype, device=device),
-            valid=torch.zeros((rows, capacity), dtype=torch.bool, device=device),
-            token=torch.zeros(rows, dtype=torch.long, device=device),
-            position=torch.zeros(rows, dtype=torch.long, device=device),
-            step=torch.zeros(1, dtype=torch.long, device=device),
-            column_base=torch.zeros(1, dtype=torch.long, device=device),
-            uniforms=torch.zeros((rows, tokens), dtype=torch.float64, device=device),
-            temperature=torch.ones(1, dtype=torch.float32, device=device),
-            window_tokens=torch.zeros((rows, self.sync_every), dtype=torch.long, device=device),
-            window_logprobs=torch.zeros((rows, self.sync_every), device=device),
-        )
-        if self.graphs:
-            for tensor in bucket.tensors():
-                torch._dynamo.mark_static_address(tensor)
-        self._buckets[rows] = bucket
-        return bucket
+        if found is None:
+            found = self._buckets[rows] = Bucket.allocate(
+                self.weights,
+                rows,
+                self._capacity,
+                self._tokens,
+                self.sync_every,
+                static_address=self.graphs,
+            )
+        return found
 
     def release(self) -> None:
         """Free every bucket's buffers and graphs (the next call allocates again)."""
         self._buckets.clear()
-
-    # ------------------------------------------------------------------ steps
-
-    def _run_step(self, bucket: _Bucket, width: int, greedy: bool, stats: DecodeStats) -> None:
-        stats.forwards += 1
-        if not self.graphs:
-            _decode_step(self.weights, bucket, width, greedy, self._kernels)
-            return
-        key = (width, greedy)
-        graph = bucket.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return
-        # the first step of a shape runs for real on a side stream (warm-up, compilation),
-        # then the same step is recorded for the next ones
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            _decode_step(self.weights, bucket, width, greedy, self._kernels)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        saved = [bucket.token.clone(), bucket.position.clone(), bucket.step.clone()]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            _decode_step(self.weights, bucket, width, greedy, self._kernels)
-        # recording ran nothing, but keep the counters exactly as the real step left them
-        bucket.token.copy_(saved[0])
-        bucket.position.copy_(saved[1])
-        bucket.step.copy_(saved[2])
-        bucket.graphs[key] = graph
 
     # ------------------------------------------------------------------ the loop
 
@@ -374,7 +241,7 @@ class StaticDecoder:
         return results  # type: ignore[return-value]
 
     def _prefill(
-        self, bucket: _Bucket, prompts: Sequence[Sequence[int]], width: int, stats: DecodeStats
+        self, bucket: Bucket, prompts: Sequence[Sequence[int]], width: int, stats: DecodeStats
     ) -> torch.Tensor:
         """Each distinct prompt prefilled once (length-sorted chunks); every row's cache
         filled from its prompt, right-aligned at column ``width``. Returns the (rows, vocab)
@@ -456,7 +323,7 @@ class StaticDecoder:
         if uniforms is not None:
             bucket.uniforms.copy_(uniforms)
         bucket.temperature.fill_(max(temperature, 1e-30))
-        token, logprob = _draw(first_logits, bucket.uniforms[:, 0], bucket.temperature, greedy)
+        token, logprob = draw(first_logits, bucket.uniforms[:, 0], bucket.temperature, greedy)
         bucket.window_tokens[:, 0] = token
         bucket.window_logprobs[:, 0] = logprob
         bucket.token.copy_(token)
@@ -529,7 +396,11 @@ class StaticDecoder:
                 break
             smaller = bucket_rows(len(live))
             if smaller < bucket.rows:  # trim finished rows: move the live ones down
-                bucket = self._compact(bucket, live, smaller, stats)
+                target = self._bucket(smaller)
+                chosen = live + [live[0]] * (smaller - len(live))  # padding copies a live row
+                target.take_rows(bucket, torch.tensor(chosen, dtype=torch.long).to(self.device))
+                bucket = target
+                stats.compactions += 1
                 slot_rows = [slot_rows[s] for s in live] + [None] * (smaller - len(live))
         for row in range(len(prompts)):  # cannot happen: the token limit ends every row
             if row not in finished:
@@ -537,7 +408,7 @@ class StaticDecoder:
 
     def _launch(
         self,
-        bucket: _Bucket,
+        bucket: Bucket,
         slot_rows: list[int | None],
         start: int,
         end: int,
@@ -551,7 +422,8 @@ class StaticDecoder:
         if end > first:
             attended = min(_round_up(width + end - 1, WIDTH_STEP), bucket.capacity)
             for _ in range(end - first):
-                self._run_step(bucket, attended, greedy, stats)
+                self._steps.run(bucket, attended, greedy)
+            stats.forwards += end - first
         packed = torch.cat([bucket.window_tokens.double(), bucket.window_logprobs.double()], 1)
         if self.device.type != "cuda":
             return _Window(start, end, list(slot_rows), packed.cpu(), None)
@@ -560,22 +432,6 @@ class StaticDecoder:
         event = torch.cuda.Event()
         event.record()
         return _Window(start, end, list(slot_rows), host, event)
-
-    def _compact(self, bucket: _Bucket, live: list[int], rows: int, stats: DecodeStats) -> _Bucket:
-        """A bucket of ``rows`` rows holding ``live``'s rows of ``bucket`` in order (the
-        rest of its rows copy the first live row)."""
-        target = self._bucket(rows)
-        stats.compactions += 1
-        chosen = live + [live[0]] * (rows - len(live))
-        index = torch.tensor(chosen, dtype=torch.long).to(self.device)
-        target.keys.copy_(bucket.keys.index_select(1, index))
-        target.values.copy_(bucket.values.index_select(1, index))
-        for name in ("valid", "token", "position", "window_tokens", "window_logprobs"):
-            getattr(target, name).copy_(getattr(bucket, name).index_select(0, index))
-        target.uniforms.copy_(bucket.uniforms.index_select(0, index))
-        for name in ("step", "column_base", "temperature"):
-            getattr(target, name).copy_(getattr(bucket, name))
-        return target
 
 
 _DECODERS: weakref.WeakKeyDictionary[Any, StaticDecoder] = weakref.WeakKeyDictionary()
