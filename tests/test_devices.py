@@ -228,6 +228,33 @@ def test_sampler_scorer_kl_and_teachers_create_no_stray_tensor(tiny):
     assert adv == pytest.approx([0.5, -0.5, 0.0, max_rl, -max_rl])
 
 
+def test_the_static_decode_loop_creates_no_stray_tensor(tiny):
+    """The static loop's buffers, draws, windows and trimming follow the model's device;
+    its host-side tensors are built on the host explicitly."""
+    from composer_replication.rollout.generate import (
+        DecodeOptions,
+        SamplingSettings,
+        decode_options,
+        generate,
+        seeded_rows,
+    )
+
+    model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    eos = [tokenizer.eos_token_id, 7, 8, 9, 10, 11]  # rows end at different steps: trimming
+    model.generation_config.eos_token_id = eos
+    settings = SamplingSettings(max_new_tokens=20, temperature=1.0, stop_strings=("\n",))
+    greedy = SamplingSettings(max_new_tokens=6, temperature=0.0)
+    prompts = [[1, 2, 3], [4, 5], [1, 2, 3], [6] * 9, [12, 13], [14], [15, 16, 17], [18]] * 2
+    with decode_options(DecodeOptions(loop="static", sync_every=3)), _strays_fail():
+        out = generate(model, tokenizer, prompts, settings)
+        with seeded_rows(5):
+            seeded = generate(model, tokenizer, prompts, settings, max_rows=5)
+        plain = generate(model, tokenizer, prompts[:3], greedy)
+    assert len(out) == len(seeded) == len(prompts)
+    assert all(len(g.completion_ids) <= 20 for g in out + seeded)
+    assert [len(g.completion_ids) for g in plain] == [6, 6, 6]
+
+
 def test_checkpoint_round_trip_creates_no_stray_tensor(tmp_path, tiny):
     from composer_replication.trainer.checkpoint import CheckpointManager
 

@@ -69,6 +69,12 @@ def static_decoding_supported(model: Any) -> str | None:
     return supports(model)
 
 
+def _host_longs(values: Sequence[int]) -> torch.Tensor:
+    """A host tensor of ``values`` (built where the host keeps its bookkeeping, then moved
+    in one copy)."""
+    return torch.tensor(list(values), dtype=torch.long, device="cpu")
+
+
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
@@ -253,7 +259,7 @@ class StaticDecoder:
             slots_of.setdefault(key, []).append(slot)
         distinct = sorted(slots_of, key=len)
         logits = torch.empty((bucket.rows, w.vocab), dtype=torch.float32, device=device)
-        valid = torch.zeros((bucket.rows, bucket.capacity), dtype=torch.bool)
+        valid = torch.zeros((bucket.rows, bucket.capacity), dtype=torch.bool, device="cpu")
         for key, slots in slots_of.items():
             valid[slots, width - len(key) : width] = True
         bucket.valid.copy_(valid.to(device, non_blocking=True))
@@ -264,10 +270,10 @@ class StaticDecoder:
                 end += 1
             chunk = distinct[begin:end]
             span = len(chunk[-1])
-            ids = torch.zeros((len(chunk), span), dtype=torch.long)
-            mask = torch.zeros((len(chunk), span), dtype=torch.bool)
+            ids = torch.zeros((len(chunk), span), dtype=torch.long, device="cpu")
+            mask = torch.zeros((len(chunk), span), dtype=torch.bool, device="cpu")
             for i, key in enumerate(chunk):
-                ids[i, span - len(key) :] = torch.tensor(key, dtype=torch.long)
+                ids[i, span - len(key) :] = _host_longs(key)
                 mask[i, span - len(key) :] = True
             shape = (w.n_layers, len(chunk), w.n_kv_heads, span, w.head_dim)
             keys = torch.empty(shape, dtype=w.compute_dtype, device=device)
@@ -276,8 +282,8 @@ class StaticDecoder:
             stats.prefilled += sum(len(k) for k in chunk)
             source = [i for i, key in enumerate(chunk) for _ in slots_of[key]]
             slots = [s for key in chunk for s in slots_of[key]]
-            slot_index = torch.tensor(slots, dtype=torch.long).to(device)
-            source_index = torch.tensor(source, dtype=torch.long).to(device)
+            slot_index = _host_longs(slots).to(device)
+            source_index = _host_longs(source).to(device)
             bucket.keys[:, slot_index, :, width - span : width] = keys[:, source_index]
             bucket.values[:, slot_index, :, width - span : width] = values[:, source_index]
             logits[slot_index] = last[source_index]
@@ -313,11 +319,11 @@ class StaticDecoder:
         elif row_seeds is None:
             uniforms = torch.rand((bucket.rows, tokens_cap), dtype=torch.float64, device=device)
         else:
-            host = torch.zeros((bucket.rows, tokens_cap), dtype=torch.float64)
+            host = torch.zeros((bucket.rows, tokens_cap), dtype=torch.float64, device="cpu")
             for slot, seed in enumerate(row_seeds):
-                generator = torch.Generator().manual_seed(int(seed))
+                generator = torch.Generator(device="cpu").manual_seed(int(seed))
                 host[slot, :max_new_tokens] = torch.rand(
-                    max_new_tokens, dtype=torch.float64, generator=generator
+                    max_new_tokens, dtype=torch.float64, generator=generator, device="cpu"
                 )
             uniforms = host.to(device, non_blocking=True)
         if uniforms is not None:
@@ -328,7 +334,7 @@ class StaticDecoder:
         bucket.window_logprobs[:, 0] = logprob
         bucket.token.copy_(token)
         lengths = [len(p) for p in prompts] + [len(prompts[0])] * (bucket.rows - len(prompts))
-        bucket.position.copy_(torch.tensor(lengths, dtype=torch.long).to(device))
+        bucket.position.copy_(_host_longs(lengths).to(device))
         bucket.step.fill_(1)
         bucket.column_base.fill_(width - 1)
 
@@ -398,7 +404,7 @@ class StaticDecoder:
             if smaller < bucket.rows:  # trim finished rows: move the live ones down
                 target = self._bucket(smaller)
                 chosen = live + [live[0]] * (smaller - len(live))  # padding copies a live row
-                target.take_rows(bucket, torch.tensor(chosen, dtype=torch.long).to(self.device))
+                target.take_rows(bucket, _host_longs(chosen).to(self.device))
                 bucket = target
                 stats.compactions += 1
                 slot_rows = [slot_rows[s] for s in live] + [None] * (smaller - len(live))
@@ -427,7 +433,7 @@ class StaticDecoder:
         packed = torch.cat([bucket.window_tokens.double(), bucket.window_logprobs.double()], 1)
         if self.device.type != "cuda":
             return _Window(start, end, list(slot_rows), packed.cpu(), None)
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host = torch.empty(packed.shape, dtype=packed.dtype, device="cpu", pin_memory=True)
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
