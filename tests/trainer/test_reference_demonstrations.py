@@ -138,13 +138,15 @@ class RecordingEnv(PythonFunctionsEnv):
         super().__init__(**kwargs)
         self.calls: list[tuple[str, list[str]]] = []
 
-    def sample(self, policy, tokenizer, task_ids, *, group_size, sampling):
+    def sample(self, policy, tokenizer, task_ids, *, group_size, sampling, **kwargs):
         if isinstance(policy, ReferenceSolutions):
             kind = "demonstrations"
         else:
             kind = "eval" if sampling.temperature == 0 else "train"
         self.calls.append((kind, list(task_ids)))
-        return super().sample(policy, tokenizer, task_ids, group_size=group_size, sampling=sampling)
+        return super().sample(
+            policy, tokenizer, task_ids, group_size=group_size, sampling=sampling, **kwargs
+        )
 
 
 def _run_config(tmp_path: Path, tiny_dir: str, *, demonstrations: bool) -> RunConfig:

@@ -178,8 +178,10 @@ class PythonFunctionsEnv:
     ) -> list[list[Rollout]]:
         """Sampled and graded groups. Each completion is handed to the graders as soon as
         sampling knows it (the static decode loop finishes rows while others decode)."""
-        if isinstance(policy, ReferenceSolutions):
-            return self.demonstrations(tokenizer, task_ids, group_size=group_size)
+        if isinstance(policy, ReferenceSolutions):  # reference answers pass by construction
+            return self.sample(
+                policy, tokenizer, task_ids, group_size=group_size, sampling=sampling
+            )
         with ThreadPoolExecutor(self.grading_workers) as pool:
             graders = _Graders(self, pool)
             groups = self.sample(
