@@ -167,18 +167,11 @@ class Generation:
 def left_pad(
     prompts: Sequence[Sequence[int]], pad_id: int, *, device: Any = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) left-padded ids and attention mask on ``device`` (built on the host, moved once)."""
-    import torch
+    """:func:`.padding.left_pad` (imported here when called: this module loads without
+    torch)."""
+    from composer_replication.rollout.padding import left_pad as pad
 
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device="cpu")
-    attn = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long, device="cpu")
-        attn[i, width - len(p) :] = 1
-    return ids.to(device), attn.to(device)
+    return pad(prompts, pad_id, device=device)
 
 
 def generate(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from composer_replication.compat import SUPPORTED_TRANSFORMERS, cache_kwargs
-from composer_replication.rollout.generate import left_pad
+from composer_replication.rollout.padding import left_pad
 
 __all__ = [
     "PREFILL_ROWS",

@@ -47,6 +47,7 @@ from composer_replication.rollout.llama_decoder import (
     prefill_forward,
     supports,
 )
+from composer_replication.rollout.padding import left_pad
 
 __all__ = [
     "SYNC_EVERY",
@@ -270,15 +271,11 @@ class StaticDecoder:
                 end += 1
             chunk = distinct[begin:end]
             span = len(chunk[-1])
-            ids = torch.zeros((len(chunk), span), dtype=torch.long, device="cpu")
-            mask = torch.zeros((len(chunk), span), dtype=torch.bool, device="cpu")
-            for i, key in enumerate(chunk):
-                ids[i, span - len(key) :] = _host_longs(key)
-                mask[i, span - len(key) :] = True
+            ids, mask = left_pad(chunk, 0, device=device)
             shape = (w.n_layers, len(chunk), w.n_kv_heads, span, w.head_dim)
             keys = torch.empty(shape, dtype=w.compute_dtype, device=device)
             values = torch.empty_like(keys)
-            last = prefill_forward(w, ids.to(device), mask.to(device), keys, values)
+            last = prefill_forward(w, ids, mask.bool(), keys, values)
             stats.prefilled += sum(len(k) for k in chunk)
             source = [i for i, key in enumerate(chunk) for _ in slots_of[key]]
             slots = [s for key in chunk for s in slots_of[key]]
