@@ -151,6 +151,28 @@ def test_dpo_without_reference_raises(tiny):
         compose_loss(model, batch)
 
 
+def test_a_zero_weight_turns_its_channel_off(tiny):
+    """beta_replay=0 needs no reference log-probs; alpha_sdpo=0 runs no teacher forward."""
+    model, tokenizer = tiny
+    batch = _without_reference(build_batch(tokenizer))
+    out = compose_loss(model, batch, beta_replay=0)  # no ref_model, no cached log-probs
+    assert float(out.trace_replay_dpo.detach()) == 0.0 and out.trace_replay_dpo.requires_grad
+    assert "dpo_chosen_ref_logprobs" not in batch  # nothing was computed for it
+    assert float(out.sdpo_jsd.detach()) > 0
+    assert float(out.total.detach()) == pytest.approx(
+        float(out.lm_ce.detach()) + 0.1 * float(out.sdpo_jsd.detach()), rel=1e-6
+    )
+
+    class NoForward(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("the SDPO teacher ran with alpha_sdpo=0")
+
+    off = compose_loss(model, batch, alpha_sdpo=0, beta_replay=0, teacher_model=NoForward())
+    assert float(off.sdpo_jsd.detach()) == 0.0 and off.sdpo_jsd.requires_grad
+    assert float(off.total.detach()) == pytest.approx(float(off.lm_ce.detach()), rel=1e-6)
+    off.total.backward()
+
+
 def test_bad_inputs_raise(tiny):
     model, tokenizer = tiny
     batch = build_batch(tokenizer, pairs=())

@@ -116,10 +116,11 @@ def compose_loss(
     Args:
         model: the policy, a Hugging Face causal LM (PEFT-wrapped or not).
         inputs: the dict of :func:`composer_replication.batch.build_batch` (or
-            ``ComposerDataCollator``). A channel whose keys are absent contributes an exact 0
-            (a tensor that requires grad).
-        alpha_sdpo: weight of the SDPO channel (>= 0).
-        beta_replay: weight of the trace-replay channel (>= 0).
+            ``ComposerDataCollator``). A channel whose keys are absent, or whose weight is
+            0, contributes an exact 0 (a tensor that requires grad) and is not computed.
+        alpha_sdpo: weight of the SDPO channel (>= 0; 0 turns it off: no teacher forward).
+        beta_replay: weight of the trace-replay channel (>= 0; 0 turns it off: no pair
+            forward, no reference log-probs needed).
         sdpo_jsd_beta: the JSD's mixture coefficient (0 forward KL, 1 reverse KL).
         sdpo_temperature: both distributions' softmax temperature.
         sdpo_token_clip: clamp each token's divergence to this value (None: no clamp).
@@ -184,7 +185,7 @@ def compose_loss(
     )
 
     sdpo = _graph_zero(hidden)
-    if all(k in inputs for k in _SDPO_KEYS):
+    if alpha_sdpo > 0 and all(k in inputs for k in _SDPO_KEYS):
         tokens = sdpo_tokens(inputs)
         per_token = divergence_terms(
             hidden,
@@ -199,7 +200,7 @@ def compose_loss(
             sdpo = per_token.sum() / tokens.n_tokens
 
     replay = _graph_zero(hidden)
-    if all(k in inputs for k in _DPO_KEYS):
+    if beta_replay > 0 and all(k in inputs for k in _DPO_KEYS):
         pairs = _batch_pairs(inputs)
         if pair_settings.needs_reference and pairs[0].ref_chosen_logp is None:
             fill_reference_logps(_reference(model, ref_model), pairs, chunk_size=chunk_size)
