@@ -407,7 +407,8 @@ def test_boundary_settings_are_valid() -> None:
         ({"kl_to_init": -0.01}, ValueError, "kl_to_init must be >= 0"),
         ({"entropy": math.nan}, ValueError, "entropy must be a finite number"),
         ({"reward_std": "0.1"}, TypeError, "reward_std must be a real number"),
-        ({"round_idx": "3"}, TypeError, "round_idx must be an int"),
+        ({"round_idx": "3"}, TypeError, "round_idx must be a real number"),
+        ({"round_idx": math.nan}, ValueError, "round_idx must be a finite number"),
     ],
 )
 def test_update_rejects_bad_metrics_without_changing_state(
@@ -515,3 +516,34 @@ def test_kl_token_trust_filter_boundaries() -> None:
 def test_kl_token_trust_filter_rejects_bad_threshold(threshold: float) -> None:
     with pytest.raises(ValueError, match="threshold must be >= 0"):
         kl_token_trust_filter(0.1, threshold=threshold)
+
+
+# ------------------------------------------------------------------ 0-d tensors, float rounds
+
+
+def test_update_takes_0d_tensors_and_float_rounds_as_the_documented_loop_passes_them() -> None:
+    torch = pytest.importorskip("torch")
+    guard = HeldOutGuard(kl_hard_stop=0.08)
+    plain = HeldOutGuard(kl_hard_stop=0.08)
+    num_generations = 4
+    for rnd in range(num_generations):
+        r_proxy = torch.tensor(0.5 + 0.1 * rnd)
+        r_real = torch.tensor(0.5, dtype=torch.float64)
+        token_mean_kl_value = torch.tensor(0.01 * rnd)
+        status = guard.update(
+            rnd, in_loop_reward=r_proxy, heldout_score=r_real, kl_to_init=token_mean_kl_value
+        )
+        same = plain.update(
+            rnd, r_proxy.item(), r_real.item(), kl_to_init=token_mean_kl_value.item()
+        )
+        assert status == same and type(status.in_loop_ema) is float
+        if status.fire:  # or: guard.should_halt()
+            guard.raise_if_fired(status)
+    assert guard.state_dict() == plain.state_dict()
+    assert guard.update(4.0, 0.9, 0.5).step == 4 and type(guard.last_status.step) is int
+    assert guard.update(torch.tensor(5), 0.9, 0.5).step == 5
+    assert guard.update(5.5, 0.9, 0.5).step == 5.5
+    with pytest.raises(TypeError, match="in_loop_reward must be a real number"):
+        guard.update(6, torch.tensor([0.5, 0.6]), 0.5)  # not a scalar
+    with pytest.raises(ValueError, match="kl_to_init must be a finite number"):
+        guard.update(6, 0.5, 0.5, kl_to_init=torch.tensor(float("nan")))

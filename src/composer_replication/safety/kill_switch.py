@@ -56,7 +56,8 @@ class TripwireStatus:
     Attributes:
         fire: True when the run must stop.
         reason: Why it fired; "" when not firing.
-        step: The round index passed to `update` (not the guard's internal counter).
+        step: The round index passed to `update` (not the guard's internal counter): an int,
+            or the float given when it is fractional.
         proxy_real_gap: (in-loop EMA gain) - (held-out EMA gain) since the first update.
         in_loop_ema: EMA of the in-loop (proxy) reward.
         heldout_ema: EMA of the held-out score.
@@ -66,7 +67,7 @@ class TripwireStatus:
 
     fire: bool
     reason: str
-    step: int
+    step: int | float
     proxy_real_gap: float
     in_loop_ema: float
     heldout_ema: float
@@ -91,14 +92,38 @@ class CollapseStopError(RuntimeError):
         return (type(self), (self.status,))
 
 
+def _as_scalar(value: object) -> object:
+    """A 0-d tensor or array (torch, numpy: anything with `ndim == 0` and `item()`) as its
+    Python number; anything else unchanged. Keeps this module free of torch."""
+    if (
+        not isinstance(value, (numbers.Number, str, bytes))
+        and getattr(value, "ndim", None) == 0
+        and callable(getattr(value, "item", None))
+    ):
+        return value.item()  # type: ignore[attr-defined]
+    return value
+
+
 def _require_real(name: str, value: object, type_error: type[Exception] = TypeError) -> float:
-    """Return `value` as a finite float or raise (NaN/inf would make every gate fail open)."""
+    """Return `value` (a real number or a 0-d tensor / array holding one) as a finite float or
+    raise (NaN/inf would make every gate fail open)."""
+    value = _as_scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise type_error(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     x = float(value)
     if not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return x
+
+
+def _round_index(value: object) -> int | float:
+    """`update`'s `round_idx`: an int, or a finite real / 0-d tensor (an integral value comes
+    back as an int, a fractional one as the float given); bools and non-numbers raise."""
+    value = _as_scalar(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    x = _require_real("round_idx", value)
+    return int(x) if x.is_integer() else x
 
 
 def _require_int(name: str, value: object, minimum: int | None) -> int:
@@ -271,8 +296,10 @@ class HeldOutGuard:
         """Fold one evaluation round into the guard and return the verdict.
 
         Args:
-            round_idx: The caller's round/step index, reported back as `status.step`.
-            in_loop_reward: Mean in-loop (proxy) reward of the round.
+            round_idx: The caller's round/step index, reported back as `status.step`: an int,
+                a float or a 0-d tensor (an integral value is reported as an int).
+            in_loop_reward: Mean in-loop (proxy) reward of the round. Every metric may be a
+                Python number or a 0-d tensor / array (read with `.item()`).
             heldout_score: Score on the held-out pool (`HeldoutSplit`), never trained on.
             kl_to_init: Token-mean KL to the initial policy in nats/token, i.e. the per-token
                 KL averaged over response tokens. Do NOT pass a sequence-summed KL: it is
@@ -284,8 +311,7 @@ class HeldOutGuard:
             ValueError / TypeError: a metric is not a finite real number (NaN or inf would
                 make the gates fail open). The guard's state is left unchanged.
         """
-        if isinstance(round_idx, bool) or not isinstance(round_idx, numbers.Integral):
-            raise TypeError(f"round_idx must be an int, got {round_idx!r}")
+        step = _round_index(round_idx)
         # Validate everything before touching state, so a rejected call changes nothing.
         r = _require_real("in_loop_reward", in_loop_reward)
         h = _require_real("heldout_score", heldout_score)
@@ -331,7 +357,7 @@ class HeldOutGuard:
         status = TripwireStatus(
             fire=bool(reason),
             reason=reason,
-            step=int(round_idx),
+            step=step,
             proxy_real_gap=gap,
             in_loop_ema=self._in_loop_ema,
             heldout_ema=self._heldout_ema,
