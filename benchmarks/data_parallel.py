@@ -54,8 +54,8 @@ def worker(rank: int, world: int, port: int, n_seq: int, seq_len: int, steps: in
     import torch
 
     from composer_replication.cpu_allocator import set_mmap_threshold
+    from composer_replication.distributed.ranks import RankGroup
     from composer_replication.models import load_policy
-    from composer_replication.trainer.ranks import RankGroup
     from composer_replication.trainer.step import train_step
     from composer_replication.wire import pack_samples
 

@@ -176,6 +176,7 @@ def test_no_citation_of_documents_outside_the_repository():
         ("composer_replication.trace_cli", "composer_replication.traces.cli"),
         ("composer_replication.datagen.sandbox", "composer_replication.sandbox"),
         ("composer_replication.datagen.docker_sandbox", "composer_replication.sandbox.docker"),
+        ("composer_replication.trainer.ranks", "composer_replication.distributed.ranks"),
     ],
 )
 def test_moved_modules_keep_their_first_paths_as_the_same_objects(old, new):

@@ -24,6 +24,7 @@ MOVED: dict[str, str] = {
     "composer_replication.trace_cli": "composer_replication.traces.cli",
     "composer_replication.datagen.sandbox": "composer_replication.sandbox",
     "composer_replication.datagen.docker_sandbox": "composer_replication.sandbox.docker",
+    "composer_replication.trainer.ranks": "composer_replication.distributed.ranks",
 }
 
 

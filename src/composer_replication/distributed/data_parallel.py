@@ -10,14 +10,14 @@ Every rank builds the same run (same seed, same config), then:
 - :func:`shard_for_training` shards the policy with FSDP2 (after the frozen teacher copies
   are made) and returns the step's ``count_reducer``, which sums token counts over ranks;
 - the lifecycle splits held-out evaluation, agrees on stop decisions and lets rank 0
-  write (:class:`~composer_replication.trainer.ranks.RankGroup`).
+  write (:class:`~composer_replication.distributed.ranks.RankGroup`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.trainer.ranks import RankGroup
+from composer_replication.distributed.ranks import RankGroup
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from composer_replication.trainer.ranks import RankGroup
+from composer_replication.distributed.ranks import RankGroup
 
 if TYPE_CHECKING:
     import torch

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from composer_replication.atomic_io import build_dir_atomically
-from composer_replication.trainer.ranks import RankGroup
+from composer_replication.distributed.ranks import RankGroup
 
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 #: the torch.distributed.checkpoint directory of a checkpoint written by several ranks

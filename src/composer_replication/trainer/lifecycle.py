@@ -22,7 +22,7 @@ A backend (the native loop, the trl trainer) owns only its steps. Around them,
 With several training ranks (``torch.distributed`` initialised: ``torchrun``, ``accelerate
 launch``), rank 0 alone writes files, held-out evaluation is split across the ranks and
 gathered (every rank computes the same scores), and every stop decision is rank 0's
-(:class:`~composer_replication.trainer.ranks.RankGroup`).
+(:class:`~composer_replication.distributed.ranks.RankGroup`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.atomic_io import write_text_atomic
-from composer_replication.trainer.ranks import RankGroup
+from composer_replication.distributed.ranks import RankGroup
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
