@@ -404,11 +404,39 @@ def _profiled_busy_fraction(run: Any) -> float:
     return busy / wall_us if wall_us else float("nan")
 
 
+def profiled_step(run: Any, trace: Path) -> None:
+    """``run()`` under torch's profiler: ``trace`` gets the operators' table (by device time
+    and by count, with call sites) as text, for finding where a step's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, with_stack=False, record_shapes=False) as prof:
+        run()
+    averages = prof.key_averages()
+    by_time = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    trace.write_text(
+        averages.table(sort_by=by_time, row_limit=40)
+        + "\n\n"
+        + averages.table(sort_by="count", row_limit=40)
+    )
+    log(f"  profile of one step: {trace}")
+
+
 def recipe_steps(
-    config_path: Path, source: str, device: Any, steps: int, overrides: list[str], where: Path
+    config_path: Path,
+    source: str,
+    device: Any,
+    steps: int,
+    overrides: list[str],
+    where: Path,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     """``steps`` steps of a recipe through the trainer; median seconds of the steps after
-    the first, split by phase; and the GPU's busy share over the last step."""
+    the first, split by phase; and the GPU's busy share over the last step. ``trace``: also
+    profile one more step into that file."""
     from composer_replication.config.run import RunConfig
     from composer_replication.distributed.data_parallel import autocast_for
     from composer_replication.rollout.generate import DecodeOptions, decode_options
@@ -435,6 +463,8 @@ def recipe_steps(
         holder: dict[str, Any] = {}
         busy = busy_fraction(lambda: holder.update(trainer.train_one_step()), device)
         rows.append(holder)
+        if trace is not None:  # one more step under the profiler, after the measured ones
+            profiled_step(lambda: trainer.train_one_step(), trace)
     measured = rows[1:] if len(rows) > 1 else rows
 
     def median(key: str) -> float:
@@ -471,6 +501,7 @@ def section_steps(args: argparse.Namespace, source: str, device: Any, where: Pat
                 steps,
                 overrides + (quick if args.quick else []),
                 where / name,
+                trace=None if args.profile is None else args.profile / f"step_{name}.txt",
             )
             out[name] = result
             log(
@@ -660,10 +691,19 @@ def main() -> None:
     parser.add_argument("--heldout", type=float, default=0.0, metavar="MINUTES")
     parser.add_argument("--ablation", type=float, default=0.0, metavar="MINUTES")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="steps: profile one more step of each recipe, its operator tables to DIR",
+    )
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.random_weights = True
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     import torch
 
     device = torch.device(args.device)
