@@ -59,11 +59,14 @@ def test_no_pair_when_the_winner_equals_the_student_or_too_few_agree():
     assert len(extract_dpo_pairs([state("s0", "pwd")], rows, agreement_threshold=2)) == 1
 
 
-def test_thinking_alone_does_not_make_the_student_differ():
-    student = "<thinking>\nthe file is small\n</thinking>\n\nls -la"
+@pytest.mark.parametrize(
+    ("open_", "close"), [("[THINKING]", "[/THINKING]"), ("<thinking>", "</thinking>")]
+)
+def test_thinking_alone_does_not_make_the_student_differ(open_, close):
+    student = f"{open_}\nthe file is small\n{close}\n\nls -la"
     rows = [row("s0", "a", "ls -la"), row("s0", "b", "ls -la")]
     assert extract_dpo_pairs([state("s0", student)], rows) == []
-    differing = "<thinking>\nhmm\n</thinking>\n\npwd"
+    differing = f"{open_}\nhmm\n{close}\n\npwd"
     (pair,) = extract_dpo_pairs([state("s0", differing)], rows)
     assert pair["rejected"] == differing  # rejected keeps the student's text as it was
 

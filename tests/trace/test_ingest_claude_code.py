@@ -48,7 +48,7 @@ def test_one_state_per_turn_with_multi_record_messages_merged():
     ]
     # three records of msg_01 (thinking, text, tool_use) form one action, thinking kept
     assert first["student_action"] == (
-        "<thinking>\nLet me read calc.py before changing anything.\n</thinking>\n\n"
+        "[THINKING]\nLet me read calc.py before changing anything.\n[/THINKING]\n\n"
         f"I'll look at calc.py first.\n\n{READ_CALL}"
     )
     assert first["source"]["session_id"] == "1f0c7a2e-5b1d-4c3e-9a7f-0d2e4b6c8a10"
@@ -65,9 +65,9 @@ def test_history_renders_tool_calls_and_results_and_strips_thinking():
     assert second["messages"][2]["content"] == f"I'll look at calc.py first.\n\n{READ_CALL}"
     assert second["messages"][3]["content"].startswith('<tool_result name="Read">\ndef add(a, b):')
     assert second["messages"][3]["content"].endswith("return a / b\n\n</tool_result>")
-    assert "<thinking>" not in json.dumps(second["messages"])
+    assert "[THINKING]" not in json.dumps(second["messages"])
     kept, _ = ingest(MAIN_SESSION, strip_thinking=False)
-    assert kept[1]["messages"][2]["content"].startswith("<thinking>\nLet me read calc.py")
+    assert kept[1]["messages"][2]["content"].startswith("[THINKING]\nLet me read calc.py")
 
 
 def test_parallel_tool_calls_written_between_blocks_stay_one_turn():
@@ -360,3 +360,19 @@ def test_any_input_is_counted_never_raised(tmp_path, lines, newline):
     for s in states:
         assert s["messages"][0]["role"] == "system" and isinstance(s["student_action"], str)
         json.dumps(s)  # JSON-able, ready for the states file
+
+
+def test_system_prompt_and_thinking_marker_as_documented():
+    from composer_replication import SYSTEM_PROMPT as top_level
+    from composer_replication.ingestion.claude_code import SYSTEM_PROMPT as documented
+
+    assert top_level is documented is SYSTEM_PROMPT
+    print(SYSTEM_PROMPT[:60])
+    assert SYSTEM_PROMPT.startswith(
+        "You are a senior software engineer working as a coding agent in a terminal environment"
+    )
+    states, _ = ingest(MAIN_SESSION)
+    # the documented marker: [THINKING] blocks stay inside student_action ...
+    assert states[0]["student_action"].startswith("[THINKING]\n")
+    # ... and leave the history handed to teachers (strip_thinking=True by default)
+    assert all("[THINKING]" not in m["content"] for s in states for m in s["messages"])

@@ -65,9 +65,9 @@ MAX_LINE_BYTES = 64 * 1024 * 1024
 __all__ = ["KNOWN_VERSION_RANGE", "SYSTEM_PROMPT", "ClaudeCodeIngester", "IngestionStats"]
 
 SYSTEM_PROMPT = """\
-You are an expert software engineering agent working in a user's code repository through \
-tools (for example Bash, Read, Edit, Write, Glob, Grep). The conversation so far is a real \
-coding session. In it, a tool call is written as
+You are a senior software engineer working as a coding agent in a terminal environment, \
+inside a user's code repository, with tools (for example Bash, Read, Edit, Write, Glob, \
+Grep). The conversation so far is a real coding session. In it, a tool call is written as
 
 <tool_call name="TOOL_NAME">
 {"argument": "value"}

@@ -6,9 +6,9 @@ the same form, which makes teacher and student actions comparable):
 
 Assistant turn, blocks in their original order, separated by one blank line:
 
-    <thinking>
+    [THINKING]
     {thinking text}
-    </thinking>
+    [/THINKING]
 
     {text block, verbatim}
 
@@ -40,6 +40,8 @@ from composer_replication.traces.teacher_replay.records import ErrorSite
 
 __all__ = [
     "CONTENT_TOOLS",
+    "THINKING_CLOSE",
+    "THINKING_OPEN",
     "render_assistant_blocks",
     "render_tool_call",
     "render_tool_result",
@@ -47,6 +49,10 @@ __all__ = [
     "tool_result_text",
     "user_text",
 ]
+
+# The markers around a thinking block in a rendered assistant turn.
+THINKING_OPEN = "[THINKING]"
+THINKING_CLOSE = "[/THINKING]"
 
 # Tools whose output is file or web content, not an outcome: an error-looking text in their
 # output (a traceback in a file being read) is not an error site unless Claude Code flagged
@@ -78,7 +84,7 @@ def render_assistant_blocks(blocks: list[dict[str, Any]], *, keep_thinking: bool
         elif kind == "thinking":
             thinking = block.get("thinking")
             if keep_thinking and isinstance(thinking, str) and thinking.strip():
-                parts.append(f"<thinking>\n{thinking}\n</thinking>")
+                parts.append(f"{THINKING_OPEN}\n{thinking}\n{THINKING_CLOSE}")
         elif kind in ("tool_use", "server_tool_use"):
             parts.append(render_tool_call(str(block.get("name", "")), block.get("input", {})))
         elif kind != "redacted_thinking":

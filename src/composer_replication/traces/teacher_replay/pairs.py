@@ -4,7 +4,7 @@
 normalisation (every run of whitespace becomes one space, ends stripped); the answer most
 teachers gave wins (ties: the one given first in teacher order). A pair is emitted when at
 least `agreement_threshold` teachers gave it AND it differs from the student's action. The
-student action is compared without its `<thinking>` blocks (teachers are not asked to show
+student action is compared without its `[THINKING]` blocks (teachers are not asked to show
 their reasoning, so thinking alone must not make the student "differ"); `rejected` keeps the
 student action as it is, `chosen` the winning teacher's original text.
 """
@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 _WHITESPACE_RE = re.compile(r"\s+")
-_THINKING_RE = re.compile(r"<thinking>.*?</thinking>", re.DOTALL)
+# The ingester's `[THINKING]...[/THINKING]` blocks, and the `<thinking>` form of older traces.
+_THINKING_RE = re.compile(r"\[THINKING\].*?\[/THINKING\]|<thinking>.*?</thinking>", re.DOTALL)
 
 
 def normalize_action(text: str) -> str:
@@ -44,7 +45,8 @@ def normalize_action(text: str) -> str:
 
 
 def strip_thinking(text: str) -> str:
-    """`text` without its `<thinking>...</thinking>` blocks (the ingester's rendering)."""
+    """`text` without its `[THINKING]...[/THINKING]` blocks (the ingester's rendering; the
+    `<thinking>...</thinking>` form of older traces too)."""
     return _THINKING_RE.sub("", text)
 
 
