@@ -172,3 +172,38 @@ def test_logs_and_cancel() -> None:
 def test_parse_indexes() -> None:
     assert parse_indexes("0-2,5,7-8") == {0, 1, 2, 5, 7, 8}
     assert parse_indexes(None) == set() and parse_indexes("") == set()
+
+
+def test_documented_example_with_the_default_entrypoint() -> None:
+    batch, core = FakeBatch(), FakeCore()
+    ex = EKSExecutor(
+        image="ghcr.io/me/diloco:latest",
+        service_account_name="diloco-s3",
+        batch_api=batch,
+        core_api=core,
+    )
+    handles = ex.launch_replicas(
+        n_replicas=4,
+        entrypoint="",  # ignored on k8s
+        entrypoint_args={
+            "rendezvous_uri": "s3://bucket/run/",
+            "trainer_module": "my.trainer",
+            "world_size": 4,
+        },
+        gpu="H100",
+    )
+    assert [h.rank for h in handles] == [0, 1, 2, 3]
+    ((_, job),) = batch.created
+    command = job.spec.template.spec.containers[0].command
+    assert command[command.index("--entrypoint") + 1] == (
+        "composer_replication.diloco.serverless.replica_entrypoint"
+    )
+    batch.status = NS(completed_indexes="0-3", failed_indexes=None, conditions=None)
+    results = ex.collect(handles, timeout=3600)
+    assert [(r["rank"], r["status"], r["exit_code"]) for r in results] == [
+        (r, "succeeded", 0) for r in range(4)
+    ]
+    # the default entry point needs its rendezvous and trainer, before anything is created
+    with pytest.raises(ValueError, match=r"lacks \['trainer_module'\]"):
+        ex.launch_replicas(2, "", {"rendezvous_uri": "s3://bucket/run/"})
+    assert len(batch.created) == 1

@@ -21,8 +21,8 @@ def test_manager_surface(tmp_path: Path) -> None:
     assert work.wait() is True
     assert torch.equal(work.get_future().wait(), t)
     manager.start_quorum()
-    manager.wait_quorum()
-    assert manager.current_step() == 0
+    assert manager.current_step() == 1  # the quorum begins the step
+    assert manager.wait_quorum() == 1  # the quorum's size
     assert manager.should_commit() is True
     assert manager.current_step() == 1
     manager.disallow_state_dict_read()

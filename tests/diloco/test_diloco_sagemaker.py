@@ -187,3 +187,46 @@ def test_env_values_over_the_sagemaker_cap_are_refused() -> None:
     ex = SageMakerExecutor(role_arn=ROLE, image_uri="i", output_s3_path="s3://o")
     with pytest.raises(ValueError, match="512 characters"):
         ex.training_job_request(0, 1, "m", {"config": "x" * 600})
+
+
+def test_documented_example_default_entrypoint_and_collect_rows(aws_env: str) -> None:
+    run = f"d{int(time.time() * 1000) % 10**8}"
+    sm = boto3.client("sagemaker", endpoint_url=aws_env, region_name="us-east-1")
+    sent: list[dict[str, Any]] = []
+    sm.meta.events.register(
+        "provide-client-params.sagemaker.CreateTrainingJob",
+        lambda params, **_: sent.append(json.loads(json.dumps(params))),
+    )
+    ex = SageMakerExecutor(
+        role_arn="arn:aws:iam::123:role/sm-exec",
+        image_uri="123.dkr.ecr.us-east-1.amazonaws.com/diloco:latest",
+        output_s3_path="s3://bucket/out/",
+        region="us-east-1",
+        run_id=run,
+        sagemaker_client=sm,
+        poll_interval_s=0.01,
+    )
+    handles = ex.launch_replicas(
+        n_replicas=2,
+        entrypoint="",
+        entrypoint_args={"rendezvous_uri": "s3://bucket/run/", "trainer_module": "my.trainer"},
+        gpu="A100",
+    )
+    spec = sent[0]["AlgorithmSpecification"]
+    assert spec["ContainerArguments"][-2:] == [
+        "--entrypoint",
+        "composer_replication.diloco.serverless.replica_entrypoint",
+    ]
+    # the default entry point gets world_size = n_replicas
+    assert json.loads(sent[1]["Environment"]["DILOCO_ARGS_JSON"])["world_size"] == 2
+    results = ex.collect(handles)
+    assert [r["training_job_name"] for r in results] == [f"diloco-{run}-r0", f"diloco-{run}-r1"]
+    for row in results:
+        described = ex._client("sagemaker").describe_training_job(
+            TrainingJobName=row["training_job_name"]
+        )
+        assert row["result"] == described["ModelArtifacts"]["S3ModelArtifacts"]
+        assert row["result"].startswith("s3://bucket/out/")
+        assert {"rank", "status", "exit_code", "error", "result", "training_job_name"} <= set(row)
+    with pytest.raises(ValueError, match=r"lacks \['rendezvous_uri'\]"):
+        ex.launch_replicas(1, "", {"trainer_module": "my.trainer"})

@@ -136,23 +136,31 @@ def test_manager_quorum_and_commit_follow_torchft(tmp_path):
         manager.wait_quorum()
     with pytest.raises(AssertionError):  # torchft-style callers catch AssertionError
         manager.wait_quorum()
+    # the documented surface: start_quorum() bumps the step, wait_quorum() -> int (the size)
     assert manager.start_quorum() is None
-    assert manager.wait_quorum() is None
+    assert manager.current_step() == 1
+    assert manager.wait_quorum() == 2
     assert manager.participating_rank() == 0
     # num_participants: the seed's int attribute and torchft's method
     assert manager.num_participants == 2 and manager.num_participants() == 2
-    assert (manager.current_step(), manager.batches_committed()) == (0, 0)
+    assert (manager.current_step(), manager.batches_committed()) == (1, 0)
     assert manager.should_commit() is True
     assert (manager.current_step(), manager.batches_committed()) == (1, 2)
-    # an error reported during a step: no commit, the step stays, until the next quorum
+    # an error reported during a step: no commit, the step is taken back and retried
+    manager.start_quorum()
+    assert manager.current_step() == 2
     boom = RuntimeError("allreduce failed")
     manager.report_error(boom)
     assert manager.errored() is boom
+    assert manager.state_dict()["step"] == 1  # an open step is not checkpointed
     assert manager.should_commit() is False
     assert (manager.current_step(), manager.batches_committed()) == (1, 2)
+    assert manager.should_commit() is False  # still errored; nothing taken back twice
+    assert manager.current_step() == 1
     manager.start_quorum(allow_heal=False, shrink_only=True, timeout=5)
-    assert manager.errored() is None
+    assert manager.errored() is None and manager.current_step() == 2
     assert manager.should_commit() is True
+    assert manager.should_commit() is True  # a second call commits nothing more
     assert (manager.current_step(), manager.batches_committed()) == (2, 4)
     # the bookkeeping is checkpointed and restored
     state = manager.state_dict()
@@ -224,3 +232,56 @@ def test_runner_result_file_round_trip(tmp_path):
     assert read_result(tmp_path / "missing.json") == (None, None)
     assert json.loads(Path(path).read_text())["kind"] == "repr"
     assert CompletedWork(torch.ones(1)).is_completed()
+
+
+@pytest.mark.integration
+def test_local_executor_documented_example(tmp_path, monkeypatch):
+    from composer_replication.diloco.serverless import LocalProcessExecutor
+
+    # the documented call; "my.trainer" is this module, "/tmp/run/" a fresh folder
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    ex = LocalProcessExecutor()
+    assert ex.backend_name == "local_process"
+    handles = ex.launch_replicas(
+        n_replicas=2,
+        entrypoint="composer_replication.diloco.serverless.replica_entrypoint",
+        entrypoint_args={
+            "rendezvous_uri": str(tmp_path / "run") + "/",
+            "world_size": 2,
+            "trainer_module": __name__,
+            "trainer_fn": "seed_style_train",
+        },
+    )
+    assert all(h.backend_name == "local_process" for h in handles)
+    assert all(isinstance(h.metadata["start_ts"], float) for h in handles)
+    assert {"pid", "start_ts"} <= set(handles[0].metadata)
+    results = ex.collect(handles, timeout=60)
+    assert [r["result"]["mean"] for r in results] == [1.5, 1.5]
+    # entrypoint="" is the same default entry point; world_size defaults to n_replicas
+    handles = ex.launch_replicas(
+        n_replicas=2,
+        entrypoint="",
+        entrypoint_args={
+            "rendezvous_uri": str(tmp_path / "run2"),
+            "trainer_module": __name__,
+            "trainer_fn": "seed_style_train",
+        },
+    )
+    rows = ex.collect(handles, timeout=60)
+    assert [r["result"]["world_size"] for r in rows] == [2, 2], [r["error"] for r in rows]
+
+
+def test_mock_manager_documented_surface(tmp_path):
+    from composer_replication.diloco.serverless import MockManager, ObjectStoreAllReduce
+
+    store = ObjectStoreAllReduce(str(tmp_path) + "/", rank=0, world_size=2)
+    mgr = MockManager(store)
+    assert (mgr._step, mgr.current_step()) == (0, 0)
+    assert mgr.start_quorum() is None
+    assert (mgr._step, mgr.current_step()) == (1, 1)  # start_quorum() bumps _step
+    quorum = mgr.wait_quorum()
+    assert type(quorum) is int and quorum == 2 == mgr.num_participants
+    assert mgr.should_commit() is True
+    assert mgr.is_leader() and mgr._use_async_quorum is False
+    mgr.start_quorum()
+    assert mgr.current_step() == 2

@@ -16,6 +16,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from composer_replication.config.diloco import RANK_ENV as RANK_ENV
 from composer_replication.config.diloco import WORLD_SIZE_ENV as WORLD_SIZE_ENV
 
+#: What an empty entrypoint (``""``, the documented way to say "the default") runs.
+DEFAULT_ENTRYPOINT = "composer_replication.diloco.serverless.replica_entrypoint"
+
 ReplicaStatus = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 STATUSES: tuple[str, ...] = ("pending", "running", "succeeded", "failed", "cancelled")
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -74,9 +77,12 @@ def check_launch_args(n_replicas: int, timeout: float) -> None:
 
 
 def resolve_entrypoint(entrypoint: str | Callable[..., Any]) -> Callable[..., Any]:
-    """A callable from ``"pkg.module"`` (its ``main``), ``"pkg.module.function"`` or a callable."""
+    """A callable from ``"pkg.module"`` (its ``main``), ``"pkg.module.function"`` or a callable;
+    ``""`` is the default entry point (``DEFAULT_ENTRYPOINT``'s ``main``)."""
     if callable(entrypoint):
         return entrypoint
+    if entrypoint == "":
+        entrypoint = DEFAULT_ENTRYPOINT
     if not isinstance(entrypoint, str) or not entrypoint:
         raise ValueError(
             f"entrypoint must be a callable or a 'module' / 'module.function' string, "
@@ -105,7 +111,10 @@ def _parents(dotted: str) -> list[str]:
 
 
 def entrypoint_string(entrypoint: Any) -> str:
-    """The ``module`` / ``module.function`` string that remote backends run."""
+    """The ``module`` / ``module.function`` string that remote backends run (``""`` and None:
+    ``DEFAULT_ENTRYPOINT``, the replica entrypoint)."""
+    if entrypoint is None or entrypoint == "":
+        return DEFAULT_ENTRYPOINT
     if isinstance(entrypoint, str):
         return entrypoint
     module, name = getattr(entrypoint, "__module__", None), getattr(entrypoint, "__qualname__", "")
@@ -115,6 +124,28 @@ def entrypoint_string(entrypoint: Any) -> str:
             "(defined in __main__ or a closure): pass 'module.function' instead"
         )
     return f"{module}.{name}"
+
+
+def launch_spec(
+    entrypoint: Any, entrypoint_args: dict[str, Any], n_replicas: int
+) -> tuple[str, dict[str, Any]]:
+    """``(entrypoint string, entrypoint_args)`` as a backend runs them.
+
+    For the default entry point (``""`` or ``DEFAULT_ENTRYPOINT``) the arguments must name
+    ``rendezvous_uri`` and ``trainer_module`` (``ValueError`` otherwise, before anything is
+    launched) and ``world_size`` defaults to ``n_replicas``.
+    """
+    spec = entrypoint_string(entrypoint)
+    args = dict(entrypoint_args)
+    if spec == DEFAULT_ENTRYPOINT:
+        missing = [k for k in ("rendezvous_uri", "trainer_module") if not args.get(k)]
+        if missing:
+            raise ValueError(
+                f"entrypoint_args lacks {missing}: the default entry point ({DEFAULT_ENTRYPOINT}) "
+                "joins the rendezvous_uri and runs trainer_module's trainer_fn"
+            )
+        args.setdefault("world_size", n_replicas)
+    return spec, args
 
 
 def scalar_env(entrypoint_args: dict[str, Any]) -> dict[str, str]:

@@ -24,7 +24,7 @@ from composer_replication.diloco.serverless.base import (
     ReplicaStatus,
     check_launch_args,
     collect_by_polling,
-    entrypoint_string,
+    launch_spec,
     scalar_env,
 )
 from composer_replication.diloco.serverless.runner import build_command
@@ -147,6 +147,7 @@ class EKSExecutor:
         """The ``V1Job`` that ``launch_replicas`` submits (exposed to inspect or dry-run)."""
         from kubernetes import client
 
+        spec, entrypoint_args = launch_spec(entrypoint, entrypoint_args, n_replicas)
         rank_env = str(entrypoint_args.get("rank_env", RANK_ENV))
         env = [
             client.V1EnvVar(
@@ -183,7 +184,7 @@ class EKSExecutor:
         container = client.V1Container(
             name="replica",
             image=self.image,
-            command=self.command or build_command(entrypoint_string(entrypoint), entrypoint_args),
+            command=self.command or build_command(spec, entrypoint_args),
             env=env,
             resources=client.V1ResourceRequirements(requests=requests, limits=limits or None),
         )

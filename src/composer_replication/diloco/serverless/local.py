@@ -4,7 +4,7 @@ Each replica is ``python -m composer_replication.diloco.serverless.runner`` in i
 session with the rank in ``REPLICA_RANK`` (or ``entrypoint_args["rank_env"]``), stdout and
 stderr in ``<workdir>/<launch>-rank_RRRR.log``, its exit code in ``...-rank_RRRR.exit`` and
 what its entrypoint returned in ``...-rank_RRRR.result.json`` (``collect`` puts it in each
-row's ``result``). Handles carry the pid and those paths, so ``poll``/``stream_logs``/``cancel`` also work from another
+row's ``result``). Handles carry the pid, the start time (``start_ts``) and those paths, so ``poll``/``stream_logs``/``cancel`` also work from another
 process (the ``diloco status`` command). Replicas share this machine's network, but DiLoCo
 runs here still meet through the object store, like serverless ones.
 """
@@ -31,7 +31,7 @@ from composer_replication.diloco.serverless.base import (
     ReplicaStatus,
     check_launch_args,
     collect_by_polling,
-    entrypoint_string,
+    launch_spec,
 )
 from composer_replication.diloco.serverless.runner import read_result
 
@@ -54,7 +54,7 @@ def _pid_alive(pid: int) -> bool:
 class LocalProcessExecutor:
     """Spawn ``n`` local replica processes; ``workdir`` holds their logs and exit codes."""
 
-    backend_name = "local"
+    backend_name = "local_process"
     supports_inter_replica_network = True
 
     def __init__(
@@ -90,7 +90,7 @@ class LocalProcessExecutor:
         check_launch_args(n_replicas, timeout)
         if gpu is not None:
             _warn_without_gpu(gpu)
-        spec = entrypoint_string(entrypoint)
+        spec, entrypoint_args = launch_spec(entrypoint, entrypoint_args, n_replicas)
         rank_env = str(entrypoint_args.get("rank_env", RANK_ENV))
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
@@ -118,6 +118,7 @@ class LocalProcessExecutor:
             self._procs[rank] = proc
             metadata = {
                 "pid": proc.pid,
+                "start_ts": time.time(),
                 "log_path": str(log),
                 "exit_path": str(exit_file),
                 "result_path": str(result_file),

@@ -4,12 +4,14 @@ torchft's ``DiLoCo`` talks to a ``Manager`` for quorum, all-reduce and commit. S
 replicas have no lighthouse and no network between them, so this adapter answers those
 calls from the object store: the quorum is always the fixed ``world_size`` (a dead peer
 shows up as a ``TimeoutError`` from the store, never as a smaller quorum) and every
-all-reduce completes before it returns. The step bookkeeping is torchft's:
-``start_quorum()`` readies a step and returns None, ``wait_quorum()`` returns None and
-needs a ``start_quorum()`` first, ``should_commit()`` returns True and advances
-``current_step()`` by one and ``batches_committed()`` by the number of participants unless
-an error was reported since the quorum (``report_error``), in which case it returns False
-and the step stays. ``MockManager`` is the seed name, kept as an alias, and
+all-reduce completes before it returns. Step bookkeeping (the documented ``MockManager``
+surface): ``start_quorum()`` begins a step and advances ``current_step()`` by one (so code
+that picks a fragment from ``current_step()`` between the quorum and the commit sees the step
+being synced), ``wait_quorum()`` needs a ``start_quorum()`` first and returns the quorum's
+size (the fixed world size), ``should_commit()`` returns True and adds the participants to
+``batches_committed()`` unless an error was reported since the quorum (``report_error``),
+in which case it returns False and takes the step back (the next quorum retries it, as
+torchft retries a failed fragment). ``MockManager`` is the seed name, kept as an alias, and
 ``_ImmediateWork`` the seed's name of ``CompletedWork``.
 """
 
@@ -71,6 +73,7 @@ class ObjectStoreManager:
         self._batches_committed = 0
         self._quorums = 0
         self._quorum_started = False
+        self._step_open = False  # a quorum's step not yet committed or taken back
         self._errored: BaseException | None = None
         self._state_dict_read_allowed = True
         self._load_fns: dict[str, Callable[[Any], None]] = {}
@@ -89,32 +92,42 @@ class ObjectStoreManager:
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: Any = None
     ) -> None:
-        """Ready the manager for a new step: clears a reported error; the quorum is the
-        fixed world, so there is nothing to negotiate or heal (the arguments are accepted
-        for torchft compatibility)."""
+        """Begin a new step: ``current_step()`` advances by one and a reported error is
+        cleared. The quorum is the fixed world, so there is nothing to negotiate or heal
+        (the arguments are accepted for torchft compatibility). A quorum started while the
+        previous step is still open (no ``should_commit`` yet) counts as a new step too."""
         self._quorums += 1
         self._quorum_started = True
         self._errored = None
+        self._step += 1
+        self._step_open = True
 
-    def wait_quorum(self) -> None:
-        """Return once the quorum is ready (at once: it is fixed).
+    def wait_quorum(self) -> int:
+        """Return the quorum's size (the fixed world size) once it is ready: at once.
 
         Raises:
             QuorumNotStartedError: no ``start_quorum()`` was called yet.
         """
         if not self._quorum_started:
             raise QuorumNotStartedError("must call start_quorum before wait_quorum")
+        return int(self.num_participants)
 
     def should_commit(self, timeout: Any = None) -> bool:
-        """True, and the step advances, unless an error was reported since the quorum."""
-        if self._errored is not None:
-            return False
-        self._step += 1
-        self._batches_committed += int(self.num_participants)
-        return True
+        """True unless an error was reported since the quorum. The first call after a
+        quorum adds the participants to ``batches_committed()`` (True) or takes the step
+        back (False: the next quorum starts the same step again)."""
+        committed = self._errored is None
+        if self._step_open:
+            self._step_open = False
+            if committed:
+                self._batches_committed += int(self.num_participants)
+            else:
+                self._step -= 1
+        return committed
 
     def current_step(self) -> int:
-        """Steps committed so far (``should_commit`` calls that returned True)."""
+        """Quorums started (``start_quorum``), less the steps taken back by a failed
+        ``should_commit``: after a commit, the steps committed so far."""
         return self._step
 
     def batches_committed(self) -> int:
@@ -151,9 +164,10 @@ class ObjectStoreManager:
         self._save_fns[key] = state_dict
 
     def state_dict(self) -> dict[str, Any]:
-        """The step, the store's round and every registered user state (for checkpoints)."""
+        """The committed step (an open quorum's step is not saved: a resumed manager starts
+        it again), the store's round and every registered user state (for checkpoints)."""
         return {
-            "step": self._step,
+            "step": self._step - int(self._step_open),
             "batches_committed": self._batches_committed,
             "round_id": self.store.round_id,
             "user": {key: fn() for key, fn in self._save_fns.items()},
@@ -161,6 +175,7 @@ class ObjectStoreManager:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])
+        self._step_open = False
         self._batches_committed = int(state.get("batches_committed", 0))
         self.store._round = int(state["round_id"])
         self.store._check_fresh = False

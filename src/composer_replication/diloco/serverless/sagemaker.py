@@ -26,7 +26,7 @@ from composer_replication.diloco.serverless.base import (
     ReplicaStatus,
     check_launch_args,
     collect_by_polling,
-    entrypoint_string,
+    launch_spec,
     scalar_env,
 )
 from composer_replication.diloco.serverless.runner import ARGS_ENV, build_command
@@ -132,6 +132,7 @@ class SageMakerExecutor:
         timeout: int = 3600,
     ) -> dict[str, Any]:
         """The ``CreateTrainingJob`` parameters for one rank."""
+        spec, entrypoint_args = launch_spec(entrypoint, entrypoint_args, n_replicas)
         rank_env = str(entrypoint_args.get("rank_env", RANK_ENV))
         env = scalar_env(entrypoint_args)
         env.update({rank_env: str(rank), WORLD_SIZE_ENV: str(n_replicas)})
@@ -144,7 +145,7 @@ class SageMakerExecutor:
                 f"SageMaker environment values are capped at 512 characters; {too_long} are "
                 "longer: pass large inputs by URI (e.g. a config uploaded to S3)"
             )
-        command = build_command(entrypoint_string(entrypoint), {})[:-2]  # no --args-json
+        command = build_command(spec, {})[:-2]  # no --args-json
         return {
             "TrainingJobName": self.job_name(rank),
             "RoleArn": self.role_arn,
@@ -254,6 +255,8 @@ class SageMakerExecutor:
                 "status": status,
                 "exit_code": 0 if status == "succeeded" else None,
                 "error": job.get("FailureReason"),
+                "result": (job.get("ModelArtifacts") or {}).get("S3ModelArtifacts"),
+                "training_job_name": handle.metadata["job_name"],
                 "job_name": handle.metadata["job_name"],
                 "arn": handle.metadata["arn"],
                 "secondary_status": job.get("SecondaryStatus"),
