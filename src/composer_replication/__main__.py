@@ -4,4 +4,4 @@
 from composer_replication.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

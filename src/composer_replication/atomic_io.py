@@ -3,7 +3,8 @@
 Used for model caches, checkpoints, summaries and outputs. A directory is built in a
 uniquely named sibling (``<target>.tmp-<pid>-<hex>``) and renamed into place; leftovers of
 dead processes are removed on the next write. A file is written to a temporary sibling,
-fsynced and renamed (:func:`write_text_atomic`).
+fsynced and renamed (:func:`write_lines_atomic`, :func:`write_text_atomic`); only a regular
+file is ever replaced, and it keeps its mode.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -76,22 +78,72 @@ def build_dir_atomically(target: Path, build: Callable[[Path], None], *, replace
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary sibling renamed into place: a reader
-    (or a crash) sees the old file or the new one, never a torn one."""
+class EmptyOutputError(ValueError):
+    """Nothing to write: the existing output file (if any) was left untouched."""
+
+
+def _replaceable(path: Path) -> os.stat_result | None:
+    """The ``lstat`` of the regular file at ``path`` (None when there is none); anything
+    else there (a link, a directory, a device, a FIFO) is refused, never replaced."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        from composer_replication.outputs import OutputError, file_kind
+
+        raise OutputError(
+            f"{str(path)!r} is {file_kind(st.st_mode)}, not a regular file: not replaced"
+        )
+    return st
+
+
+def write_lines_atomic(
+    path: str | Path,
+    lines: Iterable[str],
+    *,
+    require_lines: bool = False,
+    mode: int | None = None,
+) -> int:
+    """Write ``lines`` (each already ending in a newline, or not) to ``path`` through a
+    temporary sibling renamed into place; return how many were written.
+
+    A reader (or a crash) sees the old file or the new one, never a torn one. Only a regular
+    file is replaced: a link, directory, device or FIFO at ``path`` raises
+    :class:`~composer_replication.outputs.OutputError` before and after the writing.
+    ``mode``: the new file's permission bits; default: the replaced file's, else 0o644.
+    With ``require_lines`` no line raises :class:`EmptyOutputError` and keeps the old file.
+    """
     import tempfile
 
     path = Path(path)
+    _replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    count = 0
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make run outputs private to the writer
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+            for line in lines:
+                fh.write(line)
+                count += 1
             fh.flush()
             os.fsync(fh.fileno())
+        if require_lines and count == 0:
+            raise EmptyOutputError(f"nothing to write to {str(path)!r}; it was left untouched")
+        old = _replaceable(path)  # checked again: something may have appeared meanwhile
+        if mode is None:
+            # mkstemp's 0600 would make outputs private; an existing file keeps its mode
+            mode = stat.S_IMODE(old.st_mode) if old is not None else 0o644
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+    return count
+
+
+def write_text_atomic(path: str | Path, text: str, *, mode: int | None = None) -> Path:
+    """Write ``text`` to ``path`` atomically (:func:`write_lines_atomic`): the old file or
+    the new one, a regular file only, an existing file's mode kept."""
+    write_lines_atomic(path, [text], mode=mode)
+    return Path(path)

@@ -13,6 +13,37 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from typer.core import TyperGroup
+
+
+class _OneLineErrors(TyperGroup):
+    """Every command's usage errors (parsed options and ``typer.BadParameter``) are one
+    line on stderr, ``Error: ...``, with the click exit code (2): no usage box."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        import importlib
+        import sys
+
+        # the click typer uses (its own copy in recent releases, else click itself)
+        exceptions = importlib.import_module(typer.BadParameter.__module__)
+        no_args = getattr(exceptions, "NoArgsIsHelpError", ())
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+            code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
+        except exceptions.ClickException as exc:
+            if isinstance(exc, no_args):
+                exc.show()  # the help text, as asked for
+            else:
+                message = " ".join(exc.format_message().split())
+                typer.echo(f"Error: {message} (--help lists the options)", err=True)
+            code = exc.exit_code
+        except exceptions.Abort:
+            typer.echo("Error: aborted", err=True)
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
 
 app = typer.Typer(
     name="composer-replication",
@@ -20,6 +51,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_OneLineErrors,
 )
 
 
@@ -316,6 +348,9 @@ def evaluate(
     output: Path | None = typer.Option(
         None, "-o", "--output", help="Write the result as JSON here (atomically)."
     ),
+    follow_symlinks: bool = typer.Option(
+        False, "--follow-symlinks", help="Write through an output that is a symbolic link."
+    ),
 ) -> None:
     """Score a model: held-out pass@1 / pass@k on an environment, or HumanEval.
 
@@ -338,6 +373,13 @@ def evaluate(
             "--env and --split choose held-out tasks; with --suite humaneval leave them out",
             param_hint="--suite",
         )
+    if output is not None:  # before the work: a refused -o must not cost the evaluation
+        from composer_replication.outputs import OutputError, check_output
+
+        try:
+            output = check_output(output, inputs=[model], follow_symlinks=follow_symlinks)
+        except OutputError as exc:
+            raise typer.BadParameter(str(exc), param_hint="-o") from None
     from composer_replication.trainer.setup import quiet_library_progress_bars
 
     quiet_library_progress_bars()  # in a log file, the weight-loading bar is noise
@@ -498,10 +540,13 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def main() -> None:
-    """Console-script entry point."""
-    app()
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: run the command line ``argv`` (default: the process's)
+    and return its exit code (``composer_replication.errors`` lists them)."""
+    from typer.main import get_command
+
+    return int(get_command(app).main(args=argv, standalone_mode=False) or 0)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -44,3 +44,43 @@ def test_help_answers_without_running_anything() -> None:
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
     assert "--max-tasks" in result.output and "--output" in result.output
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_datagen_twice_inside_the_repo_never_reads_its_own_outputs(fd_repo_copy: Path) -> None:
+    out = fd_repo_copy / "generated" / "tasks.jsonl"
+    (fd_repo_copy / "notes.reference.md").write_text("a hidden answer\n")  # any *.reference.*
+    args = [str(fd_repo_copy), "-o", str(out), "--max-tasks", "2"]
+    for _ in range(2):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+    rows = read_jsonl_records(out) + read_jsonl_records(out.with_name("tasks.heldout.jsonl"))
+    assert rows
+    for row in rows:
+        workdir = Path(row["workdir"])
+        on_disk = [p.relative_to(workdir).as_posix() for p in workdir.rglob("*")]
+        for listing in (row["files"], on_disk):
+            assert not [f for f in listing if "generated" in f or ".reference." in f], listing
+    # a run that accepts nothing leaves every earlier file as it was
+    before = {p: p.read_bytes() for p in out.parent.iterdir() if p.is_file()}
+    with open(fd_repo_copy / "tests" / "test_stats.py", "a") as fh:
+        fh.write("\n\ndef test_broken_on_purpose():\n    assert 0 == 1\n")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and "nothing written" in result.output
+    assert {p: p.read_bytes() for p in out.parent.iterdir() if p.is_file()} == before
+
+
+def test_datagen_refuses_unusable_outputs_before_any_work(shared_dir: Path) -> None:
+    repo = shared_dir / "repo"
+    repo.mkdir()
+    (shared_dir / "tasks.workdirs").write_text("a file where the workdirs folder goes")
+    for output, needle in (
+        (shared_dir, "is a directory"),
+        (Path("/dev/null"), "is a character device"),
+        (shared_dir / "tasks.jsonl", "is a regular file, not a directory"),
+    ):
+        result = CliRunner().invoke(app, [str(repo), "-o", str(output)])
+        assert result.exit_code == 2, result.output
+        assert needle in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["repo", "tasks.workdirs"]

@@ -57,7 +57,7 @@ def test_ingest_writes_states_and_prints_counts(tmp_path):
         in result.output
     )
     missing = runner.invoke(app, ["ingest", str(tmp_path / "none"), "-o", str(out)])
-    assert missing.exit_code == 1 and "does not exist" in missing.output
+    assert missing.exit_code == 2 and "does not exist" in missing.output
 
 
 @pytest.mark.integration
@@ -127,7 +127,7 @@ def test_pairs_normalize_without_data_juicer_fails_cleanly(tmp_path, monkeypatch
             "--normalize",
         ],
     )
-    assert result.exit_code == 1 and "replaysim" in result.output
+    assert result.exit_code == 2 and "replaysim" in result.output
 
 
 def test_replay_errors_are_reported_not_raised(tmp_path, monkeypatch):
@@ -144,11 +144,11 @@ def test_replay_errors_are_reported_not_raised(tmp_path, monkeypatch):
     )
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
     no_key = runner.invoke(app, ["replay", str(states), "-o", str(tmp_path / "r.jsonl")])
-    assert no_key.exit_code == 1 and "OPENROUTER_API_KEY" in no_key.output
+    assert no_key.exit_code == 2 and "OPENROUTER_API_KEY" in no_key.output
     bad = runner.invoke(
         app, ["replay", str(states), "-o", str(tmp_path / "r.jsonl"), "--teachers", "openai/gpt-4"]
     )
-    assert bad.exit_code == 1 and "unknown teacher slug" in bad.output
+    assert bad.exit_code == 2 and "unknown teacher slug" in bad.output
 
 
 def test_load_teachers_and_register():

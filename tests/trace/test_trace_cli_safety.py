@@ -88,7 +88,7 @@ def test_replay_checks_inputs_and_output_before_paying(tmp_path):
         result = runner.invoke(
             app, ["replay", str(states), "-o", str(as_dir), "--teachers", str(teachers)]
         )
-        assert result.exit_code == 1 and "is a directory" in result.output
+        assert result.exit_code == 2 and "is a directory" in result.output
         assert server.requests == []  # nothing was paid for
 
 
@@ -133,3 +133,52 @@ def test_train_config_errors_are_one_line_and_create_nothing(tmp_path):
         assert not run_dir.exists()
     debug = runner.invoke(main_app, ["train", "--set", "steps=0", "--debug"])
     assert debug.exit_code != 0 and debug.exception is not None  # the traceback is kept
+
+
+def _states_file(tmp_path, n=2):
+    from trace_helpers import make_states
+
+    path = tmp_path / "states.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in make_states(n)))
+    return path
+
+
+def test_an_output_equal_to_an_input_is_refused_and_the_input_kept(tmp_path):
+    session = tmp_path / "session.jsonl"
+    session.write_bytes(MAIN_SESSION.read_bytes())
+    hard = tmp_path / "same_inode.jsonl"
+    hard.hardlink_to(session)
+    states = _states_file(tmp_path)
+    before = {p: p.read_bytes() for p in (session, states)}
+    for args in (
+        ["ingest", str(session), "-o", str(session)],
+        ["ingest", str(session), "-o", str(hard)],  # the same file by another name
+        ["ingest", str(tmp_path), "-o", str(tmp_path / "states2.jsonl")],  # read back later
+        ["replay", str(states), "-o", str(states), "--teachers", "openai/gpt-5"],
+        ["pairs", str(states), "--states", str(states), "-o", str(states)],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "is the input" in result.output or "inside the input folder" in result.output
+        assert {p: p.read_bytes() for p in before} == before
+    assert not (tmp_path / "states2.jsonl").exists()
+
+
+def test_replay_whose_every_call_failed_exits_1_and_keeps_the_old_results(tmp_path):
+    states = _states_file(tmp_path, n=3)
+    out = _existing(tmp_path / "rows.jsonl")
+    with LocalOpenAIServer() as server:
+        gone = server.base_url  # a teacher that stops answering: connection refused
+    teachers = tmp_path / "t.json"
+    teachers.write_text(
+        json.dumps(
+            [{"slug": "local/t", "input_per_mtok": 1, "output_per_mtok": 1, "base_url": gone}]
+        )
+    )
+    common = ["replay", str(states), "-o", str(out), "--teachers", str(teachers), "--no-cache"]
+    for extra in (["--max-retries", "0", "--timeout", "2"], ["--max-usd", "0"]):
+        result = runner.invoke(app, [*common, *extra])
+        assert result.exit_code == 1, result.output
+        assert "every one of the 3 teacher calls failed" in result.output
+        assert "Traceback" not in result.output
+        assert out.read_text() == PRECIOUS

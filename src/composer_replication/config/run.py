@@ -436,7 +436,16 @@ class RunConfig(_Strict):
         if not is_text:
             if not path.exists():
                 raise FileNotFoundError(f"config file {path} does not exist")
-            data = tomllib.loads(path.read_text())
+            if not path.is_file():
+                raise IsADirectoryError(f"config file {path} is not a file; pass a run TOML")
+            try:
+                data = tomllib.loads(path.read_text(encoding="utf-8"))
+            except UnicodeDecodeError:
+                raise ValueError(
+                    f"config file {path} is not text (not UTF-8); pass a run TOML"
+                ) from None
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
         else:
             data = tomllib.loads(str(source))
         for item in overrides or []:
@@ -455,6 +464,8 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ValueError(f"override {item!r} must look like a.b.c=value")
     key, raw = item.split("=", 1)
+    if not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ValueError(f"override {item!r} names no field; write a.b.c=value, e.g. steps=4")
     if key.strip().startswith("envs.") and "envs" not in data:
         # An override inside the default environment list: spell the defaults out first.
         data["envs"] = [env.model_dump(mode="json") for env in _default_envs()]

@@ -246,15 +246,12 @@ def apply_reference(workdir: str | os.PathLike[str], reference: TaskReference) -
     path.write_text("".join(lines), encoding="utf-8")
 
 
-def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]], mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, sort_keys=True) + "\n")
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]], mode: int | None) -> None:
+    """Atomic (a crash leaves the old file, no stray temporary), a regular file only;
+    ``mode`` None keeps an existing file's mode."""
+    from composer_replication.atomic_io import write_lines_atomic
+
+    write_lines_atomic(path, (json.dumps(row, sort_keys=True) + "\n" for row in rows), mode=mode)
 
 
 def write_tasks(
@@ -270,7 +267,7 @@ def write_tasks(
     """
     if split is not None:
         split.check_trainable([t.task_id for t in tasks])
-    _write_jsonl(Path(path), (t.to_json() for t in tasks), 0o644)
+    _write_jsonl(Path(path), (t.to_json() for t in tasks), None)
 
 
 def split_record_path(output: str | os.PathLike[str]) -> Path:
@@ -282,11 +279,10 @@ def split_record_path(output: str | os.PathLike[str]) -> Path:
 
 def write_split_record(output: str | os.PathLike[str], split: HeldoutSplit) -> Path:
     """Record (atomically) the split the tasks of ``output`` were made with."""
+    from composer_replication.atomic_io import write_text_atomic
+
     path = split_record_path(output)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(split.to_record(), sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(split.to_record(), sort_keys=True) + "\n")
 
 
 def read_split_record(output: str | os.PathLike[str]) -> HeldoutSplit | None:
@@ -307,7 +303,7 @@ def write_heldout_tasks(path: str | os.PathLike[str], tasks: Sequence[FDTask]) -
     wrong = [t.task_id for t in tasks if t.split != "heldout"]
     if wrong:
         raise ValueError(f"held-out task file got tasks not marked heldout: {wrong!r}")
-    _write_jsonl(Path(path), (t.to_json() for t in tasks), 0o644)
+    _write_jsonl(Path(path), (t.to_json() for t in tasks), None)
 
 
 def write_references(path: str | os.PathLike[str], refs: Sequence[TaskReference]) -> None:

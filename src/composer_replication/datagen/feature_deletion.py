@@ -81,7 +81,8 @@ class GenerationReport:
         rejected: Rejection counts per reason key: `not_referenced` and each of `GATES`.
         rejections: (qualname, gate, reason) per rejected candidate, in order.
         output, heldout_output, reference_output, workdirs: Where things were written
-            (`heldout_output` is None without a split).
+            (`heldout_output` is None without a split); with no accepted task nothing is
+            written and earlier files there are left as they were.
         duration_s: Wall-clock seconds.
     """
 
@@ -148,11 +149,56 @@ def _prompt(candidate: Candidate, workdir: Path, targets: tuple[str, ...]) -> st
 
 # Not worth copying at all (scrub_tree would delete what is left of the leak list anyway).
 _COPY_IGNORE = shutil.ignore_patterns(".git", ".hg", ".svn", ".venv", ".tox", ".nox", "__pycache__")
+# Hidden answers of any earlier generation (ours or another's) never reach a workdir.
+_REFERENCE_FILES = re.compile(r".*\.reference\..*")
 
 
-def _copy_repo(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, symlinks=True, ignore=_COPY_IGNORE)
+def _copy_repo(src: Path, dst: Path, *, skip: Collection[Path] = ()) -> None:
+    """Copy ``src`` to ``dst`` and scrub it; ``skip``: resolved paths never copied (this
+    generation's own outputs, when they lie inside the repository)."""
+    skipped = {str(p) for p in skip}
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        here = Path(folder).resolve()
+        return (
+            set(_COPY_IGNORE(folder, names))
+            | {n for n in names if _REFERENCE_FILES.fullmatch(n)}
+            | {n for n in names if str(here / n) in skipped}
+        )
+
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore)
+    root = src.resolve()
+    for path in skip:  # a folder that held only outputs would still hint at them
+        try:
+            folder = dst / path.parent.relative_to(root)
+        except ValueError:
+            continue
+        while folder != dst and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
     scrub_tree(dst)
+
+
+def _output_tree(out: Path) -> list[Path]:
+    """Every path a generation writes for the training file ``out`` (its own output tree)."""
+    heldout, reference, workdirs = output_paths(out)
+    return [out, heldout, reference, workdirs, split_record_path(out)]
+
+
+def check_outputs(output: str | os.PathLike[str]) -> Path:
+    """Refuse, before any work, outputs the generation could not write (the project's output
+    policy: a directory, device, FIFO or link where a file goes, an unwritable folder, a file
+    where the workdirs folder goes); returns the resolved training file path."""
+    from composer_replication.outputs import check_output, check_output_dir
+
+    given = Path(output)
+    out = check_output(given).resolve()
+    for path in _output_tree(out)[1:]:
+        if path.name.endswith(".workdirs"):
+            check_output_dir(path, option="workdirs folder")
+        else:
+            check_output(path, option="-o")
+    return out
 
 
 def generate_tasks(
@@ -189,8 +235,9 @@ def generate_tasks(
         raise ValueError(f"repo {str(repo)!r} is not a directory")
     if isinstance(max_tasks, bool) or not isinstance(max_tasks, int) or max_tasks < 1:
         raise ValueError(f"max_tasks must be an int >= 1, got {max_tasks!r}")
-    out = Path(output).resolve()
+    out = check_outputs(output)
     heldout_path, reference_path, workdirs = output_paths(out)
+    own_outputs = _output_tree(out)  # never read back, even when -o is inside the repo
     validator = SolvabilityValidator(sandbox_factory, test_command=test_command)
     rejected = dict.fromkeys((NOT_REFERENCED, *GATES), 0)
     rejections: list[tuple[str, str, str]] = []
@@ -205,7 +252,7 @@ def generate_tasks(
     scratch = make_shared_tempdir("composer-replication-fd-")
     try:
         base = scratch / "base"
-        _copy_repo(repo_path, base)
+        _copy_repo(repo_path, base, skip=own_outputs)
         candidates = find_candidates(base)
         if only is not None:
             wanted = set(only)
@@ -220,7 +267,6 @@ def generate_tasks(
             candidates = []
         passing = frozenset(gate1.tests)
         names = _referenced_names(base) if static_preselect else set()
-        workdirs.mkdir(parents=True, exist_ok=True)
         for done, cand in enumerate(candidates, start=1):
             if len(train) + len(held) >= max_tasks:
                 break
@@ -233,6 +279,7 @@ def generate_tasks(
                 else:
                     fd_task, ref, task_dir = task
                     is_held = split is not None and split.is_heldout(fd_task.task_id)
+                    workdirs.mkdir(parents=True, exist_ok=True)
                     final = workdirs / slug(fd_task.task_id)
                     shutil.rmtree(final, ignore_errors=True)
                     shutil.move(str(task_dir), final)
@@ -246,13 +293,14 @@ def generate_tasks(
                 progress(done, total, f"{cand.file}::{cand.qualname}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    write_tasks(out, train, split=split)
-    if split is not None:
-        write_heldout_tasks(heldout_path, held)
-        write_split_record(out, split)
-    else:
-        split_record_path(out).unlink(missing_ok=True)  # an old record would lie
-    write_references(reference_path, refs)
+    if train or held:  # no task: the files of an earlier generation stay as they were
+        write_tasks(out, train, split=split)
+        if split is not None:
+            write_heldout_tasks(heldout_path, held)
+            write_split_record(out, split)
+        else:
+            split_record_path(out).unlink(missing_ok=True)  # an old record would lie
+        write_references(reference_path, refs)
     return GenerationReport(
         repo=repo_path.name,
         candidates=total,

@@ -35,9 +35,33 @@ app = typer.Typer(
 )
 
 
-def _fail(message: str) -> typer.Exit:
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    """One line on stderr and the exit: 1 when nothing was produced, 2 (``_usage``) for a
+    bad option, input or output path (``composer_replication.outputs`` lists the codes)."""
     typer.echo(f"Error: {message}", err=True)
-    return typer.Exit(code=1)
+    return typer.Exit(code=code)
+
+
+def _usage(message: str) -> typer.Exit:
+    return _fail(message, code=2)
+
+
+_FOLLOW = typer.Option(
+    False, "--follow-symlinks", help="Write through an output that is a symbolic link."
+)
+
+
+def _output(output: Path, follow_symlinks: bool, *inputs: Path) -> Path:
+    """The checked output file (the project's output policy), before any work starts;
+    an input folder counts whole (its files are all read)."""
+    from composer_replication.outputs import check_output
+
+    return check_output(
+        output,
+        inputs=[p for p in inputs if not p.is_dir()],
+        input_dirs=[p for p in inputs if p.is_dir()],
+        follow_symlinks=follow_symlinks,
+    )
 
 
 # What each input row must hold (name -> type); other rows are skipped and counted.
@@ -108,10 +132,18 @@ def ingest(
     ),
     keep_sidechain: bool = typer.Option(False, help="Also ingest subagent records and files."),
     keep_thinking: bool = typer.Option(False, help="Keep thinking blocks in the history."),
+    follow_symlinks: bool = _FOLLOW,
 ) -> None:
     """Claude Code session files -> TraceState JSONL (one state per assistant turn)."""
     from composer_replication.traces.ingestion.claude_code import ClaudeCodeIngester
     from composer_replication.traces.teacher_replay.pairs import write_jsonl
+
+    if not path.exists():
+        raise _usage(f"input {str(path)!r} does not exist; pass a session .jsonl or a folder")
+    try:
+        target = _output(output, follow_symlinks, path)
+    except ValueError as exc:
+        raise _usage(str(exc)) from None
 
     ingester = ClaudeCodeIngester(
         skip_sidechain=not keep_sidechain,
@@ -121,15 +153,15 @@ def ingest(
     from composer_replication.traces.teacher_replay.pairs import EmptyOutputError
 
     try:
-        write_jsonl(ingester.ingest(path), output, require_rows=True)
+        write_jsonl(ingester.ingest(path), target, require_rows=True)
     except EmptyOutputError as exc:
         stats = ingester.last_stats
         raise _fail(
             f"{path} gave no states ({stats.n_records_total} records read, "
             f"{stats.n_records_skipped} skipped): nothing written, {output} left untouched"
         ) from exc
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        raise _fail(str(exc)) from exc
+    except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as exc:
+        raise _usage(str(exc)) from exc
     s = ingester.last_stats
     typer.echo(
         f"ingested {s.n_files} file(s), {s.n_records_total} records: {s.n_states_emitted} states "
@@ -174,24 +206,25 @@ def replay(
     resend_in_flight: bool = typer.Option(
         False, help="Send again calls a killed run left in flight (they may have been billed)."
     ),
+    follow_symlinks: bool = _FOLLOW,
 ) -> None:
     """Replay every state through the teachers; rows keep state then teacher order."""
     import asyncio
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from composer_replication.traces.teacher_replay.pairs import check_output_path, write_jsonl
+    from composer_replication.traces.teacher_replay.pairs import write_jsonl
     from composer_replication.traces.teacher_replay.replay import replay_trace
 
     try:  # everything that can fail is checked before the first paid call
-        check_output_path(output)
+        target = _output(output, follow_symlinks, states_path)
         states = _read_rows(states_path, _STATE_FIELDS, "states")
         teacher_specs = load_teachers(teachers)
     except (FileNotFoundError, ValueError, OSError) as exc:
-        raise _fail(str(exc)) from exc
+        raise _usage(str(exc)) from exc
     if not states:
         raise _fail(f"{states_path} holds no states: nothing to replay, {output} left untouched")
-    cache = None if no_cache else (cache_dir or output.with_name(output.name + ".cache"))
+    cache = None if no_cache else (cache_dir or target.with_name(target.name + ".cache"))
     columns = (
         TextColumn("replay"),
         BarColumn(),
@@ -222,9 +255,15 @@ def replay(
                     resend_in_flight=resend_in_flight,
                 )
             )
-        except (RuntimeError, ValueError) as exc:
-            raise _fail(str(exc)) from exc
-    write_jsonl(rows, output, require_rows=True)
+        except (RuntimeError, ValueError) as exc:  # checked before the first call
+            raise _usage(str(exc)) from exc
+    if rows and all(r["error"] is not None for r in rows):
+        typer.echo(rows.summary.format(), err=True)
+        raise _fail(
+            f"every one of the {len(rows)} teacher calls failed (errors above): nothing "
+            f"written, {output} left untouched"
+        )
+    write_jsonl(rows, target, require_rows=True)
     typer.echo(f"{len(states)} states x {len(teacher_specs)} teachers -> {output}")
     typer.echo(rows.summary.format())
 
@@ -239,16 +278,14 @@ def pairs(
     recipe: Optional[Path] = typer.Option(  # noqa: UP045
         None, help="data-juicer recipe for --normalize (default: the packaged recipe)."
     ),
+    follow_symlinks: bool = _FOLLOW,
 ) -> None:
     """Teacher agreement against the student -> DPO pairs (optionally normalised)."""
-    from composer_replication.traces.teacher_replay.pairs import (
-        check_output_path,
-        extract_dpo_pairs,
-        write_jsonl,
-    )
+    from composer_replication.traces.teacher_replay.pairs import extract_dpo_pairs, write_jsonl
 
     try:
-        check_output_path(output)
+        inputs = [results_path, states_path, *([recipe] if recipe else [])]
+        target = _output(output, follow_symlinks, *inputs)
         states = _read_rows(states_path, _STATE_FIELDS, "states")
         rows = _read_rows(results_path, _RESULT_FIELDS, "results")
         normalizer = None
@@ -257,7 +294,7 @@ def pairs(
 
             normalizer = DJNormalizer(recipe)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
-        raise _fail(str(exc)) from exc
+        raise _usage(str(exc)) from exc
     known = {st["state_id"] for st in states}
     if not any(r["state_id"] in known for r in rows):
         raise _fail(
@@ -273,13 +310,13 @@ def pairs(
     if not found:
         raise _fail(f"no pairs to write: {output} left untouched")
     if normalizer is None:
-        write_jsonl(found, output, require_rows=True)
+        write_jsonl(found, target, require_rows=True)
         typer.echo(f"wrote {len(found)} pairs -> {output}")
         return
     normalized = normalizer.normalize(found)
     if not normalized:
         raise _fail(f"the recipe dropped every pair: {output} left untouched")
-    write_jsonl((p.to_dict() for p in normalized), output, require_rows=True)
+    write_jsonl((p.to_dict() for p in normalized), target, require_rows=True)
     st = normalizer.last_stats
     dropped = (
         f"{st.n_dropped_by_recipe} by the recipe, {st.n_dropped_identical} identical" if st else ""

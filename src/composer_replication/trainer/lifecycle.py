@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 from composer_replication.atomic_io import write_text_atomic
 from composer_replication.distributed.ranks import RankGroup
 
+# the exit codes of ``composer-replication train`` (every command's: ``errors``)
+from composer_replication.errors import EXIT_KILL_SWITCH as EXIT_KILL_SWITCH
+from composer_replication.errors import EXIT_OK as EXIT_OK
+from composer_replication.errors import EXIT_USAGE as EXIT_USAGE
+
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
     from composer_replication.safety import TripwireStatus
-
-#: Process exit codes of ``composer-replication train``.
-EXIT_OK = 0
-EXIT_USAGE = 2  # a bad config, path or option (one line on stderr)
-EXIT_KILL_SWITCH = 3  # the held-out kill switch stopped the run
 
 BACKENDS = ("native", "trl")
 

@@ -27,24 +27,34 @@ def export_prime_rl(
         help="Export composer as its Dr.GRPO channel (grpo), dropping its jsd and "
         "trace-replay DPO channels (named in a TOML comment and on stderr).",
     ),
+    follow_symlinks: bool = typer.Option(
+        False, "--follow-symlinks", help="Write through an output that is a symbolic link."
+    ),
 ) -> None:
     """Write CONFIG as a PRIME-RL rl config; fails naming every algorithm it cannot map."""
     from composer_replication.atomic_io import write_text_atomic
     from composer_replication.cli import user_error
     from composer_replication.config import RunConfig
+    from composer_replication.errors import EXIT_USAGE
+    from composer_replication.outputs import check_output
     from composer_replication.recipes.prime_rl.export import export_run_config
 
-    if not config.is_file():
-        typer.echo(f"error: config file {config} does not exist", err=True)
-        raise typer.Exit(2)
     try:
+        if not config.is_file():
+            raise FileNotFoundError(f"config file {str(config)!r} does not exist; pass a run TOML")
+        if output is not None:  # refused before the work (the project's output policy)
+            output = check_output(output, inputs=[config], follow_symlinks=follow_symlinks)
         result = export_run_config(
             RunConfig.from_toml(config), seq_len=seq_len, drop_unsupported=drop_unsupported
         )
-    except ValueError as exc:
-        message = str(exc) if "\n" in str(exc) else user_error(exc)
+    except (ValueError, OSError) as exc:
+        from pydantic import ValidationError
+
+        # one line per environment PRIME-RL cannot express; any other error is one line
+        multi = "\n" in str(exc) and not isinstance(exc, (ValidationError, OSError))
+        message = str(exc) if multi else user_error(exc)
         typer.echo(f"error: {message}", err=True)
-        raise typer.Exit(2) from exc
+        raise typer.Exit(EXIT_USAGE) from None
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
     if output is None:

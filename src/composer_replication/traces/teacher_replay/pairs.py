@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from composer_replication.atomic_io import EmptyOutputError
 from composer_replication.traces.teacher_replay.records import (
     DPOPair,
     TeacherCallResult,
@@ -26,6 +26,8 @@ from composer_replication.traces.teacher_replay.records import (
 )
 
 __all__ = [
+    "EmptyOutputError",
+    "check_output_path",
     "extract_dpo_pairs",
     "normalize_action",
     "read_jsonl",
@@ -96,53 +98,39 @@ def extract_dpo_pairs(
     return pairs
 
 
-class EmptyOutputError(ValueError):
-    """Nothing to write: the existing output file (if any) was left untouched."""
-
-
 def write_jsonl(
-    rows: Iterable[Any], path: str | os.PathLike[str], *, require_rows: bool = False
+    rows: Iterable[Any],
+    path: str | os.PathLike[str],
+    *,
+    require_rows: bool = False,
+    inputs: Iterable[str | os.PathLike[str]] = (),
 ) -> Path:
     """Write rows as JSONL atomically (temp file, fsync, rename); creates parent dirs.
 
-    The target is replaced only when everything was written; with ``require_rows`` an
-    empty result raises :class:`EmptyOutputError` and leaves an existing file as it was.
+    The output policy of :func:`check_output_path` applies (``inputs``: files the rows are
+    read from). The target is replaced only when everything was written, keeping its mode;
+    with ``require_rows`` an empty result raises :class:`EmptyOutputError` and leaves an
+    existing file as it was.
     """
-    target = check_output_path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    count = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-                count += 1
-            fh.flush()
-            os.fsync(fh.fileno())
-        if require_rows and count == 0:
-            raise EmptyOutputError(f"nothing to write to {str(target)!r}; it was left untouched")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from composer_replication.atomic_io import write_lines_atomic
+
+    target = check_output_path(path, inputs=inputs)
+    lines = (json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    write_lines_atomic(target, lines, require_lines=require_rows)
     return target
 
 
-def check_output_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` as an output file: not a directory, and its folder creatable and writable.
+def check_output_path(
+    path: str | os.PathLike[str], *, inputs: Iterable[str | os.PathLike[str]] = ()
+) -> Path:
+    """``path`` as an output file (:func:`composer_replication.outputs.check_output`): not
+    an input, not a directory, device, FIFO or link, and its folder creatable and writable.
 
     Call it before any paid work, so a bad ``-o`` fails at once, not after the spend.
     """
-    target = Path(path)
-    if target.is_dir():
-        raise IsADirectoryError(f"output {str(target)!r} is a directory; pass a file path")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot write {str(target)!r}: {str(parent)!r} is not writable")
-    return target
+    from composer_replication.outputs import check_output
+
+    return check_output(path, inputs=inputs)
 
 
 def save_pairs(pairs: Sequence[DPOPair], path: str | os.PathLike[str]) -> Path:
