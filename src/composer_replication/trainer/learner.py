@@ -14,6 +14,7 @@ import torch
 
 from composer_replication.diloco.integration import NO_SYNC
 from composer_replication.distributed.fsdp import NoSharding
+from composer_replication.integrations.altered_minds.kl_logging import token_mean_kl
 from composer_replication.trainer.loss_schedule import LossSchedule
 from composer_replication.trainer.setup import kl_to_initial_sum, make_scheduler
 from composer_replication.trainer.step import accumulate_step, step_metrics
@@ -125,7 +126,7 @@ class Learner:
         if self.ranks is not None and self.ranks.distributed:
             parts = self.ranks.gather_shares([(total, count)], self.ranks.world_size)
             total, count = sum(t for t, _ in parts), sum(c for _, c in parts)
-        return total / count if count else 0.0
+        return token_mean_kl(total, count)
 
     def state_dict(self) -> dict[str, Any]:
         return {"teachers": self.teachers.state_dict(), "losses": self.losses.state_dict()}

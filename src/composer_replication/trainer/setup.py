@@ -84,9 +84,13 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
     Exact over the vocabulary at each position (not a sampled estimate): the batches were
     sampled before the last optimizer step, and a k1/k3 estimate on tokens the current
     policy did not sample can explode (exp of a large log-ratio) where the true KL is small.
+    The mean is ``integrations.altered_minds.kl_logging.token_mean_kl`` (the kill switch's
+    unit); the device is read once.
     """
+    from composer_replication.integrations.altered_minds.kl_logging import token_mean_kl
+
     total, count = kl_to_initial_sum(policy, initial, batches, temperature)
-    return total / count if count else 0.0
+    return token_mean_kl(total, count)
 
 
 @torch.no_grad()  # a measurement: no graph to build
@@ -95,6 +99,7 @@ def kl_to_initial_sum(
 ) -> tuple[float, int]:
     """:func:`kl_to_initial`'s sum over the trainable positions and their number (what
     data-parallel ranks add up)."""
+    from composer_replication.integrations.altered_minds.kl_logging import token_kl_sum
     from composer_replication.model_parts import last_hidden_states, lm_head_weight
     from composer_replication.ops.jsd import jsd_from_hidden
 
@@ -123,8 +128,8 @@ def kl_to_initial_sum(
             beta=1.0,
             temperature=temperature,
         )
-        # A KL is >= 0; float32 rounding can leave -1e-9 where the models agree.
-        part = per_token.clamp_min(0.0).sum().double()
+        # token_kl_sum clamps at 0: float32 rounding can leave -1e-9 where the models agree.
+        part, _ = token_kl_sum(per_token)  # the count is n_trainable, known on the host
         total = part if total is None else total + part
         count += n_trainable
     return (0.0 if total is None else float(total)), count  # the one read

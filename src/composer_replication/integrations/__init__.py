@@ -1,0 +1,1 @@
+"""Adapters to other projects' conventions (importing this package imports nothing else)."""

@@ -1,0 +1,110 @@
+"""integrations.altered_minds.kl_logging.token_mean_kl: the nats/token convention of the kill
+switch, its two call forms, one host read, and the training loop's kl_to_init going through it."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_replication.integrations.altered_minds.kl_logging import (
+    token_kl_sum,
+    token_mean_kl,
+)
+from composer_replication.safety import HeldOutGuard
+from composer_replication.testing.host_reads import HostReads
+
+
+def test_token_mean_is_the_mean_over_counted_tokens_not_over_sequences():
+    per_token = torch.tensor([[0.02, 0.04, 9.0], [0.06, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # three counted tokens: (0.02 + 0.04 + 0.06) / 3 = 0.04 nats/token
+    assert token_mean_kl(per_token, mask) == pytest.approx(0.04, rel=1e-6)
+    assert token_mean_kl(per_token[:, :1]) == pytest.approx(0.04, rel=1e-6)  # no mask: all
+    # the summed form: a sum over n tokens (added up over batches or ranks)
+    assert token_mean_kl(0.12, 3) == pytest.approx(0.04, rel=1e-12)
+    assert token_mean_kl(torch.tensor(0.12, dtype=torch.float64), torch.tensor(3)) == (
+        pytest.approx(0.04, rel=1e-6)
+    )
+    assert token_mean_kl(0.0, 0) == 0.0 and token_mean_kl(per_token, torch.zeros(2, 3)) == 0.0
+    assert type(token_mean_kl(per_token, mask)) is float
+
+
+def test_rounding_below_zero_is_clamped_and_bad_inputs_raise():
+    total, count = token_kl_sum(torch.tensor([-1e-9, 0.0, 2e-3]))
+    assert total.dtype == torch.float64 and total.item() == pytest.approx(2e-3)
+    assert count.item() == 3
+    assert token_mean_kl(torch.tensor([-1e-9, -2e-9])) == 0.0  # agreeing models: exactly 0
+    with pytest.raises(ValueError, match="must have the per-token KL's shape"):
+        token_mean_kl(torch.ones(2, 3), torch.ones(3, 2))
+    with pytest.raises(ValueError, match="needs its token count"):
+        token_mean_kl(0.5)
+    with pytest.raises(ValueError, match="token count must be >= 0"):
+        token_mean_kl(0.5, -1)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        token_mean_kl(-0.5, 2)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        token_mean_kl(torch.tensor([math.nan]))
+
+
+def test_one_host_read_per_call():
+    per_token, mask = torch.rand(4, 16), torch.rand(4, 16) > 0.5
+    with HostReads() as reads:
+        value = token_mean_kl(per_token, mask)
+    assert reads.total == 1, dict(reads.counts)
+    with HostReads() as reads:
+        total, count = token_kl_sum(per_token, mask)
+    assert reads.total == 0, dict(reads.counts)
+    assert value == pytest.approx(float(per_token[mask].double().sum()) / int(mask.sum()))
+    assert token_mean_kl(total, count) == pytest.approx(value, rel=1e-12)
+
+
+def test_the_guard_reads_it_as_the_documented_loop_passes_it():
+    guard = HeldOutGuard(kl_hard_stop=0.08, min_steps=1)
+    per_token = torch.full((2, 5), 0.01)
+    status = guard.update(0, 0.5, 0.5, kl_to_init=token_mean_kl(per_token))
+    assert not status.fire and status.kl_ema == pytest.approx(0.01)
+    # per token, the hard stop fires once the EMA passes 0.08 nats/token (0.9*0.01 + 0.1*0.9)
+    status = guard.update(1, 0.5, 0.5, kl_to_init=token_mean_kl(torch.full((2, 5), 0.9)))
+    assert status.fire and "KL-to-init EMA 0.099 nats/token" in status.reason
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from composer_replication.models import tiny_policy
+
+    return tiny_policy(seed=0)[0]
+
+
+def test_the_training_loop_kl_to_init_is_token_mean_kl(tiny, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+    from test_step import _rl_sample
+
+    from composer_replication.integrations.altered_minds import kl_logging
+    from composer_replication.trainer import learner as learner_module
+    from composer_replication.trainer.setup import kl_to_initial, kl_to_initial_sum
+    from composer_replication.wire import pack_samples
+
+    policy, initial = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    batches = pack_samples([_rl_sample(90), _rl_sample(91, n_completion=4)], max_tokens=64)
+    calls = []
+
+    def recording(*args):
+        calls.append(args)
+        return token_mean_kl(*args)
+
+    monkeypatch.setattr(kl_logging, "token_mean_kl", recording)
+    with HostReads() as reads:
+        got = kl_to_initial(policy, initial, batches, 1.0)
+    assert reads.total == 1, dict(reads.counts)
+    total, count = kl_to_initial_sum(policy, initial, batches, 1.0)
+    assert calls == [(total, count)] and got == token_mean_kl(total, count) > 0
+    # the learner's (data-parallel) path calls the same function on the gathered sums
+    assert learner_module.token_mean_kl is token_mean_kl
