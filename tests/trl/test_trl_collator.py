@@ -258,3 +258,101 @@ def test_collator_takes_trace_dicts_beside_examples():
     assert response == [*chars("def add(a, b): return a + b"), EOS]
     assert batch["sdpo_loss_mask"][0].sum() == len(response)  # the error site is hinted
     assert batch["sdpo_loss_mask"][1].sum() == 0
+
+
+# --- the documented TypedDict shapes (seed-style traces) -------------------------------------
+
+SEED_TURNS = [
+    {"role": "user", "content": "fix add"},
+    {"role": "assistant", "content": "", "tool_call": {"name": "Bash", "arguments": {"c": 1}}},
+    {
+        "role": "tool",
+        "content": "1 failed",
+        "tool_call": None,
+        "tool_error": "E   assert add(1, 2) == 3",
+        "error_meta": {"error_kind": "runtime_error", "tool_name": "Bash", "intent": "test"},
+    },
+    {"role": "assistant", "content": "def add(a, b): return a + b"},
+]
+
+
+def test_a_seed_trace_with_a_tool_error_produces_the_sdpo_channel():
+    seen = []
+
+    def my_dispatch(error_kind, error_meta):  # the documented (error_kind, error_meta) hook
+        seen.append((error_kind, dict(error_meta)))
+        return "run the failing test first"
+
+    cfg = CollatorConfig(max_seq_len=2048, hint_generator=my_dispatch)
+    collator = ComposerDataCollator(tokenizer=CharTokenizer(), config=cfg)
+    batch = collator([{"trace_id": "x", "turns": SEED_TURNS, "final_reward": 1.0}])
+    assert set(batch) == BASE_KEYS | SDPO_KEYS
+    assert batch["sdpo_loss_mask"].sum() == batch["response_mask"].sum()
+    assert seen == [
+        (
+            "runtime_error",
+            {
+                "error_kind": "runtime_error",
+                "tool_name": "Bash",
+                "intent": "test",
+                "error_message": "E   assert add(1, 2) == 3",
+            },
+        )
+    ]
+    # the assistant's tool_call is rendered into the state the policy sees
+    prompt = batch["input_ids"][0][batch["response_mask"][0] == 0].tolist()
+    call = chars('<tool_call name="Bash">\n{"c": 1}\n</tool_call>')
+    assert any(prompt[i : i + len(call)] == call for i in range(len(prompt)))
+    # the same trace without tool errors gives no SDPO channel
+    clean = [dict(t, tool_error=None, error_meta=None) for t in SEED_TURNS]
+    assert set(collator([{"trace_id": "x", "turns": clean, "final_reward": 1.0}])) == BASE_KEYS
+
+
+def test_trace_turn_and_trace_example_take_the_typeddict_keywords():
+    turns = [
+        TraceTurn(role="user", content="fix add"),
+        TraceTurn(role="assistant", content="calling", tool_call={"name": "Bash", "arguments": {}}),
+        TraceTurn(
+            role="tool",
+            content="boom",
+            tool_call=None,
+            tool_error="unknown tool 'Bsh'",
+            error_meta={"available_tools": ["Bash", "Read"]},
+        ),
+        TraceTurn(role="assistant", content="ok"),
+    ]
+    assert turns[2].error == turns[2].tool_error == "unknown tool 'Bsh'"
+    assert turns[1].message()["content"] == 'calling\n\n<tool_call name="Bash">\n{}\n</tool_call>'
+    ex = TraceExample(
+        trace_id="t1",
+        turns=turns,
+        final_reward=0.5,
+        dpo_pairs=[{"chosen": "good", "rejected": "bad"}],
+    )
+    assert (ex.state_id, ex.response, ex.rewards) == ("t1", "ok", {"final_reward": 0.5})
+    assert [t.role for t in ex.turns] == ["user", "assistant", "tool"] and ex.pairs == [
+        ("good", "bad")
+    ]
+    site = ex.error_site()
+    assert site["error_kind"] == "tool_not_found" and site["available_tools"] == ["Bash", "Read"]
+    batch = ComposerDataCollator(CharTokenizer(), CollatorConfig(hint_generator=dispatch))([ex])
+    assert set(batch) == BASE_KEYS | SDPO_KEYS | DPO_KEYS
+    # turn dicts of the same shape are the same example
+    same = TraceExample(
+        trace_id="t1",
+        turns=[{k: v for k, v in vars(t).items() if v is not None} for t in turns],
+        final_reward=0.5,
+        dpo_pairs=[{"chosen": "good", "rejected": "bad"}],
+    )
+    assert same.messages() == ex.messages() and same.error_site() == site
+    with pytest.raises(ValueError, match="they name the same failure"):
+        TraceTurn(role="tool", content="", error="a", tool_error="b")
+
+
+def test_an_error_reported_after_the_response_is_the_failure_it_led_to():
+    turns = SEED_TURNS[:3]  # the response is the tool call; the tool turn reports its failure
+    ex = TraceExample.from_dict({"trace_id": "y", "turns": turns, "final_reward": 0.0})
+    assert ex.response == '<tool_call name="Bash">\n{"c": 1}\n</tool_call>'
+    assert [t.role for t in ex.turns] == ["user"]
+    assert ex.error == "E   assert add(1, 2) == 3" and ex.error_meta["intent"] == "test"
+    assert ex.error_site()["tool_name"] == "Bash"

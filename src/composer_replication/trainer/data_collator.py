@@ -4,10 +4,12 @@ A ``TraceExample`` is one decision of an agent: the conversation so far (``turns
 action taken (``response``), its rewards, optionally the error it ran into and teacher
 preference pairs for the same state. ``ComposerDataCollator(tokenizer, config)(examples)``
 builds the three channels' inputs (the key layout of :mod:`composer_replication.batch`).
-Examples may also be given as trace dicts (:meth:`TraceExample.from_dict`): ``trace_id``,
-``turns`` (``role`` / ``content`` messages; assistant ``tool_calls``; tool ``name`` and
-``is_error`` / ``error``), ``final_reward`` and ``dpo_pairs`` (``chosen`` / ``rejected``);
-the last assistant turn is the response trained on, the turns before it are the state.
+Examples may also be given as trace dicts (:meth:`TraceExample.from_dict`), the documented
+``TraceExample`` TypedDict shape: ``trace_id``, ``turns`` (``role`` / ``content`` messages;
+assistant ``tool_call`` / ``tool_calls``; tool ``name``, ``tool_error`` / ``error`` /
+``is_error`` and ``error_meta``), ``final_reward`` and ``dpo_pairs`` (``chosen`` /
+``rejected``); the last assistant turn is the response trained on, the turns before it are
+the state, and an error reported after it is the failure it led to.
 
 - always: ``input_ids``, ``attention_mask``, ``response_mask`` (B, T), ``labels`` (B, T)
   (``input_ids`` with ``ignore_index`` off the response) and ``rewards`` (B,) float, read
@@ -33,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -70,43 +72,94 @@ class TokenizerLike(Protocol):
 
 @dataclass(frozen=True)
 class TraceTurn:
-    """One message of a trace. ``error`` marks an observation that reports a failure (a
-    tool error, failing tests); ``tool_name`` is the tool that produced it."""
+    """One message of a trace.
+
+    The fields of the documented ``TraceTurn`` TypedDict are accepted as keywords:
+    ``tool_call`` (an assistant turn's call, ``{"name", "arguments"}`` or OpenAI's
+    ``{"function": {...}}``, rendered after the text as a ``<tool_call name="...">`` block),
+    ``tool_error`` (the same as ``error``: the failure this observation reports, e.g. a tool
+    error or failing tests) and ``error_meta`` (what is known about that error, as
+    ``hint_generator.HintContext`` keys: ``error_kind``, ``tool_name``, ``available_tools``,
+    ``tool_schema``, ``intent``; passed on to the hint generator). ``tool_name`` is the tool
+    that produced an observation.
+    """
 
     role: str
-    content: str
+    content: str = ""
     tool_name: str | None = None
     error: str | None = None
+    tool_call: Mapping[str, Any] | None = None
+    tool_error: str | None = None
+    error_meta: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"TraceTurn role {self.role!r} is not one of {ROLES}")
+        if self.error is not None and self.tool_error is not None and self.error != self.tool_error:
+            raise ValueError(
+                f"TraceTurn: error={self.error!r} and tool_error={self.tool_error!r} differ; "
+                "they name the same failure, give one"
+            )
+        failure = self.error if self.error is not None else self.tool_error
+        object.__setattr__(self, "error", failure)
+        object.__setattr__(self, "tool_error", failure)
+        if self.error_meta is not None:
+            object.__setattr__(self, "error_meta", dict(self.error_meta))
+        if self.tool_name is None and self.error_meta and self.error_meta.get("tool_name"):
+            object.__setattr__(self, "tool_name", str(self.error_meta["tool_name"]))
+
+    @property
+    def reports_error(self) -> bool:
+        """An observation turn that reports a failure (an error text, or error metadata)."""
+        return self.role in _OBSERVATION_ROLES and bool(self.error or self.error_meta)
+
+    def text(self) -> str:
+        """The content, with an assistant's ``tool_call`` rendered after it."""
+        if self.role != "assistant" or not self.tool_call:
+            return self.content
+        from composer_replication.traces.ingestion.render import render_tool_call
+
+        call = render_tool_call(*_call_parts(self.tool_call))
+        return f"{self.content}\n\n{call}" if self.content else call
 
     def message(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+        return {"role": self.role, "content": self.text()}
 
 
 @dataclass(frozen=True)
 class TraceExample:
     """One agent decision: ``turns`` (the state), ``response`` (the action trained on).
 
+    The documented ``TraceExample`` TypedDict shape is accepted as keywords too:
+    ``TraceExample(trace_id=..., turns=[...], final_reward=..., dpo_pairs=[...])``, with
+    ``turns`` as ``TraceTurn``s or turn dicts (``role``, ``content``, ``tool_call``,
+    ``tool_error``, ``error_meta``, ...). Without ``response`` the last assistant turn is the
+    response and the turns before it are the state; an error reported by a turn after it is
+    the failure the response led to (``error`` / ``error_meta``).
+
     Attributes:
         turns: the conversation before the response (at least one turn).
         response: the assistant text that was produced at this state.
         rewards: named scalar rewards; ``CollatorConfig.rlvr_reward_key`` is the one used.
         error: the failure the response led to (failing tests, tool error); the error site
-            SDPO hints about. Without it, an ``error`` on the last observation turn counts.
-        error_kind: a ``hint_generator.HINT_TEMPLATES`` key (default: ``classify_error``).
+            SDPO hints about. Without it, an error reported by the last observation turn of
+            the state counts.
+        error_kind: a ``hint_generator.HINT_TEMPLATES`` key (default: ``error_meta``'s
+            ``error_kind``, else ``classify_error``).
         chosen / rejected: a teacher preference pair for the same state (both or neither).
         available_tools: tool names offered to the agent (for tool hints).
-        state_id: free-form id, reported in errors.
+        state_id: free-form id, reported in errors (``trace_id`` sets it).
         more_pairs: further ``(chosen, rejected)`` pairs for the same state.
         task_id: the environment task the trace worked on, when known: a held-out task is
             refused by the collator (``CollatorConfig.split``).
+        error_meta: hint-context keys about ``error`` (see ``TraceTurn``).
+        trace_id / final_reward / dpo_pairs: the TypedDict spellings (init only): the
+            ``state_id``, ``rewards["final_reward"]`` and the pairs (``chosen`` /
+            ``rejected`` dicts).
     """
 
     turns: tuple[TraceTurn, ...]
-    response: str
+    response: str | None = None
     rewards: Mapping[str, float] = field(default_factory=dict)
     error: str | None = None
     error_kind: str | None = None
@@ -116,14 +169,63 @@ class TraceExample:
     state_id: str = ""
     more_pairs: tuple[tuple[str, str], ...] = ()
     task_id: str | None = None
+    error_meta: Mapping[str, Any] | None = None
+    trace_id: InitVar[str | None] = None
+    final_reward: InitVar[float | None] = None
+    dpo_pairs: InitVar[Sequence[Mapping[str, Any]] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        trace_id: str | None,
+        final_reward: float | None,
+        dpo_pairs: Sequence[Mapping[str, Any]] | None,
+    ) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if trace_id is not None and not self.state_id:
+            put("state_id", str(trace_id))
+        turns = tuple(t if isinstance(t, TraceTurn) else _turn_from_dict(t) for t in self.turns)
+        if self.response is None:
+            turns = self._split_response(turns)
+        put("turns", turns)
+        put("available_tools", tuple(self.available_tools))
+        if final_reward is not None:
+            put("rewards", {"final_reward": float(final_reward), **dict(self.rewards)})
+        pairs = [
+            (str(p["chosen"]), str(p["rejected"]))
+            for p in dpo_pairs or ()
+            if p.get("chosen") is not None and p.get("rejected") is not None
+        ]
+        if pairs and self.chosen is None and self.rejected is None:
+            put("chosen", pairs[0][0])
+            put("rejected", pairs[0][1])
+            put("more_pairs", tuple(pairs[1:]) + tuple(self.more_pairs))
+        if self.error_meta is not None:
+            put("error_meta", dict(self.error_meta))
         if not self.turns:
             raise ValueError(f"TraceExample {self.state_id!r} has no turns (the state is empty)")
         if (self.chosen is None) != (self.rejected is None):
             raise ValueError(
                 f"TraceExample {self.state_id!r}: give both chosen and rejected, or neither"
             )
+
+    def _split_response(self, turns: tuple[TraceTurn, ...]) -> tuple[TraceTurn, ...]:
+        """The last assistant turn becomes ``response``; an error a later turn reports
+        becomes ``error`` / ``error_meta``; returns the state (the turns before it)."""
+        last = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=None)
+        if last is None or last == 0:
+            raise ValueError(
+                f"trace {self.state_id!r} has no assistant turn after its first turn: nothing "
+                "to train on (the last assistant turn is the response)"
+            )
+        object.__setattr__(self, "response", turns[last].text())
+        after = [t for t in turns[last + 1 :] if t.reports_error]
+        if after and self.error is None:
+            object.__setattr__(self, "error", after[-1].error or after[-1].content)
+            if self.error_meta is None and after[-1].error_meta:
+                object.__setattr__(self, "error_meta", after[-1].error_meta)
+        return turns[:last]
 
     @property
     def pairs(self) -> list[tuple[str, str]]:
@@ -136,40 +238,24 @@ class TraceExample:
         """A trace dict (``trace_id``, ``turns``, ``final_reward``, ``dpo_pairs``) as one
         decision: the last assistant turn is the response, the turns before it the state.
 
-        Assistant ``tool_calls`` (``{"name", "arguments"}`` or OpenAI's ``{"function":
-        {...}}``) are rendered after the text as ``<tool_call name="...">`` blocks; a tool
-        turn's ``error`` (text) or ``is_error`` (its content is the error) marks an error
-        site. Raises ``ValueError`` naming the trace when it has no assistant turn.
+        Assistant ``tool_calls`` (a list) or ``tool_call`` (one; ``{"name", "arguments"}``
+        or OpenAI's ``{"function": {...}}``) are rendered after the text as
+        ``<tool_call name="...">`` blocks; a turn's ``tool_error`` / ``error`` (text) or
+        ``is_error`` (its content is the error) marks an error site, with ``error_meta``
+        for the hint generator. Raises ``ValueError`` naming the trace when it has no
+        assistant turn.
         """
-        trace_id = str(trace.get("trace_id", trace.get("state_id", "")))
-        raw = list(trace.get("turns") or trace.get("messages") or [])
-        last = max((i for i, t in enumerate(raw) if t.get("role") == "assistant"), default=None)
-        if last is None or last == 0:
-            raise ValueError(
-                f"trace {trace_id!r} has no assistant turn after its first turn: nothing to "
-                "train on (the last assistant turn is the response)"
-            )
-        turns = tuple(_turn_from_dict(t) for t in raw[:last])
-        rewards = dict(trace.get("rewards") or {})
-        if "final_reward" in trace:
-            rewards.setdefault("final_reward", float(trace["final_reward"]))
-        pairs = [
-            (str(p["chosen"]), str(p["rejected"]))
-            for p in trace.get("dpo_pairs") or ()
-            if p.get("chosen") is not None and p.get("rejected") is not None
-        ]
         metadata = trace.get("metadata") or {}
         return cls(
-            turns=turns,
-            response=_assistant_text(raw[last]),
-            rewards=rewards,
+            turns=tuple(trace.get("turns") or trace.get("messages") or ()),
+            trace_id=str(trace.get("trace_id", trace.get("state_id", ""))),
+            rewards=dict(trace.get("rewards") or {}),
+            final_reward=trace.get("final_reward"),
+            dpo_pairs=trace.get("dpo_pairs"),
             error=trace.get("error"),
             error_kind=trace.get("error_kind"),
-            chosen=pairs[0][0] if pairs else None,
-            rejected=pairs[0][1] if pairs else None,
-            more_pairs=tuple(pairs[1:]),
+            error_meta=trace.get("error_meta"),
             available_tools=tuple(trace.get("available_tools") or metadata.get("tools") or ()),
-            state_id=trace_id,
             task_id=trace.get("task_id", metadata.get("task_id")),
         )
 
@@ -177,18 +263,25 @@ class TraceExample:
         return [t.message() for t in self.turns]
 
     def error_site(self) -> HintContext | None:
-        """What the hint generator needs about this example's error, or None."""
+        """What the hint generator needs about this example's error, or None: the
+        example's ``error`` (with ``error_meta``), else the error the last observation turn
+        reports (with its ``error_meta``)."""
         last = self.turns[-1]
-        text = self.error or (last.error if last.role in _OBSERVATION_ROLES else None)
-        if not text:
+        if self.error:
+            text, meta = self.error, dict(self.error_meta or {})
+        elif last.reports_error:
+            meta = dict(last.error_meta or {})
+            text = last.error or str(meta.get("error_message") or last.content)
+        else:
             return None
-        ctx = HintContext(
-            error_kind=self.error_kind or classify_error(text) or "runtime_error",
-            error_message=text,
+        ctx = HintContext(**{k: v for k, v in meta.items() if k in HintContext.__annotations__})
+        ctx["error_message"] = text
+        ctx["error_kind"] = (
+            self.error_kind or meta.get("error_kind") or classify_error(text) or "runtime_error"
         )
-        if last.tool_name:
+        if last.tool_name and "tool_name" not in ctx:
             ctx["tool_name"] = last.tool_name
-        if self.available_tools:
+        if self.available_tools and "available_tools" not in ctx:
             ctx["available_tools"] = self.available_tools
         return ctx
 
@@ -205,8 +298,11 @@ def _call_parts(call: Mapping[str, Any]) -> tuple[str, Any]:
 def _assistant_text(turn: Mapping[str, Any]) -> str:
     from composer_replication.traces.ingestion.render import render_tool_call
 
+    calls = list(turn.get("tool_calls") or ())
+    if turn.get("tool_call"):
+        calls.append(turn["tool_call"])
     parts = [str(turn.get("content") or "")] if turn.get("content") else []
-    parts += [render_tool_call(*_call_parts(c)) for c in turn.get("tool_calls") or ()]
+    parts += [render_tool_call(*_call_parts(c)) for c in calls]
     return "\n\n".join(parts)
 
 
@@ -215,11 +311,18 @@ def _turn_from_dict(turn: Mapping[str, Any]) -> TraceTurn:
     if role == "assistant":
         return TraceTurn(role, _assistant_text(turn))
     content = str(turn.get("content") or "")
-    error = turn.get("error")
+    error = turn.get("tool_error", turn.get("error"))
     if error is None and turn.get("is_error"):
         error = content
     name = turn.get("tool_name", turn.get("name"))
-    return TraceTurn(role, content, tool_name=name, error=None if error is None else str(error))
+    meta = turn.get("error_meta")
+    return TraceTurn(
+        role,
+        content,
+        tool_name=None if name is None else str(name),
+        error=None if error is None else str(error),
+        error_meta=dict(meta) if meta else None,
+    )
 
 
 HintGenerator = Callable[[str, HintContext], "str | None"]
