@@ -115,6 +115,30 @@ def test_custom_via_import_path():
     _check_packable(samples)
 
 
+def test_custom_takes_advantage_inputs_and_broadcasts_group_credit():
+    from composer_replication.algo import AdvantageInputs
+
+    seen = []
+
+    def centred(inputs: AdvantageInputs, *, scale: float) -> list[list[float]]:
+        seen.append((type(inputs), inputs.rewards, inputs.completion_lengths))
+        mean = sum(inputs.rewards) / len(inputs)
+        return inputs.broadcast([scale * (r - mean) for r in inputs.rewards])
+
+    config = AlgorithmConfig(
+        advantage={"type": "custom", "import_path": "x.y:z", "kwargs": {"scale": 2.0}}
+    )
+    samples = CustomAlgorithm(config, fn=centred).assign([_rollout(1.0), _multi_turn(0.0)])
+    assert seen == [(AdvantageInputs, [1.0, 0.0], [3, 5])]
+    assert samples[0].advantages == [0, 0, 0, 1.0, 1.0, 1.0]
+    assert samples[1].advantages == [0, 0, 0, -1.0, -1.0, 0, 0, -1.0]  # observations 0
+    inputs = AdvantageInputs([_rollout(1.0), _rollout(0.5)])
+    assert inputs.broadcast([1, 2]) == [[1.0] * 3, [2.0] * 3]
+    assert [r.reward for r in inputs] == [1.0, 0.5] and inputs[1].reward == 0.5
+    with pytest.raises(ValueError, match="one value per rollout of the group: got 1 values"):
+        inputs.broadcast([1.0])
+
+
 def _custom(fn):
     config = AlgorithmConfig(advantage={"type": "custom", "import_path": "x.y:z"})
     return CustomAlgorithm(config, fn=fn)
@@ -185,7 +209,9 @@ def test_echo_assign_weights_observations_per_role():
 
 def test_echo_filter_keep_mask_and_missing_roles():
     config = AlgorithmConfig(advantage={"type": "echo"})
-    algo = EchoAlgorithm(config, filter_fn=lambda group: [r.reward > 0 for r in group])
+    algo = EchoAlgorithm(
+        config, filter_fn=lambda r: [[r.reward > 0] * len(step) for step in r.trajectory]
+    )
     samples = algo.assign([_multi_turn(1.0), _multi_turn(0.0)])
     assert samples[0].ce_weights == [0, 0, 0, 0, 0, 0.1, 0.1, 0]
     assert samples[1].ce_weights is None  # filtered out: rl credit only

@@ -1,5 +1,5 @@
-"""echo to the letter: the filter is ``fn(rollouts, **kwargs) -> list[bool]`` (one keep
-flag per rollout of the step), and echo without role attribution is rejected when the
+"""echo to the letter: the filter is ``filter_fn(rollout, **kwargs) -> list[list[bool]]`` (one
+keep-mask per trajectory step), and echo without role attribution is rejected when the
 config is validated (or, for an environment the config cannot know, at assign time) instead
 of training no ce tokens."""
 
@@ -17,6 +17,7 @@ from composer_replication.rollout.types import Rollout
 
 PROMPT = [5, 6, 7]
 TOOL_TURN = ("assistant", "assistant", "tool", "tool", "assistant")
+TURN_2 = ("assistant", "tool", "tool")
 
 
 def _turn(reward, *, feedback=None, roles=TOOL_TURN, task="t1"):
@@ -40,20 +41,26 @@ def _echo(**advantage):
 # ------------------------------------------------------------------ the filter
 
 
-def test_filter_returns_a_keep_mask_over_the_step_and_gets_kwargs():
+def _per_step(rollout, keep):
+    """One keep-mask per trajectory step, each spanning prompt_ids + completion_ids."""
+    return [[keep] * (len(s.prompt_ids) + len(s.completion_ids)) for s in rollout.trajectory]
+
+
+def test_filter_is_called_per_rollout_with_kwargs_and_returns_a_mask_per_step():
     calls = []
 
-    def keep_rewarded(rollouts, *, min_reward, **rest):
-        calls.append(([r.reward for r in rollouts], min_reward, rest))
-        return [r.reward >= min_reward for r in rollouts]
+    def keep_rewarded(rollout, *, min_reward, **rest):
+        calls.append((rollout.reward, min_reward, rest))
+        return _per_step(rollout, rollout.reward >= min_reward)
 
     config = _echo(filter={"import_path": "unused.module:fn", "kwargs": {"min_reward": 0.5}})
     algo = EchoAlgorithm(config, filter_fn=keep_rewarded)
     group = [_turn(1.0), _turn(0.0), _turn(0.5), _turn(0.25)]
-    assert algo.keep_mask(group) == [True, False, True, False]
+    # _turn: step 0 = prompt (3) + [10, 11, 20, 21]; step 1 = prompt + those (7) + [12]
+    assert [len(m) for m in algo.keep_masks(group[0])] == [7, 8]
+    calls.clear()
     samples = algo.assign(group)
-    # one call per keep_mask / assign, with every rollout of the step in order
-    assert calls == [([1.0, 0.0, 0.5, 0.25], 0.5, {})] * 2
+    assert calls == [(1.0, 0.5, {}), (0.0, 0.5, {}), (0.5, 0.5, {}), (0.25, 0.5, {})]
     tool = [0, 0, 0, 0, 0, 0.1, 0.1, 0]
     assert [s.ce_weights for s in samples] == [tool, None, tool, None]
     # rl credit is untouched by the filter: Dr.GRPO r - mean on the sampled tokens
@@ -63,12 +70,43 @@ def test_filter_returns_a_keep_mask_over_the_step_and_gets_kwargs():
         assert s.advantages == pytest.approx([0, 0, 0, a, a, 0, 0, a])
 
 
+def test_each_step_mask_selects_the_observation_tokens_of_that_step():
+    # three turns: [a a | tool tool] [a | tool tool] [a]
+    rollout = Rollout(
+        task_id="t1",
+        prompt_ids=list(PROMPT),
+        completion_ids=[10, 11, 20, 21, 12, 22, 23, 13],
+        inference_logprobs=[-0.5, -0.25, 0.0, 0.0, -0.125, 0.0, 0.0, -1.0],
+        completion_mask=[1, 1, 0, 0, 1, 0, 0, 1],
+        token_roles=[*("assistant", "assistant", "tool", "tool"), *TURN_2, "assistant"],
+        reward=1.0,
+    )
+    steps = rollout.trajectory
+    assert [s.completion_ids for s in steps] == [[10, 11, 20, 21], [12, 22, 23], [13]]
+    assert [s.start for s in steps] == [0, 4, 7]
+    assert steps[1].prompt_ids == [*PROMPT, 10, 11, 20, 21]
+
+    def drop_token_22(rollout):
+        # a token-level filter: keep everything but the observation token 22 (step 1)
+        return [
+            [tok != 22 for tok in (*s.prompt_ids, *s.completion_ids)] for s in rollout.trajectory
+        ]
+
+    algo = EchoAlgorithm(_echo(roles={"tool": {"alpha": 0.5}}), filter_fn=drop_token_22)
+    # step 2's prompt holds 22 again: only each step's completion span is read
+    assert algo.token_keep(rollout) == [True] * 5 + [False, True, True]
+    (sample,) = algo.assign([rollout])
+    assert sample.ce_weights == [0, 0, 0, 0, 0, 0.5, 0.5, 0, 0, 0.5, 0]
+
+
 def test_filter_from_the_config_import_path_and_kwargs(tmp_path, monkeypatch):
     (tmp_path / "echo_filters.py").write_text(
         textwrap.dedent(
             """
-            def drop_warnings(rollouts, *, pattern, **kwargs):
-                return [pattern not in (r.feedback or "") for r in rollouts]
+            def drop_warnings(rollout, *, pattern, **kwargs):
+                keep = pattern not in (rollout.feedback or "")
+                return [[keep] * (len(s.prompt_ids) + len(s.completion_ids))
+                        for s in rollout.trajectory]
             """
         )
     )
@@ -79,40 +117,52 @@ def test_filter_from_the_config_import_path_and_kwargs(tmp_path, monkeypatch):
     )
     algo = build_algorithm(config)
     group = [_turn(1.0, feedback="WARNING: deprecated"), _turn(0.0, feedback="ok")]
-    assert algo.keep_mask(group) == [False, True]
+    assert algo.token_keep(group[0]) == [False] * 5 and algo.token_keep(group[1]) == [True] * 5
     samples = algo.assign(group)
     assert samples[0].ce_weights is None
     assert samples[1].ce_weights == [0, 0, 0, 0, 0, 0.25, 0.25, 0]
 
 
-def test_without_a_filter_every_rollout_is_kept():
+def test_without_a_filter_every_token_is_kept():
     algo = build_algorithm(_echo())
     assert algo.filter_fn is None
-    assert algo.keep_mask([_turn(0.0), _turn(1.0)]) == [True, True]
+    assert algo.keep_masks(_turn(0.0)) == [[True] * 7, [True] * 8]
+    assert algo.token_keep(_turn(1.0)) == [True] * 5
 
 
 @pytest.mark.parametrize(
     ("returned", "message"),
     [
-        (True, "must return a list of 2 bools .* got bool"),
-        ([True], "got 1 values for 2 rollouts"),
-        ([True, True, False], "got 3 values for 2 rollouts"),
-        ([True, 1], r"entry 1 is 1 \(int\), not a bool"),
+        (True, r"one keep-mask per trajectory step .*2 steps.*; got bool"),
+        ([[True] * 7], "got 1 masks"),
+        ([[True] * 7, [True] * 8, [True]], "got 3 masks"),
+        ([[True] * 3, [True] * 8], "step 0's mask has 3 entries for 7 tokens"),
+        ([[True, 1] + [True] * 5, [True] * 8], r"step 0's mask entry 1 is 1 \(int\), not a bool"),
+        ([True, True], "step 0's mask is bool"),
         ("ok", "got str"),
         (None, "got NoneType"),
     ],
 )
-def test_a_filter_must_return_one_bool_per_rollout(returned, message):
-    algo = EchoAlgorithm(_echo(), filter_fn=lambda rollouts, **kw: returned)
+def test_a_filter_must_return_one_mask_per_step(returned, message):
+    algo = EchoAlgorithm(_echo(), filter_fn=lambda rollout, **kw: returned)
     with pytest.raises(ValueError, match=message):
         algo.assign([_turn(1.0), _turn(0.0)])
 
 
-def test_numpy_bools_are_bools():
+def test_numpy_masks_and_bools_are_accepted():
     np = pytest.importorskip("numpy")
-    rewards = np.array([1.0, 0.0])
-    algo = EchoAlgorithm(_echo(), filter_fn=lambda rollouts: [rewards[i] > 0 for i in range(2)])
-    assert algo.keep_mask([_turn(1.0), _turn(0.0)]) == [True, False]
+
+    def low_probability_observations_only(rollout):
+        return [
+            np.ones(len(s.prompt_ids) + len(s.completion_ids), dtype=bool)
+            for s in rollout.trajectory
+        ]
+
+    algo = EchoAlgorithm(_echo(), filter_fn=low_probability_observations_only)
+    assert algo.token_keep(_turn(1.0)) == [True] * 5
+    flags = np.array([True, False])
+    algo = EchoAlgorithm(_echo(), filter_fn=lambda r: [[flags[0]] * 7, [flags[1]] * 8])
+    assert algo.token_keep(_turn(1.0)) == [True] * 4 + [False]
 
 
 def test_filter_config_shorthand_and_round_trip():

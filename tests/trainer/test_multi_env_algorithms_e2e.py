@@ -147,8 +147,8 @@ def _state(path: str) -> dict[str, torch.Tensor]:
 
 def test_four_environments_four_algorithms_one_run(tmp_path, models, monkeypatch):
     (tmp_path / "e2e_echo_filter.py").write_text(
-        "def rewarded(rollouts, *, min_reward):\n"
-        "    return [r.reward >= min_reward for r in rollouts]\n"
+        "def rewarded(rollout, *, min_reward):\n"
+        "    return [[rollout.reward >= min_reward] * len(s) for s in rollout.trajectory]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     envs = {

@@ -19,7 +19,7 @@ from composer_replication.algo.advantage import (
 )
 from composer_replication.algo.base import Algorithm, AlgorithmResources, rollout_to_sample
 from composer_replication.algo.composer import ComposerAlgorithm
-from composer_replication.algo.custom import CustomAlgorithm
+from composer_replication.algo.custom import AdvantageInputs, CustomAlgorithm
 from composer_replication.algo.echo import EchoAlgorithm
 from composer_replication.algo.grpo import GRPOAlgorithm
 from composer_replication.algo.max_rl import MaxRLAlgorithm
@@ -121,6 +121,7 @@ def build_algorithm(
 __all__ = [
     "ALGORITHMS",
     "AdvantageConfig",
+    "AdvantageInputs",
     "Algorithm",
     "AlgorithmConfig",
     "AlgorithmResources",

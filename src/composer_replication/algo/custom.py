@@ -1,15 +1,21 @@
 """``custom``: per-token advantages from a user function named by import path.
 
-``fn(group, **kwargs) -> list[list[float]]``: one list per rollout, one value per
-completion token (observation tokens included; their values are replaced by 0.0, as the
-trainer masks them anyway). Wrong shapes or non-finite values raise ``ValueError`` naming the rollout.
-Component: ``rl``.
+``fn(inputs: AdvantageInputs, **kwargs) -> list[list[float]]``: ``inputs`` is one group (the
+rollouts of one task), and the function returns one list per rollout aligned to
+``inputs.completion_lengths`` (one value per completion token, observation tokens included;
+their values are replaced by 0.0, as the trainer masks them anyway).
+``inputs.broadcast(values)`` spreads one value per rollout over its completion tokens, for
+uniform group credit. ``AdvantageInputs`` is also the sequence of the group's rollouts, so a
+function written as ``fn(group, **kwargs)`` over the list of rollouts works unchanged.
+Wrong shapes or non-finite values raise ``ValueError`` naming the rollout. Component: ``rl``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
 
 from composer_replication.algo.base import (
     Algorithm,
@@ -20,6 +26,58 @@ from composer_replication.algo.base import (
 )
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
+
+
+@dataclass(frozen=True)
+class AdvantageInputs(Sequence[Rollout]):
+    """What a custom advantage function gets: one group of rollouts (one task).
+
+    Also a read-only sequence of those rollouts (``len``, indexing, iteration).
+    """
+
+    rollouts: tuple[Rollout, ...]
+
+    def __init__(self, rollouts: Sequence[Rollout]) -> None:
+        object.__setattr__(self, "rollouts", tuple(rollouts))
+
+    @property
+    def rewards(self) -> list[float]:
+        """Each rollout's reward, in order."""
+        return [float(r.reward) for r in self.rollouts]
+
+    @property
+    def completion_lengths(self) -> list[int]:
+        """Each rollout's number of completion tokens: the length its advantages must have."""
+        return [len(r.completion_ids) for r in self.rollouts]
+
+    def broadcast(self, values: Sequence[float]) -> list[list[float]]:
+        """One value per rollout, repeated over that rollout's completion tokens.
+
+        Raises:
+            ValueError: ``values`` does not have one entry per rollout.
+        """
+        values = list(values)
+        if len(values) != len(self.rollouts):
+            raise ValueError(
+                f"broadcast needs one value per rollout of the group: got {len(values)} values "
+                f"for {len(self.rollouts)} rollouts"
+            )
+        return [[float(v)] * n for v, n in zip(values, self.completion_lengths)]
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    @overload
+    def __getitem__(self, index: int) -> Rollout: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Rollout, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Rollout | tuple[Rollout, ...]:
+        return self.rollouts[index]
+
+    def __iter__(self) -> Iterator[Rollout]:
+        return iter(self.rollouts)
 
 
 class CustomAlgorithm(Algorithm):
@@ -36,7 +94,7 @@ class CustomAlgorithm(Algorithm):
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         check_group(group, self.name)
         cfg = self.advantage_config
-        values = list(self.fn(group, **cfg.kwargs))
+        values = list(self.fn(AdvantageInputs(group), **cfg.kwargs))
         if len(values) != len(group):
             raise ValueError(
                 f"custom advantage {cfg.import_path}: returned {len(values)} lists for a group "
@@ -65,6 +123,6 @@ class CustomAlgorithm(Algorithm):
         return samples
 
 
-def reward_per_token(group: list[Rollout], *, scale: float = 1.0) -> list[list[float]]:
+def reward_per_token(inputs: AdvantageInputs, *, scale: float = 1.0) -> list[list[float]]:
     """Example advantage function: ``scale * reward`` on every completion token."""
-    return [[scale * r.reward] * len(r.completion_ids) for r in group]
+    return inputs.broadcast([scale * r for r in inputs.rewards])

@@ -12,11 +12,15 @@ observation tokens but no roles is an environment that cannot feed echo: ``Value
 never a run that silently trains no ce tokens (built-in environments without role
 attribution are already rejected when the config is validated).
 
-The optional filter ``fn(rollouts, **kwargs) -> list[bool]`` (``advantage.filter``:
-``import_path`` + ``kwargs``) is called once per group with the rollouts ``assign``
-finalises together and returns the step's keep mask, one bool per rollout in order: False
-leaves that rollout's observations out of ``ce`` (its rl credit stays). Anything other than
-one bool per rollout raises ``ValueError``.
+The optional filter ``filter_fn(rollout, **kwargs) -> list[list[bool]]``
+(``advantage.filter``: ``import_path`` + ``kwargs``) narrows the selection per rollout: it
+is called once per rollout and returns one keep-mask per trajectory step
+(``Rollout.trajectory``), each spanning that step's ``prompt_ids + completion_ids``. An
+observation token trains only where the mask of the step whose completion holds it is True
+(entries over a step's prompt repeat earlier steps and are not read); False leaves it out
+of ``ce`` (rl credit is never filtered). The raw rollout carries the token ids, roles and
+sampling log-probs, so warning or low-probability filters are user code. A mask of any
+other shape raises ``ValueError`` naming the filter.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ class EchoAlgorithm(Algorithm):
     name = "echo"
     components = ("rl", "ce")
 
-    def __init__(self, config: Any, filter_fn: Callable[..., Sequence[bool]] | None = None) -> None:
+    def __init__(
+        self, config: Any, filter_fn: Callable[..., Sequence[Sequence[bool]]] | None = None
+    ) -> None:
         super().__init__(config)
         spec = self.advantage_config.filter
         if filter_fn is None and spec is not None:
@@ -80,27 +86,37 @@ class EchoAlgorithm(Algorithm):
             for m, role in zip(mask, rollout.token_roles)
         ]
 
-    def keep_mask(self, rollouts: Sequence[Rollout]) -> list[bool]:
-        """The filter's keep mask over ``rollouts`` (all True without a filter).
+    def keep_masks(self, rollout: Rollout) -> list[list[bool]]:
+        """The filter's keep-masks for ``rollout``: one per trajectory step, each as long as
+        that step's ``prompt_ids + completion_ids`` (all True without a filter).
 
         Raises:
-            ValueError: the filter did not return exactly one bool per rollout.
+            ValueError: the filter returned another shape.
         """
+        steps = rollout.trajectory
         if self.filter_fn is None:
-            return [True] * len(rollouts)
-        got = self.filter_fn(list(rollouts), **self.filter_kwargs)
-        return _check_keep_mask(got, len(rollouts), self._filter_name())
+            return [[True] * len(step) for step in steps]
+        got = self.filter_fn(rollout, **self.filter_kwargs)
+        return _check_keep_masks(got, [len(step) for step in steps], self._filter_name())
+
+    def token_keep(self, rollout: Rollout) -> list[bool]:
+        """Per completion token: the keep flag of the step whose completion holds it."""
+        keep: list[bool] = []
+        for step, mask in zip(rollout.trajectory, self.keep_masks(rollout)):
+            keep += mask[len(step.prompt_ids) :]
+        return keep
 
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         check_group(group, self.name)
         advantages = grpo_advantages([r.reward for r in group]).tolist()
-        weights = [self.observation_weights(rollout) for rollout in group]
-        keep = self.keep_mask(group)
         samples = []
-        for rollout, advantage, observed, kept in zip(group, advantages, weights, keep):
+        for rollout, advantage in zip(group, advantages):
+            observed = self.observation_weights(rollout)
+            if any(observed):
+                observed = [w if k else 0.0 for w, k in zip(observed, self.token_keep(rollout))]
             sample = rollout_to_sample(rollout, source=self.name)
             sample.advantages = sampled(rollout, advantage)
-            if kept and any(observed):
+            if any(observed):
                 sample.ce_weights = on_completion(rollout, observed)
             samples.append(sample)
         return samples
@@ -120,22 +136,39 @@ def _is_bool(value: Any) -> bool:
     )
 
 
-def _check_keep_mask(mask: Any, n: int, name: str) -> list[bool]:
-    """``mask`` as a list of ``n`` bools, or ``ValueError`` naming the filter."""
-    if isinstance(mask, (str, bytes)) or not isinstance(mask, Sequence):
-        raise ValueError(
-            f"echo filter {name} must return a list of {n} bools (one per rollout of the "
-            f"step), got {type(mask).__name__}"
-        )
-    if len(mask) != n:
-        raise ValueError(
-            f"echo filter {name} must return one bool per rollout of the step: got "
-            f"{len(mask)} values for {n} rollouts"
-        )
-    for i, value in enumerate(mask):
-        if not _is_bool(value):
-            raise ValueError(
-                f"echo filter {name}: keep mask entry {i} is {value!r} "
-                f"({type(value).__name__}), not a bool"
-            )
-    return [bool(v) for v in mask]
+def _as_list(value: Any) -> Any:
+    """A numpy array or tensor mask as a list (``tolist``); anything else unchanged."""
+    if not isinstance(value, Sequence) and callable(getattr(value, "tolist", None)):
+        return value.tolist()
+    return value
+
+
+def _check_keep_masks(masks: Any, lengths: list[int], name: str) -> list[list[bool]]:
+    """``masks`` as one list of bools per trajectory step, of the steps' ``lengths``, or
+    ``ValueError`` naming the filter."""
+    want = (
+        f"echo filter {name} must return one keep-mask per trajectory step of the rollout "
+        f"({len(lengths)} steps: Rollout.trajectory), each a list of bools spanning that "
+        "step's prompt_ids + completion_ids, as filter_fn(rollout, **kwargs) -> "
+        "list[list[bool]]"
+    )
+    masks = _as_list(masks)
+    if isinstance(masks, (str, bytes)) or not isinstance(masks, Sequence):
+        raise ValueError(f"{want}; got {type(masks).__name__}")
+    if len(masks) != len(lengths):
+        raise ValueError(f"{want}; got {len(masks)} masks")
+    out = []
+    for k, (mask, n) in enumerate(zip(masks, lengths)):
+        mask = _as_list(mask)
+        if isinstance(mask, (str, bytes)) or not isinstance(mask, Sequence):
+            raise ValueError(f"{want}; step {k}'s mask is {type(mask).__name__}")
+        if len(mask) != n:
+            raise ValueError(f"{want}; step {k}'s mask has {len(mask)} entries for {n} tokens")
+        for i, value in enumerate(mask):
+            if not _is_bool(value):
+                raise ValueError(
+                    f"echo filter {name}: step {k}'s mask entry {i} is {value!r} "
+                    f"({type(value).__name__}), not a bool"
+                )
+        out.append([bool(v) for v in mask])
+    return out

@@ -227,11 +227,12 @@ ENVS_WITHOUT_ROLE_ATTRIBUTION = frozenset({"python_functions"})
 
 
 class EchoFilter(BaseModel):
-    """The optional echo filter: ``fn(rollouts, **kwargs) -> list[bool]``.
+    """The optional echo filter: ``filter_fn(rollout, **kwargs) -> list[list[bool]]``.
 
-    Called once per group with the rollouts ``assign`` finalises together; it returns the
-    step's keep mask, one bool per rollout, in order. False leaves that rollout's
-    observations out of ``ce`` (its rl credit stays).
+    Called once per rollout; it returns one keep-mask per trajectory step
+    (``Rollout.trajectory``), each spanning that step's ``prompt_ids + completion_ids``.
+    False leaves the observation tokens of that step's completion out of ``ce`` (rl credit
+    is never filtered).
     """
 
     model_config = ConfigDict(extra="forbid")

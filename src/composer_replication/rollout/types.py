@@ -107,3 +107,55 @@ class Rollout:
     def n_sampled_tokens(self) -> int:
         """Number of completion tokens the policy sampled."""
         return int(sum(self.completion_mask or ()))
+
+    @property
+    def trajectory(self) -> list[TrajectoryStep]:
+        """The rollout as trajectory steps (see :class:`TrajectoryStep`)."""
+        return trajectory_steps(self)
+
+
+@dataclass(frozen=True)
+class TrajectoryStep:
+    """One step of a (multi-turn) rollout: a turn the policy sampled and what followed it.
+
+    The completion stream is cut at the start of every run of sampled tokens
+    (``completion_mask`` 1): step k's ``completion_ids`` are its sampled tokens followed by
+    the environment's tokens up to the next sampled run (end-of-turn tokens, the tool
+    output or user turn that answered it), and its ``prompt_ids`` are everything before
+    that (the rollout's prompt and the earlier steps). Steps partition the completion:
+    ``start`` is where this step's completion begins in ``Rollout.completion_ids`` (a
+    completion that opens with environment tokens puts them in step 0). A single-turn
+    rollout is one step.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_mask: list[int]
+    completion_logprobs: list[float]
+    completion_roles: list[str] | None
+    start: int
+
+    def __len__(self) -> int:
+        """Tokens a per-step mask spans: ``prompt_ids + completion_ids``."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def trajectory_steps(rollout: Rollout) -> list[TrajectoryStep]:
+    """``rollout`` cut into :class:`TrajectoryStep` s (at least one)."""
+    mask = list(rollout.completion_mask or ())
+    n = len(rollout.completion_ids)
+    starts = [j for j in range(n) if mask[j] and (j == 0 or not mask[j - 1])]
+    starts = [0] + [j for j in starts if j > 0]
+    ends = [*starts[1:], n]
+    roles = rollout.token_roles
+    return [
+        TrajectoryStep(
+            prompt_ids=[*rollout.prompt_ids, *rollout.completion_ids[:a]],
+            completion_ids=list(rollout.completion_ids[a:b]),
+            completion_mask=mask[a:b],
+            completion_logprobs=list(rollout.inference_logprobs[a:b]),
+            completion_roles=None if roles is None else list(roles[a:b]),
+            start=a,
+        )
+        for a, b in zip(starts, ends)
+    ]

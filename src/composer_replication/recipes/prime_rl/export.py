@@ -139,8 +139,9 @@ def _echo(adv: Any, where: str, problems: list[str]) -> dict[str, Any]:
         )
     if adv.filter is not None:
         problems.append(
-            f"{where}: echo filter {adv.filter.import_path!r} returns one bool per rollout; "
-            "PRIME-RL's filter returns per-token masks: remove the filter or port it"
+            f"{where}: echo filter {adv.filter.import_path!r} masks our trajectory steps "
+            "(a step's completion span holds the observations that answered it); PRIME-RL "
+            "reads each step's prompt extension instead: remove the filter or port it"
         )
     roles = {
         role: {"alpha": weight.alpha}
