@@ -36,15 +36,37 @@ gains, per row (so trl's shuffling and splitting keep them aligned):
   (B,), ``dpo_{chosen,rejected}_ref_logprobs`` (B,): pair k sits on row k, rows without a pair
   have ``dpo_pair_mask = 0``.
 
+Traces through ``data_collator``. Given ``data_collator=ComposerDataCollator(...)`` (trl's
+own ``GRPOTrainer`` takes no collator), ``train_dataset`` may hold agent traces (the
+``TraceExample`` dict shape: ``trace_id``, ``turns``, ``final_reward``, ``dpo_pairs``; a
+``prompt`` column is added from each trace's state when missing) and the collator feeds the
+two extra channels: for every generation batch, the batch's distinct traces are collated;
+
+- their SDPO rows (the trace's response after the plain state, student, and after the state
+  with the error-site hint, teacher) ride along as ``trace_*`` fields (B, W) on the first
+  row of each trace (``trace_input_ids``, ``trace_attention_mask``, ``trace_response_mask``,
+  ``trace_ctx_teacher_{input_ids,attention_mask,response_mask}``, ``trace_sdpo_loss_mask``)
+  and are distilled like ``loss.compose_loss``'s channel; the SDPO channel is the token
+  mean over these tokens and the feedback tokens together;
+- their preference pairs join the drawn pairs in the ``dpo_*`` rows, with reference
+  log-probs computed once per pair at construction (every trace of ``train_dataset`` is
+  collated then) with the same reference model as ``pairs=``.
+
+Without ``reward_funcs`` every completion of a trace scores the trace's recorded reward
+(``CollatorConfig.rlvr_reward_key``; ``TraceReward``): GRPO's group-relative advantage is 0
+and the update comes from SDPO and DPO (a ``UserWarning`` says so); pass ``reward_funcs`` to
+score the sampled completions. ``processing_class`` defaults to the collator's tokenizer.
+
 A channel with no inputs in a micro-batch contributes nothing and logs nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -67,9 +89,21 @@ from composer_replication.ops.pairs import (
 from composer_replication.ops.self_distillation import aligned_from_masks, divergence_terms
 from composer_replication.rollout.types import Rollout
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
+from composer_replication.trainer.data_collator import ComposerDataCollator, TraceExample
 from composer_replication.wire import DPOPairTokens
 
-__all__ = ["ComposerReplicationTrainer", "FeedbackRewardFunc", "default_hint"]
+__all__ = ["ComposerReplicationTrainer", "FeedbackRewardFunc", "TraceReward", "default_hint"]
+
+#: The per-row SDPO fields a ``data_collator`` adds (``trace_`` + the collator's key).
+_TRACE_SDPO_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "ctx_teacher_input_ids",
+    "ctx_teacher_attention_mask",
+    "ctx_teacher_response_mask",
+    "sdpo_loss_mask",
+)
 
 _REF_BATCH = 8  # pairs per forward when scoring the reference log-probs
 
@@ -98,6 +132,54 @@ def default_hint(feedback: str) -> str | None:
         task_id="", prompt_ids=[], completion_ids=[], inference_logprobs=[], feedback=feedback
     )
     return hint_text(carrier, "generator")
+
+
+class TraceReward:
+    """The trl reward function of a trace dataset without a verifier: every completion of a
+    trace scores the trace's recorded reward (``TraceExample.rewards[key]``), read from the
+    dataset columns trl passes as keywords."""
+
+    __name__ = "trace_reward"
+
+    def __init__(self, key: str = "final_reward") -> None:
+        self.key = key
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        rows = _column_rows(kwargs, len(prompts))
+        out = []
+        for row in rows:
+            rewards = TraceExample.from_dict(row).rewards
+            if self.key not in rewards:
+                raise ValueError(
+                    f"trace {row.get('trace_id')!r} has no reward {self.key!r} "
+                    f"(rewards: {sorted(rewards)}); add it or set CollatorConfig.rlvr_reward_key"
+                )
+            out.append(float(rewards[self.key]))
+        return out
+
+
+def _column_rows(columns: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+    """The dataset rows behind trl's reward keywords (the per-row lists of length ``n``)."""
+    keys = [k for k, v in columns.items() if isinstance(v, list) and len(v) == n]
+    return [{k: columns[k][i] for k in keys} for i in range(n)]
+
+
+def _trace_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A dataset row as a trace dict (trl's ``prompt`` column left out)."""
+    return {k: v for k, v in row.items() if k != "prompt"}
+
+
+def _add_prompt(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {"prompt": TraceExample.from_dict(_trace_row(row)).messages()}
+
+
+def _with_prompts(dataset: Any) -> Any:
+    """``dataset`` with a ``prompt`` column (each trace's state as chat messages) when it
+    has none."""
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or columns is None or "prompt" in columns:
+        return dataset
+    return dataset.map(_add_prompt)
 
 
 def _check_dataset_split(dataset: Any, split: HeldoutSplit | None) -> None:
@@ -138,6 +220,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         split: a ``train_dataset`` with a ``task_id`` column may hold no task this split
             holds out (``HeldoutLeakError`` at construction); the project's split by default,
             None for a dataset of tasks with no held-out pool.
+        data_collator: a ``ComposerDataCollator``: the SDPO and DPO inputs of the traces in
+            ``train_dataset`` (see the module docstring); None: feedback and ``pairs`` only.
     """
 
     def __init__(
@@ -162,6 +246,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         max_pair_length: int = 2048,
         replay_ref_model: Any | None = None,
         split: HeldoutSplit | None = DEFAULT_SPLIT,
+        data_collator: ComposerDataCollator | None = None,
         **kwargs: Any,
     ) -> None:
         # Set and checked before trl starts, so a bad value fails fast.
@@ -178,25 +263,87 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.pairs_per_prompt = int(pairs_per_prompt)
         self._check_settings(max_pair_length)
         self._divergence(), self._pair_settings()  # validates them under their public names
+        self.trace_collator = data_collator
+        self.max_pair_length = int(max_pair_length)
+        if data_collator is not None:
+            self._prepare_trace_kwargs(args, kwargs)
         _check_dataset_split(kwargs.get("train_dataset"), split)
         super().__init__(*args, **kwargs)
         self._feedback_funcs = [f for f in self.reward_funcs if hasattr(f, "last_feedback")]
-        if self.alpha_sdpo > 0 and (hint_fn is None or not self._feedback_funcs):
+        trace_cfg = None if data_collator is None else data_collator.config
+        trace_sdpo = (
+            trace_cfg is not None and trace_cfg.enable_sdpo and bool(trace_cfg.hint_generator)
+        )
+        trace_dpo = trace_cfg is not None and trace_cfg.enable_replay_dpo
+        feedback_sdpo = hint_fn is not None and bool(self._feedback_funcs)
+        if self.alpha_sdpo > 0 and not (feedback_sdpo or trace_sdpo):
             _channel_off(
                 f"alpha_sdpo={alpha_sdpo} but no reward function reports feedback (a "
-                "`last_feedback` attribute, see FeedbackRewardFunc) or hint_fn is None"
+                "`last_feedback` attribute, see FeedbackRewardFunc) or hint_fn is None, and "
+                "no data_collator with a hint_generator gives trace error sites"
             )
         self._pair_pool: PairPool | None = None
-        if self.beta_replay > 0:
+        self._trace_refs: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
+        reference = next(m for m in (replay_ref_model, self.ref_model, self.model) if m is not None)
+        if self.beta_replay > 0 and (pairs is not None or pairs_path is not None or not trace_dpo):
             pool = build_pair_pool(pairs, pairs_path, self._tokenizer, weight=1.0)
             if not pool:
                 _channel_off(f"beta_replay={beta_replay} but no pairs (pairs= or pairs_path=)")
             else:
                 pool = [_clip_pair(p, max_pair_length) for p in pool]
                 if self._pair_settings().needs_reference:
-                    refs = (replay_ref_model, self.ref_model, self.model)
-                    self._fill_reference_logps(pool, next(m for m in refs if m is not None))
+                    self._fill_reference_logps(pool, reference)
                 self._pair_pool = PairPool(pool, random.Random(self.args.seed))
+        if self.beta_replay > 0 and trace_dpo:
+            self._score_trace_pairs(reference)
+
+    def _prepare_trace_kwargs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """trl's keywords for a trace dataset: prompts from the traces' states, the
+        collator's tokenizer, and ``TraceReward`` when no reward function is given."""
+        collator = self.trace_collator
+        for name in ("train_dataset", "eval_dataset"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = _with_prompts(kwargs[name])
+        kwargs.setdefault("processing_class", collator.tokenizer)
+        if len(args) < 2 and kwargs.get("reward_funcs") is None:
+            kwargs["reward_funcs"] = [TraceReward(collator.config.rlvr_reward_key)]
+            warnings.warn(
+                "ComposerReplicationTrainer: no reward_funcs, so every completion of a trace "
+                f"scores the trace's recorded {collator.config.rlvr_reward_key!r}: GRPO's "
+                "group-relative advantage is 0 and the update comes from the SDPO and DPO "
+                "channels; pass reward_funcs to score the sampled completions",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _score_trace_pairs(self, reference: Any) -> None:
+        """Reference log-probs of every preference pair of ``train_dataset``'s traces,
+        computed once now (before any update) and cached by the pair's token ids."""
+        if not self._pair_settings().needs_reference or self.train_dataset is None:
+            return
+        found: dict[tuple[tuple[int, ...], tuple[int, ...]], DPOPairTokens] = {}
+        for row in self.train_dataset:
+            for pair in self._collated_pairs(self.trace_collator([_trace_row(row)])):
+                found.setdefault(_pair_key(pair), pair)
+        pool = list(found.values())
+        self._fill_reference_logps(pool, reference)
+        self._trace_refs = {
+            _pair_key(p): (float(p.ref_chosen_logp), float(p.ref_rejected_logp)) for p in pool
+        }
+
+    def _collated_pairs(self, batch: Mapping[str, torch.Tensor]) -> list[DPOPairTokens]:
+        """The collator's pair rows as tokenised pairs (clipped to ``max_pair_length``)."""
+        if "dpo_chosen_input_ids" not in batch:
+            return []
+        sides = [
+            tuple(
+                batch[f"dpo_{side}_{part}"]
+                for part in ("input_ids", "response_mask", "attention_mask")
+            )
+            for side in ("chosen", "rejected")
+        ]
+        pairs = pairs_from_padded(sides[0], sides[1])
+        return [_clip_pair(p, self.max_pair_length) for p in pairs]
 
     def _check_settings(self, max_pair_length: int) -> None:
         for name in ("alpha_sdpo", "beta_replay"):
@@ -231,13 +378,59 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
             if any(hints):
                 output.update(self._teacher_fields(inputs, output, hints))
-        if self._pair_pool is not None:
-            group = self.num_generations if mode == "train" else self.num_generations_eval
-            n_pairs = min(n_rows, -(-n_rows // group) * self.pairs_per_prompt)
-            pairs = self._pair_pool.draw(n_pairs)
+        trace_pairs: list[DPOPairTokens] = []
+        if self.trace_collator is not None:
+            trace_pairs = self._trace_fields(inputs, output, mode)
+        if self._pair_pool is not None or trace_pairs:
+            pairs: list[DPOPairTokens] = []
+            if self._pair_pool is not None:
+                group = self.num_generations if mode == "train" else self.num_generations_eval
+                n_pairs = min(n_rows, -(-n_rows // group) * self.pairs_per_prompt)
+                pairs = self._pair_pool.draw(n_pairs)
+            pairs = (pairs + trace_pairs)[:n_rows]
             self._metrics[mode]["trace_replay_dpo/pairs"].append(float(len(pairs)))
             output.update(self._pair_fields(pairs, n_rows))
         return output
+
+    def _trace_fields(
+        self, inputs: list[dict[str, Any]], output: dict[str, Any], mode: str
+    ) -> list[DPOPairTokens]:
+        """Collate the batch's distinct traces: their SDPO rows go into ``output`` as
+        ``trace_*`` fields on each trace's first row; returns their pairs (with the cached
+        reference log-probs)."""
+        n_rows = output["completion_ids"].shape[0]
+        first: dict[str, int] = {}
+        for i, row in enumerate(inputs[:n_rows]):
+            key = json.dumps(_trace_row(row), sort_keys=True, default=str)
+            first.setdefault(key, i)
+        rows = sorted(first.values())
+        batch = self.trace_collator([_trace_row(inputs[i]) for i in rows])
+        device = output["completion_ids"].device
+        if self.alpha_sdpo > 0 and "sdpo_loss_mask" in batch:
+            has_hint = batch["sdpo_loss_mask"].any(dim=-1)
+            self._metrics[mode]["sdpo/trace_error_sites"].append(float(has_hint.float().mean()))
+            if bool(has_hint.any()):
+                pad = self.trace_collator.config.pad_token_id
+                for key in _TRACE_SDPO_KEYS:
+                    value = batch[key]
+                    fill = pad if key.endswith("input_ids") else 0
+                    spread = value.new_full((n_rows, value.shape[1]), fill)
+                    spread[rows] = value
+                    output[f"trace_{key}"] = spread.to(device)
+        if self.beta_replay <= 0:
+            return []
+        pairs = self._collated_pairs(batch)
+        if self._pair_settings().needs_reference:
+            for pair in pairs:
+                ref = self._trace_refs.get(_pair_key(pair))
+                if ref is None:
+                    raise RuntimeError(
+                        "a trace's preference pair has no cached reference log-probs: the "
+                        "trainer scores the pairs of train_dataset once at construction; "
+                        "traces must come from train_dataset"
+                    )
+                pair.ref_chosen_logp, pair.ref_rejected_logp = ref
+        return pairs
 
     def _feedback(self, n_rows: int) -> list[str | None]:
         """Per completion, the feedback of every reporting reward function, joined."""
@@ -326,8 +519,16 @@ class ComposerReplicationTrainer(GRPOTrainer):
         metrics = self._metrics[mode]
         metrics["grpo_loss"].append(float(loss.detach()))
         extra = loss.new_zeros(())
+        parts = []
         if self.alpha_sdpo > 0 and _has_rows(inputs, "sdpo_loss_mask"):
-            sdpo = self._compute_sdpo_loss(model, inputs)
+            parts.append(self._sdpo_terms(model, inputs))
+        if self.alpha_sdpo > 0 and _has_rows(inputs, "trace_sdpo_loss_mask"):
+            total, count = self._trace_sdpo_terms(model, inputs)
+            metrics["sdpo_jsd/traces"].append(float(total.detach()) / max(count, 1))
+            parts.append((total, count))
+        if parts:
+            count = sum(n for _, n in parts)
+            sdpo = sum(t for t, _ in parts) / max(count, 1)
             metrics["sdpo_jsd"].append(float(sdpo.detach()))
             extra = extra + self.alpha_sdpo * sdpo
         if self.beta_replay > 0 and _has_rows(inputs, "dpo_pair_mask"):
@@ -343,10 +544,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
         P + j of the student context and P' + j of the teacher context. Only rows with a
         hint run (the teacher forward too).
         """
+        total, count = self._sdpo_terms(model, inputs)
+        return total / max(count, 1)
+
+    def _sdpo_terms(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """``_compute_sdpo_loss``'s divergence sum and its number of tokens."""
         mask = inputs["sdpo_loss_mask"]
         rows = mask.any(dim=-1).nonzero().squeeze(-1)
         if rows.numel() == 0:
-            return mask.new_zeros((), dtype=torch.float32)
+            return mask.new_zeros((), dtype=torch.float32), 0
         completion = inputs["completion_mask"][rows]
         student_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)[rows]
         student_attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)[rows]
@@ -376,7 +582,36 @@ class ComposerReplicationTrainer(GRPOTrainer):
             tokens,
             self._divergence(),
         )
-        return per_token.sum() / max(tokens.n_tokens, 1)
+        return per_token.sum(), int(tokens.n_tokens)
+
+    def _compute_trace_sdpo_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """Token-mean divergence on the ``data_collator``'s trace rows (``trace_*``): the
+        policy on the trace's state + response (student) against the policy on the hinted
+        state + the same response (teacher), as ``loss.compose_loss`` computes it."""
+        total, count = self._trace_sdpo_terms(model, inputs)
+        return total / max(count, 1)
+
+    def _trace_sdpo_terms(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        from composer_replication.loss import sdpo_tokens
+
+        mask = inputs["trace_sdpo_loss_mask"]
+        rows = mask.any(dim=-1).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            return mask.new_zeros((), dtype=torch.float32), 0
+        batch = {key: inputs[f"trace_{key}"][rows] for key in _TRACE_SDPO_KEYS}
+        tokens = sdpo_tokens(batch)
+        policy = self.accelerator.unwrap_model(model)
+        hidden = last_hidden_states(policy, batch["input_ids"], batch["attention_mask"])
+        per_token = divergence_terms(
+            hidden,
+            lm_head_weight(policy),
+            policy,
+            batch["ctx_teacher_input_ids"],
+            batch["ctx_teacher_attention_mask"],
+            tokens,
+            self._divergence(),
+        )
+        return per_token.sum(), int(tokens.n_tokens)
 
     def _compute_trace_replay_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         """Mean pair loss over the micro-batch's pairs (chosen and rejected in one forward)."""
@@ -437,6 +672,10 @@ def _pair_rows(
     resp, _ = pad_rows(masks, 0)
     attn[resp.sum(-1) == 0] = 0  # the empty rows
     return ids, attn, resp
+
+
+def _pair_key(pair: DPOPairTokens) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(pair.chosen_ids), tuple(pair.rejected_ids)
 
 
 def _has_rows(inputs: dict[str, Any], mask_key: str) -> bool:

@@ -103,8 +103,11 @@ class TraceTurn:
         failure = self.error if self.error is not None else self.tool_error
         object.__setattr__(self, "error", failure)
         object.__setattr__(self, "tool_error", failure)
-        if self.error_meta is not None:
-            object.__setattr__(self, "error_meta", dict(self.error_meta))
+        # None-valued keys say nothing (a table of traces fills every turn with every key)
+        meta = {k: v for k, v in (self.error_meta or {}).items() if v is not None}
+        object.__setattr__(self, "error_meta", meta or None)
+        if self.tool_call is not None and not _call_parts(self.tool_call)[0]:
+            object.__setattr__(self, "tool_call", None)
         if self.tool_name is None and self.error_meta and self.error_meta.get("tool_name"):
             object.__setattr__(self, "tool_name", str(self.error_meta["tool_name"]))
 
@@ -246,9 +249,13 @@ class TraceExample:
         assistant turn.
         """
         metadata = trace.get("metadata") or {}
+        trace_id = trace.get("trace_id")
+        if trace_id is None:
+            trace_id = trace.get("state_id")
+        task_id = trace.get("task_id")
         return cls(
             turns=tuple(trace.get("turns") or trace.get("messages") or ()),
-            trace_id=str(trace.get("trace_id", trace.get("state_id", ""))),
+            trace_id="" if trace_id is None else str(trace_id),
             rewards=dict(trace.get("rewards") or {}),
             final_reward=trace.get("final_reward"),
             dpo_pairs=trace.get("dpo_pairs"),
@@ -256,7 +263,7 @@ class TraceExample:
             error_kind=trace.get("error_kind"),
             error_meta=trace.get("error_meta"),
             available_tools=tuple(trace.get("available_tools") or metadata.get("tools") or ()),
-            task_id=trace.get("task_id", metadata.get("task_id")),
+            task_id=task_id if task_id is not None else metadata.get("task_id"),
         )
 
     def messages(self) -> list[dict[str, str]]:
@@ -288,19 +295,22 @@ class TraceExample:
 
 def _call_parts(call: Mapping[str, Any]) -> tuple[str, Any]:
     function = call.get("function") if isinstance(call.get("function"), Mapping) else call
-    arguments = function.get("arguments", function.get("input", {}))
+    arguments = function.get("arguments")
+    if arguments is None:
+        arguments = function.get("input")
+    if arguments is None:
+        arguments = {}
     if isinstance(arguments, str):
         with contextlib.suppress(json.JSONDecodeError):  # else: the string the agent wrote
             arguments = json.loads(arguments)
-    return str(function.get("name", "")), arguments
+    return str(function.get("name") or ""), arguments
 
 
 def _assistant_text(turn: Mapping[str, Any]) -> str:
     from composer_replication.traces.ingestion.render import render_tool_call
 
-    calls = list(turn.get("tool_calls") or ())
-    if turn.get("tool_call"):
-        calls.append(turn["tool_call"])
+    calls = [*(turn.get("tool_calls") or ()), turn.get("tool_call")]
+    calls = [c for c in calls if isinstance(c, Mapping) and _call_parts(c)[0]]
     parts = [str(turn.get("content") or "")] if turn.get("content") else []
     parts += [render_tool_call(*_call_parts(c)) for c in calls]
     return "\n\n".join(parts)
@@ -311,10 +321,12 @@ def _turn_from_dict(turn: Mapping[str, Any]) -> TraceTurn:
     if role == "assistant":
         return TraceTurn(role, _assistant_text(turn))
     content = str(turn.get("content") or "")
-    error = turn.get("tool_error", turn.get("error"))
+    error = turn.get("tool_error")
+    if error is None:
+        error = turn.get("error")
     if error is None and turn.get("is_error"):
         error = content
-    name = turn.get("tool_name", turn.get("name"))
+    name = turn.get("tool_name") or turn.get("name")
     meta = turn.get("error_meta")
     return TraceTurn(
         role,
