@@ -67,3 +67,45 @@ def test_overrides_and_errors(tmp_path):
     assert cfg.envs[0].tasks_per_step == default.envs[0].tasks_per_step
     with pytest.raises(ValueError, match="index 2 is out of range"):
         RunConfig.default(["envs.2.name=x"])
+
+
+def test_paths_in_a_config_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    from composer_replication.preflight import check_pairs_files
+
+    monkeypatch.chdir(tmp_path)  # anywhere but the repository root
+    shipped = RunConfig.from_toml(
+        Path(__file__).parents[1] / "configs" / "runs" / "replay_dpo.toml"
+    )
+    assert Path(shipped.envs[0].algorithm.advantage.pairs_path).is_file()
+    check_pairs_files(shipped)  # readable pairs: train would start from here
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    (folder / "model").mkdir()
+    (folder / "run.toml").write_text(
+        'output_dir = "out"\n[model]\nsource = "model"\n[[envs]]\nname = "feature_deletion"\n'
+        'options = {task_file = "fd/tasks.jsonl"}\n'
+        'algorithm = {advantage = {type = "replay_dpo", pairs_path = "p.jsonl"}}\n'
+    )
+    cfg = RunConfig.from_toml(folder / "run.toml")
+    assert cfg.envs[0].algorithm.advantage.pairs_path == str(folder / "p.jsonl")
+    assert cfg.envs[0].options["task_file"] == str(folder / "fd" / "tasks.jsonl")
+    assert cfg.model.source == str(folder / "model")  # it exists there
+    assert cfg.output_dir == "out"  # where a run writes: the working directory's
+    # a command-line override is the shell's, not the file's
+    again = RunConfig.from_toml(folder / "run.toml", ["model.source=embedded"])
+    assert again.model.source == "embedded"
+
+
+def test_resume_needs_a_checkpoint_unless_resume_or_start(tmp_path):
+    from composer_replication.errors import UsageError
+    from composer_replication.preflight import check_resume
+
+    cfg = RunConfig.default([f"output_dir={tmp_path / 'typo'}"])
+    with pytest.raises(UsageError, match=r"no checkpoint in .*typo.*--resume-or-start"):
+        check_resume(cfg)
+    assert check_resume(cfg, or_start=True) is False
+    step = tmp_path / "typo" / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"x")
+    (step / "trainable.safetensors").write_bytes(b"x")
+    assert check_resume(cfg) is True

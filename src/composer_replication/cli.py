@@ -27,6 +27,7 @@ class _OneLineErrors(TyperGroup):
         # the click typer uses (its own copy in recent releases, else click itself)
         exceptions = importlib.import_module(typer.BadParameter.__module__)
         no_args = getattr(exceptions, "NoArgsIsHelpError", ())
+        aborts = (typer.Abort, getattr(exceptions, "Abort", typer.Abort))
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
             code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
@@ -37,7 +38,7 @@ class _OneLineErrors(TyperGroup):
                 message = " ".join(exc.format_message().split())
                 typer.echo(f"Error: {message} (--help lists the options)", err=True)
             code = exc.exit_code
-        except exceptions.Abort:
+        except aborts:
             typer.echo("Error: aborted", err=True)
             code = 130
         if standalone_mode:
@@ -99,17 +100,6 @@ def _run_config(
     return RunConfig.from_toml(config, overrides) if config else RunConfig.default(overrides)
 
 
-def _check_model_source(source: str) -> None:
-    """A model path that does not exist fails before anything is loaded or created."""
-    if source == "embedded" or ("/" not in source and not source.endswith(".gguf")):
-        return  # the embedded model, or a cached hub id resolved by the loader
-    if not Path(source).expanduser().exists():
-        raise FileNotFoundError(
-            f"model.source {source!r} does not exist; give a Hugging Face model directory, "
-            "a .gguf file, or 'embedded'"
-        )
-
-
 def _print_components(title: str, rows: list[tuple[str, dict[str, float]]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -132,22 +122,33 @@ def smoke(
     steps: int = typer.Option(1, min=1, help="AdamW steps to take."),
     lr: float = typer.Option(1e-5, help="Learning rate."),
     seed: int = typer.Option(0, help="Random seed."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks of errors."),
 ) -> None:
     """Loss/model smoke: compose_loss on build_batch, AdamW steps, print the components."""
+    import math
+
     _require_supported_transformers()
     from rich.console import Console
 
+    from composer_replication.errors import UsageError
+    from composer_replication.preflight import check_model_source
     from composer_replication.smoke import run_smoke
 
+    with _one_line_errors(debug):
+        if model is not None:
+            check_model_source(model, "--model")
+        if not (math.isfinite(lr) and lr > 0):
+            raise UsageError(f"--lr {lr}: give a finite learning rate > 0, e.g. 1e-5")
     console = Console()
     console.print(f"[bold]smoke[/bold]: loading {model or 'embedded SmolLM2-135M-Instruct'}")
-    report = run_smoke(
-        model,
-        steps=steps,
-        lr=lr,
-        seed=seed,
-        on_step=lambda i, v: console.print(f"  step {i}: total {v['total']:.5f}"),
-    )
+    with _one_line_errors(debug):
+        report = run_smoke(
+            model,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            on_step=lambda i, v: console.print(f"  step {i}: total {v['total']:.5f}"),
+        )
     rows = [("before" if i == 0 else f"after step {i}", v) for i, v in enumerate(report.steps)]
     _print_components(f"{report.model_source} ({report.n_parameters:,} parameters)", rows)
     per_step = sum(report.step_seconds) / len(report.step_seconds)
@@ -163,7 +164,14 @@ def train(
     set_: list[str] = typer.Option(
         [], "--set", help="Override a config field, e.g. --set steps=4 --set optim.lr=1e-4."
     ),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the latest checkpoint (an error when there is none)."
+    ),
+    resume_or_start: bool = typer.Option(
+        False,
+        "--resume-or-start",
+        help="Continue from the latest checkpoint, or start a new run when there is none.",
+    ),
     output_dir: str | None = typer.Option(
         None, help="Where the run writes (overrides output_dir)."
     ),
@@ -198,16 +206,23 @@ def train(
     from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH, EXIT_USAGE
 
     # under torchrun / accelerate launch only rank 0 speaks (every rank runs this command)
-    console = Console(quiet=os.environ.get("RANK", "0") != "0")
+    speaks = os.environ.get("RANK", "0") == "0"
+    console = Console(quiet=not speaks)
     try:
-        cfg = _run_config(config, list(set_), output_dir, backend, resume)
+        if resume and resume_or_start:
+            raise ValueError("--resume and --resume-or-start exclude each other; pass one")
+        cfg = _run_config(config, list(set_), output_dir, backend, resume or resume_or_start)
         if engine is not None and engine != cfg.engine.type:
             from composer_replication.config.engine import engine_config
 
             cfg = cfg.model_copy(update={"engine": engine_config(engine)})
         if cfg.engine.type != "in_process" and backend != "native":
             raise ValueError(f"engine {cfg.engine.type} runs the native loop; drop --backend trl")
-        _check_model_source(cfg.model.source)
+        from composer_replication.preflight import check_resume, check_run
+
+        check_run(cfg)
+        if resume or resume_or_start:
+            resume = check_resume(cfg, or_start=resume_or_start)
     except Exception as exc:  # a bad config or path: one line that says what to fix
         if debug:
             raise
@@ -224,6 +239,8 @@ def train(
         f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "
         f"{cfg.steps} steps -> {cfg.output_dir}"
     )
+    from composer_replication.errors import EXIT_INTERRUPTED, UsageError
+
     try:
         if backend == "trl":
             from composer_replication.trainer.trl_backend import train_with_trl
@@ -239,6 +256,16 @@ def train(
         console.print(f"[bold red]stopped by the kill switch[/bold red]: {stop}")
         console.print(f"final checkpoint and metrics in {cfg.output_dir}")
         raise typer.Exit(code=EXIT_KILL_SWITCH) from stop
+    except UsageError as exc:  # found once the run had started (a checkpoint, a task bank)
+        if debug:
+            raise
+        if speaks:
+            typer.echo(f"Error: {user_error(exc)} (--debug shows the traceback)", err=True)
+        raise typer.Exit(code=EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        if speaks:
+            typer.echo(_interrupted_line(cfg, backend, config, list(set_)), err=True)
+        raise typer.Exit(code=EXIT_INTERRUPTED) from None
     before = "n/a" if result.heldout_before is None else f"{result.heldout_before:.3f}"
     after = "n/a" if result.heldout_after is None else f"{result.heldout_after:.3f}"
     ev = cfg.eval
@@ -251,6 +278,23 @@ def train(
     for line in _heldout_score_lines(result.metrics):
         console.print(line)
     console.print(f"final model: {result.final_model_dir}  report: {result.run_dir / 'report'}")
+
+
+def _interrupted_line(cfg: Any, backend: str, config: Path | None, overrides: list[str]) -> str:
+    """Where an interrupted run's last checkpoint is and the command that continues it."""
+    import shlex
+
+    from composer_replication.trainer.checkpoint import CheckpointManager
+
+    if backend == "trl":
+        return f"Interrupted: the trl backend keeps no checkpoints; {cfg.output_dir} is partial"
+    latest = CheckpointManager(cfg.output_dir).latest()
+    if latest is None:
+        return f"Interrupted before the first checkpoint: nothing to resume in {cfg.output_dir}"
+    argv = ["composer-replication", "train", *([str(config)] if config else [])]
+    argv += [a for o in overrides for a in ("--set", o) if not o.startswith("output_dir=")]
+    argv += ["--output-dir", str(cfg.output_dir), "--resume"]
+    return f"Interrupted: the last checkpoint is {latest}; continue with: {shlex.join(argv)}"
 
 
 SUITES = ("heldout", "humaneval")
@@ -351,6 +395,7 @@ def evaluate(
     follow_symlinks: bool = typer.Option(
         False, "--follow-symlinks", help="Write through an output that is a symbolic link."
     ),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks of errors."),
 ) -> None:
     """Score a model: held-out pass@1 / pass@k on an environment, or HumanEval.
 
@@ -358,31 +403,99 @@ def evaluate(
     2107.03374) as a table; -o writes the whole result, per task, as JSON.
     """
     import json
+    import math
 
     from composer_replication.atomic_io import write_text_atomic
+    from composer_replication.errors import UsageError
+    from composer_replication.outputs import check_output
+    from composer_replication.preflight import check_env_name, check_model_source
 
     if suite not in SUITES:
         raise typer.BadParameter(f"{suite!r}; use {' or '.join(SUITES)}", param_hint="--suite")
     _require_supported_transformers()
-    try:
-        _check_model_source(model)
-    except FileNotFoundError as exc:
-        raise typer.BadParameter(str(exc), param_hint="MODEL") from None
     if suite == "humaneval" and (env, split) != ("python_functions", "heldout"):
         raise typer.BadParameter(
             "--env and --split choose held-out tasks; with --suite humaneval leave them out",
             param_hint="--suite",
         )
-    if output is not None:  # before the work: a refused -o must not cost the evaluation
-        from composer_replication.outputs import OutputError, check_output
-
-        try:
-            output = check_output(output, inputs=[model], follow_symlinks=follow_symlinks)
-        except OutputError as exc:
-            raise typer.BadParameter(str(exc), param_hint="-o") from None
+    with _one_line_errors(debug):  # everything checked before the model loads
+        check_model_source(model, "MODEL")
+        if not math.isfinite(temperature):
+            raise UsageError(f"--temperature {temperature}: give a finite number >= 0")
+        if suite == "heldout":
+            check_env_name(env, "--env")
+            if env == "feature_deletion":
+                raise UsageError(
+                    "--env feature_deletion needs its task file, which eval cannot pass; "
+                    "evaluate on python_functions or a 'pkg.module:factory' environment"
+                )
+            if split not in ("heldout", "train", "all"):
+                raise UsageError(f"--split {split!r}: use heldout, train or all")
+            if not 0 < heldout_fraction < 1:
+                raise UsageError(
+                    f"--heldout-fraction {heldout_fraction}: give a number between 0 and 1 "
+                    "(the training run's heldout_fraction, default 0.25)"
+                )
+        if output is not None:  # a refused -o must not cost the evaluation
+            source = Path(model).expanduser()  # a model directory is read whole
+            output = check_output(
+                output,
+                inputs=[] if source.is_dir() else [source],
+                input_dirs=[source] if source.is_dir() else [],
+                follow_symlinks=follow_symlinks,
+            )
     from composer_replication.trainer.setup import quiet_library_progress_bars
 
     quiet_library_progress_bars()  # in a log file, the weight-loading bar is noise
+    with _one_line_errors(debug):
+        result = _evaluate_suite(
+            suite,
+            model,
+            env,
+            samples,
+            temperature,
+            greedy,
+            max_new_tokens,
+            seed,
+            limit,
+            timeout,
+            heldout_fraction,
+            split,
+        )
+    if output:
+        write_text_atomic(output, json.dumps(result, indent=2) + "\n")
+        typer.echo(f"written: {output}")
+
+
+@contextlib.contextmanager
+def _one_line_errors(debug: bool) -> Iterator[None]:
+    """A :class:`~composer_replication.errors.UsageError` (or a refused output) becomes one
+    line and exit code 2; ``--debug`` keeps the traceback."""
+    from composer_replication.errors import EXIT_USAGE, UsageError
+
+    try:
+        yield
+    except UsageError as exc:
+        if debug:
+            raise
+        typer.echo(f"Error: {user_error(exc)} (--debug shows the traceback)", err=True)
+        raise typer.Exit(code=EXIT_USAGE) from None
+
+
+def _evaluate_suite(
+    suite: str,
+    model: str,
+    env: str,
+    samples: int | None,
+    temperature: float,
+    greedy: bool,
+    max_new_tokens: int | None,
+    seed: int,
+    limit: int | None,
+    timeout: float,
+    heldout_fraction: float,
+    split: str,
+) -> dict[str, Any]:
     if suite == "humaneval":
         result = _eval_humaneval(
             model, samples, temperature, greedy, max_new_tokens, seed, limit, timeout
@@ -400,9 +513,7 @@ def evaluate(
             heldout_fraction,
             split,
         )
-    if output:
-        write_text_atomic(output, json.dumps(result, indent=2) + "\n")
-        typer.echo(f"written: {output}")
+    return result
 
 
 def _eval_heldout(

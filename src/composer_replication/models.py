@@ -364,17 +364,33 @@ def load_policy(
     kind, where = _resolve_source(source)
     if kind == "gguf":
         assert isinstance(where, Path)
-        model, tokenizer = _load_gguf(where)
+        try:
+            model, tokenizer = _load_gguf(where)
+        except Exception as err:  # the GGUF reader fails in many ways on a damaged file
+            raise _unreadable(where, "a GGUF model", err) from err
         return model.eval().to(device=device, dtype=torch_dtype), tokenizer
     try:
         model = _model_from_dir(
             where, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, KeyError) as err:
         if kind == "hub":
             raise _offline_error(str(where), err) from err
+        if kind == "dir":
+            raise _unreadable(where, "a Hugging Face model directory", err) from err
         raise
     return model, _tokenizer_from(kind, where, trust_remote_code=trust_remote_code)
+
+
+def _unreadable(where: Path | str, what: str, err: Exception) -> ValueError:
+    """A user's model that does not load: one line naming it (``errors.UsageError``)."""
+    from composer_replication.errors import UsageError
+
+    detail = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:120]
+    return UsageError(
+        f"model {str(where)!r} could not be read as {what} ({type(err).__name__}: {detail}); "
+        "pass an intact model directory, .gguf file or 'embedded'"
+    )
 
 
 # --------------------------------------------------------------------------- checkpoints

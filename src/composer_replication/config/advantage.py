@@ -33,7 +33,7 @@ RL_TYPES = frozenset({"grpo", "max_rl", "reward", "custom", "sdpo", "echo", "com
 
 
 class _Advantage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: Old field name -> current name, per class.
     renames: ClassVar[dict[str, str]] = {}
@@ -216,7 +216,7 @@ class SFTAdvantage(_Advantage):
 class RoleWeight(BaseModel):
     """Weight of one message role's observation tokens in the ``ce`` component."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     alpha: float = Field(ge=0, description="ce weight on each token of this role.")
 
@@ -235,7 +235,7 @@ class EchoFilter(BaseModel):
     is never filtered).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     import_path: str = Field(
         pattern=_IMPORT_PATH, description="'package.module:function' of the filter."

@@ -61,7 +61,7 @@ _MODEL_SLOTS = {"opd": "advantage.model", "opsd": "advantage.model", "sft": "sam
 class SamplingConfig(BaseModel):
     """Who generates the rollouts and how many per task."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     source: SamplingSource = Field(
         "policy",
@@ -77,7 +77,9 @@ class SamplingConfig(BaseModel):
 class AlgorithmConfig(BaseModel):
     """Sampling + advantage (the algorithm, by ``advantage.type``) of one environment."""
 
-    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False, validate_by_name=True, validate_by_alias=True
+    )
 
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig, description="Who samples and how many per task."

@@ -15,7 +15,7 @@ WORLD_SIZE_ENV = "REPLICA_WORLD_SIZE"
 class DiLoCoConfig(BaseModel):
     """The ``[diloco]`` table of a run config."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(False, description="Wrap training in DiLoCo (off: plain training).")
     backend: Literal["torchft", "object_store"] = Field(

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class InProcessEngineConfig(BaseModel):
     """Every role in the calling process (the native loop)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: Literal["in_process"] = Field("in_process", description="The native loop.")
 
@@ -25,7 +25,7 @@ class InProcessEngineConfig(BaseModel):
 class MonarchEngineConfig(BaseModel):
     """Roles as Monarch actors on process meshes of this host (``torchmonarch`` extra)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: Literal["monarch"] = Field("monarch", description="Roles on a Monarch process mesh.")
     generators: int = Field(

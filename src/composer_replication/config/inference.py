@@ -19,7 +19,7 @@ DEFAULT_ENGINE_PYTHON = ".venv-vllm/bin/python"
 class InferenceConfig(BaseModel):
     """How rollouts are sampled: in process or through a vLLM server."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     engine: Literal["in_process", "vllm"] = Field(
         "in_process",

@@ -31,7 +31,7 @@ LOSS_RENAMES = {
 class LossConfig(BaseModel):
     """Settings of the loss components ``rl``, ``ce``, ``ref_kl``, ``jsd`` and ``dpo``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mask_low: float = Field(
         0.2, ge=0, description="DPPO trust region below: drop A<=0 tokens with dp < -mask_low."

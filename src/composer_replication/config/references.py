@@ -25,7 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 class FrozenEndpoint(BaseModel):
     """A frozen model behind an OpenAI-compatible HTTP server."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     name: str = Field(min_length=1, description="Model name the server knows it by.")
     base_url: str = Field(
@@ -52,7 +52,7 @@ class FrozenEndpoint(BaseModel):
 class LocalFrozenModel(BaseModel):
     """A frozen model loaded in-process from a local directory, GGUF file or 'embedded'."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     name: str = Field(min_length=1, description="A name for metrics and logs.")
     local_path: str = Field(

@@ -19,6 +19,7 @@ fold into every algorithm that has the setting, with a warning.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +43,7 @@ from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSand
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LoraConfig(_Strict):
@@ -121,6 +122,14 @@ class OptimConfig(_Strict):
     grad_clip: float | None = Field(
         1.0, gt=0, description="Max global gradient norm (null: no clipping)."
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        # AdamW's moment decays: outside [0, 1) the moments grow without bound
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError("each beta must be in [0, 1), e.g. [0.9, 0.99]")
+        return value
 
 
 class EnvConfig(_Strict):
@@ -430,7 +439,12 @@ class RunConfig(_Strict):
 
     @classmethod
     def from_toml(cls, source: str | Path, overrides: list[str] | None = None) -> RunConfig:
-        """Load a TOML file (or text), then apply ``a.b.c=value`` overrides."""
+        """Load a TOML file (or text), then apply ``a.b.c=value`` overrides.
+
+        Relative input paths in a file (pairs, task files, a model directory) are relative
+        to the file (see ``_resolve_paths``); ``output_dir`` and overrides are relative to
+        the working directory.
+        """
         is_text = isinstance(source, str) and ("\n" in source or "=" in source)
         path = Path(source)
         if not is_text:
@@ -448,7 +462,9 @@ class RunConfig(_Strict):
                 raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
         else:
             data = tomllib.loads(str(source))
-        for item in overrides or []:
+        if not is_text:
+            _resolve_paths(data, path.resolve().parent)
+        for item in overrides or []:  # command-line values stay relative to the shell
             _apply_override(data, item)
         return cls.model_validate(data)
 
@@ -458,6 +474,36 @@ class RunConfig(_Strict):
         for item in overrides or []:
             _apply_override(data, item)
         return cls.model_validate(data)
+
+
+# Input files a config names: relative to the config file, so it runs from any directory.
+_FILE_KEYS = frozenset({"pairs_path", "pairs_file", "task_file"})
+# Model locations: relative to the config file when that path exists (else a hub id).
+_MODEL_KEYS = frozenset({"source", "local_path"})
+
+
+def _resolve_paths(node: Any, base: Path, key: str = "") -> Any:
+    """Rewrite, in place, the relative input paths of a config file's data as paths
+    relative to ``base`` (the config's folder): ``pairs_path``, ``pairs_file``,
+    ``task_file`` and options ending in ``_file`` / ``_path``; a model ``source`` or
+    ``local_path`` when such a file or folder exists. ``output_dir`` is left as written
+    (where a run writes is the caller's working directory)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            node[k] = _resolve_paths(v, base, str(k))
+        return node
+    if isinstance(node, list):
+        return [_resolve_paths(v, base, key) for v in node]
+    if not isinstance(node, str) or not node or Path(node).expanduser().is_absolute():
+        return node
+    if node.startswith("~"):
+        return node
+    candidate = Path(os.path.normpath(base / node))
+    if key in _MODEL_KEYS:
+        return str(candidate) if node != "embedded" and candidate.exists() else node
+    if key in _FILE_KEYS or (key.endswith(("_file", "_path")) and key != "import_path"):
+        return str(candidate)
+    return node
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:

@@ -10,7 +10,7 @@ __all__ = ["SANDBOX_ENVIRONMENTS", "DockerSandboxConfig"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # Docker's size strings: bytes, or a number with a b/k/m/g unit ("512m", "1g").

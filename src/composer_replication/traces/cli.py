@@ -95,14 +95,18 @@ def load_teachers(spec: str) -> list[dict[str, Any]]:
     if path.suffix.lower() in (".json", ".toml"):
         if not path.is_file():
             raise FileNotFoundError(f"teachers file {spec!r} does not exist")
-        if path.suffix.lower() == ".json":
-            data: Any = json.loads(path.read_text(encoding="utf-8"))
-        else:
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        try:
+            if path.suffix.lower() == ".json":
+                data: Any = json.loads(path.read_text(encoding="utf-8"))
+            else:
+                try:
+                    import tomllib
+                except ModuleNotFoundError:  # Python 3.10
+                    import tomli as tomllib  # type: ignore[no-redef]
+                data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:  # not UTF-8, not JSON / TOML: name the file
+            kind = path.suffix.lower().lstrip(".").upper()
+            raise ValueError(f"teachers file {spec!r} is not valid {kind} ({exc})") from None
         teachers = data.get("teachers") if isinstance(data, dict) else data
         if not isinstance(teachers, list) or not all(isinstance(t, dict) for t in teachers):
             raise ValueError(
@@ -293,6 +297,8 @@ def pairs(
             from composer_replication.traces.replaysim.normalize import DJNormalizer
 
             normalizer = DJNormalizer(recipe)
+            if recipe is not None:
+                _check_recipe(recipe)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
         raise _usage(str(exc)) from exc
     known = {st["state_id"] for st in states}
@@ -313,7 +319,14 @@ def pairs(
         write_jsonl(found, target, require_rows=True)
         typer.echo(f"wrote {len(found)} pairs -> {output}")
         return
-    normalized = normalizer.normalize(found)
+    try:
+        normalized = normalizer.normalize(found)
+    except SystemExit:  # data-juicer's config parser exits on what it cannot read
+        raise _usage(f"data-juicer could not parse the recipe {recipe}; fix it") from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] not in ("data_juicer", "jsonargparse"):
+            raise
+        raise _usage(f"data-juicer recipe {recipe or 'packaged'}: {_dj_reason(exc)}") from None
     if not normalized:
         raise _fail(f"the recipe dropped every pair: {output} left untouched")
     write_jsonl((p.to_dict() for p in normalized), target, require_rows=True)
@@ -322,6 +335,34 @@ def pairs(
         f"{st.n_dropped_by_recipe} by the recipe, {st.n_dropped_identical} identical" if st else ""
     )
     typer.echo(f"wrote {len(normalized)} normalised pairs ({dropped}) -> {output}")
+
+
+def _check_recipe(recipe: Path) -> None:
+    """A data-juicer recipe is a YAML mapping with a ``process`` list (checked here, so the
+    error names the file instead of surfacing data-juicer's parser text)."""
+    import yaml
+
+    shown = repr(str(recipe))
+    try:
+        data = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"data-juicer recipe {shown} is not text (not UTF-8)") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise ValueError(f"data-juicer recipe {shown} is not valid YAML{line}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("process"), list):
+        raise ValueError(
+            f"data-juicer recipe {shown} has no 'process' list of operators; see the packaged "
+            "recipe (leave out --recipe to use it)"
+        )
+
+
+def _dj_reason(exc: Exception) -> str:
+    """The line of a data-juicer error that says what is wrong."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    marked = [line.lstrip("✗ ").strip() for line in lines if line.startswith("✗")]
+    return (marked or lines or [type(exc).__name__])[0]
 
 
 def register(main_app: typer.Typer) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from composer_replication.atomic_io import build_dir_atomically
 from composer_replication.distributed.ranks import RankGroup
+from composer_replication.errors import UsageError
 
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 #: the torch.distributed.checkpoint directory of a checkpoint written by several ranks
@@ -115,7 +116,7 @@ def load_trainable_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
     trainable = {n for n, p in params.items() if p.requires_grad}
     if set(tensors) != trainable:
         missing, extra = sorted(trainable - set(tensors)), sorted(set(tensors) - trainable)
-        raise ValueError(
+        raise UsageError(
             f"checkpoint does not match the model's trainable parameters (missing "
             f"{missing[:3]}, unexpected {extra[:3]}): was it written with another LoRA setting?"
         )
@@ -177,7 +178,7 @@ def load_sharded(directory: Path, *, model: Any, optimizer: Any) -> None:
     except (CheckpointException, RuntimeError, ValueError) as err:
         if "Missing key" in str(err) or "Unexpected key" in str(err):
             missing = str(err).split("Missing key in checkpoint state_dict:")[-1].split("\n")[0]
-            raise ValueError(
+            raise UsageError(
                 f"checkpoint {directory.parent} does not match the model's trainable "
                 f"parameters (e.g. {missing.strip()}): was it written with another LoRA "
                 "setting?"
@@ -192,6 +193,20 @@ def _rank_rng(state: dict[str, Any], rank: int) -> dict[str, Any]:
     number of ranks or more), else a saved rank's (``rank`` modulo their number)."""
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     return per_rank[rank % len(per_rank)]
+
+
+@contextlib.contextmanager
+def _unreadable(file: Path, checkpoint: Path) -> Iterator[None]:
+    """A damaged checkpoint file (truncated, overwritten) is a one-line error naming it and
+    the fix, not the loader's traceback."""
+    try:
+        yield
+    except Exception as exc:
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:120]
+        raise UsageError(
+            f"checkpoint file {str(file)!r} cannot be read ({detail}): move {str(checkpoint)!r} "
+            "away to resume from the checkpoint before it, or start a new run without --resume"
+        ) from exc
 
 
 class CheckpointManager:
@@ -295,13 +310,21 @@ class CheckpointManager:
             raise FileNotFoundError(f"{path} is not a checkpoint (no state.pt)")
         ranks = ranks or RankGroup()
         # host tensors; the optimizer's state moves to each parameter's device on load
-        state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
+        with _unreadable(path / "state.pt", path):
+            state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
         if (path / SHARDED_DIR / ".metadata").exists():
             load_sharded(path / SHARDED_DIR, model=model, optimizer=optimizer)
         else:
             from safetensors.torch import load_file
 
-            load_trainable_state(model, load_file(str(path / "trainable.safetensors")))
+            with _unreadable(path / "trainable.safetensors", path):
+                tensors = load_file(str(path / "trainable.safetensors"))
+            try:
+                load_trainable_state(model, tensors)
+            except UsageError as exc:
+                raise UsageError(
+                    f"{path}: {exc}; or resume with the settings it was written with"
+                ) from None
             load_optimizer_state(model, optimizer, state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])

@@ -101,6 +101,13 @@ def build_runtime(
             f"environment {env.name!r}: the split left {len(train_ids)} train and "
             f"{len(heldout_ids)} held-out tasks; change heldout_fraction or add tasks"
         )
+    if env_config.tasks_per_step > len(train_ids):
+        from composer_replication.errors import UsageError
+
+        raise UsageError(
+            f"tasks_per_step = {env_config.tasks_per_step} of environment {env.name!r} is more "
+            f"than its {len(train_ids)} training tasks; set it to at most {len(train_ids)}"
+        )
     return EnvRuntime(
         config=env_config,
         env=env,

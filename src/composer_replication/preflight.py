@@ -1,0 +1,190 @@
+"""Checks the commands make before their work starts, so that a user's mistake is one line
+(:class:`~composer_replication.errors.UsageError`: the value, and the fix) and not a
+traceback minutes later: the model source, environment names, the device, pairs files,
+the run directory and what ``--resume`` will find there.
+
+Each check is cheap: none loads a model; ``check_device`` imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from composer_replication.errors import UsageError
+
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "check_device",
+    "check_env_name",
+    "check_model_source",
+    "check_pairs_files",
+    "check_resume",
+    "check_run",
+]
+
+BUILTIN_ENVIRONMENTS = ("python_functions", "feature_deletion")
+_MODEL_FIX = (
+    "give a Hugging Face model directory (e.g. a run's final_model), a .gguf file or 'embedded'"
+)
+
+
+def _did_you_mean(value: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an invalid repo id, or no huggingface_hub: not cached either way
+        return False
+
+
+def check_model_source(source: str, where: str = "model.source") -> None:
+    """``source`` is 'embedded', a model directory (with config.json), a file starting
+    with the GGUF magic, or a model in the local Hugging Face cache."""
+    if source == "embedded":
+        return
+    path = Path(source).expanduser()
+    if source.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise UsageError(f"{where} {source!r} does not exist; {_MODEL_FIX}")
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+        if magic != b"GGUF":
+            raise UsageError(
+                f"{where} {source!r} is not a GGUF file (it does not begin with the GGUF "
+                "magic): pass an intact .gguf file"
+            )
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"{where} {source!r} is not a model directory (it has no config.json); {_MODEL_FIX}"
+            )
+        return
+    if path.exists():
+        raise UsageError(f"{where} {source!r} is a file, not a model directory; {_MODEL_FIX}")
+    looks_like_path = source.startswith(("/", ".", "~")) or source.count("/") > 1
+    if not looks_like_path and _in_hub_cache(source):
+        return
+    cached = "" if looks_like_path else " (or a model in the local Hugging Face cache)"
+    raise UsageError(
+        f"{where} {source!r} does not exist{_did_you_mean(source, ['embedded'])}; "
+        f"{_MODEL_FIX}{cached}"
+    )
+
+
+def check_env_name(name: str, where: str = "environment") -> None:
+    """A built-in environment or an importable ``pkg.module:factory``."""
+    if name in BUILTIN_ENVIRONMENTS:
+        return
+    fix = f"use {' or '.join(BUILTIN_ENVIRONMENTS)}, or 'pkg.module:factory'"
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            found = bool(module and attr) and importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"{where} {name!r}: module {module!r} cannot be imported; {fix}")
+        return
+    raise UsageError(
+        f"{where} {name!r} is not an environment{_did_you_mean(name, BUILTIN_ENVIRONMENTS)}; {fix}"
+    )
+
+
+def check_device(spec: str, where: str = "model.device") -> None:
+    """The device resolves here (a GPU that is asked for is visible)."""
+    from composer_replication.devices import resolve_device
+
+    try:
+        resolve_device(spec)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+
+
+def check_pairs_files(config: Any) -> None:
+    """Every ``pairs_path`` an environment's algorithm names is a readable JSONL of pairs."""
+    from composer_replication.algo.replay_dpo import load_pair_records
+
+    for i, env in enumerate(config.envs):
+        path = getattr(env.algorithm.advantage, "pairs_path", None)
+        if path is None:
+            continue  # the shipped pairs
+        where = f"envs.{i}.algorithm.advantage.pairs_path {path!r}"
+        try:
+            records = load_pair_records(path)
+        except FileNotFoundError:
+            raise UsageError(
+                f"{where} does not exist; make one with `composer-replication pairs`, or "
+                "remove pairs_path for the shipped pairs"
+            ) from None
+        except UnicodeDecodeError:
+            raise UsageError(
+                f"{where} is not a text file (not UTF-8); pass a JSONL of pairs"
+            ) from None
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"{where}: {str(exc).splitlines()[0]}") from None
+        if not records:
+            raise UsageError(f"{where} holds no pairs; pass a JSONL file of pairs")
+        if not all(isinstance(r, dict) for r in records):
+            raise UsageError(f"{where}: every line must be a JSON object (a pair)")
+
+
+def check_resume(config: Any, *, or_start: bool = False) -> bool:
+    """Whether the run will resume: ``--resume`` needs a checkpoint in the run directory
+    (``or_start``: none means a new run), written with the same LoRA settings."""
+    from composer_replication.trainer.checkpoint import CheckpointManager
+
+    run_dir = Path(config.output_dir)
+    latest = CheckpointManager(run_dir).latest()
+    if latest is None:
+        if or_start:
+            return False
+        raise UsageError(
+            f"--resume: no checkpoint in {str(run_dir / 'checkpoints')!r}; check --output-dir "
+            "(or output_dir), or pass --resume-or-start to start a new run when there is none"
+        )
+    recorded = run_dir / "config.json"
+    try:
+        saved = json.loads(recorded.read_text(encoding="utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True  # no readable record: the checkpoint itself is checked on load
+    old, new = _lora_shape(saved.get("lora")), _lora_shape(config.model.model_dump()["lora"])
+    if old != new:
+        raise UsageError(
+            f"--resume: the checkpoint in {str(run_dir)!r} was trained with model.lora "
+            f"{_shown(old)}, this config has {_shown(new)}: resume with the same LoRA "
+            "settings, or pass a new --output-dir"
+        )
+    return True
+
+
+def _lora_shape(lora: Any) -> tuple[Any, ...] | None:
+    """What decides the trainable parameters' names and shapes."""
+    if not isinstance(lora, dict):
+        return None
+    return (lora.get("r"), tuple(sorted(lora.get("target_modules") or ())))
+
+
+def _shown(shape: tuple[Any, ...] | None) -> str:
+    return "off (full fine-tune)" if shape is None else f"r = {shape[0]} on {list(shape[1])}"
+
+
+def check_run(config: Any) -> None:
+    """The checks ``train`` makes on a parsed config before it loads anything."""
+    from composer_replication.outputs import check_output_dir
+
+    check_model_source(config.model.source)
+    check_output_dir(config.output_dir, option="output_dir")
+    check_device(config.model.device)
+    for i, env in enumerate(config.envs):
+        check_env_name(env.name, f"envs.{i}.name")
+    check_pairs_files(config)

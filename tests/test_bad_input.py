@@ -1,0 +1,485 @@
+"""Bad input across every command: each case exits with its documented code and one error
+line naming the value, shows no traceback, and leaves every prepared file byte-identical
+(and creates nothing). The cases run in process through the command line's entry point;
+a few run as real processes, Ctrl-C among them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from composer_replication.cli import app
+from composer_replication.errors import EXIT_INTERRUPTED, EXIT_NO_RESULT, EXIT_USAGE
+
+TRACE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "claude_code" / "projects"
+SESSION = TRACE_FIXTURES / "-home-dev-calc" / "1f0c7a2e-5b1d-4c3e-9a7f-0d2e4b6c8a10.jsonl"
+PRECIOUS = b'{"state_id": "keep me"}\n'
+NO_CUDA = "model.device=cuda"
+
+
+def _state(i: int) -> dict:
+    return {
+        "state_id": f"s{i}",
+        "messages": [{"role": "user", "content": f"task s{i}"}],
+        "student_action": "student answer",
+    }
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workspace of inputs and prepared outputs every case must leave as they are."""
+    from composer_replication.models import save_checkpoint, tiny_policy
+
+    root = tmp_path_factory.mktemp("bad_input")
+    (root / "session.jsonl").write_bytes(SESSION.read_bytes())
+    (root / "sessions").mkdir()
+    (root / "sessions" / "a.jsonl").write_bytes(SESSION.read_bytes())
+    states = [_state(i) for i in range(2)]
+    (root / "states.jsonl").write_text("".join(json.dumps(s) + "\n" for s in states))
+    rows = [
+        {"state_id": s["state_id"], "teacher_slug": f"t{j}", "response_text": "x", "error": None}
+        for s in states
+        for j in range(3)
+    ]
+    (root / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("out.jsonl", "out.json", "out.toml", "tasks.jsonl"):
+        (root / name).write_bytes(PRECIOUS)
+    (root / "secret.jsonl").write_bytes(PRECIOUS)
+    (root / "secret.jsonl").chmod(0o600)
+    (root / "a_dir").mkdir()
+    os.mkfifo(root / "fifo")
+    (root / "link.jsonl").symlink_to(root / "out.jsonl")
+    (root / "a_file").write_bytes(b"not a folder\n")
+    (root / "empty.jsonl").write_bytes(b"")
+    (root / "binary.bin").write_bytes(bytes(range(256)) * 8)
+    (root / "binary.json").write_bytes(bytes(range(256)) * 8)
+    (root / "binary.toml").write_bytes(bytes(range(256)) * 8)
+    (root / "binary.yaml").write_bytes(bytes(range(256)) * 8)
+    (root / "broken.yaml").write_text("process: [unclosed\n  - x: {")
+    (root / "bad.toml").write_text("steps = [unclosed\n")
+    (root / "steps0.toml").write_text("steps = 0\n")
+    (root / "run.toml").write_text('steps = 1\n[model]\nsource = "tiny"\n')
+    adv = 'type = "replay_dpo", pairs_path = "{}"'
+    env = '[[envs]]\nname = "python_functions"\nalgorithm = {{advantage = {{{}}}}}\n'
+    (root / "pairs_missing.toml").write_text(env.format(adv.format("no/pairs.jsonl")))
+    (root / "pairs_binary.toml").write_text(env.format(adv.format("binary.bin")))
+    (root / "pairs_empty.toml").write_text(env.format(adv.format("empty.jsonl")))
+    dead = root / "dead.json"  # a teacher nobody answers for (connection refused)
+    dead.write_text(
+        json.dumps(
+            [
+                {
+                    "slug": "t",
+                    "input_per_mtok": 1,
+                    "output_per_mtok": 1,
+                    "base_url": "http://127.0.0.1:9/v1",
+                }
+            ]
+        )
+    )
+    model, tokenizer = tiny_policy(seed=0)
+    save_checkpoint(model, root / "tiny", tokenizer=tokenizer)
+    (root / "not_a_model").mkdir()
+    (root / "not_a_model" / "README").write_text("no config.json here\n")
+    (root / "corrupt.gguf").write_bytes(b"NOTGGUF" + bytes(100))
+    (root / "truncated.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(16))
+    (root / "repo").mkdir()  # a repository with no tests: gate 1 rejects it
+    (root / "repo" / "mod.py").write_text("def f():\n    return 1\n")
+    (root / "clash").mkdir()
+    (root / "clash" / "tasks.workdirs").write_text("a file where the workdirs folder goes\n")
+    (root / "empty_run").mkdir()
+    step = root / "trunc_run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"PK\x03\x04 truncated")
+    (step / "trainable.safetensors").write_bytes(b"\x08\x00")
+    lora_step = root / "lora_run" / "checkpoints" / "step_000001"
+    lora_step.mkdir(parents=True)
+    (lora_step / "state.pt").write_bytes(b"x")
+    (lora_step / "trainable.safetensors").write_bytes(b"x")
+    (root / "lora_run" / "config.json").write_text(
+        json.dumps({"model": {"lora": {"r": 4, "target_modules": ["q_proj"]}}})
+    )
+    return root
+
+
+# (id, argv with {placeholders} for workspace paths, exit code, text the error line names)
+CASES: list[tuple[str, str, int, str]] = [
+    # ingest
+    ("ingest-into-its-input", "ingest {session.jsonl} -o {session.jsonl}", 2, "is the input"),
+    ("ingest-into-input-folder", "ingest {sessions} -o {sessions}/s.jsonl", 2, "input folder"),
+    ("ingest-missing-input", "ingest {nothing.jsonl} -o {out.jsonl}", 2, "nothing.jsonl"),
+    ("ingest-into-a-dir", "ingest {session.jsonl} -o {a_dir}", 2, "is a directory"),
+    ("ingest-into-a-fifo", "ingest {session.jsonl} -o {fifo}", 2, "is a FIFO"),
+    ("ingest-into-a-device", "ingest {session.jsonl} -o /dev/null", 2, "character device"),
+    ("ingest-into-a-link", "ingest {session.jsonl} -o {link.jsonl}", 2, "symbolic link"),
+    ("ingest-under-a-file", "ingest {session.jsonl} -o {a_file}/s.jsonl", 2, "a_file"),
+    ("ingest-empty", "ingest {empty.jsonl} -o {out.jsonl}", 1, "empty.jsonl"),
+    ("ingest-binary", "ingest {binary.bin} -o {secret.jsonl}", 1, "binary.bin"),
+    (
+        "ingest-history-0",
+        "ingest {session.jsonl} -o {out.jsonl} --max-history-tokens 0",
+        2,
+        "--max-history-tokens",
+    ),
+    # replay
+    ("replay-into-its-input", "replay {states.jsonl} -o {states.jsonl}", 2, "is the input"),
+    ("replay-missing-input", "replay {nothing.jsonl} -o {out.jsonl}", 2, "nothing.jsonl"),
+    ("replay-empty", "replay {empty.jsonl} -o {out.jsonl}", 1, "empty.jsonl"),
+    ("replay-binary", "replay {binary.bin} -o {out.jsonl}", 1, "binary.bin"),
+    (
+        "replay-unknown-teacher",
+        "replay {states.jsonl} -o {out.jsonl} --teachers no/such",
+        2,
+        "no/such",
+    ),
+    (
+        "replay-missing-teachers",
+        "replay {states.jsonl} -o {out.jsonl} --teachers {t.json}",
+        2,
+        "t.json",
+    ),
+    (
+        "replay-binary-teachers",
+        "replay {states.jsonl} -o {out.jsonl} --teachers {binary.json}",
+        2,
+        "binary.json",
+    ),
+    (
+        "replay-all-calls-fail",
+        "replay {states.jsonl} -o {secret.jsonl} --teachers {dead.json} "
+        "--no-cache --max-retries 0 --timeout 2",
+        1,
+        "every one of the 2 teacher calls failed",
+    ),
+    (
+        "replay-zero-budget",
+        "replay {states.jsonl} -o {out.jsonl} --teachers {dead.json} --no-cache --max-usd 0",
+        1,
+        "every one of the 2 teacher calls failed",
+    ),
+    ("replay-negative-budget", "replay {states.jsonl} -o {out.jsonl} --max-usd -1", 2, "--max-usd"),
+    (
+        "replay-nan-budget",
+        "replay {states.jsonl} -o {out.jsonl} --teachers {dead.json} --max-usd nan",
+        2,
+        "--max-usd",
+    ),
+    (
+        "replay-concurrency-0",
+        "replay {states.jsonl} -o {out.jsonl} --concurrency 0",
+        2,
+        "--concurrency",
+    ),
+    ("replay-into-a-dir", "replay {states.jsonl} -o {a_dir}", 2, "is a directory"),
+    ("replay-into-a-fifo", "replay {states.jsonl} -o {fifo}", 2, "is a FIFO"),
+    # pairs
+    (
+        "pairs-into-states",
+        "pairs {results.jsonl} --states {states.jsonl} -o {states.jsonl}",
+        2,
+        "is the input",
+    ),
+    (
+        "pairs-into-results",
+        "pairs {results.jsonl} --states {states.jsonl} -o {results.jsonl}",
+        2,
+        "is the input",
+    ),
+    (
+        "pairs-missing-results",
+        "pairs {nothing.jsonl} --states {states.jsonl} -o {out.jsonl}",
+        2,
+        "nothing.jsonl",
+    ),
+    (
+        "pairs-missing-states",
+        "pairs {results.jsonl} --states {nothing.jsonl} -o {out.jsonl}",
+        2,
+        "nothing.jsonl",
+    ),
+    (
+        "pairs-binary-results",
+        "pairs {binary.bin} --states {states.jsonl} -o {out.jsonl}",
+        1,
+        "binary.bin",
+    ),
+    (
+        "pairs-threshold-0",
+        "pairs {results.jsonl} --states {states.jsonl} -o {out.jsonl} --threshold 0",
+        2,
+        "--threshold",
+    ),
+    (
+        "pairs-none-agree",
+        "pairs {results.jsonl} --states {states.jsonl} -o {out.jsonl} --threshold 99",
+        1,
+        "out.jsonl",
+    ),
+    (
+        "pairs-into-a-link",
+        "pairs {results.jsonl} --states {states.jsonl} -o {link.jsonl}",
+        2,
+        "symbolic link",
+    ),
+    (
+        "pairs-missing-recipe",
+        "pairs {results.jsonl} --states {states.jsonl} -o {out.jsonl} "
+        "--normalize --recipe {no.yaml}",
+        2,
+        "no.yaml",
+    ),
+    (
+        "pairs-binary-recipe",
+        "pairs {results.jsonl} --states {states.jsonl} -o {out.jsonl} "
+        "--normalize --recipe {binary.yaml}",
+        2,
+        "binary.yaml",
+    ),
+    (
+        "pairs-broken-recipe",
+        "pairs {results.jsonl} --states {states.jsonl} -o {out.jsonl} "
+        "--normalize --recipe {broken.yaml}",
+        2,
+        "broken.yaml",
+    ),
+    # datagen
+    ("datagen-missing-repo", "datagen {no_repo} -o {tasks.jsonl}", 2, "no_repo"),
+    ("datagen-into-a-dir", "datagen {repo} -o {a_dir}", 2, "is a directory"),
+    ("datagen-into-a-device", "datagen {repo} -o /dev/null", 2, "character device"),
+    ("datagen-into-a-fifo", "datagen {repo} -o {fifo}", 2, "is a FIFO"),
+    ("datagen-into-a-link", "datagen {repo} -o {link.jsonl}", 2, "symbolic link"),
+    ("datagen-max-tasks-0", "datagen {repo} -o {tasks.jsonl} --max-tasks 0", 2, "--max-tasks"),
+    ("datagen-workdirs-a-file", "datagen {repo} -o {clash}/tasks.jsonl", 2, "tasks.workdirs"),
+    ("datagen-no-task-passes", "datagen {repo} -o {tasks.jsonl}", 1, "tasks.jsonl"),
+    # eval
+    ("eval-typo", "eval embeded", 2, "did you mean 'embedded'"),
+    ("eval-not-a-model", "eval {not_a_model}", 2, "not_a_model"),
+    ("eval-missing-model", "eval {nowhere}/model", 2, "nowhere"),
+    ("eval-corrupt-gguf", "eval {corrupt.gguf}", 2, "corrupt.gguf"),
+    ("eval-truncated-gguf", "eval {truncated.gguf}", 2, "truncated.gguf"),
+    ("eval-unknown-env", "eval {tiny} --env nosuchenv", 2, "nosuchenv"),
+    ("eval-env-without-tasks", "eval {tiny} --env feature_deletion", 2, "feature_deletion"),
+    ("eval-bad-split", "eval {tiny} --split bogus", 2, "bogus"),
+    ("eval-heldout-fraction-2", "eval {tiny} --heldout-fraction 2", 2, "--heldout-fraction"),
+    ("eval-heldout-fraction-nan", "eval {tiny} --heldout-fraction nan", 2, "--heldout-fraction"),
+    ("eval-bad-suite", "eval {tiny} --suite bogus", 2, "bogus"),
+    ("eval-infinite-temperature", "eval {tiny} --temperature inf", 2, "--temperature"),
+    ("eval-samples-0", "eval {tiny} --samples 0", 2, "--samples"),
+    ("eval-humaneval-with-env", "eval {tiny} --suite humaneval --env x", 2, "--env"),
+    ("eval-into-a-dir", "eval {tiny} -o {a_dir}", 2, "is a directory"),
+    ("eval-into-the-model", "eval {tiny} -o {tiny}/config.json", 2, "input folder"),
+    # smoke
+    ("smoke-missing-model", "smoke --model no/such/dir", 2, "no/such/dir"),
+    ("smoke-not-a-model", "smoke --model {not_a_model}", 2, "not_a_model"),
+    ("smoke-steps-0", "smoke --steps 0", 2, "--steps"),
+    ("smoke-nan-lr", "smoke --model {tiny} --lr nan", 2, "--lr"),
+    # train: config and paths
+    ("train-binary-config", "train {binary.toml}", 2, "binary.toml"),
+    ("train-bad-toml", "train {bad.toml}", 2, "bad.toml"),
+    ("train-missing-config", "train {nothing.toml}", 2, "nothing.toml"),
+    ("train-set-without-key", "train --set =5", 2, "'=5'"),
+    ("train-steps-0", "train --set steps=0", 2, "steps"),
+    ("train-infinite-lr", "train --set optim.lr=1e999", 2, "optim.lr"),
+    ("train-nan-betas", "train --set optim.betas=[NaN,NaN]", 2, "optim.betas"),
+    ("train-betas-out-of-range", "train --set optim.betas=[5,-1]", 2, "optim.betas"),
+    ("train-infinite-weight-decay", "train --set optim.weight_decay=1e999", 2, "weight_decay"),
+    ("train-infinite-grad-clip", "train --set optim.grad_clip=1e999", 2, "grad_clip"),
+    (
+        "train-infinite-eval-temperature",
+        "train --set eval.temperature=1e999",
+        2,
+        "eval.temperature",
+    ),
+    (
+        "train-nan-sampling-temperature",
+        "train --set envs.0.algorithm.sampling.temperature=NaN",
+        2,
+        "sampling.temperature",
+    ),
+    ("train-cuda-without-gpu", f"train --set {NO_CUDA}", 2, "model.device"),
+    ("train-unknown-env", "train --set envs.0.name=nosuchenv", 2, "nosuchenv"),
+    ("train-env-module-missing", "train --set envs.0.name=no_such_pkg:make", 2, "no_such_pkg"),
+    ("train-missing-model", "train --set model.source=no/such/dir", 2, "no/such/dir"),
+    ("train-output-dir-a-file", "train --output-dir {a_file}", 2, "a_file"),
+    ("train-output-dir-a-device", "train --output-dir /dev/null", 2, "/dev/null"),
+    ("train-pairs-missing", "train {pairs_missing.toml}", 2, "no/pairs.jsonl"),
+    ("train-pairs-binary", "train {pairs_binary.toml}", 2, "binary.bin"),
+    ("train-pairs-empty", "train {pairs_empty.toml}", 2, "empty.jsonl"),
+    ("train-bad-backend", "train --backend bogus", 2, "bogus"),
+    (
+        "train-resume-and-resume-or-start",
+        "train --resume --resume-or-start",
+        2,
+        "--resume-or-start",
+    ),
+    ("train-resume-nothing", "train --resume --output-dir {empty_run}", 2, "empty_run"),
+    (
+        "train-resume-other-lora",
+        "train --resume --output-dir {lora_run} --set model.lora.r=8",
+        2,
+        "r = 4",
+    ),
+    # train: found once the run has started (the tiny model loads first)
+    (
+        "train-resume-truncated",
+        "train --resume --output-dir {trunc_run} --set model.source={tiny}",
+        2,
+        "state.pt",
+    ),
+    (
+        "train-tasks-per-step-1e9",
+        "train --output-dir {new_run} --set model.source={tiny} --set envs.0.tasks_per_step=1e9",
+        2,
+        "tasks_per_step",
+    ),
+    # export
+    ("export-missing-config", "export prime-rl {nothing.toml}", 2, "nothing.toml"),
+    ("export-into-a-dir", "export prime-rl {run.toml} -o {a_dir}", 2, "is a directory"),
+    ("export-into-its-input", "export prime-rl {run.toml} -o {run.toml}", 2, "is the input"),
+    ("export-into-a-device", "export prime-rl {run.toml} -o /dev/null", 2, "character device"),
+    ("export-binary-config", "export prime-rl {binary.toml}", 2, "binary.toml"),
+    ("export-invalid-value", "export prime-rl {steps0.toml} -o {out.toml}", 2, "steps"),
+    ("export-seq-len-0", "export prime-rl {run.toml} --seq-len 0", 2, "seq_len = 0"),
+    # the top level
+    ("unknown-command", "trian", 2, "trian"),
+    ("unknown-option", "ingest {session.jsonl} -o {out.jsonl} --bogus", 2, "--bogus"),
+]
+
+
+def _argv(template: str, ws: Path) -> list[str]:
+    return [re.sub(r"\{([^}]+)\}", lambda m: str(ws / m[1]), p) for p in template.split()]
+
+
+def _snapshot(root: Path) -> dict[str, object]:
+    """Every entry under ``root``: a file's bytes (a digest) and mode, a link's target, a
+    FIFO as such, a folder as such; a change anywhere, or a new entry, shows."""
+    seen: dict[str, object] = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        key = str(path.relative_to(root))
+        if stat.S_ISLNK(st.st_mode):
+            seen[key] = ("link", os.readlink(path))
+        elif stat.S_ISREG(st.st_mode) and st.st_size > 1 << 20:  # the model's weights
+            seen[key] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode)
+        elif stat.S_ISREG(st.st_mode):
+            seen[key] = (hashlib.sha256(path.read_bytes()).hexdigest(), st.st_mode)
+        else:
+            seen[key] = ("special", stat.S_IFMT(st.st_mode), st.st_mode)
+    return seen
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.lower().startswith("error:")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input_is_one_line_and_changes_nothing(ws, argv, code, needle):
+    if NO_CUDA in argv:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    before = _snapshot(ws)
+    cwd = os.getcwd()
+    os.chdir(ws)  # relative names (model.source=tiny) resolve in the workspace
+    try:
+        result = CliRunner().invoke(app, _argv(argv, ws))
+    finally:
+        os.chdir(cwd)
+    shown = result.output + (result.stderr if result.stderr not in result.output else "")
+    assert result.exit_code == code, shown
+    assert result.exception is None or isinstance(result.exception, SystemExit), shown
+    assert "Traceback" not in shown
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1, shown
+    assert needle in errors[0], errors[0]
+    assert _snapshot(ws) == before, "a prepared file changed, or something was created"
+
+
+def test_the_corpus_is_broad():
+    commands = {c[1].split()[0] for c in CASES}
+    assert len(CASES) >= 60
+    assert {"ingest", "replay", "pairs", "datagen", "eval", "smoke", "train", "export"} <= commands
+    assert {c[2] for c in CASES} == {EXIT_NO_RESULT, EXIT_USAGE}
+
+
+def _run(argv: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "composer_replication", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )
+
+
+@pytest.mark.integration
+def test_real_processes_exit_with_the_code_and_one_line(ws):
+    before = _snapshot(ws)
+    for template, code, needle in (
+        ("ingest {session.jsonl} -o {session.jsonl}", EXIT_USAGE, "is the input"),
+        ("eval embeded", EXIT_USAGE, "did you mean 'embedded'"),
+        ("train --set optim.betas=[5,-1]", EXIT_USAGE, "optim.betas"),
+        ("ingest {empty.jsonl} -o {out.jsonl}", EXIT_NO_RESULT, "empty.jsonl"),
+    ):
+        done = _run(_argv(template, ws), ws)
+        assert done.returncode == code, done.stderr
+        assert "Traceback" not in done.stderr + done.stdout
+        errors = _error_lines(done.stderr)
+        assert len(errors) == 1 and needle in errors[0], done.stderr
+    assert _snapshot(ws) == before
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(ws, tmp_path):
+    run = tmp_path / "run"
+    settings = [
+        "steps=1000",
+        "checkpoint.every=1",
+        "eval.at_start=false",
+        "eval.every=1000",
+        "envs.0.tasks_per_step=1",
+        "envs.0.algorithm.sampling.group_size=2",
+        "envs.0.algorithm.sampling.max_new_tokens=8",
+        "model.lora.r=2",
+        f"model.source={ws / 'tiny'}",
+    ]
+    argv = ["train", *(a for s in settings for a in ("--set", s)), "--output-dir", str(run)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "composer_replication", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(run.glob("checkpoints/step_*")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert "Traceback" not in err + out
+    (line,) = [x for x in err.splitlines() if x.startswith("Interrupted")]
+    assert f"the last checkpoint is {run}/checkpoints/step_" in line
+    assert line.endswith(f"--output-dir {run} --resume")
+    # the printed command continues the run (one more step from the checkpoint)
+    steps = int(line.split("step_")[1].split(";")[0])
+    resume = line.split("continue with: composer-replication ")[1].split()
+    done = _run([a if a != "steps=1000" else f"steps={steps + 1}" for a in resume], ws)
+    assert done.returncode == 0, done.stderr
+    assert (run / "checkpoints" / f"step_{steps + 1:06d}").is_dir()
