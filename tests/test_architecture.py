@@ -130,6 +130,70 @@ def test_no_import_cycles_between_modules():
     assert _cycles(graph) == []
 
 
+def _all_imports(path: Path, modules: set[str]) -> set[str]:
+    """Package modules ``path`` imports anywhere: at module level, under TYPE_CHECKING or
+    inside functions (an import deferred to call time still ties the two modules)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    this = _module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    out = set()
+    for name in found:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        # a package's __init__ is not a dependency of concern for its own modules
+        if name and name != this and not this.startswith(name + "."):
+            out.add(name)
+    return out
+
+
+def _full_graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: _all_imports(path, set(files)) for name, path in files.items()}
+
+
+def test_no_import_cycles_even_through_imports_inside_functions():
+    assert _cycles(_full_graph()) == []
+
+
+#: Lower layers never import these higher ones (module prefixes under the package).
+LAYER_RULES = {
+    "composer_replication.distributed": ("composer_replication.trainer",),
+    "composer_replication.rollout": ("composer_replication.trainer", "composer_replication.cli"),
+    "composer_replication.ops": (
+        "composer_replication.trainer",
+        "composer_replication.algo",
+        "composer_replication.rollout",
+    ),
+    "composer_replication.sandbox": ("composer_replication.trainer",),
+    "composer_replication.safety": ("composer_replication.trainer",),
+    "composer_replication.config": ("composer_replication.trainer",),
+}
+
+
+def test_lower_layers_never_import_higher_ones():
+    graph = _full_graph()
+    broken = sorted(
+        f"{module} imports {dep}"
+        for module, deps in graph.items()
+        for low, highs in LAYER_RULES.items()
+        if module == low or module.startswith(low + ".")
+        for dep in deps
+        if any(dep == high or dep.startswith(high + ".") for high in highs)
+    )
+    assert broken == []
+
+
 def test_the_cycle_finder_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
 

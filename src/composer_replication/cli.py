@@ -15,6 +15,8 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from composer_replication.errors import user_error
+
 
 class _OneLineErrors(TyperGroup):
     """Every command's usage errors (parsed options and ``typer.BadParameter``) are one
@@ -54,24 +56,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     cls=_OneLineErrors,
 )
-
-
-def user_error(exc: BaseException) -> str:
-    """One line for a user's mistake: a config value and what is valid, a missing file."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        parts = []
-        for err in exc.errors()[:3]:
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            message = str(err.get("msg", "")).removeprefix("Value error, ")
-            value = err.get("input")
-            shown = "" if isinstance(value, dict) else f" (got {value!r})"
-            parts.append(f"{where}: {message}{shown}" if where else message)
-        more = len(exc.errors()) - 3
-        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text
 
 
 def _require_supported_transformers() -> None:

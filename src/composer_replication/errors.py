@@ -20,6 +20,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "UsageError",
+    "user_error",
 ]
 
 EXIT_OK = 0
@@ -31,3 +32,21 @@ EXIT_INTERRUPTED = 130
 
 class UsageError(ValueError):
     """A user's mistake: the message is one line naming the value and the fix."""
+
+
+def user_error(exc: BaseException) -> str:
+    """One line for a user's mistake: a config value and what is valid, a missing file."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors()[:3]:
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            message = str(err.get("msg", "")).removeprefix("Value error, ")
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            parts.append(f"{where}: {message}{shown}" if where else message)
+        more = len(exc.errors()) - 3
+        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text

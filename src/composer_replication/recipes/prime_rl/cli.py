@@ -33,9 +33,8 @@ def export_prime_rl(
 ) -> None:
     """Write CONFIG as a PRIME-RL rl config; fails naming every algorithm it cannot map."""
     from composer_replication.atomic_io import write_text_atomic
-    from composer_replication.cli import user_error
     from composer_replication.config import RunConfig
-    from composer_replication.errors import EXIT_USAGE
+    from composer_replication.errors import EXIT_USAGE, user_error
     from composer_replication.outputs import check_output
     from composer_replication.recipes.prime_rl.export import export_run_config
 
