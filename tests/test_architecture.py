@@ -175,8 +175,13 @@ LAYER_RULES = {
         "composer_replication.algo",
         "composer_replication.rollout",
     ),
-    "composer_replication.sandbox": ("composer_replication.trainer",),
-    "composer_replication.safety": ("composer_replication.trainer",),
+    "composer_replication.sandbox": (
+        "composer_replication.trainer",
+        "composer_replication.datagen",
+    ),
+    "composer_replication.safety": ("composer_replication.trainer", "composer_replication.datagen"),
+    "composer_replication.envs": ("composer_replication.trainer", "composer_replication.datagen"),
+    "composer_replication.diloco": ("composer_replication.trainer.loop",),
     "composer_replication.config": ("composer_replication.trainer",),
 }
 
@@ -241,6 +246,9 @@ def test_no_citation_of_documents_outside_the_repository():
         ("composer_replication.datagen.sandbox", "composer_replication.sandbox"),
         ("composer_replication.datagen.docker_sandbox", "composer_replication.sandbox.docker"),
         ("composer_replication.trainer.ranks", "composer_replication.distributed.ranks"),
+        ("composer_replication.datagen.fd_tasks", "composer_replication.envs.fd_tasks"),
+        ("composer_replication.datagen.hack_monitor", "composer_replication.safety.hack_monitor"),
+        ("composer_replication.datagen.scrub", "composer_replication.sandbox.scrub"),
     ],
 )
 def test_moved_modules_keep_their_first_paths_as_the_same_objects(old, new):

@@ -9,7 +9,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from composer_replication.datagen.cli import app, datagen_main
-from composer_replication.datagen.fd_tasks import make_task_id, read_jsonl_records
+from composer_replication.envs.fd_tasks import make_task_id, read_jsonl_records
 from composer_replication.safety.holdout import HeldoutSplit
 
 

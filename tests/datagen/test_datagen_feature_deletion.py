@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.fd_tasks import (
+from composer_replication.datagen.feature_deletion import GenerationReport, generate_tasks
+from composer_replication.datagen.gates import GATES, SolvabilityValidator
+from composer_replication.envs.fd_tasks import (
     STUB_EXCEPTION,
     FDTask,
     TaskReference,
@@ -21,8 +23,6 @@ from composer_replication.datagen.fd_tasks import (
     read_jsonl_records,
     write_tasks,
 )
-from composer_replication.datagen.feature_deletion import GenerationReport, generate_tasks
-from composer_replication.datagen.gates import GATES, SolvabilityValidator
 from composer_replication.safety.holdout import HeldoutLeakError, HeldoutSplit
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir

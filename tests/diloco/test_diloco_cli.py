@@ -116,13 +116,14 @@ def test_train_replica_trains_the_config_with_diloco_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import composer_replication.trainer.loop as loop
+    from composer_replication.trainer.replica import train_replica
 
     config = tmp_path / "c.toml"
     config.write_text('steps = 2\noutput_dir = "runs/x"\n')
     seen = []
     monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg))
     monkeypatch.setenv("REPLICA_RANK", "1")
-    dcli.train_replica(config.as_uri(), "file:///rdv/allreduce", 2, ["steps=4"], {"anon": True})
+    train_replica(config.as_uri(), "file:///rdv/allreduce", 2, ["steps=4"], {"anon": True})
     [cfg] = seen  # the library's train, called in this process: no CLI round trip
     assert cfg.steps == 4 and cfg.output_dir == "runs/x/rank_1"
     d = cfg.diloco

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from composer_replication.config import EnvConfig
-from composer_replication.datagen.fd_tasks import read_jsonl_records
 from composer_replication.datagen.feature_deletion import generate_tasks
-from composer_replication.datagen.hack_monitor import Manifest
 from composer_replication.envs import Environment, build_environment
+from composer_replication.envs.fd_tasks import read_jsonl_records
 from composer_replication.envs.feature_deletion import (
     FDAttempt,
     FeatureDeletionEnv,
@@ -30,6 +29,7 @@ from composer_replication.models import load_tokenizer, tiny_policy
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
+from composer_replication.safety.hack_monitor import Manifest
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
@@ -429,7 +429,7 @@ GUARDED_ATTACKS = {
 
 @pytest.mark.parametrize("name", sorted(GUARDED_ATTACKS))
 def test_the_final_run_refuses_and_flags_what_the_agents_code_does(generated: Path, tok, name):
-    from composer_replication.datagen.hack_monitor import HackMonitor
+    from composer_replication.safety.hack_monitor import HackMonitor
 
     code, sabotage = GUARDED_ATTACKS[name]
     content = _with_median("    return 0\n") + "\n" + sabotage

@@ -19,7 +19,7 @@ TRAIN = next(t for t in IDS if not DEFAULT_SPLIT.is_heldout(t))
 
 
 def _fd_task(task_id: str):
-    from composer_replication.datagen.fd_tasks import FDTask
+    from composer_replication.envs.fd_tasks import FDTask
 
     return FDTask(
         task_id=task_id,
@@ -36,7 +36,7 @@ def _fd_task(task_id: str):
 
 
 def test_write_tasks_refuses_held_out_ids_by_default(tmp_path):
-    from composer_replication.datagen.fd_tasks import read_jsonl_records, write_tasks
+    from composer_replication.envs.fd_tasks import read_jsonl_records, write_tasks
 
     out = tmp_path / "tasks.jsonl"
     with pytest.raises(HeldoutLeakError, match=HELD):
@@ -108,7 +108,7 @@ def test_a_user_dataset_with_held_out_tasks_is_refused_before_trl_starts():
 
 
 def test_split_records_round_trip_and_mismatches_name_the_fix(tmp_path):
-    from composer_replication.datagen.fd_tasks import read_split_record, write_split_record
+    from composer_replication.envs.fd_tasks import read_split_record, write_split_record
 
     out = tmp_path / "tasks.jsonl"
     assert read_split_record(out) is None

@@ -65,7 +65,7 @@ def test_flags_are_read_from_anywhere_in_the_output_once_each():
 
 
 def test_a_command_filling_the_workdir_is_stopped_and_later_ones_refused(workdir: Path):
-    from composer_replication.datagen.hack_monitor import HackMonitor
+    from composer_replication.safety.hack_monitor import HackMonitor
 
     sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=8)
     before = HackMonitor().snapshot(workdir)

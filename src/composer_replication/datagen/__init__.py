@@ -1,10 +1,12 @@
 """Task generation: FeatureDeletion with its 4 solvability gates, leak scrubbing, the hack
 monitor and the difficulty curriculum.
 
-Modules: `scrub`, `hack_monitor`, `feature_deletion` (+ `fd_tasks`, `gates`),
-`curriculum`, `cli`. The sandboxes live in :mod:`composer_replication.sandbox`; their
-first public paths here (`datagen.sandbox`, `datagen.docker_sandbox`) and the names below
-still reach them. Names load lazily, so importing the package imports neither docker nor
+Modules: `feature_deletion` (+ `gates`), `curriculum`, `cli`. What the environments
+share with the generator lives below both: the task records in `envs.fd_tasks`, the hack
+monitor in `safety.hack_monitor`, leak scrubbing in `sandbox.scrub`, the sandboxes in
+:mod:`composer_replication.sandbox`; their first public paths here (`datagen.fd_tasks`,
+`datagen.hack_monitor`, `datagen.scrub`, `datagen.sandbox`, `datagen.docker_sandbox`) and
+the names below still reach them. Names load lazily, so importing the package imports neither docker nor
 rich.
 """
 
@@ -20,14 +22,14 @@ _LAZY: dict[str, str] = {
     "FakeSandbox": "composer_replication.sandbox.protocol",
     "LocalSubprocessSandbox": "composer_replication.sandbox.local",
     "DockerSandbox": "composer_replication.sandbox.docker",
-    "scrub_tree": "composer_replication.datagen.scrub",
-    "HackMonitor": "composer_replication.datagen.hack_monitor",
-    "HackVerdict": "composer_replication.datagen.hack_monitor",
-    "HackLog": "composer_replication.datagen.hack_monitor",
-    "Manifest": "composer_replication.datagen.hack_monitor",
-    "score_with_monitor": "composer_replication.datagen.hack_monitor",
-    "FDTask": "composer_replication.datagen.fd_tasks",
-    "TaskReference": "composer_replication.datagen.fd_tasks",
+    "scrub_tree": "composer_replication.sandbox.scrub",
+    "HackMonitor": "composer_replication.safety.hack_monitor",
+    "HackVerdict": "composer_replication.safety.hack_monitor",
+    "HackLog": "composer_replication.safety.hack_monitor",
+    "Manifest": "composer_replication.safety.hack_monitor",
+    "score_with_monitor": "composer_replication.safety.hack_monitor",
+    "FDTask": "composer_replication.envs.fd_tasks",
+    "TaskReference": "composer_replication.envs.fd_tasks",
     "GenerationReport": "composer_replication.datagen.feature_deletion",
     "generate_tasks": "composer_replication.datagen.feature_deletion",
     "SolvabilityValidator": "composer_replication.datagen.gates",

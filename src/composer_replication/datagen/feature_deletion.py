@@ -22,22 +22,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from composer_replication.datagen.fd_tasks import (
-    STUB_EXCEPTION,
-    Candidate,
-    FDTask,
-    TaskReference,
-    apply_reference,
-    find_candidates,
-    make_stub,
-    make_task_id,
-    slug,
-    split_record_path,
-    write_heldout_tasks,
-    write_references,
-    write_split_record,
-    write_tasks,
-)
 from composer_replication.datagen.gates import (
     DEFAULT_TEST_COMMAND,
     GATE_ORIGINAL,
@@ -46,9 +30,26 @@ from composer_replication.datagen.gates import (
     SandboxFactory,
     SolvabilityValidator,
 )
-from composer_replication.datagen.hack_monitor import is_protected
-from composer_replication.datagen.scrub import scrub_tree
+from composer_replication.envs.fd_tasks import (
+    STUB_EXCEPTION,
+    Candidate,
+    FDTask,
+    TaskReference,
+    apply_reference,
+    find_candidates,
+    make_stub,
+    make_task_id,
+    output_paths,
+    slug,
+    split_record_path,
+    write_heldout_tasks,
+    write_references,
+    write_split_record,
+    write_tasks,
+)
+from composer_replication.safety.hack_monitor import is_protected
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
+from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import hand_over, make_shared_tempdir
 
 __all__ = [
@@ -98,16 +99,6 @@ class GenerationReport:
     reference_output: str = ""
     workdirs: str = ""
     duration_s: float = 0.0
-
-
-def output_paths(output: Path) -> tuple[Path, Path, Path]:
-    """(held-out file, reference file, workdirs dir) that belong to the training `output`."""
-    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
-    return (
-        output.with_name(f"{stem}.heldout.jsonl"),
-        output.with_name(f"{stem}.reference.jsonl"),
-        output.with_name(f"{stem}.workdirs"),
-    )
 
 
 def _referenced_names(root: Path) -> set[str]:

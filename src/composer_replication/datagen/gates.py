@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from composer_replication.datagen.fd_tasks import TaskReference, apply_reference
+from composer_replication.envs.fd_tasks import TaskReference, apply_reference
 from composer_replication.sandbox import Sandbox
 from composer_replication.sandbox.base import TestRunResult
 from composer_replication.sandbox.workdir import make_shared_tempdir

@@ -1,8 +1,9 @@
 """``composer-replication diloco ...``: launch, watch and stop DiLoCo replica runs.
 
 ``launch`` uploads the run config next to the rendezvous, then starts ``--replicas``
-trainers of it (``train_replica``: the run config with DiLoCo switched on, trained through
-the library's ``train``) through the chosen executor; the replicas meet through the
+trainers of it (:func:`composer_replication.trainer.replica.train_replica`: the run config
+with DiLoCo switched on, trained through the library's ``train``) through the chosen
+executor; the replicas meet through the
 object-store rendezvous. Launched handles go to a
 small state file (``<state-dir>/<run-id>.json``), so ``status``/``logs``/``cancel`` work
 from any later shell. Library functions ``launch``/``status``/``logs``/``cancel`` do the
@@ -22,7 +23,8 @@ import typer
 
 EXECUTORS = ("local", "eks", "sagemaker", "modal", "hf_jobs")
 DEFAULT_STATE_DIR = Path(".diloco")
-TRAIN_REPLICA = "composer_replication.diloco.cli.train_replica"
+#: What each launched replica runs (by import path: the executors start it in its own process).
+TRAIN_REPLICA = "composer_replication.trainer.replica.train_replica"
 
 diloco_app = typer.Typer(
     name="diloco",
@@ -174,47 +176,6 @@ def cancel(run_id: str | None = None, *, state_dir: Path = DEFAULT_STATE_DIR) ->
     for handle in handles:
         executor.cancel(handle)
     return len(handles)
-
-
-def train_replica(
-    config_uri: str,
-    rendezvous_uri: str,
-    world_size: int,
-    overrides: list[str] | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> None:
-    """What each launched replica runs: the run config with DiLoCo on, trained in process.
-
-    The replica's output goes to ``<output_dir>/rank_<r>``; a kill-switch stop raises
-    ``CollapseStopError`` (the executor records the replica as failed).
-    """
-    import fsspec
-
-    from composer_replication.config.diloco import DiLoCoConfig
-    from composer_replication.config.run import RunConfig
-    from composer_replication.diloco.serverless.replica_entrypoint import replica_rank
-    from composer_replication.trainer.loop import train
-
-    rank = replica_rank(int(world_size))
-    with fsspec.open(config_uri, "r", **(storage_options or {})) as fh:
-        text = fh.read()
-    config = RunConfig.from_toml(text, list(overrides or []))
-    diloco = config.diloco.model_dump() | {
-        "enabled": True,
-        "backend": "object_store",
-        "rendezvous": rendezvous_uri,
-        "world_size": int(world_size),
-        "rank": rank,
-    }
-    if storage_options:
-        diloco["storage_options"] = dict(storage_options)
-    config = config.model_copy(
-        update={
-            "diloco": DiLoCoConfig.model_validate(diloco),
-            "output_dir": f"{config.output_dir.rstrip('/')}/rank_{rank}",
-        }
-    )
-    train(config)
 
 
 # ---------------------------------------------------------------------- typer commands

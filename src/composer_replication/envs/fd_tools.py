@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer_replication.datagen.fd_tasks import FDTask
-from composer_replication.datagen.hack_monitor import Manifest
+from composer_replication.envs.fd_tasks import FDTask
 from composer_replication.rollout.agent import Tool
 from composer_replication.rollout.tool_calls import ToolError, ToolSpec
+from composer_replication.safety.hack_monitor import Manifest
 
 __all__ = [
     "FD_TOOLS",

@@ -36,20 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from composer_replication.datagen.fd_tasks import (
+from composer_replication.envs.fd_tasks import (
     FDTask,
     TaskReference,
+    output_paths,
     read_jsonl_records,
     read_split_record,
 )
-from composer_replication.datagen.feature_deletion import output_paths
-from composer_replication.datagen.hack_monitor import (
-    HackLog,
-    HackMonitor,
-    HackVerdict,
-    score_with_monitor,
-)
-from composer_replication.datagen.scrub import scrub_tree
 from composer_replication.envs.fd_tools import (
     FD_TOOLS,
     TOOLS,
@@ -74,6 +67,13 @@ from composer_replication.rollout.tool_calls import (
     tool_instructions,
 )
 from composer_replication.rollout.types import Rollout
+from composer_replication.safety.hack_monitor import (
+    HackLog,
+    HackMonitor,
+    HackVerdict,
+    score_with_monitor,
+)
+from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
 __all__ = [

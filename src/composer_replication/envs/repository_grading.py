@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from composer_replication.datagen.hack_monitor import HackMonitor, is_protected
+from composer_replication.safety.hack_monitor import HackMonitor, is_protected
 from composer_replication.sandbox.base import GuardSpec
 from composer_replication.sandbox.files import file_kind
 

@@ -35,7 +35,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from composer_replication.datagen.scrub import scrub_tree
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
     TestRunResult,
@@ -58,6 +57,7 @@ from composer_replication.sandbox.docker_daemon import (
 )
 from composer_replication.sandbox.process import OutputCapture, ProcessOutcome, exec_suffix
 from composer_replication.sandbox.pytest_support import JunitReport, build_pytest_argv, parse_junit
+from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import hand_over
 
 __all__ = [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.fd_tasks import (
+from composer_replication.envs.fd_tasks import (
     STUB_EXCEPTION,
     FDTask,
     TaskReference,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.scrub import scrub_tree
+from composer_replication.sandbox.scrub import scrub_tree
 
 LEAKS = [
     ".git/HEAD",

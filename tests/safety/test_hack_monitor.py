@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.hack_monitor import (
+from composer_replication.safety.hack_monitor import (
     HackLog,
     HackMonitor,
     HackVerdict,

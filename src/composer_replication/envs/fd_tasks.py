@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from composer_replication.datagen.hack_monitor import is_protected
+from composer_replication.safety.hack_monitor import is_protected
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "find_candidates",
     "make_stub",
     "make_task_id",
+    "output_paths",
     "read_jsonl_records",
     "slug",
     "write_heldout_tasks",
@@ -321,3 +322,13 @@ def slug(task_id: str) -> str:
     """A file-system-safe directory name for a task id."""
     readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", task_id).strip("-")[:80]
     return f"{readable}-{hashlib.sha256(task_id.encode()).hexdigest()[:8]}"
+
+
+def output_paths(output: Path) -> tuple[Path, Path, Path]:
+    """(held-out file, reference file, workdirs dir) that belong to the training `output`."""
+    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
+    return (
+        output.with_name(f"{stem}.heldout.jsonl"),
+        output.with_name(f"{stem}.reference.jsonl"),
+        output.with_name(f"{stem}.workdirs"),
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.hack_monitor import HackMonitor
+from composer_replication.safety.hack_monitor import HackMonitor
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
