@@ -17,15 +17,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from composer_replication.pids import pid_alive
 
 
 def _remove_stale_siblings(target: Path) -> None:
@@ -35,7 +27,7 @@ def _remove_stale_siblings(target: Path) -> None:
     pattern = re.compile(re.escape(target.name) + r"\.(?:tmp|old)-(\d+)-[0-9a-f]+")
     for sibling in target.parent.iterdir():
         m = pattern.fullmatch(sibling.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(sibling, ignore_errors=True)
 
 

@@ -14,7 +14,6 @@ imports it lazily and raises ``RuntimeError`` naming the extra when it is missin
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -22,11 +21,6 @@ from typing import Any
 import torch
 
 _INSTALL_HINT = "pip install 'composer-replication[diloco]' (torchft==0.2.0)"
-
-
-def torchft_available() -> bool:
-    """True when torchft can be imported (checked without importing it)."""
-    return importlib.util.find_spec("torchft") is not None
 
 
 def require_torchft() -> Any:

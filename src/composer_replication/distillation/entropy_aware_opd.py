@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from composer_replication.ops.divergence import entropy_opd_token_loss, finite_logprobs
+from composer_replication.ops.divergence import entropy_opd_token_loss, finite_logprobs, token_mask
 
 _REDUCTIONS = ("batchmean", "mean", "sum", "none")
 
@@ -115,35 +115,22 @@ def entropy_aware_opd_loss(
         h_max = math.log(vocab)
     if not h_max > 0:
         raise ValueError(f"entropy_aware_opd_loss: h_max must be > 0, got {h_max}")
-    token_mask = _token_mask(labels, student_logits.shape[:2], student_logits.device)
+    tokens = token_mask(
+        labels,
+        student_logits.shape[:2],
+        student_logits.device,
+        where="entropy_aware_opd_loss",
+        name="labels",
+    )
 
     per_token = entropy_opd_token_loss(
         student_logits, teacher_logits, h_max=h_max, temperature=temperature
     )
-    per_token = torch.where(token_mask, per_token, torch.zeros_like(per_token))
+    per_token = torch.where(tokens, per_token, torch.zeros_like(per_token))
 
     if reduction == "none":
         return per_token
     total = per_token.sum()
     if reduction == "sum":
         return total
-    return total / token_mask.sum().clamp(min=1).to(per_token.dtype)
-
-
-def _token_mask(labels: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor:
-    """A (B, T) bool mask from ``None`` (all tokens), a bool mask or a 0/1 mask."""
-    if labels is None:
-        return torch.ones(shape, dtype=torch.bool, device=device)
-    if labels.shape != shape:
-        raise ValueError(
-            f"entropy_aware_opd_loss: labels shape {tuple(labels.shape)} must be (B, T) = "
-            f"{tuple(shape)}"
-        )
-    if labels.dtype == torch.bool:
-        return labels
-    if not bool(((labels == 0) | (labels == 1)).all()):
-        raise ValueError(
-            "entropy_aware_opd_loss: labels must be a bool or 0/1 mask; for token ids with -100 "
-            "pass `labels != -100`"
-        )
-    return labels != 0
+    return total / tokens.sum().clamp(min=1).to(per_token.dtype)

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from composer_replication.ops.divergence import taid_token_loss
+from composer_replication.ops.divergence import taid_token_loss, token_mask
 
 
 def taid_loss(
@@ -69,11 +69,13 @@ def taid_loss(
             f"shape, got {tuple(student_logits.shape)} and {tuple(teacher_logits.shape)}"
         )
     t_value = _unit_interval_scalar(t)
-    token_mask = _token_mask(mask, student_logits.shape[:2], student_logits.device)
+    tokens = token_mask(
+        mask, student_logits.shape[:2], student_logits.device, where="taid_loss", name="mask"
+    )
 
     per_token = taid_token_loss(student_logits, teacher_logits, t_value)  # (B, T)
-    total = torch.where(token_mask, per_token, torch.zeros_like(per_token)).sum()
-    return total / token_mask.sum().clamp(min=1).to(per_token.dtype)
+    total = torch.where(tokens, per_token, torch.zeros_like(per_token)).sum()
+    return total / tokens.sum().clamp(min=1).to(per_token.dtype)
 
 
 class TAIDScheduler:
@@ -261,21 +263,3 @@ def _unit_interval_scalar(t: float | Tensor) -> float:
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise ValueError(f"taid_loss: t must be in [0, 1], got {value}")
     return value
-
-
-def _token_mask(mask: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor:
-    """A (B, T) bool mask from ``None`` (all tokens), a bool mask or a 0/1 mask."""
-    if mask is None:
-        return torch.ones(shape, dtype=torch.bool, device=device)
-    if mask.shape != shape:
-        raise ValueError(
-            f"taid_loss: mask shape {tuple(mask.shape)} must be (B, T) = {tuple(shape)}"
-        )
-    if mask.dtype == torch.bool:
-        return mask
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError(
-            "taid_loss: mask must be bool or hold only 0/1; for labels with -100 pass "
-            "`labels != -100`"
-        )
-    return mask != 0

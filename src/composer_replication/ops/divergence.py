@@ -143,6 +143,27 @@ def finite_logprobs(log_probs: Tensor) -> Tensor:
     return log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
 
 
+def token_mask(
+    mask: Tensor | None, shape: torch.Size, device: torch.device, *, where: str, name: str
+) -> Tensor:
+    """A (B, T) bool mask from ``None`` (all tokens), a bool mask or a 0/1 mask; ``where``
+    and ``name`` (the caller and its argument) go into the error of a bad one."""
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    if mask.shape != shape:
+        raise ValueError(
+            f"{where}: {name} shape {tuple(mask.shape)} must be (B, T) = {tuple(shape)}"
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(
+            f"{where}: {name} must be a bool or 0/1 mask; for token ids with -100 pass "
+            "`labels != -100`"
+        )
+    return mask != 0
+
+
 def _compute_dtype(a: Tensor, b: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
 

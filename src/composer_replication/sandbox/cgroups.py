@@ -127,28 +127,6 @@ class RunCgroup:
         """The ``cgroup.procs`` files a child writes itself into."""
         return [str(d / "cgroup.procs") for d in self.dirs]
 
-    def peak_memory_bytes(self) -> int | None:
-        """The group's peak memory use, when the kernel reports it."""
-        for d in self.dirs:
-            for name in ("memory.max_usage_in_bytes", "memory.peak"):
-                with contextlib.suppress(OSError, ValueError):
-                    return int((d / name).read_text())
-        return None
-
-    def oom_killed(self) -> bool:
-        """True when the memory limit killed a process of the group."""
-        for d in self.dirs:
-            with contextlib.suppress(OSError, ValueError):
-                if (d / "memory.failcnt").exists() and int((d / "memory.failcnt").read_text()):
-                    return True
-                events = d / "memory.events"
-                if events.exists():
-                    for line in events.read_text().splitlines():
-                        key, _, value = line.partition(" ")
-                        if key == "oom_kill" and int(value):
-                            return True
-        return False
-
     def close(self) -> None:
         """Kill whatever is left in the group and remove it (never raises)."""
         for d in self.dirs:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from composer_replication.pids import pid_alive
+
 log = logging.getLogger(__name__)
 
 LABEL = {"composer_replication": "datagen"}
@@ -71,16 +73,6 @@ def _process_start(pid: int) -> str | None:
     return f"{boot_id}/{fields[19]}" if len(fields) > 19 else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
-
-
 def owner_labels() -> dict[str, str]:
     """The owner labels `boot()` adds: this host's name, this process's pid and start."""
     labels = {OWNER_HOST_LABEL: socket.gethostname(), OWNER_PID_LABEL: str(os.getpid())}
@@ -98,7 +90,7 @@ def _owner_gone(labels: Mapping[str, str]) -> bool:
         pid = int(labels[OWNER_PID_LABEL])
     except (KeyError, TypeError, ValueError):
         return False
-    if pid <= 0 or not _pid_alive(pid):
+    if pid <= 0 or not pid_alive(pid):
         return True
     recorded = labels.get(OWNER_START_LABEL)
     current = _process_start(pid)

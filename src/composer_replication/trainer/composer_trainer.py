@@ -84,7 +84,6 @@ from composer_replication.ops.pairs import (
     pair_loss_settings,
     pair_terms,
     pairs_from_padded,
-    sequence_logps,
 )
 from composer_replication.ops.self_distillation import aligned_from_masks, divergence_terms
 from composer_replication.rollout.types import Rollout
@@ -631,16 +630,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
         )
         policy = self.accelerator.unwrap_model(model)
         return pair_terms(policy, pairs, self._pair_settings()).mean()
-
-    @staticmethod
-    def _sequence_logprobs(
-        model: Any,
-        input_ids: torch.Tensor,
-        response_mask: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """(B,) summed log-probs of the response tokens (``ops.pairs.sequence_logps``)."""
-        return sequence_logps(model, input_ids, response_mask, attention_mask)
 
 
 def _clip_pair(pair: DPOPairTokens, max_length: int) -> DPOPairTokens:

@@ -34,21 +34,7 @@ from composer_replication.diloco.serverless.base import (
     launch_spec,
 )
 from composer_replication.diloco.serverless.runner import read_result
-
-
-def _pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs (macOS): trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+from composer_replication.pids import pid_alive
 
 
 class LocalProcessExecutor:
@@ -140,7 +126,7 @@ class LocalProcessExecutor:
         if Path(handle.metadata["log_path"] + ".cancelled").exists():
             return "cancelled"
         code = self._exit_code(handle)
-        if code is None and _pid_alive(int(handle.metadata["pid"])):
+        if code is None and pid_alive(int(handle.metadata["pid"])):
             if time.time() > float(handle.metadata.get("deadline", float("inf"))):
                 self.cancel(handle)  # the launch timeout is a hard deadline, as on the clouds
                 return "cancelled"
@@ -159,7 +145,7 @@ class LocalProcessExecutor:
     def cancel(self, handle: ReplicaHandle) -> None:
         """SIGTERM the replica's process group, SIGKILL after 5 s; finished ones are left."""
         pid = int(handle.metadata["pid"])
-        if self._exit_code(handle) is not None or not _pid_alive(pid):
+        if self._exit_code(handle) is not None or not pid_alive(pid):
             return
         Path(handle.metadata["log_path"] + ".cancelled").touch()
         for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -169,7 +155,7 @@ class LocalProcessExecutor:
                 return
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
-                if not _pid_alive(pid):
+                if not pid_alive(pid):
                     return
                 time.sleep(0.05)
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.trainer.checkpoint import trainable_state
 from monarch.actor import Actor, endpoint
 
 if TYPE_CHECKING:
@@ -58,12 +59,6 @@ def shard_seed(seed: int, step: int, env_index: int, shard: int) -> int:
     environment, shard), so a run's rollouts do not depend on process scheduling."""
     digest = hashlib.sha256(f"{seed}/{step}/{env_index}/{shard}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def trainable_state(policy: Any) -> dict[str, torch.Tensor]:
-    """The policy's trainable parameters by name (LoRA: the adapters), detached copies: what
-    changes in a step and so what the learner publishes."""
-    return {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
 
 
 def load_trainable_state(policy: Any, state: dict[str, torch.Tensor]) -> None:

@@ -113,11 +113,6 @@ class SpendBudget:
         return nanos_to_usd(self.settled_nanos - self.spent_before_nanos)
 
     @property
-    def total_usd(self) -> float:
-        """Spend against the cap, earlier runs included."""
-        return nanos_to_usd(self.settled_nanos)
-
-    @property
     def overshoot_usd(self) -> float:
         return nanos_to_usd(self.overshoot_nanos)
 
