@@ -39,6 +39,30 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
+def _imported_names(node: ast.stmt, package: str) -> set[str]:
+    """The dotted names an import statement imports (relative ones resolved in ``package``)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = node.module or ""
+    if node.level:
+        parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*parent, base] if base else parent)
+    return {base} | {f"{base}.{a.name}" for a in node.names}
+
+
+def _package_modules(found: set[str], modules: set[str], this: str) -> set[str]:
+    """The package modules behind imported names (a name resolves to its longest module)."""
+    out = set()
+    for name in found:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != this:
+            out.add(name)
+    return out
+
+
 def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
     """Package modules imported when ``path`` is imported (module level, not under
     ``TYPE_CHECKING``, not inside functions)."""
@@ -55,24 +79,11 @@ def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
                     visit(node.orelse)
             elif isinstance(node, ast.Try):
                 visit(node.body)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*parent, base] if base else parent)
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in node.names)
+            else:
+                found.update(_imported_names(node, package))
 
     visit(tree.body)
-    out = set()
-    for name in found:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        if name and name != this:
-            out.add(name)
-    return out
+    return _package_modules(found, modules, this)
 
 
 def _graph() -> dict[str, set[str]]:
@@ -138,23 +149,10 @@ def _all_imports(path: Path, modules: set[str]) -> set[str]:
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parent, base] if base else parent)
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-    out = set()
-    for name in found:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        # a package's __init__ is not a dependency of concern for its own modules
-        if name and name != this and not this.startswith(name + "."):
-            out.add(name)
-    return out
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.update(_imported_names(node, package))
+    # a package's __init__ is not a dependency of concern for its own modules
+    return {m for m in _package_modules(found, modules, this) if not this.startswith(m + ".")}
 
 
 def _full_graph() -> dict[str, set[str]]:
