@@ -21,6 +21,33 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+#: The report's plots: file name, y label, (metric, legend label) per curve.
+PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "rewards.png",
+        "reward",
+        (("reward/mean", "in-loop reward"), ("heldout/pass@1", "held-out pass@1")),
+    ),
+    (
+        "kl.png",
+        "nats/token",
+        (("kl/to_init", "KL to initial policy"), ("kl/inference", "KL sampler||trainer")),
+    ),
+    ("losses.png", "component mean", tuple((k, k.split("/")[1]) for k in _LOSS_KEYS)),
+)
+
+
+def plotted_series(rows: list[dict[str, Any]], keys: Any) -> list[str]:
+    """The metrics of ``keys`` ((metric, label) pairs) that a plot of ``rows`` draws: those
+    with at least one non-zero value."""
+    drawn = []
+    for key, _ in keys:
+        xs, ys = _series(rows, key)
+        if xs and any(y != 0 for y in ys):
+            drawn.append(key)
+    return drawn
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Plot the run's metrics into ``<run_dir>/report`` and return that directory."""
     import matplotlib
@@ -35,31 +62,17 @@ def write_report(run_dir: str | Path) -> Path:
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
 
-    panels = [
-        (
-            "rewards.png",
-            "reward",
-            [("reward/mean", "in-loop reward"), ("heldout/pass@1", "held-out pass@1")],
-        ),
-        (
-            "kl.png",
-            "nats/token",
-            [("kl/to_init", "KL to initial policy"), ("kl/inference", "KL sampler||trainer")],
-        ),
-        ("losses.png", "component mean", [(k, k.split("/")[1]) for k in _LOSS_KEYS]),
-    ]
-    for filename, ylabel, keys in panels:
+    for filename, ylabel, keys in PANELS:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        plotted = False
+        drawn = plotted_series(rows, keys)
         for key, label in keys:
-            xs, ys = _series(rows, key)
-            if xs and any(y != 0 for y in ys):
+            if key in drawn:
+                xs, ys = _series(rows, key)
                 ax.plot(xs, ys, marker="o", markersize=3, label=label)
-                plotted = True
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if plotted:
+        if drawn:
             ax.legend()
         fig.tight_layout()
         fig.savefig(out / filename, dpi=110)

@@ -169,8 +169,15 @@ pairs_path = "{pairs}"
     assert (result.final_model_dir / "config.json").is_file()
     (step_row,) = [r for r in result.metrics if r["step"] == 1]
     assert step_row["heldout/pass@1"] == 0.0 and step_row["guard/fired"] is False
-    assert step_row["trace_replay_dpo"] == pytest.approx(0.6931472, abs=1e-6)
+    assert step_row["loss/dpo"] == pytest.approx(0.6931472, abs=1e-6)
     assert step_row["sdpo/error_sites"] == 1.0  # no function in random text: all format errors
+    # the report reads a trl run as it reads a native one: its loss plot has the channels
+    from composer_replication.report import PANELS, plotted_series
+
+    losses = next(keys for name, _, keys in PANELS if name == "losses.png")
+    assert {"loss/jsd", "loss/dpo"} <= set(plotted_series(result.metrics, losses))
+    assert "loss/rl" in step_row  # trl's GRPO loss, zero here: every reward is 0
+    assert (tmp_path / "run" / "report" / "losses.png").is_file()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["backend"] == "trl" and summary["steps"] == 1
     assert summary["stopped_by_guard"] is None

@@ -50,16 +50,16 @@ class RecordingTrainer(ComposerReplicationTrainer):
 
     def _compute_loss(self, model, inputs):
         metrics = self._metrics["train"]
-        seen = {k: len(metrics[k]) for k in ("sdpo_jsd", "trace_replay_dpo", "grpo_loss")}
+        seen = {k: len(metrics[k]) for k in ("loss/jsd", "loss/dpo", "loss/rl")}
         loss = super()._compute_loss(model, inputs)
-        record = {"total": float(loss.detach()), "grpo": metrics["grpo_loss"][-1]}
+        record = {"total": float(loss.detach()), "grpo": metrics["loss/rl"][-1]}
         # With grad enabled, as in training: chunked_head's JSD has a separate no-grad path
         # whose fp32 rounding differs at the 1e-3 relative level for JSDs this small.
-        if len(metrics["sdpo_jsd"]) > seen["sdpo_jsd"]:
-            record["sdpo"] = metrics["sdpo_jsd"][-1]
+        if len(metrics["loss/jsd"]) > seen["loss/jsd"]:
+            record["sdpo"] = metrics["loss/jsd"][-1]
             record["sdpo_ref"] = compose_loss(model, _sdpo_batch(inputs), **KW).sdpo_jsd.item()
-        if len(metrics["trace_replay_dpo"]) > seen["trace_replay_dpo"]:
-            record["dpo"] = metrics["trace_replay_dpo"][-1]
+        if len(metrics["loss/dpo"]) > seen["loss/dpo"]:
+            record["dpo"] = metrics["loss/dpo"][-1]
             batch = _dpo_batch(inputs)
             record["dpo_ref"] = compose_loss(model, batch, **KW).trace_replay_dpo.item()
         self.records.append(record)
@@ -140,12 +140,12 @@ def test_every_channel_is_logged_finite_and_nonzero(trained):
     steps = [row for row in trainer.state.log_history if "reward" in row]
     assert len(steps) == 2
     for row in steps:
-        for key in ("sdpo_jsd", "trace_replay_dpo", "grpo_loss", "loss"):
+        for key in ("loss/jsd", "loss/dpo", "loss/rl", "loss"):
             assert math.isfinite(row[key]), (key, row)
-        assert row["sdpo_jsd"] > 0 and row["trace_replay_dpo"] > 0
-        assert 0 < row["sdpo/error_sites"] < 1 and row["trace_replay_dpo/pairs"] == 2
+        assert row["loss/jsd"] > 0 and row["loss/dpo"] > 0
+        assert 0 < row["sdpo/error_sites"] < 1 and row["tokens/dpo"] == 2
     # the first step is on the initial model: the DPO loss is exactly log 2
-    assert steps[0]["trace_replay_dpo"] == pytest.approx(math.log(2), abs=1e-6)
+    assert steps[0]["loss/dpo"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 @pytest.mark.slow

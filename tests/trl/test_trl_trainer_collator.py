@@ -83,16 +83,16 @@ def test_the_collator_feeds_both_extra_channels(documented):
     assert not [m for m in messages if "that channel stays 0" in m]
     assert [m for m in messages if "no reward_funcs" in m]  # GRPO has no verifier here
     assert isinstance(trainer.reward_funcs[0], TraceReward)
-    steps = [row for row in trainer.state.log_history if "grpo_loss" in row]
+    steps = [row for row in trainer.state.log_history if "loss/rl" in row]
     assert len(steps) == 2
     for row in steps:
-        assert row["sdpo_jsd"] > 0
-        assert row["sdpo_jsd"] == pytest.approx(row["sdpo_jsd/traces"], rel=1e-6)
-        assert row["trace_replay_dpo"] > 0 and row["trace_replay_dpo/pairs"] >= 1
+        assert row["loss/jsd"] > 0
+        assert row["loss/jsd"] == pytest.approx(row["loss/jsd/traces"], rel=1e-6)
+        assert row["loss/dpo"] > 0 and row["tokens/dpo"] >= 1
         assert row["sdpo/trace_error_sites"] > 0
-        assert all(math.isfinite(row[k]) for k in ("loss", "sdpo_jsd", "trace_replay_dpo"))
+        assert all(math.isfinite(row[k]) for k in ("loss", "loss/jsd", "loss/dpo"))
     # the first step runs the initial model: the pairs' cached reference log-probs are its own
-    assert steps[0]["trace_replay_dpo"] == pytest.approx(math.log(2), abs=1e-6)
+    assert steps[0]["loss/dpo"] == pytest.approx(math.log(2), abs=1e-6)
     # one reference entry per distinct pair of the dataset, scored at construction
     assert len(trainer._trace_refs) == 2
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]

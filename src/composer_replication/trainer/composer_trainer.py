@@ -16,8 +16,9 @@ Both channels are computed by :mod:`composer_replication.ops`, the core that the
 trainer step and ``loss.compose_loss`` call too, with the same settings under the same
 names.
 
-Each channel is logged through trl's metrics (``sdpo_jsd``, ``trace_replay_dpo``,
-``grpo_loss``, ``sdpo/error_sites``, ``trace_replay_dpo/pairs``); like trl's own loss, the
+Each channel is logged through trl's metrics in the native loop's vocabulary
+(``loss/rl`` for trl's GRPO loss, ``loss/jsd``, ``loss/dpo``, ``tokens/dpo`` (pairs),
+``sdpo/error_sites``), so a trl run's report plots the same losses; like trl's own loss, the
 extra channels are divided by the gradient-accumulation steps in training.
 
 Feedback side channel. A reward function reports error-site text (failing-test output, a
@@ -387,7 +388,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 n_pairs = min(n_rows, -(-n_rows // group) * self.pairs_per_prompt)
                 pairs = self._pair_pool.draw(n_pairs)
             pairs = (pairs + trace_pairs)[:n_rows]
-            self._metrics[mode]["trace_replay_dpo/pairs"].append(float(len(pairs)))
+            self._metrics[mode]["tokens/dpo"].append(float(len(pairs)))
             output.update(self._pair_fields(pairs, n_rows))
         return output
 
@@ -516,23 +517,23 @@ class ComposerReplicationTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         scale = 1.0 / self.current_gradient_accumulation_steps if mode == "train" else 1.0
         metrics = self._metrics[mode]
-        metrics["grpo_loss"].append(float(loss.detach()))
+        metrics["loss/rl"].append(float(loss.detach()))
         extra = loss.new_zeros(())
         parts = []
         if self.alpha_sdpo > 0 and _has_rows(inputs, "sdpo_loss_mask"):
             parts.append(self._sdpo_terms(model, inputs))
         if self.alpha_sdpo > 0 and _has_rows(inputs, "trace_sdpo_loss_mask"):
             total, count = self._trace_sdpo_terms(model, inputs)
-            metrics["sdpo_jsd/traces"].append(float(total.detach()) / max(count, 1))
+            metrics["loss/jsd/traces"].append(float(total.detach()) / max(count, 1))
             parts.append((total, count))
         if parts:
             count = sum(n for _, n in parts)
             sdpo = sum(t for t, _ in parts) / max(count, 1)
-            metrics["sdpo_jsd"].append(float(sdpo.detach()))
+            metrics["loss/jsd"].append(float(sdpo.detach()))
             extra = extra + self.alpha_sdpo * sdpo
         if self.beta_replay > 0 and _has_rows(inputs, "dpo_pair_mask"):
             replay = self._compute_trace_replay_loss(model, inputs)
-            metrics["trace_replay_dpo"].append(float(replay.detach()))
+            metrics["loss/dpo"].append(float(replay.detach()))
             extra = extra + self.beta_replay * replay
         return loss + scale * extra
 

@@ -16,7 +16,8 @@
   ``alpha_sdpo`` only; ``grpo`` -> neither), every loss setting from the run's resolved
   ``[loss]`` table under the same names (``sdpo_jsd_beta``, ``sdpo_wrapper``,
   ``replay_dpo_beta``, ``dpo_variant``, ...); a scheduled TAID ``t`` follows the logged
-  ``sdpo_jsd``;
+  ``loss/jsd``; the channels are logged as the native loop logs them (``loss/rl``,
+  ``loss/jsd``, ``loss/dpo``), so the report's loss plot has the same curves;
 - the run lifecycle of the native loop (:mod:`.lifecycle`): held-out pass@1 before
   (``eval.at_start``) and every ``eval.every`` steps fed to the same ``HeldOutGuard``, the
   same ``metrics.jsonl`` / ``report/`` / ``final_model/`` / ``summary.json``; a fired guard
@@ -355,8 +356,8 @@ class _LifecycleCallback:
         row = {**logs, "step": step, "reward/mean": logs["reward"]}
         if self.taid is not None:
             row["taid/t"] = self.taid.t
-            if logs.get("sdpo_jsd") is not None:
-                self.taid.update_t(float(logs["sdpo_jsd"]), step)
+            if logs.get("loss/jsd") is not None:
+                self.taid.update_t(float(logs["loss/jsd"]), step)
         if self.reward is not None and hasattr(self.reward, "drain_tally"):
             row.update(self.reward.drain_tally())
         if self.life.close_step_if_out_of_time(step):
