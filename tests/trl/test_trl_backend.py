@@ -294,3 +294,50 @@ def test_lifecycle_callback_stops_a_trl_run_whose_completions_game_the_grader(tm
     assert control.should_training_stop is True
     assert "the policy games its grader" in life.stopped.reason
     assert reward.drain_tally() == {}  # drained by the callback
+
+
+# a valid value other than the default, per [loss] setting
+_NON_DEFAULT_LOSS = {
+    "mask_low": 0.3,
+    "mask_high": 0.3,
+    "adv_tau": 0.5,
+    "kl_tau": 0.01,
+    "temperature": 1.0,
+    "sdpo_jsd_beta": 0.9,
+    "sdpo_temperature": 0.7,
+    "sdpo_token_clip": 5.0,
+    "sdpo_wrapper": "entropy_opd",
+    "taid_t": 0.5,
+    "taid_t_start": 0.3,
+    "taid_t_end": 0.9,
+    "entropy_opd_h_max": 2.0,
+    "replay_dpo_beta": 0.2,
+    "dpo_variant": "simpo",
+    "simpo_beta": 3.0,
+    "simpo_gamma": 0.5,
+    "coefficients": {"rl": 2.0, "ce": 1.0, "ref_kl": 1.0, "jsd": 1.0, "dpo": 1.0},
+    "kl_token_trust_threshold": 0.1,
+    "chunk_size": 64,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NON_DEFAULT_LOSS))
+def test_every_loss_setting_is_applied_or_refused_by_each_backend(name):
+    """The trl backend applies its own set of [loss] settings and refuses any other at
+    start, in one line naming it (the native step takes the whole LossConfig)."""
+    from composer_replication.config.loss import LossConfig
+    from composer_replication.config.run import RunConfig
+    from composer_replication.trainer.trl_backend import TRL_APPLIED_LOSS_SETTINGS, _check_run
+
+    assert set(_NON_DEFAULT_LOSS) == set(LossConfig.model_fields)  # no setting left untested
+    value = _NON_DEFAULT_LOSS[name]
+    config = RunConfig.default(
+        [f"loss.{name}={json.dumps(value)}", "envs.0.algorithm.sampling.temperature=1.0"]
+    )
+    assert getattr(config.loss, name) == value
+    if name in TRL_APPLIED_LOSS_SETTINGS:
+        _check_run(config)
+    else:
+        with pytest.raises(ValueError, match=rf"^loss\.{name}=.*does not apply") as err:
+            _check_run(config)
+        assert "\n" not in str(err.value)

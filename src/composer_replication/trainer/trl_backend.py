@@ -260,7 +260,45 @@ def tasks_per_process(tasks_per_step: int, processes: int) -> int:
     return tasks_per_step // processes
 
 
+#: ``[loss]`` settings the trl backend applies: the SDPO and DPO channels' knobs (passed to
+#: the trainer) and ``temperature`` (which must equal the sampling temperature, trl's own).
+TRL_APPLIED_LOSS_SETTINGS = frozenset(
+    {
+        "temperature",
+        "sdpo_jsd_beta",
+        "sdpo_temperature",
+        "sdpo_token_clip",
+        "sdpo_wrapper",
+        "taid_t",
+        "taid_t_start",
+        "taid_t_end",
+        "entropy_opd_h_max",
+        "replay_dpo_beta",
+        "dpo_variant",
+        "simpo_beta",
+        "simpo_gamma",
+    }
+)
+
+
+def check_loss_settings(loss: Any) -> None:
+    """Refuse, in one line naming it, a ``[loss]`` setting this backend would not apply (a
+    value other than its default outside :data:`TRL_APPLIED_LOSS_SETTINGS`: trl's GRPO
+    loss has its own clipping and no ce / ref_kl components)."""
+    defaults = type(loss)()
+    for name in type(loss).model_fields:
+        if name in TRL_APPLIED_LOSS_SETTINGS:
+            continue
+        value = getattr(loss, name)
+        if value != getattr(defaults, name):
+            raise ValueError(
+                f"loss.{name}={value!r}: the trl backend does not apply this setting (trl's "
+                "GRPO loss computes rl itself); leave it at its default or use --backend native"
+            )
+
+
 def _check_run(run_config: RunConfig) -> None:
+    check_loss_settings(run_config.loss)
     names = [e.name for e in run_config.envs]
     if names != ["python_functions"]:
         raise ValueError(
