@@ -89,11 +89,11 @@ def test_loss_temperature_follows_sampling_and_a_contradiction_fails():
 
 def test_old_spellings_warn_and_still_work():
     with pytest.warns(ConfigDeprecationWarning, match="'alpha' is deprecated, write 'alpha_sdpo'"):
-        adv = AlgorithmConfig(advantage={"type": "composer", "alpha": 0.3, "beta": 0.2}).advantage
-    assert (adv.alpha_sdpo, adv.beta_replay) == (0.3, 0.2)
+        adv = AlgorithmConfig(advantage={"type": "composer", "alpha": 0.3}).advantage
+    assert adv.alpha_sdpo == 0.3
     with pytest.warns(ConfigDeprecationWarning, match="'loss' is deprecated"):
-        dpo = AlgorithmConfig(advantage={"type": "replay_dpo", "loss": "simpo", "beta": 0.2})
-    assert (dpo.advantage.dpo_variant, dpo.advantage.replay_dpo_beta) == ("simpo", 0.2)
+        dpo = AlgorithmConfig(advantage={"type": "replay_dpo", "loss": "simpo"})
+    assert dpo.advantage.dpo_variant == "simpo"
     with pytest.warns(ConfigDeprecationWarning, match="'jsd_beta' is deprecated"):
         loss = LossConfig(jsd_beta=0.3, dpo_beta=0.2, dpo_loss="simpo", jsd_temperature=0.5)
     assert (loss.sdpo_jsd_beta, loss.replay_dpo_beta, loss.dpo_variant, loss.sdpo_temperature) == (
@@ -108,6 +108,14 @@ def test_old_spellings_warn_and_still_work():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RunConfig.default(["loss.sdpo_jsd_beta=0.4"])
+
+
+@pytest.mark.parametrize("kind", ["composer", "replay_dpo"])
+def test_beta_is_retired_with_what_to_write_instead(kind):
+    """beta meant replay_dpo_beta under replay_dpo and beta_replay under composer: one
+    name, two meanings, so it is refused in one line naming both."""
+    with pytest.raises(ValueError, match=r"beta = 0\.2 is retired: .*replay_dpo_beta.*beta_replay"):
+        AlgorithmConfig(advantage={"type": kind, "beta": 0.2})
 
 
 def test_run_level_spellings_fold_into_the_owning_algorithms(tmp_path):

@@ -32,6 +32,13 @@ GROUP_RELATIVE = frozenset({"grpo", "max_rl", "sdpo", "composer", "echo"})
 RL_TYPES = frozenset({"grpo", "max_rl", "reward", "custom", "sdpo", "echo", "composer"})
 
 
+#: Old names whose meaning differed between algorithms: refused with what to write instead.
+RETIRED_NAMES: dict[str, str] = {
+    "beta": "it meant replay_dpo_beta under replay_dpo but beta_replay under composer; write "
+    "replay_dpo_beta (the DPO beta) or beta_replay (the weight of each pair)",
+}
+
+
 class _Advantage(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -44,7 +51,12 @@ class _Advantage(BaseModel):
     @classmethod
     def _old_spellings(cls, data: Any) -> Any:
         kind = data.get("type", "") if isinstance(data, dict) else ""
-        return rename_deprecated(data, cls.renames, f"advantage ({kind or cls.__name__})")
+        where = f"advantage ({kind or cls.__name__})"
+        if isinstance(data, dict):
+            for old, why in RETIRED_NAMES.items():
+                if old in data:
+                    raise ValueError(f"{where}: {old} = {data[old]!r} is retired: {why}")
+        return rename_deprecated(data, cls.renames, where)
 
     def loss_requirements(self) -> dict[str, Any]:
         """The loss settings this algorithm's samples need (unset fields: none)."""
@@ -310,7 +322,6 @@ class ReplayDPOAdvantage(_PairFields):
     """Trace-replay DPO (Composer channel 3) on teacher-consensus preference pairs."""
 
     renames: ClassVar[dict[str, str]] = {
-        "beta": "replay_dpo_beta",
         "loss": "dpo_variant",
         "weight": "beta_replay",
     }
@@ -331,7 +342,6 @@ class ComposerAdvantage(_SelfDistillation, _PairFields):
 
     renames: ClassVar[dict[str, str]] = {
         "alpha": "alpha_sdpo",
-        "beta": "beta_replay",
         "jsd_beta": "sdpo_jsd_beta",
         "dpo_beta": "replay_dpo_beta",
     }
