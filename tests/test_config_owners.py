@@ -171,3 +171,18 @@ def test_trl_presets_build_on_this_machine_without_device_flags(tmp_path):
     assert make_po_config("dapo", output_dir=str(tmp_path), report_to="none").loss_type == "dapo"
     # an explicit choice is kept
     assert make_dr_grpo_config(output_dir=str(tmp_path), use_cpu=True, bf16=False).use_cpu
+
+
+def test_a_channel_weight_has_one_owner():
+    """alpha_sdpo owns the SDPO term's weight and beta_replay the replayed pairs': a loss
+    coefficient on their component would scale them twice, so it is refused there."""
+    for component, field in (("jsd", "alpha_sdpo"), ("dpo", "beta_replay")):
+        with pytest.raises(
+            ValueError, match=rf"loss.coefficients.{component} = 0.5 .*advantage.{field}"
+        ):
+            RunConfig.default([f"loss.coefficients.{component}=0.5"])  # the composer default
+    # an algorithm without that weight leaves the coefficient the only scale
+    grpo = RunConfig.default(
+        ['envs.0.algorithm.advantage={"type": "grpo"}', "loss.coefficients.jsd=0.5"]
+    )
+    assert grpo.loss.coefficients["jsd"] == 0.5

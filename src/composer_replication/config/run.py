@@ -41,6 +41,9 @@ from composer_replication.config.placement import check_device_spec, check_dtype
 from composer_replication.config.references import REFERENCE_SOLUTIONS
 from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSandboxConfig
 
+#: Components whose weight an algorithm owns, and the advantage field that holds it.
+CHANNEL_WEIGHTS = {"jsd": "alpha_sdpo", "dpo": "beta_replay"}
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -383,8 +386,27 @@ class RunConfig(_Strict):
             raise ValueError("envs is empty: configure at least one environment")
         fold_run_level_spellings(self)
         self._resolve_loss()
+        self._one_weight_per_channel()
         self.teacher_mode  # noqa: B018 - validates that the environments agree
         return self
+
+    def _one_weight_per_channel(self) -> None:
+        """The SDPO and replay-DPO terms have one owner of their weight, the algorithm
+        (``alpha_sdpo``, ``beta_replay``): a loss coefficient on the same component would
+        scale them a second time, so it must stay 1 where an algorithm owns the weight."""
+        for component, field in CHANNEL_WEIGHTS.items():
+            coefficient = self.loss.coefficients.get(component, 1.0)
+            if coefficient == 1.0:
+                continue
+            for i, env in enumerate(self.envs):
+                weight = getattr(env.algorithm.advantage, field, None)
+                if weight is not None:
+                    raise ValueError(
+                        f"loss.coefficients.{component} = {coefficient!r} would scale the "
+                        f"term a second time: its weight is envs.{i}.algorithm.advantage."
+                        f"{field} ({weight!r}); set it there and leave "
+                        f"loss.coefficients.{component} at 1"
+                    )
 
     def _resolve_loss(self) -> None:
         """Fill the loss settings the algorithms require; explicit conflicts are errors."""
