@@ -346,7 +346,6 @@ def test_repository_attacks_score_zero_with_the_reason_recorded(generated: Path,
     "swap", ["_os.mkfifo(_t)", "_os.symlink('/dev/null', _t)"], ids=["fifo", "symlink"]
 )
 def test_a_fifo_or_link_in_place_of_a_test_neither_blocks_nor_counts(generated: Path, tok, swap):
-    import time
 
     env = FeatureDeletionEnv(generated)
     # The code under test swaps its test file when the agent's own test run imports it.
@@ -361,9 +360,7 @@ def test_a_fifo_or_link_in_place_of_a_test_neither_blocks_nor_counts(generated: 
         format_tool_call("run_tests", {"tests": ["tests/test_stats.py"]}),
         format_tool_call("finish"),
     ]
-    start = time.monotonic()
-    rollout = _attack(env, tok, script)
-    assert time.monotonic() - start < 120  # nothing blocked on the FIFO
+    rollout = _attack(env, tok, script)  # returns: nothing blocked on the FIFO
     assert rollout.reward == 0.0 and rollout.metadata["hack"]["flagged"] is True
     assert "test_modified: tests/test_stats.py" in rollout.metadata["hack"]["reasons"]
 

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import warnings
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -120,7 +119,7 @@ def bank_run(tasks, tmp_path_factory):
 
     Every candidate gets its own module name (``ref_017.py`` + ``test_ref_017.py`` starting
     ``from ref_017 import *``), so the pairs can share a directory. Returns
-    {(variant, task_id): {test_name: (passed, seconds)}} and the wall time.
+    {(variant, task_id): {test_name: (passed, seconds)}}.
     """
     root = tmp_path_factory.mktemp("bank")
     owner: dict[str, tuple[str, str]] = {}
@@ -138,7 +137,6 @@ def bank_run(tasks, tmp_path_factory):
     junit = root / "report.xml"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     env.pop("PYTEST_ADDOPTS", None)
-    start = time.perf_counter()
     # --tb=no: the verdicts come from the junit report; pytest's failure summary is
     # quadratic in the number of failures (the wrong solutions fail thousands of tests)
     subprocess.run(
@@ -158,30 +156,26 @@ def bank_run(tasks, tmp_path_factory):
         timeout=120,
         check=False,
     )
-    wall = time.perf_counter() - start
     results: dict[tuple[str, str], dict[str, tuple[bool, float]]] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         key = owner[case.get("classname", "").split(".")[-1]]
         ok = not any(c.tag in ("failure", "error", "skipped") for c in case)
         results.setdefault(key, {})[case.get("name")] = (ok, float(case.get("time", "0")))
-    return results, wall
+    return results
 
 
 def test_every_reference_passes_all_its_tests(tasks, bank_run):
-    results, wall = bank_run
-    assert wall < 60
+    results = bank_run
     for t in tasks:
         outcome = results.get(("ref", t.task_id), {})
         assert set(outcome) == set(t.test_names), t.task_id
         failed = [name for name, (ok, _) in outcome.items() if not ok]
         assert not failed, (t.task_id, failed)
-        slowest = max(seconds for _, seconds in outcome.values())
-        assert slowest < 0.25, (t.task_id, slowest)  # each is < 50 ms when the box is idle
 
 
 @pytest.mark.parametrize("variant", ["none", "first_arg", "example"])
 def test_wrong_solutions_fail_and_earn_at_most_half_credit(tasks, bank_run, variant):
-    results, _ = bank_run
+    results = bank_run
     for t in tasks:
         outcome = results[(variant, t.task_id)]
         assert set(outcome) == set(t.test_names), t.task_id
@@ -213,9 +207,9 @@ def test_validate_reference_counts_partial_credit(tasks):
 def test_validate_reference_timeout(tasks):
     task = next(t for t in tasks if t.entry_point == "sign")
     looping = dataclasses.replace(task, reference="def sign(n):\n    while True:\n        pass\n")
-    start = time.perf_counter()
+    # the reference never returns: only the timeout can give this verdict (its seconds:
+    # benchmarks/task_bank.py)
     assert validate_reference(looping, timeout_s=2) == (0, 4)
-    assert time.perf_counter() - start < 10
 
 
 def test_task_files_layout(tasks):
@@ -352,9 +346,8 @@ def test_extract_truncated_last_attempt_falls_back_to_earlier_one():
 
 def test_extract_is_fast_on_degenerate_repetition():
     looping = "def f(x):\n    return (x +\n" * 400 + "Some prose.\ndef f(x):\n    return x\n" * 400
-    start = time.perf_counter()
+    # linear, not backtracking: its time is in benchmarks/task_bank.py
     assert extract_code(looping, "f") == "def f(x):\n    return x\n"
-    assert time.perf_counter() - start < 2.0
 
 
 def test_extract_unterminated_fence_and_last_block_wins():
