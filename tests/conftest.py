@@ -1,4 +1,5 @@
-"""Shared fixtures: world-traversable temp dirs for sandboxes and the FD fixture repo."""
+"""Shared fixtures: the tiny model and the tokenizer, world-traversable temp dirs for
+sandboxes, the FD fixture repo."""
 
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ def sandbox_factory() -> Callable[[Path], LocalSubprocessSandbox]:
         return LocalSubprocessSandbox(path, exec_timeout_s=60)
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded model's tokenizer (the tiny model shares its vocabulary)."""
+    from composer_replication.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    """(the tiny random Llama of seed 0 in eval mode, the tokenizer); one per test module,
+    so a module may change it (most copy it first)."""
+    from composer_replication.models import tiny_model
+
+    return tiny_model(seed=0).eval(), tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -75,13 +75,6 @@ def _strays_fail():
         yield
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from composer_replication.models import tiny_policy
-
-    return tiny_policy(seed=0)
-
-
 def _all_samples() -> list[TrainingSample]:
     ce = _rl_sample(4)
     ce.ce_weights = [0.5 * m for m in ce.loss_mask]

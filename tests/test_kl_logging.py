@@ -73,13 +73,6 @@ def test_the_guard_reads_it_as_the_documented_loop_passes_it():
     assert status.fire and "KL-to-init EMA 0.099 nats/token" in status.reason
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from composer_replication.models import tiny_policy
-
-    return tiny_policy(seed=0)[0]
-
-
 def test_the_training_loop_kl_to_init_is_token_mean_kl(tiny, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parent / "trainer"))
     from test_step import _rl_sample
@@ -89,7 +82,7 @@ def test_the_training_loop_kl_to_init_is_token_mean_kl(tiny, monkeypatch):
     from composer_replication.trainer.setup import kl_to_initial, kl_to_initial_sum
     from composer_replication.wire import pack_samples
 
-    policy, initial = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    policy, initial = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.01 * torch.randn_like(p))

@@ -14,15 +14,6 @@ from composer_replication.loss import LossComponents, compose_loss
 from composer_replication.opsd import generalized_jsd_loss
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from composer_replication.models import tiny_policy
-
-    model, tokenizer = tiny_policy(seed=0)
-    model.train()
-    return model, tokenizer
-
-
 def _naive_components(model, ref_model, batch, alpha, beta_r, jsd_beta, temperature, dpo_beta):
     """The three channels from full logits, written independently of the chunked path."""
     ids, resp = batch["input_ids"], batch["response_mask"]

@@ -31,15 +31,6 @@ REJECTED = ([1, 4093, 198, 400, 401, 2], [0, 0, 0, 1, 1, 1])
 REF_CHOSEN, REF_REJECTED = -9.5, -7.25
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from composer_replication.models import tiny_policy
-
-    model, tokenizer = tiny_policy(seed=0)
-    model.train()
-    return model, tokenizer
-
-
 def _compose_batch():
     ids = torch.tensor([PROMPT + COMPLETION])
     response = torch.tensor([[0] * len(PROMPT) + [1] * len(COMPLETION)])

@@ -40,11 +40,6 @@ from composer_replication.models import (
 PROMPT = "def add(a, b):\n    return a + b"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
 def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=input_ids).logits

@@ -4,19 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from composer_replication.models import tiny_model, tiny_policy
-
-
-@pytest.fixture(scope="session")
-def tiny():
-    """(model in eval mode, SmolLM2 tokenizer)."""
-    model, tokenizer = tiny_policy(seed=0)
-    return model.eval(), tokenizer
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny):
-    return tiny[1]
+from composer_replication.models import tiny_model
 
 
 @pytest.fixture(scope="session")

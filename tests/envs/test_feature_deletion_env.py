@@ -25,7 +25,7 @@ from composer_replication.envs.feature_deletion import (
     resolve_in_workdir,
     write_file,
 )
-from composer_replication.models import load_tokenizer, tiny_policy
+from composer_replication.models import tiny_policy
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
@@ -63,11 +63,6 @@ def generated() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
-
-
 def _with_median(body: str) -> str:
     """The fixture's textkit/stats.py with `body` as the body of median."""
     start = ORIGINAL_STATS.index('    if not values:\n        raise ValueError("median')
@@ -75,7 +70,10 @@ def _with_median(body: str) -> str:
     return ORIGINAL_STATS[:start] + body + ORIGINAL_STATS[end + 1 :]
 
 
-def test_env_loads_datagen_output_and_keeps_references_out_of_the_prompt(generated: Path, tok):
+def test_env_loads_datagen_output_and_keeps_references_out_of_the_prompt(
+    generated: Path, tokenizer
+):
+    tok = tokenizer
     env = build_environment(
         EnvConfig(name="feature_deletion", options={"task_file": str(generated)})
     )
@@ -177,7 +175,8 @@ def test_file_tools_touch_only_plain_files_inside_the_workdir(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_scripted_attempts_are_scored_by_the_tests_and_the_hack_monitor(generated: Path, tok):
+def test_scripted_attempts_are_scored_by_the_tests_and_the_hack_monitor(generated: Path, tokenizer):
+    tok = tokenizer
     hack_log = generated.with_name("hacks.jsonl")
     env = FeatureDeletionEnv(generated, hack_log=hack_log)
     correct = _with_median(
@@ -256,7 +255,8 @@ def test_scripted_attempts_are_scored_by_the_tests_and_the_hack_monitor(generate
     assert sorted(log) == [(False, 0.0), (False, 0.0), (False, 0.5), (False, 1.0), (True, 1.0)]
 
 
-def test_reference_solution_scores_one_through_the_same_path(generated: Path, tok):
+def test_reference_solution_scores_one_through_the_same_path(generated: Path, tokenizer):
+    tok = tokenizer
     env = FeatureDeletionEnv(generated)
     rollout = env.solve_with_reference(tok, TASK_ID)
     assert rollout.reward == 1.0 and rollout.error is None
@@ -308,7 +308,8 @@ def _attack(env, tok, script):
     return group[0]
 
 
-def test_repository_attacks_score_zero_with_the_reason_recorded(generated: Path, tok):
+def test_repository_attacks_score_zero_with_the_reason_recorded(generated: Path, tokenizer):
+    tok = tokenizer
     env = FeatureDeletionEnv(generated)
     wrong = _with_median("    return 0\n")
     attacks = {
@@ -345,7 +346,10 @@ def test_repository_attacks_score_zero_with_the_reason_recorded(generated: Path,
 @pytest.mark.parametrize(
     "swap", ["_os.mkfifo(_t)", "_os.symlink('/dev/null', _t)"], ids=["fifo", "symlink"]
 )
-def test_a_fifo_or_link_in_place_of_a_test_neither_blocks_nor_counts(generated: Path, tok, swap):
+def test_a_fifo_or_link_in_place_of_a_test_neither_blocks_nor_counts(
+    generated: Path, tokenizer, swap
+):
+    tok = tokenizer
 
     env = FeatureDeletionEnv(generated)
     # The code under test swaps its test file when the agent's own test run imports it.
@@ -365,7 +369,8 @@ def test_a_fifo_or_link_in_place_of_a_test_neither_blocks_nor_counts(generated: 
     assert "test_modified: tests/test_stats.py" in rollout.metadata["hack"]["reasons"]
 
 
-def test_a_hard_exit_in_the_code_under_test_leaves_a_missing_report(generated: Path, tok):
+def test_a_hard_exit_in_the_code_under_test_leaves_a_missing_report(generated: Path, tokenizer):
+    tok = tokenizer
     env = FeatureDeletionEnv(generated)
     exits = ORIGINAL_STATS + "\nimport os as _os\n_os._exit(0)\n"
     rollout = _attack(
@@ -425,7 +430,10 @@ GUARDED_ATTACKS = {
 
 
 @pytest.mark.parametrize("name", sorted(GUARDED_ATTACKS))
-def test_the_final_run_refuses_and_flags_what_the_agents_code_does(generated: Path, tok, name):
+def test_the_final_run_refuses_and_flags_what_the_agents_code_does(
+    generated: Path, tokenizer, name
+):
+    tok = tokenizer
     from composer_replication.safety.hack_monitor import HackMonitor
 
     code, sabotage = GUARDED_ATTACKS[name]
@@ -445,8 +453,9 @@ def test_the_final_run_refuses_and_flags_what_the_agents_code_does(generated: Pa
 
 
 def test_the_guard_lets_honest_code_use_logging_tracebacks_and_generated_classes(
-    generated: Path, tok
+    generated: Path, tokenizer
 ):
+    tok = tokenizer
     honest = (
         "import collections, dataclasses, logging, traceback\n"
         "_Pair = collections.namedtuple('_Pair', 'lo hi')\n"

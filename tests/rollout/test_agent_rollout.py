@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from composer_replication.hint_generator import classify_error
-from composer_replication.models import load_tokenizer, tiny_policy
+from composer_replication.models import load_tokenizer
 from composer_replication.rollout.agent import (
     ChatRenderer,
     Episode,
@@ -114,16 +114,6 @@ def assert_aligned(rollout):
             assert m == 1 and role == "assistant"
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_policy(seed=3)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
-
-
 def test_tiny_policy_rollouts_are_aligned_answers(tiny):
     model, tok = tiny
     torch.manual_seed(0)
@@ -191,7 +181,8 @@ def test_malformed_calls_become_observations_and_the_policy_continues(tiny):
         torch.testing.assert_close(torch.tensor(runs[-1][3]), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_turn_limit_and_streams_equal_the_chat_template_rendering(tok):
+def test_turn_limit_and_streams_equal_the_chat_template_rendering(tokenizer):
+    tok = tokenizer
     state: list = []
     sampler = ScriptedSampler(tok, [[call("echo", i=i) for i in range(5)]], logprob=-0.5)
     (r,) = run_agent_rollouts(
@@ -215,7 +206,8 @@ def test_turn_limit_and_streams_equal_the_chat_template_rendering(tok):
     assert all((lp == -0.5) == bool(m) for lp, m in zip(r.inference_logprobs, r.completion_mask))
 
 
-def test_finish_and_plain_answers_end_their_episodes(tok):
+def test_finish_and_plain_answers_end_their_episodes(tokenizer):
+    tok = tokenizer
     sampler = ScriptedSampler(tok, [[call("echo", a=1), call("finish")], ["All done."]])
     first, second = run_agent_rollouts(
         None, tok, episodes(2), sampling=SAMPLING, max_turns=5, tools=TOOLS, sample_fn=sampler
@@ -230,7 +222,8 @@ def test_finish_and_plain_answers_end_their_episodes(tok):
     assert tok.decode(second.completion_ids, skip_special_tokens=True) == "All done."
 
 
-def test_tool_errors_are_observations_and_a_broken_tool_ends_only_its_episode(tok):
+def test_tool_errors_are_observations_and_a_broken_tool_ends_only_its_episode(tokenizer):
+    tok = tokenizer
     sampler = ScriptedSampler(
         tok,
         [
@@ -259,7 +252,8 @@ def test_tool_errors_are_observations_and_a_broken_tool_ends_only_its_episode(to
         assert_aligned(r)
 
 
-def test_token_cap_bounds_every_episode(tok):
+def test_token_cap_bounds_every_episode(tokenizer):
+    tok = tokenizer
     prompt_len = len(ChatRenderer(tok).prompt_ids(PROMPT))
     cap = prompt_len + 40
     sampler = ScriptedSampler(tok, [[call("echo", text="a" * 10)] * 10])
@@ -277,7 +271,8 @@ def test_token_cap_bounds_every_episode(tok):
     assert short.completion_ids == [] and short.error.startswith("token_limit")
 
 
-def test_template_without_a_tool_role_gets_user_observations(tok):
+def test_template_without_a_tool_role_gets_user_observations(tokenizer):
+    tok = tokenizer
     assert ChatRenderer(tok).tool_role == "tool"
     assert ChatRenderer(tok).turn_close_ids == ids_of(tok("<|im_end|>\n", add_special_tokens=False))
     plain = load_tokenizer()
@@ -298,7 +293,7 @@ def test_template_without_a_tool_role_gets_user_observations(tok):
     assert not any(e["type"] == "render_fallback" for e in r.metadata["events"])
 
 
-def test_history_rewriting_template_falls_back_without_retokenising(tok):
+def test_history_rewriting_template_falls_back_without_retokenising():
     thinking = load_tokenizer()
     thinking.chat_template = DROPS_REASONING
     reply = "<think>check first</think>" + call("echo", x=1)
@@ -341,7 +336,8 @@ def test_a_row_cut_by_a_stop_string_keeps_no_padding(tiny):
     assert b.metadata["finish_reasons"] == ["length"]
 
 
-def test_bad_arguments_are_rejected_early(tok):
+def test_bad_arguments_are_rejected_early(tokenizer):
+    tok = tokenizer
     with pytest.raises(ValueError, match="max_turns=0"):
         run_agent_rollouts(None, tok, [], sampling=SAMPLING, max_turns=0, tools=TOOLS)
     with pytest.raises(TypeError, match="not callable"):

@@ -10,14 +10,6 @@ from composer_replication.rollout.generate import SamplingSettings, generate
 from composer_replication.rollout.packed_linear import packed_linear_available, packed_linears
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from composer_replication.models import tiny_policy
-
-    model, tok = tiny_policy(seed=5)
-    return model.eval(), tok
-
-
 def _decode(model, tok, prompts, max_new_tokens, temperature):
     return decode_rows(
         model,
@@ -275,10 +267,11 @@ def sharp(tiny):
     """The tiny model with its final norm scaled up: peaked next-token distributions, so
     sampled rows fall into repetitions (as a trained model copies its prompt) and drafts
     get kept at a temperature above 0."""
-    import copy
+    from composer_replication.models import tiny_model
 
-    model, tok = tiny
-    sharp = copy.deepcopy(model)
+    # seed 5: its sharpened rows end at different steps (EOS), which the joining tests need
+    sharp = tiny_model(seed=5)
+    tok = tiny[1]
     with torch.no_grad():
         sharp.model.norm.weight.mul_(60.0)
     return sharp.eval(), tok

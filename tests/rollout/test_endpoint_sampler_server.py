@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from composer_replication.config.references import FrozenEndpoint
-from composer_replication.models import load_tokenizer
 from composer_replication.rollout.endpoint_sampler import EndpointSampler, sampling_source
 from composer_replication.rollout.generate import SamplingSettings, generate
 from composer_replication.testing import Fault, LocalOpenAIServer
@@ -93,11 +92,6 @@ class CompletionsServer(LocalOpenAIServer):
             n = len(ids) + self.logprob_shift
             choice["logprobs"] = {"token_logprobs": [-(i + 1) / 8 for i in range(n)]}
         handler._send_json(200, {"object": "text_completion", "model": model, "choices": [choice]})
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()  # the embedded policy's tokenizer
 
 
 def _prompts(tokenizer):

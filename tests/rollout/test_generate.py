@@ -8,14 +8,6 @@ import torch
 from composer_replication.rollout.generate import SamplingSettings, generate, left_pad
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from composer_replication.models import tiny_policy
-
-    model, tok = tiny_policy(seed=3)
-    return model, tok
-
-
 def _recompute(model, prompt, completion, temperature):
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():

@@ -19,7 +19,6 @@ import pytest
 from composer_replication.config import RunConfig
 from composer_replication.config.algorithm import AlgorithmConfig
 from composer_replication.envs.python_functions import PythonFunctionsEnv, reference_demonstration
-from composer_replication.models import load_tokenizer
 from composer_replication.rollout.demonstrations import ReferenceSolutions
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.safety import HeldoutSplit
@@ -33,11 +32,6 @@ SFT_ON_REFERENCES = {"sampling": {"source": "reference"}, "advantage": {"type": 
 
 def _broken_sandbox(workdir):
     raise OSError("no sandbox: demonstrations must not be graded")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 # ------------------------------------------------------------------ config

@@ -25,13 +25,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_step import _jsd_sample, _pair, _rl_sample
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from composer_replication.models import tiny_policy
-
-    return tiny_policy(seed=0)[0]
-
-
 def _bundle(seed: int) -> list[TrainingSample]:
     """One sample of every component kind, rows of different lengths (as rollouts are: rows
     of one length have no padding, and the model then reads its 2-D mask once itself)."""
@@ -62,7 +55,7 @@ def _micro_batches(n: int) -> list:
 
 @pytest.mark.parametrize("n_micro_batches", [1, 5])
 def test_train_step_reads_the_device_once_whatever_the_micro_batches(tiny, n_micro_batches):
-    model, reference = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    model, reference = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
     batches = _micro_batches(n_micro_batches)
     with HostReads() as reads:
         metrics = train_step(model, batches, reference=reference)
@@ -73,7 +66,7 @@ def test_train_step_reads_the_device_once_whatever_the_micro_batches(tiny, n_mic
 
 @pytest.mark.parametrize("n_micro_batches", [1, 5])
 def test_learner_update_reads_the_device_once(tiny, n_micro_batches):
-    learner = Learner(RunConfig(), copy.deepcopy(tiny))
+    learner = Learner(RunConfig(), copy.deepcopy(tiny[0]))
     assert learner.config.optim.grad_clip is not None  # the norm is read with the sums
     for step in (1, 2):  # the first step creates the optimizer state
         batches = _micro_batches(n_micro_batches)
@@ -84,7 +77,7 @@ def test_learner_update_reads_the_device_once(tiny, n_micro_batches):
 
 
 def test_reference_logps_scored_in_the_step_are_cached_with_its_read(tiny):
-    model, reference = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    model, reference = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
     batches = _micro_batches(2)
     pairs = [p for mb in batches for p in mb.pairs]
     assert all(p.ref_chosen_logp is None for p in pairs)
@@ -100,7 +93,7 @@ def test_reference_logps_scored_in_the_step_are_cached_with_its_read(tiny):
 
 
 def test_kl_to_initial_reads_the_device_once(tiny):
-    policy, initial = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    policy, initial = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -151,9 +144,9 @@ def test_hidden_states_planned_from_host_tokens_equal_the_read_ones(tiny, path, 
     if path == "tree":  # the packed forward gives way to a forward per shared segment
         monkeypatch.setattr("composer_replication.shared_prefix.PACKED_MAX_TOKENS", 0)
     share = path != "plain"
-    want = last_hidden_states(tiny, ids, attention, share_prefixes=share)
+    want = last_hidden_states(tiny[0], ids, attention, share_prefixes=share)
     with HostReads() as reads:
-        got = last_hidden_states(tiny, ids, attention, share_prefixes=share, row_tokens=rows)
+        got = last_hidden_states(tiny[0], ids, attention, share_prefixes=share, row_tokens=rows)
     if path != "tree":  # (the per-segment forwards still hand the model 2-D masks)
         assert reads.total == 0, dict(reads.counts)
     real = attention.bool()
