@@ -48,7 +48,7 @@ def naive_step(model, mb, cfg) -> dict:
     """The same rl component, from full logits (the peer)."""
     import torch
 
-    from composer_replication.trainer.components import rl_loss
+    from composer_replication.ops.token_losses import rl_loss
 
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
     logprobs = torch.log_softmax(logits / cfg.temperature, dim=-1)

@@ -284,7 +284,7 @@ def test_components_and_ops_run_on_meta(tiny):
     values, so it runs under the stray check above instead.)"""
     from composer_replication.ops.jsd import jsd_from_hidden
     from composer_replication.ops.pairs import PairLossSettings, pair_losses
-    from composer_replication.trainer.components import ce_loss, ref_kl_loss, rl_loss
+    from composer_replication.ops.token_losses import ce_loss, ref_kl_loss, rl_loss
 
     model = copy.deepcopy(tiny[0]).to("meta")
     hidden = torch.empty(2, 6, 64, device="meta", requires_grad=True)

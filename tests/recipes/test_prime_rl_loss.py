@@ -17,7 +17,7 @@ from composer_replication.recipes.prime_rl.composer_loss import (
     loss_fn,
     prime_rl_loss,
 )
-from composer_replication.trainer.components import ref_kl_loss, rl_loss
+from composer_replication.ops.token_losses import ref_kl_loss, rl_loss
 
 
 @dataclass

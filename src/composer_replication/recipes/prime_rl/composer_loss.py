@@ -20,8 +20,8 @@ Notation: ``lp`` trainer log-prob, ``lp_inf`` sampler log-prob, ``lp_ref`` refer
 with the DPPO binary trust region (arXiv 2602.04879) ``keep = m and not ((A > 0 and dp >
 dppo_mask_high) or (A <= 0 and dp < -dppo_mask_low))`` and ``keep_ref = m and not (dp <
 -dppo_mask_low)``: the first sum is our trainer's ``rl`` component
-(:func:`~composer_replication.trainer.components.rl_loss`), the second its ``ref_kl``
-component (:func:`~composer_replication.trainer.components.ref_kl_loss`) on the same tokens.
+(:func:`~composer_replication.ops.token_losses.rl_loss`), the second its ``ref_kl``
+component (:func:`~composer_replication.ops.token_losses.ref_kl_loss`) on the same tokens.
 
 In PRIME-RL the reference log-probs reach only opd/opsd samples, which train its own
 ``ref_kl`` loss, so ``alpha_sdpo > 0`` there fails loudly (no reference, or the 0.0 filler
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from composer_replication.ops.trust_region import mismatch_kl, ref_kl_sample_metrics
-from composer_replication.trainer.components import dppo_keep_mask, ref_kl_loss, rl_loss
+from composer_replication.ops.token_losses import dppo_keep_mask, ref_kl_loss, rl_loss
 
 #: The ``[trainer.loss] import_path`` PRIME-RL resolves (dotted: module path + attribute).
 IMPORT_PATH = "composer_replication.recipes.prime_rl.composer_loss.prime_rl_loss"

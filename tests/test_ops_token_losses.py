@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from composer_replication.trainer.components import (
+from composer_replication.ops.token_losses import (
     ce_loss,
     dppo_keep_mask,
     k2_trust_mask,

@@ -1,0 +1,266 @@
+"""The loss assembler: one packed micro-batch in, per-component sums out.
+
+This is the only place where the loss components meet the model. Every path that trains
+calls :func:`micro_batch_losses` on a :class:`~composer_replication.wire.MicroBatch`:
+
+- the native trainer step (:mod:`composer_replication.trainer.step`) on the micro-batches
+  it packed from the algorithms' samples;
+- ``loss.compose_loss`` after converting its padded batch dict into samples;
+- the trl trainer (``ComposerReplicationTrainer``) for its self-distillation and
+  trace-replay channels, after converting its inputs the same way.
+
+The assembler returns each component's UNNORMALISED sum (``rl``, ``ce``, ``ref_kl``,
+``jsd``, ``dpo``); the caller divides by the component's token (pair) count, which packing
+already counted on the host (``MicroBatch.counts``), over whatever span it normalises
+(one batch, or every micro-batch of an optimizer step). Nothing here reads the device.
+
+The math of each component lives beside it in ``ops``: :mod:`.token_losses` (rl with the
+DPPO trust region, ce, ref_kl, the k2 trust mask), :mod:`.self_distillation` (jsd),
+:mod:`.pairs` (DPO / SimPO), :mod:`.trust_region` (the ref_kl metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from composer_replication.config.loss import LossConfig
+from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.ops.divergence import (
+    DIVERGENCE_KNOBS,
+    DivergenceSettings,
+    divergence_settings,
+)
+from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
+from composer_replication.ops.pairs import (
+    PAIR_KNOBS,
+    PairLossSettings,
+    UncachedReferences,
+    pair_loss_settings,
+    pair_terms,
+    reference_logps,
+)
+from composer_replication.ops.self_distillation import AlignedTokens, divergence_terms
+from composer_replication.ops.token_losses import (
+    ce_loss,
+    dppo_keep_mask,
+    k2_trust_mask,
+    ref_kl_loss,
+    rl_loss,
+    weighted_token_loss,
+)
+from composer_replication.ops.trust_region import ref_kl_row_metrics, ref_kl_row_sums
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from composer_replication.wire import MicroBatch
+
+__all__ = [
+    "MicroBatchLosses",
+    "divergence_settings_of",
+    "micro_batch_losses",
+    "pair_settings_of",
+]
+
+
+def divergence_settings_of(cfg: LossConfig) -> DivergenceSettings:
+    """The jsd component's divergence as ``cfg`` sets it (``taid_t`` must be resolved)."""
+    knobs = {k: getattr(cfg, k) for k in DIVERGENCE_KNOBS}
+    return divergence_settings(**knobs, chunk_size=cfg.chunk_size)
+
+
+def pair_settings_of(cfg: LossConfig) -> PairLossSettings:
+    """The dpo component's pair loss as ``cfg`` sets it."""
+    return pair_loss_settings(**{k: getattr(cfg, k) for k in PAIR_KNOBS})
+
+
+@dataclass
+class MicroBatchLosses:
+    """One micro-batch's component sums, all still on the device.
+
+    Attributes:
+        components: component name -> its unnormalised sum (with grad); only the
+            components the micro-batch carries.
+        anchor: an exact zero on the graph, so a micro-batch whose components are all
+            skipped still backpropagates (every rank runs the same collectives).
+        stats: metric sums without grad: ``stat/live`` (rl tokens with a weight),
+            ``stat/masked`` (those outside the trust region), ``stat/kl`` (k3 estimate of
+            KL(sampler || trainer) summed over live tokens), ``stat/entropy`` and
+            ``stat/trainable`` (trainable tokens), ``stat/tokens`` (attended tokens), and
+            the ref_kl sample metrics' sums.
+        uncached: reference log-probs computed here for pairs that had none cached (cache
+            them when the values reach the host).
+    """
+
+    components: dict[str, Tensor]
+    anchor: Tensor
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    uncached: UncachedReferences | None = None
+
+    def weighted_total(self, scales: dict[str, float]) -> Tensor:
+        """``anchor + sum_c scales[c] * components[c]`` over the components present (a
+        component whose scale is missing or 0 is skipped)."""
+        total = self.anchor
+        for name, value in self.components.items():
+            scale = scales.get(name, 0.0)
+            if scale:
+                total = total + scale * value
+        return total
+
+
+def micro_batch_losses(
+    policy: Any,
+    mb: MicroBatch,
+    cfg: LossConfig | None = None,
+    *,
+    teacher: Any | None = None,
+    reference: Any | None = None,
+) -> MicroBatchLosses:
+    """Every component's sum over ``mb`` (on ``policy``'s device), with its metric sums.
+
+    Args:
+        policy: the trainable causal LM (PEFT-wrapped, FSDP2-sharded or plain).
+        mb: a packed micro-batch on the policy's device.
+        cfg: the component settings (default :class:`LossConfig`).
+        teacher: the model behind the jsd teacher contexts (default ``policy``, under
+            ``no_grad``: the live policy teaches itself through the hint).
+        reference: the frozen initial policy, for DPO reference log-probs a pair lacks.
+    """
+    cfg = cfg or LossConfig()
+    components: dict[str, Tensor] = {}
+    stats: dict[str, Tensor] = {}
+    anchor = None
+    uncached = None
+    if mb.n_rows:
+        hidden = last_hidden_states(
+            policy, mb.input_ids, mb.attention_mask, row_tokens=mb.row_tokens()
+        )
+        # read after the forward: a sharded (FSDP2) policy gathers the weight in it
+        weight = lm_head_weight(policy)
+        logprobs, entropy = token_logprobs_from_hidden(
+            hidden[:, :-1],
+            weight,
+            _weighted_targets(mb),
+            temperature=cfg.log_temperature,
+            chunk_size=cfg.chunk_size,
+            return_entropy=True,
+            rows=mb.head_rows,
+        )
+        anchor = 0.0 * logprobs.sum()
+        _token_components(components, stats, mb, cfg, logprobs, entropy)
+        if mb.counts["jsd"]:  # counted on the host
+            components["jsd"] = _jsd_sum(
+                policy if teacher is None else teacher, hidden, weight, mb, cfg
+            )
+    if mb.pairs:
+        components["dpo"], uncached = _dpo_sum(policy, reference, mb, cfg)
+        if anchor is None:
+            anchor = 0.0 * components["dpo"]
+    if anchor is None:
+        anchor = torch.zeros((), device=mb.device, requires_grad=True)
+    return MicroBatchLosses(components, anchor, stats, uncached)
+
+
+def _weighted_targets(mb: MicroBatch) -> Tensor:
+    """Next-token targets, ``IGNORE_INDEX`` where no token stream has a weight (prompts,
+    padding): the head then skips those positions (their log-prob reads 0)."""
+    needed = mb.loss_mask[:, 1:] != 0
+    if mb.ce_weights is not None:
+        needed = needed | (mb.ce_weights[:, 1:] != 0)
+    return mb.input_ids[:, 1:].masked_fill(~needed, IGNORE_INDEX)
+
+
+def _token_components(
+    components: dict[str, Tensor],
+    stats: dict[str, Tensor],
+    mb: MicroBatch,
+    cfg: LossConfig,
+    logprobs: Tensor,
+    entropy: Tensor,
+) -> None:
+    # Streams are per token; log-prob t of `logprobs` is token t+1 of input_ids.
+    mask = mb.loss_mask[:, 1:]
+    inf = mb.inference_logprobs[:, 1:]
+    adv = mb.advantages[:, 1:]
+    rl_w = mb.rl_weights[:, 1:]
+    components["rl"], _ = rl_loss(
+        logprobs,
+        inf,
+        adv,
+        mask,
+        rl_w,
+        mask_low=cfg.mask_low,
+        mask_high=cfg.mask_high,
+        adv_tau=cfg.adv_tau,
+        kl_tau=cfg.kl_tau,
+    )
+    with torch.no_grad():
+        live = (mask != 0) & (rl_w != 0)
+        keep = dppo_keep_mask(
+            logprobs, inf, adv, mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high
+        )
+        log_r = logprobs - inf
+        stats["stat/live"] = live.sum()
+        stats["stat/masked"] = (live & ~keep).sum()
+        stats["stat/kl"] = ((log_r.exp() - 1 - log_r) * live).sum()
+        stats["stat/entropy"] = (entropy * (mask != 0)).sum()
+        stats["stat/trainable"] = (mask != 0).sum()
+        stats["stat/tokens"] = mb.attention_mask.sum()
+    if mb.ce_weights is not None:
+        components["ce"], _ = ce_loss(logprobs, mb.ce_weights[:, 1:])
+    if mb.ref_kl_weights is not None:
+        ref = mb.ref_logprobs[:, 1:]
+        ref_w = mb.ref_kl_weights[:, 1:]
+        if cfg.kl_token_trust_threshold is not None:
+            untrusted = k2_trust_mask(logprobs, ref, cfg.kl_token_trust_threshold)
+            ref_w = ref_w.masked_fill(untrusted, 0.0)
+        components["ref_kl"], _ = ref_kl_loss(
+            logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low, kl_tau=cfg.kl_tau
+        )
+        # which rows have ref_kl tokens depends on the trust mask: masked sums, no selection
+        values, has_tokens = ref_kl_row_metrics(
+            logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low
+        )
+        stats.update(ref_kl_row_sums(values, has_tokens))
+
+
+def _jsd_sum(
+    teacher: Any, hidden: Tensor, weight: Tensor, mb: MicroBatch, cfg: LossConfig
+) -> Tensor:
+    rows, student, teacher_positions, slots = mb.jsd_tokens
+    tokens = AlignedTokens(rows, student, teacher_positions, mb.jsd_rows, slots)
+    per_token = divergence_terms(
+        hidden,
+        weight,
+        teacher,
+        mb.teacher_input_ids,
+        mb.teacher_attention_mask,
+        tokens,
+        divergence_settings_of(cfg),
+        teacher_tokens=mb.teacher_tokens(),
+    )
+    value, _ = weighted_token_loss(per_token, mb.jsd_weights[tokens.rows, tokens.student])
+    return value
+
+
+def _dpo_sum(
+    policy: Any, reference: Any | None, mb: MicroBatch, cfg: LossConfig
+) -> tuple[Tensor, UncachedReferences | None]:
+    settings = pair_settings_of(cfg)
+    references = uncached = None
+    if settings.needs_reference:
+        references, uncached = reference_logps(
+            reference, mb.pairs, device=mb.device, chunk_size=cfg.chunk_size
+        )
+    per_pair = pair_terms(
+        policy,
+        mb.pairs,
+        settings,
+        chunk_size=cfg.chunk_size,
+        rows=mb.pair_rows,
+        references=references,
+    )
+    return (mb.pair_rows.weights.to(per_pair.dtype) * per_pair).sum(), uncached
