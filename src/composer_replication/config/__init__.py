@@ -9,7 +9,8 @@ be loaded, validated and checked anywhere. One owner per setting, one name per k
 - :mod:`.algorithm` / :mod:`.advantage` / :mod:`.references`: one environment's algorithm
   (sampling + ``advantage.type``) and the models it refers to;
 - :mod:`.diloco`: the DiLoCo outer loop;
-- :mod:`.deprecation`: old field spellings, accepted with a warning.
+- :mod:`.deprecation`: old field spellings, accepted with a warning;
+- :mod:`.shorthands`: the write-only ``advantage`` shorthands, folded on raw input.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ parse time and never silently:
 - the jsd teacher model: one per run, owned by the algorithms (``advantage.teacher``);
   environments that ask for different ones are an error.
 The run-level spellings ``jsd_teacher`` / ``ema_decay`` / ``pairs_file`` are deprecated: they
-fold into every algorithm that has the setting, with a warning.
+fold into every algorithm that has the setting, with a warning. A run-level ``[advantage]``
+table and an environment's ``advantage = {...}`` are write-only shorthands for
+``envs[i].algorithm.advantage`` (see :mod:`.shorthands`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from composer_replication.config.loss import LossConfig
 from composer_replication.config.placement import check_device_spec, check_dtype_spec
 from composer_replication.config.references import REFERENCE_SOLUTIONS
 from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSandboxConfig
+from composer_replication.config.shorthands import (
+    SHORTHAND,
+    fold_env_advantage,
+    fold_run_advantage,
+)
 
 #: Components whose weight an algorithm owns, and the advantage field that holds it.
 CHANNEL_WEIGHTS = {"jsd": "alpha_sdpo", "dpo": "beta_replay"}
@@ -162,6 +169,12 @@ class EnvConfig(_Strict):
         None, description="Docker backend settings: required with sandbox = 'docker', only then."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _advantage_shorthand(cls, data: Any) -> Any:
+        # `advantage = {...}` on the entry is write-only: it folds into algorithm.advantage
+        return fold_env_advantage(data)
+
     @model_validator(mode="after")
     def _trainable(self) -> EnvConfig:
         check_trainable_environment(self.name)
@@ -206,6 +219,16 @@ def _default_envs() -> list[EnvConfig]:
             tasks_per_step=2,
         )
     ]
+
+
+def _default_env_data(*, with_advantage: bool = True) -> list[dict[str, Any]]:
+    """The default environment list as raw config data (what a user would write out);
+    without its advantage where a run-level ``[advantage]`` table replaces it."""
+    envs = [env.model_dump(mode="json") for env in _default_envs()]
+    if not with_advantage:
+        for env in envs:
+            env["algorithm"].pop(SHORTHAND)
+    return envs
 
 
 class EvalConfig(_Strict):
@@ -371,6 +394,13 @@ class RunConfig(_Strict):
         default_factory=list, description="Optional experiment trackers."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _advantage_shorthand(cls, data: Any) -> Any:
+        # a run-level [advantage] table is write-only: it becomes the advantage of every
+        # environment that gives none of its own (see config.shorthands)
+        return fold_run_advantage(data, lambda: _default_env_data(with_advantage=False))
+
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         # one environment may feed several entries (a demonstration entry beside an rl one),
@@ -486,15 +516,13 @@ class RunConfig(_Strict):
             data = tomllib.loads(str(source))
         if not is_text:
             _resolve_paths(data, path.resolve().parent)
-        for item in overrides or []:  # command-line values stay relative to the shell
-            _apply_override(data, item)
+        _apply_overrides(data, overrides or [])  # values stay relative to the shell
         return cls.model_validate(data)
 
     @classmethod
     def default(cls, overrides: list[str] | None = None) -> RunConfig:
         data: dict[str, Any] = {}
-        for item in overrides or []:
-            _apply_override(data, item)
+        _apply_overrides(data, overrides or [])
         return cls.model_validate(data)
 
 
@@ -528,21 +556,34 @@ def _resolve_paths(node: Any, base: Path, key: str = "") -> Any:
     return node
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
+def _apply_overrides(data: dict[str, Any], items: list[str]) -> None:
+    """Apply ``a.b.c=value`` overrides in order. An override inside an ``envs`` list the
+    data does not have spells out the default environments first; an ``advantage``
+    shorthand override then replaces their default advantage."""
+    spelled_defaults = "envs" not in data
+    for item in items:
+        _apply_override(data, item, spelled_defaults=spelled_defaults)
+
+
+def _apply_override(data: dict[str, Any], item: str, *, spelled_defaults: bool = False) -> None:
     if "=" not in item:
         raise ValueError(f"override {item!r} must look like a.b.c=value")
     key, raw = item.split("=", 1)
     if not key.strip() or any(not part for part in key.strip().split(".")):
         raise ValueError(f"override {item!r} names no field; write a.b.c=value, e.g. steps=4")
-    if key.strip().startswith("envs.") and "envs" not in data:
-        # An override inside the default environment list: spell the defaults out first.
-        data["envs"] = [env.model_dump(mode="json") for env in _default_envs()]
+    parts = key.strip().split(".")
+    if parts[0] == "envs" and "envs" not in data:
+        # An override inside the default environment list: spell the defaults out first
+        # (without their advantage when a run-level [advantage] table replaces it).
+        data["envs"] = _default_env_data(with_advantage=SHORTHAND not in data)
+    shorthand = parts[0] == SHORTHAND or (parts[0] == "envs" and parts[2:3] == [SHORTHAND])
+    if shorthand and spelled_defaults and isinstance(data.get("envs"), list):
+        _unspell_default_advantages(data, parts)
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw  # a bare string
     node = data
-    parts = key.strip().split(".")
     for part in parts[:-1]:
         if part.isdigit() and isinstance(node, list):
             if int(part) >= len(node):
@@ -560,3 +601,24 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         node[int(last)] = value
     else:
         node[last] = value
+
+
+def _unspell_default_advantages(data: dict[str, Any], parts: list[str]) -> None:
+    """Before an ``advantage`` shorthand override (run level, or ``envs.N.advantage``):
+    drop the default advantage that spelling out the default environments wrote, so the
+    shorthand replaces it instead of contradicting it (one an override changed stays)."""
+    defaults = _default_env_data()
+    if parts[0] == "envs":
+        indices = [int(parts[1])] if parts[1].isdigit() else []
+    else:
+        indices = list(range(len(data["envs"])))
+    for i in indices:
+        if i >= min(len(defaults), len(data["envs"])):
+            continue
+        env = data["envs"][i]
+        algorithm = env.get("algorithm") if isinstance(env, dict) else None
+        if (
+            isinstance(algorithm, dict)
+            and algorithm.get(SHORTHAND) == defaults[i]["algorithm"][SHORTHAND]
+        ):
+            algorithm.pop(SHORTHAND)
