@@ -1,10 +1,12 @@
 """Structural rules of the package, checked on its source: no import cycles between
-modules, a trainer that never branches on an algorithm's name, and no references to
-documents outside the repository."""
+modules, a trainer that never branches on an algorithm's name, no references to
+documents outside the repository, and a row in docs/architecture.md for every package and
+top-level module."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,41 @@ def test_moved_modules_keep_their_first_paths_as_the_same_objects(old, new):
     import importlib
 
     assert importlib.import_module(old) is importlib.import_module(new)
+
+
+ARCHITECTURE_DOC = PACKAGE.parents[1] / "docs" / "architecture.md"
+
+
+def _package_entries(package: Path) -> set[str]:
+    """The package's subpackages (``name/``) and top-level modules (``name.py``)."""
+    out = set()
+    for path in package.iterdir():
+        if path.is_dir() and path.name != "__pycache__" and not path.name.startswith("."):
+            out.add(f"{path.name}/")
+        elif path.suffix == ".py":
+            out.add(path.name)
+    return out
+
+
+def _missing_rows(doc: str, entries: set[str]) -> list[str]:
+    """Entries with no table row of their own (a line starting ``| `entry` |``)."""
+    rows = set(re.findall(r"^\| `([^`]+)` \|", doc, flags=re.MULTILINE))
+    return sorted(entries - rows)
+
+
+def test_the_architecture_doc_has_a_row_for_every_package_and_module():
+    entries = _package_entries(PACKAGE)
+    assert {"trainer/", "ops/", "wire.py"} <= entries  # the listing sees the package
+    missing = _missing_rows(ARCHITECTURE_DOC.read_text(encoding="utf-8"), entries)
+    assert missing == [], (
+        f"docs/architecture.md has no row for {missing}: add one per entry to its "
+        "'every package and module' tables, saying what the entry is for"
+    )
+
+
+def test_the_doc_check_sees_a_missing_row():
+    doc = "| `ops/` | the loss core |\n| `wire.py` | samples |\nthe `trainer/` in prose\n"
+    assert _missing_rows(doc, {"ops/", "wire.py", "trainer/", "roles.py"}) == [
+        "roles.py",
+        "trainer/",
+    ]

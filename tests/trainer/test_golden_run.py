@@ -67,10 +67,8 @@ ZERO_ABS = 1e-12
 class UnevenEnv(ScriptedEnv):
     """ScriptedEnv whose k-th rollout of a group stops k tokens early."""
 
-    def rollouts(self, policy, tokenizer, task_ids, *, group_size, sampling):
-        groups = super().rollouts(
-            policy, tokenizer, task_ids, group_size=group_size, sampling=sampling
-        )
+    def rollouts(self, *args, **kwargs):
+        groups = super().rollouts(*args, **kwargs)
         for group in groups:
             for k, r in enumerate(group):
                 n = max(1, len(r.completion_ids) - k)
