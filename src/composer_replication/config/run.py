@@ -37,6 +37,7 @@ from composer_replication.config.evaluation_only import (
     EVALUATION_ONLY_ENVIRONMENTS as EVALUATION_ONLY_ENVIRONMENTS,
 )
 from composer_replication.config.evaluation_only import check_trainable_environment
+from composer_replication.config.filters import FiltersConfig
 from composer_replication.config.inference import InferenceConfig
 from composer_replication.config.loss import LossConfig
 from composer_replication.config.placement import check_device_spec, check_dtype_spec
@@ -343,6 +344,10 @@ class RunConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     envs: list[EnvConfig] = Field(
         default_factory=_default_envs, description="Environments, each with its own algorithm."
+    )
+    filters: FiltersConfig = Field(
+        default_factory=FiltersConfig,
+        description="What leaves a step's batch before packing (zero-advantage groups).",
     )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)

@@ -103,6 +103,8 @@ _SUMMED = (
     "rollouts/count",
     "rollouts/infrastructure_errors",
     "hack/flagged",
+    "rollouts/zero_advantage",
+    "rollouts/zero_advantage_dropped",
     "tokens/sampled",
     "tokens_per_s/generate",  # ranks sample at the same time: their rates add
 )

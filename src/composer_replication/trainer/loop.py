@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.algo.filters import ZeroAdvantageFilter
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.distributed.data_parallel import (
     autocast_for,
@@ -320,6 +321,8 @@ class Trainer:
         algorithms assign and score; the curricula see each task's mean reward)."""
         samples, rewards, errors, n_rollouts = [], [], 0, 0
         infrastructure, flagged = 0, 0
+        zero_advantage = ZeroAdvantageFilter(enforce=self.config.filters.zero_advantage.enforce)
+        scoring_s = 0.0  # the algorithms' assign + score: time/scoring_s
         sampled_tokens, generation_s, demonstrations, grading_max_s = 0, 0.0, 0, 0.0
         for rt, task_ids, groups in zip(self.runtimes, tasks, env_groups):
             env_samples, results = [], {}
@@ -327,7 +330,9 @@ class Trainer:
                 if sampled_group and all(r.is_demonstration for r in sampled_group):
                     # reference solutions: trained on, but not the policy's reward
                     demonstrations += len(sampled_group)
+                    t_scoring = time.perf_counter()
                     env_samples += rt.algorithm.assign(list(sampled_group))
+                    scoring_s += time.perf_counter() - t_scoring
                     continue
                 # A rollout whose sandbox never ran says nothing about the policy: left out.
                 group = [r for r in sampled_group if not r.infrastructure_error]
@@ -342,10 +347,14 @@ class Trainer:
                     grading_max_s = max(grading_max_s, float(r.metadata.get("grading_s", 0.0)))
                 if not group:
                     continue
-                env_samples += rt.algorithm.assign(group)
+                t_scoring = time.perf_counter()
+                env_samples += zero_advantage(rt.algorithm.assign(group))
+                scoring_s += time.perf_counter() - t_scoring
                 results[task_id] = sum(r.reward for r in group) / len(group)
                 rewards += [r.reward for r in group]
+            t_scoring = time.perf_counter()
             asyncio.run(rt.algorithm.score(env_samples))
+            scoring_s += time.perf_counter() - t_scoring
             samples += env_samples
             rt.curriculum.update(self.step, self.ranks.union(results))
         stats = {
@@ -357,7 +366,9 @@ class Trainer:
             "hack/flagged": float(flagged),
             "hack/flagged_fraction": flagged / n_rollouts if n_rollouts else 0.0,
             "time/generate_score_s": time.perf_counter() - t0,
+            "time/scoring_s": scoring_s,
             "tokens/sampled": float(sampled_tokens),
+            **zero_advantage.metrics(),
         }
         if demonstrations:
             stats["rollouts/demonstrations"] = float(demonstrations)
