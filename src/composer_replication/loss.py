@@ -1,6 +1,10 @@
-"""The three-channel Composer loss on one batch: a thin, documented reference over
-:mod:`composer_replication.ops`, the same core the native trainer step and the trl trainer
-run.
+"""The three-channel Composer loss on one batch, through the one loss assembler.
+
+``compose_loss`` converts its padded batch into training samples
+(:mod:`composer_replication.padded_batch`) and runs
+:func:`composer_replication.ops.assembler.micro_batch_losses`, the call the native trainer
+step and the trl trainer make: the channels are its ``ce``, ``jsd`` and ``dpo`` components,
+each divided by its own token (pair) count.
 
 ``total = lm_ce + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``
 
@@ -24,20 +28,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.model_parts import AdapterDisabled, last_hidden_states, lm_head_weight
+from composer_replication.config.loss import LossConfig
+from composer_replication.model_parts import AdapterDisabled
 from composer_replication.ops.divergence import SDPO_WRAPPERS, divergence_settings
-from composer_replication.ops.head import IGNORE_INDEX, cross_entropy_from_hidden
 from composer_replication.ops.pairs import (
     PAIR_VARIANTS as DPO_VARIANTS,
 )
 from composer_replication.ops.pairs import (
     fill_reference_logps,
     pair_loss_settings,
-    pair_terms,
     pairs_from_padded,
     sequence_logps,
 )
-from composer_replication.ops.self_distillation import aligned_from_masks, divergence_terms
+from composer_replication.ops.self_distillation import aligned_from_masks
+from composer_replication.padded_batch import padded_losses, padded_samples
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -149,6 +153,8 @@ def compose_loss(
     for name, value in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
+    if not 0.0 <= lm_ce_label_smoothing < 1.0:
+        raise ValueError(f"lm_ce_label_smoothing={lm_ce_label_smoothing} must be in [0, 1)")
     divergence = divergence_settings(
         sdpo_jsd_beta=sdpo_jsd_beta,
         sdpo_temperature=sdpo_temperature,
@@ -172,34 +178,29 @@ def compose_loss(
     input_ids = inputs["input_ids"]
     response_mask = inputs["response_mask"]
     _check_same_shape("response_mask", response_mask, input_ids)
-
-    weight = lm_head_weight(model)
-    hidden = last_hidden_states(model, input_ids, inputs.get("attention_mask"))
-    targets = input_ids[:, 1:].masked_fill(response_mask[:, 1:] == 0, IGNORE_INDEX)
-    lm_ce = cross_entropy_from_hidden(
-        hidden[:, :-1],
-        weight,
-        targets,
-        label_smoothing=lm_ce_label_smoothing,
+    cfg = LossConfig(
+        lm_ce_label_smoothing=lm_ce_label_smoothing,
         chunk_size=chunk_size,
+        dpo_variant=dpo_variant,
+        replay_dpo_beta=replay_dpo_beta,
+        simpo_beta=simpo_beta,
+        simpo_gamma=simpo_gamma,
     )
 
-    sdpo = _graph_zero(hidden)
+    teacher = None
+    tokens = None
     if alpha_sdpo > 0 and all(k in inputs for k in _SDPO_KEYS):
         tokens = sdpo_tokens(inputs)
-        per_token = divergence_terms(
-            hidden,
-            weight,
-            model if teacher_model is None else teacher_model,
-            inputs["ctx_teacher_input_ids"],
-            inputs.get("ctx_teacher_attention_mask"),
-            tokens,
-            divergence,
-        )
-        if tokens.n_tokens:
-            sdpo = per_token.sum() / tokens.n_tokens
-
-    replay = _graph_zero(hidden)
+        teacher = (inputs["ctx_teacher_input_ids"], inputs.get("ctx_teacher_attention_mask"))
+    samples = padded_samples(
+        input_ids,
+        inputs.get("attention_mask"),
+        ce_mask=response_mask,
+        teacher_ids=None if teacher is None else teacher[0],
+        teacher_attention_mask=None if teacher is None else teacher[1],
+        tokens=tokens,
+    )
+    pairs = []
     if beta_replay > 0 and all(k in inputs for k in _DPO_KEYS):
         pairs = _batch_pairs(inputs)
         if pair_settings.needs_reference and pairs[0].ref_chosen_logp is None:
@@ -209,8 +210,18 @@ def compose_loss(
                 for key, side in zip(_REF_KEYS[0], ("chosen", "rejected")):
                     values = [getattr(p, f"ref_{side}_logp") for p in pairs]
                     inputs[key] = torch.tensor(values, dtype=torch.float32, device=device)
-        replay = pair_terms(model, pairs, pair_settings, chunk_size=chunk_size).mean()
-
+    losses = padded_losses(
+        model,
+        samples,
+        pairs,
+        cfg,
+        divergence=divergence,
+        teacher=teacher_model,
+    )
+    zero = _graph_zero(input_ids)
+    lm_ce = losses.mean("ce", zero)
+    sdpo = losses.mean("jsd", zero)
+    replay = losses.mean("dpo", zero)
     total = lm_ce + alpha_sdpo * sdpo + beta_replay * replay
     return LossComponents(lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay, total=total)
 

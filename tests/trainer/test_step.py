@@ -100,6 +100,26 @@ def test_ce_only_sample_does_not_change_rl_component(model):
     assert mixed["loss"] == pytest.approx(alone["loss/rl"] + ce / int(n), rel=1e-10)
 
 
+def test_ce_with_label_smoothing_equals_the_smoothed_formula(model):
+    """``loss.lm_ce_label_smoothing``: ``(1 - eps) * -lp(target) + eps * mean_v -lp(v)`` per ce
+    token (torch's convention), from full logits; weighted ce tokens are refused."""
+    ids = _ids(9, 10)
+    weights = [0.0] * 4 + [1.0] * 6
+    sample = TrainingSample(ids, [0] * 10, [0.0] * 10, rl_weights=[0.0] * 10, ce_weights=weights)
+    cfg = LossConfig(lm_ce_label_smoothing=0.2)
+    out = train_step(model, pack_samples([sample], max_tokens=1000, split=None), cfg)
+    logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+    target = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+    per_token = -(0.8 * target + 0.2 * logp.mean(-1))
+    expected = float((per_token * torch.tensor(weights[1:], dtype=per_token.dtype)).sum() / 6)
+    assert out["loss/ce"] == pytest.approx(expected, rel=1e-10)
+    halves = TrainingSample(
+        ids, [0] * 10, [0.0] * 10, rl_weights=[0.0] * 10, ce_weights=[0.0] * 4 + [0.5] * 6
+    )
+    with pytest.raises(ValueError, match=r"lm_ce_label_smoothing=0.2 needs ce weights of 0 or 1"):
+        train_step(model, pack_samples([halves], max_tokens=1000, split=None), cfg)
+
+
 def test_overlapping_components_add_gradients(model):
     s = _rl_sample(5)
     both = copy.deepcopy(s)

@@ -315,6 +315,7 @@ _NON_DEFAULT_LOSS = {
     "dpo_variant": "simpo",
     "simpo_beta": 3.0,
     "simpo_gamma": 0.5,
+    "lm_ce_label_smoothing": 0.1,
     "coefficients": {"rl": 2.0, "ce": 1.0, "ref_kl": 1.0, "jsd": 1.0, "dpo": 1.0},
     "kl_token_trust_threshold": 0.1,
     "chunk_size": 64,

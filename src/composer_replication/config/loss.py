@@ -83,6 +83,13 @@ class LossConfig(BaseModel):
         2.0, gt=0, description="dpo: SimPO reward scale (dpo_variant='simpo')."
     )
     simpo_gamma: float = Field(1.0, ge=0, description="dpo: SimPO margin (dpo_variant='simpo').")
+    lm_ce_label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="ce: label smoothing in [0, 1) (torch's cross-entropy convention); needs "
+        "ce weights of 0 or 1.",
+    )
     coefficients: dict[str, float] = Field(
         default_factory=lambda: dict.fromkeys(COMPONENTS, 1.0),
         description="Multiplier of each component's mean (rl, ce, ref_kl, jsd, dpo), on top of "

@@ -33,7 +33,11 @@ from composer_replication.ops.divergence import (
     DivergenceSettings,
     divergence_settings,
 )
-from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
+from composer_replication.ops.head import (
+    IGNORE_INDEX,
+    cross_entropy_from_hidden,
+    token_logprobs_from_hidden,
+)
 from composer_replication.ops.pairs import (
     PAIR_KNOBS,
     PairLossSettings,
@@ -118,6 +122,7 @@ def micro_batch_losses(
     *,
     teacher: Any | None = None,
     reference: Any | None = None,
+    divergence: DivergenceSettings | None = None,
 ) -> MicroBatchLosses:
     """Every component's sum over ``mb`` (on ``policy``'s device), with its metric sums.
 
@@ -128,6 +133,8 @@ def micro_batch_losses(
         teacher: the model behind the jsd teacher contexts (default ``policy``, under
             ``no_grad``: the live policy teaches itself through the hint).
         reference: the frozen initial policy, for DPO reference log-probs a pair lacks.
+        divergence: the jsd divergence, when it is not ``cfg``'s (``compose_loss`` takes a
+            ``TAIDScheduler`` for ``taid_t``, which a config cannot hold).
     """
     cfg = cfg or LossConfig()
     components: dict[str, Tensor] = {}
@@ -151,9 +158,15 @@ def micro_batch_losses(
         )
         anchor = 0.0 * logprobs.sum()
         _token_components(components, stats, mb, cfg, logprobs, entropy)
+        if mb.ce_weights is not None and cfg.lm_ce_label_smoothing:
+            components["ce"] = _smoothed_ce_sum(hidden, weight, mb, cfg)
         if mb.counts["jsd"]:  # counted on the host
             components["jsd"] = _jsd_sum(
-                policy if teacher is None else teacher, hidden, weight, mb, cfg
+                policy if teacher is None else teacher,
+                hidden,
+                weight,
+                mb,
+                divergence or divergence_settings_of(cfg),
             )
     if mb.pairs:
         components["dpo"], uncached = _dpo_sum(policy, reference, mb, cfg)
@@ -209,7 +222,7 @@ def _token_components(
         stats["stat/entropy"] = (entropy * (mask != 0)).sum()
         stats["stat/trainable"] = (mask != 0).sum()
         stats["stat/tokens"] = mb.attention_mask.sum()
-    if mb.ce_weights is not None:
+    if mb.ce_weights is not None and not cfg.lm_ce_label_smoothing:
         components["ce"], _ = ce_loss(logprobs, mb.ce_weights[:, 1:])
     if mb.ref_kl_weights is not None:
         ref = mb.ref_logprobs[:, 1:]
@@ -227,8 +240,30 @@ def _token_components(
         stats.update(ref_kl_row_sums(values, has_tokens))
 
 
+def _smoothed_ce_sum(hidden: Tensor, weight: Tensor, mb: MicroBatch, cfg: LossConfig) -> Tensor:
+    """The ce sum with label smoothing (arXiv 1512.00567): a second head pass over the ce
+    tokens, which must all weigh 1 (smoothing needs the mean log-prob over the vocabulary,
+    which the per-token head does not return)."""
+    weights = {w for s in mb.row_samples for w in (s.ce_weights or [])[1:]}
+    if not weights <= {0.0, 1.0}:
+        raise ValueError(
+            f"loss.lm_ce_label_smoothing={cfg.lm_ce_label_smoothing} needs ce weights of 0 or "
+            f"1, got {sorted(weights - {0.0, 1.0})[:3]}; set it to 0 for weighted ce tokens"
+        )
+    targets = mb.input_ids[:, 1:].masked_fill(mb.ce_weights[:, 1:] == 0, IGNORE_INDEX)
+    return cross_entropy_from_hidden(
+        hidden[:, :-1],
+        weight,
+        targets,
+        reduction="sum",
+        temperature=cfg.log_temperature,
+        chunk_size=cfg.chunk_size,
+        label_smoothing=cfg.lm_ce_label_smoothing,
+    )
+
+
 def _jsd_sum(
-    teacher: Any, hidden: Tensor, weight: Tensor, mb: MicroBatch, cfg: LossConfig
+    teacher: Any, hidden: Tensor, weight: Tensor, mb: MicroBatch, divergence: DivergenceSettings
 ) -> Tensor:
     rows, student, teacher_positions, slots = mb.jsd_tokens
     tokens = AlignedTokens(rows, student, teacher_positions, mb.jsd_rows, slots)
@@ -239,7 +274,7 @@ def _jsd_sum(
         mb.teacher_input_ids,
         mb.teacher_attention_mask,
         tokens,
-        divergence_settings_of(cfg),
+        divergence,
         teacher_tokens=mb.teacher_tokens(),
     )
     value, _ = weighted_token_loss(per_token, mb.jsd_weights[tokens.rows, tokens.student])
