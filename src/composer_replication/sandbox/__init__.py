@@ -12,7 +12,7 @@ world-readable host files outside the hidden directories, and the workdir's tota
 `sandbox.local`). Memory and process counts hold for a run's whole process tree where a
 control group is writable (`sandbox.cgroups`), per process otherwise. A guarded test run
 (`GuardSpec`, `sandbox.behaviour_guard`) refuses what the agent's code does to the report,
-the tests or the runtime while it is tested.
+the tests, the runtime or pytest itself while it is tested.
 Without bubblewrap only limits, uid drop and timeouts remain, and it says so loudly
 (`isolated=False`). Details: `sandbox.local`.
 

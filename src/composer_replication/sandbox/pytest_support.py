@@ -160,9 +160,10 @@ def guard_environment(
     guard: GuardSpec, root: str | os.PathLike[str], *, with_bundle: bool
 ) -> dict[str, str]:
     """The environment variables that put a test run under the behaviour guard: its
-    configuration (what to protect under ``root``) and the ``PYTHONPATH`` that loads it
-    first (then the pytest bundle when the run uses it)."""
-    from composer_replication.sandbox.behaviour_guard import GUARD_ENV
+    configuration (what to protect under ``root``), the ``PYTHONPATH`` that loads it
+    first (then the pytest bundle when the run uses it) and ``PYTEST_PLUGINS``, which has
+    pytest register it as a plugin before any conftest (so it records pytest's identity)."""
+    from composer_replication.sandbox.behaviour_guard import GUARD_ENV, GUARD_PLUGIN
 
     config = {
         "root": os.fspath(root),
@@ -173,7 +174,11 @@ def guard_environment(
     path = [str(guard_site_dir())]
     if with_bundle:
         path.append(str(pytest_bundle_dir()))
-    return {GUARD_ENV: json.dumps(config), "PYTHONPATH": ":".join(path)}
+    return {
+        GUARD_ENV: json.dumps(config),
+        "PYTHONPATH": ":".join(path),
+        "PYTEST_PLUGINS": GUARD_PLUGIN,
+    }
 
 
 def interpreter_bin_dir(python: str) -> Path:
