@@ -12,9 +12,10 @@
   log-probs computed once per pair from the initial model (at construction, before any
   update) and cached on the pair.
 
-Both channels are computed by :mod:`composer_replication.ops`, the core that the native
-trainer step and ``loss.compose_loss`` call too, with the same settings under the same
-names.
+Both channels come from the one loss assembler
+(:func:`composer_replication.ops.assembler.micro_batch_losses`, the call the native trainer
+step and ``loss.compose_loss`` make): their rows are converted into training samples
+(:mod:`composer_replication.padded_batch`), with the same settings under the same names.
 
 Each channel is logged through trl's metrics in the native loop's vocabulary
 (``loss/rl`` for trl's GRPO loss, ``loss/jsd``, ``loss/dpo``, ``tokens/dpo`` (pairs),
@@ -76,17 +77,17 @@ from trl import GRPOTrainer
 from composer_replication.algo.context import augment_messages, hint_text
 from composer_replication.algo.replay_dpo import PairPool, build_pair_pool
 from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
-from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.config.loss import LossConfig
 from composer_replication.ops.divergence import DIVERGENCE_KNOBS, divergence_settings
 from composer_replication.ops.pairs import (
     PAIR_KNOBS,
     fill_reference_logps,
     pad_rows,
     pair_loss_settings,
-    pair_terms,
     pairs_from_padded,
 )
-from composer_replication.ops.self_distillation import aligned_from_masks, divergence_terms
+from composer_replication.ops.self_distillation import aligned_from_masks
+from composer_replication.padded_batch import padded_losses, padded_samples
 from composer_replication.rollout.types import Rollout
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 from composer_replication.trainer.data_collator import ComposerDataCollator, TraceExample
@@ -363,6 +364,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def _pair_settings(self) -> Any:
         return pair_loss_settings(**{k: getattr(self, k) for k in PAIR_KNOBS})
 
+    def _loss_config(self) -> LossConfig:
+        """The assembler's settings: the pair knobs (the divergence is passed as built by
+        :meth:`_divergence`, its ``taid_t`` possibly a scheduler)."""
+        return LossConfig(**{k: getattr(self, k) for k in PAIR_KNOBS})
+
     # ------------------------------------------------------------------ batch building
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -571,18 +577,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             after_prompt(completion, teacher_ids.shape[1]),
             after_prompt(mask[rows], student_ids.shape[1]),
         )
-        policy = self.accelerator.unwrap_model(model)
-        hidden = last_hidden_states(policy, student_ids, student_attn)
-        per_token = divergence_terms(
-            hidden,
-            lm_head_weight(policy),
-            policy,
-            teacher_ids,
-            teacher_attn,
-            tokens,
-            self._divergence(),
-        )
-        return per_token.sum(), int(tokens.n_tokens)
+        return self._jsd_terms(model, student_ids, student_attn, teacher_ids, teacher_attn, tokens)
 
     def _compute_trace_sdpo_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         """Token-mean divergence on the ``data_collator``'s trace rows (``trace_*``): the
@@ -600,18 +595,43 @@ class ComposerReplicationTrainer(GRPOTrainer):
             return mask.new_zeros((), dtype=torch.float32), 0
         batch = {key: inputs[f"trace_{key}"][rows] for key in _TRACE_SDPO_KEYS}
         tokens = sdpo_tokens(batch)
-        policy = self.accelerator.unwrap_model(model)
-        hidden = last_hidden_states(policy, batch["input_ids"], batch["attention_mask"])
-        per_token = divergence_terms(
-            hidden,
-            lm_head_weight(policy),
-            policy,
+        return self._jsd_terms(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
             batch["ctx_teacher_input_ids"],
             batch["ctx_teacher_attention_mask"],
             tokens,
-            self._divergence(),
         )
-        return per_token.sum(), int(tokens.n_tokens)
+
+    def _jsd_terms(
+        self,
+        model: Any,
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        teacher_ids: torch.Tensor,
+        teacher_attention: torch.Tensor,
+        tokens: Any,
+    ) -> tuple[torch.Tensor, int]:
+        """The jsd component's sum and token count over these rows, from the one loss
+        assembler (the rows converted into training samples, as ``compose_loss`` does)."""
+        samples = padded_samples(
+            ids,
+            attention,
+            teacher_ids=teacher_ids,
+            teacher_attention_mask=teacher_attention,
+            tokens=tokens,
+        )
+        losses = padded_losses(
+            self.accelerator.unwrap_model(model),
+            samples,
+            cfg=self._loss_config(),
+            divergence=self._divergence(),
+        )
+        count = losses.counts.get("jsd", 0)
+        if not count:
+            return ids.new_zeros((), dtype=torch.float32), 0
+        return losses.sums["jsd"], count
 
     def _compute_trace_replay_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         """Mean pair loss over the micro-batch's pairs (chosen and rejected in one forward)."""
@@ -629,8 +649,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
             ref_chosen=inputs["dpo_chosen_ref_logprobs"][rows],
             ref_rejected=inputs["dpo_rejected_ref_logprobs"][rows],
         )
-        policy = self.accelerator.unwrap_model(model)
-        return pair_terms(policy, pairs, self._pair_settings()).mean()
+        losses = padded_losses(
+            self.accelerator.unwrap_model(model), [], pairs, cfg=self._loss_config()
+        )
+        return losses.mean("dpo", inputs["dpo_pair_mask"].new_zeros((), dtype=torch.float32))
 
 
 def _clip_pair(pair: DPOPairTokens, max_length: int) -> DPOPairTokens:
