@@ -249,6 +249,13 @@ def test_no_citation_of_documents_outside_the_repository():
         ("composer_replication.datagen.fd_tasks", "composer_replication.envs.fd_tasks"),
         ("composer_replication.datagen.hack_monitor", "composer_replication.safety.hack_monitor"),
         ("composer_replication.datagen.scrub", "composer_replication.sandbox.scrub"),
+        ("composer_replication.distillation.dpo", "composer_replication.ops.dpo"),
+        ("composer_replication.distillation.simpo", "composer_replication.ops.simpo"),
+        ("composer_replication.distillation.taid", "composer_replication.ops.taid"),
+        (
+            "composer_replication.distillation.entropy_aware_opd",
+            "composer_replication.ops.entropy_aware_opd",
+        ),
     ],
 )
 def test_moved_modules_keep_their_first_paths_as_the_same_objects(old, new):

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from composer_replication.distillation.dpo import dpo_loss
+from composer_replication.ops.dpo import dpo_loss
 from composer_replication.opsd import generalized_jsd_loss
 from composer_replication.ops.token_losses import ce_loss, rl_loss
 from composer_replication.trainer.step import LossConfig, component_counts, train_step

@@ -1,7 +1,7 @@
 """Pure tensor math on hidden states: the ONE implementation of every loss piece.
 
 The native trainer step, the trl trainer (``ComposerReplicationTrainer``) and
-``loss.compose_loss`` all compute their losses here:
+``loss.compose_loss`` all compute their losses here, through :mod:`.assembler`:
 
 - :mod:`.head`: per-token log-probs and cross-entropy from hidden states and the LM head,
   in token chunks (never (B, T, V) logits);
@@ -11,8 +11,19 @@ The native trainer step, the trl trainer (``ComposerReplicationTrainer``) and
 - :mod:`.self_distillation`: that divergence at aligned positions of a student and a
   teacher context (SDPO), the teacher forward included;
 - :mod:`.pairs`: pair log-probs with reference caching, and the DPO / SimPO reductions;
+- :mod:`.dpo`, :mod:`.simpo`: the preference losses on summed / averaged log-probs
+  (arXiv 2305.18290, 2405.14734);
+- :mod:`.taid`, :mod:`.entropy_aware_opd`: the TAID loss and its ``t`` schedule
+  (arXiv 2501.16937) and entropy-aware OPD (arXiv 2603.07079) on logits;
+- :mod:`.token_losses`: the token-level ``rl`` (DPPO trust region), ``ce`` and ``ref_kl``
+  components and the k2 trust mask;
 - :mod:`.trust_region`: the ``ref_kl`` component's trust-region metrics (per sample, per
-  step).
+  step);
+- :mod:`.assembler`: one packed micro-batch in, every component's sum out: the one place
+  the components meet the model.
+
+``distillation/`` is the public face of :mod:`.dpo`, :mod:`.simpo`, :mod:`.taid` and
+:mod:`.entropy_aware_opd` under their first names.
 """
 
 from __future__ import annotations

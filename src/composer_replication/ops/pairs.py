@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.ops.dpo import dpo_loss
 from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
+from composer_replication.ops.simpo import simpo_loss
 from composer_replication.wire import DPOPairTokens, PairRows, pair_rows, to_device
 
 if TYPE_CHECKING:
@@ -268,9 +270,6 @@ def pair_losses(
     ref_rejected: Tensor | None = None,
 ) -> Tensor:
     """(P,) per-pair loss from summed log-probs (and counts, for SimPO's averages)."""
-    from composer_replication.distillation.dpo import dpo_loss
-    from composer_replication.distillation.simpo import simpo_loss
-
     if settings.variant == "simpo":
         return simpo_loss(
             chosen / n_chosen.to(chosen.dtype),

@@ -23,7 +23,7 @@ class LossSchedule:
         self.config = config
         self.taid = None
         if config.sdpo_wrapper == "taid" and config.taid_t is None:
-            from composer_replication.distillation.taid import TAIDScheduler
+            from composer_replication.ops.taid import TAIDScheduler
 
             self.taid = TAIDScheduler(
                 max(1, total_steps), t_start=config.taid_t_start, t_end=config.taid_t_end
