@@ -7,6 +7,13 @@ non-root user and pids/memory/CPU limits. With `runtime="runsc"` (gVisor, see
 hostile code. Commands are wrapped in `timeout -s KILL` inside the container, with a
 host-side watchdog that restarts the container if even that hangs.
 
+Test runs given a ``GuardSpec`` run under the same behaviour guard as the local sandbox
+(``sandbox.behaviour_guard``): its directory is bound read-only into every container at
+``GUARD_MOUNT`` (a path the sandbox user cannot write, so no agent command can replace it),
+and a guarded run's command puts it first on ``PYTHONPATH`` and in ``PYTEST_PLUGINS``
+with its configuration in the exec environment. The image's Python must have audit hooks
+(3.8 or newer); the first guarded run checks, and refuses to run unguarded.
+
 Before the container starts, `boot()` runs `scrub_tree` on the workdir: version-control
 history, bytecode, tool caches, editor backups and packaged copies could hand the agent the
 reference solution (the primary control against such leaks; see `datagen.scrub`).
@@ -37,11 +44,13 @@ from typing import Any
 
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
+    GuardSpec,
     TestRunResult,
     action_command,
     denied_message,
     is_command_allowed,
 )
+from composer_replication.sandbox.behaviour_guard import parse_guard_flags
 from composer_replication.sandbox.docker_daemon import (
     LABEL,
     OWNER_HOST_LABEL,
@@ -56,11 +65,20 @@ from composer_replication.sandbox.docker_daemon import (
     runsc_available,
 )
 from composer_replication.sandbox.process import OutputCapture, ProcessOutcome, exec_suffix
-from composer_replication.sandbox.pytest_support import JunitReport, build_pytest_argv, parse_junit
+from composer_replication.sandbox.pytest_support import (
+    JUNIT_PREFIX,
+    JunitReport,
+    build_pytest_argv,
+    guard_config,
+    guard_site_dir,
+    guarded_command,
+    parse_junit,
+)
 from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import hand_over
 
 __all__ = [
+    "GUARD_MOUNT",
     "LABEL",
     "OWNER_HOST_LABEL",
     "OWNER_PID_LABEL",
@@ -77,6 +95,9 @@ log = logging.getLogger(__name__)
 
 # Extra seconds the host watchdog grants beyond the in-container `timeout`.
 _WATCHDOG_SLACK_S = 10.0
+#: Where every container sees the behaviour guard's directory (bound read-only).
+GUARD_MOUNT = "/opt/composer-replication-guard"
+_AUDIT_HOOK_PROBE = "import sys; sys.exit(0 if hasattr(sys, 'addaudithook') else 3)"
 
 
 def _check_settings(
@@ -171,6 +192,7 @@ class DockerSandbox:
         self.reap_stale = reap_stale
         self._client = client
         self._container: Any = None
+        self._guard_checked = False
         self._trajectory: list[dict[str, Any]] = []
 
     def container_kwargs(self, image: str) -> dict[str, Any]:
@@ -185,7 +207,10 @@ class DockerSandbox:
             "network_mode": "none",
             "read_only": not self.keep_root_writable,
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_size}"},
-            "volumes": {str(self.workdir): {"bind": self.container_workdir, "mode": "rw"}},
+            "volumes": {
+                str(self.workdir): {"bind": self.container_workdir, "mode": "rw"},
+                str(guard_site_dir()): {"bind": GUARD_MOUNT, "mode": "ro"},
+            },
             "working_dir": self.container_workdir,
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
@@ -298,13 +323,17 @@ class DockerSandbox:
         self.close()
 
     # running --------------------------------------------------------------------------------
-    def _run(self, argv: list[str]) -> ProcessOutcome:
+    def _run(self, argv: list[str], environment: Mapping[str, str] | None = None) -> ProcessOutcome:
         if self._container is None:
             raise RuntimeError("DockerSandbox is not booted; call boot(image) first")
         api = self._client.api
         wrapped = ["timeout", "-s", "KILL", str(max(1, int(self.exec_timeout_s))), *argv]
         exec_id = api.exec_create(
-            self._container.id, wrapped, user=self.user, workdir=self.container_workdir
+            self._container.id,
+            wrapped,
+            user=self.user,
+            workdir=self.container_workdir,
+            environment=dict(environment) if environment else None,
         )["Id"]
         capture = OutputCapture(self.max_output_bytes)
         start = time.monotonic()
@@ -347,18 +376,53 @@ class DockerSandbox:
         self._trajectory.append(entry)
         return text
 
+    #: ``run_tests`` takes ``guard=`` (the behaviour guard runs in this backend).
+    supports_behaviour_guard = True
+
+    def guarded_run(self, argv: list[str], guard: GuardSpec) -> tuple[list[str], dict[str, str]]:
+        """The command and exec environment that run ``argv`` under the behaviour guard:
+        the guard bound at ``GUARD_MOUNT`` loads first in every Python process and registers
+        with pytest, configured to protect ``guard`` inside ``container_workdir``."""
+        return guarded_command(argv, GUARD_MOUNT), guard_config(guard, self.container_workdir)
+
+    def _check_guard_support(self) -> None:
+        if self._guard_checked:
+            return
+        probe = self._run([self.python, "-c", _AUDIT_HOOK_PROBE])
+        if probe.exit_code != 0:
+            raise RuntimeError(
+                f"the behaviour guard needs audit hooks (Python 3.8 or newer) in the image; "
+                f"{self.python!r} in the container exited {probe.exit_code}: "
+                f"{probe.text().strip()[-300:]!r}. Use an image with Python >= 3.8"
+            )
+        self._guard_checked = True
+
     def run_tests(
-        self, test_command: str = "python -m pytest -q", tests: Sequence[str] = ()
+        self,
+        test_command: str = "python -m pytest -q",
+        tests: Sequence[str] = (),
+        *,
+        guard: GuardSpec | None = None,
     ) -> TestRunResult:
-        """Run the test command in the container; pytest writes junit into the workdir."""
-        name = f".cr-junit-{uuid.uuid4().hex}.xml"
+        """Run the test command in the container; pytest writes junit into the workdir.
+
+        With ``guard``, the run is under the behaviour guard (``sandbox.behaviour_guard``),
+        as in ``LocalSubprocessSandbox``: what the agent's code did to the report, the tests,
+        the runtime or pytest is refused and comes back as ``behaviour_flags``. An image
+        whose Python has no audit hooks is a ``RuntimeError`` (never an unguarded run).
+        """
+        name = f"{JUNIT_PREFIX}{uuid.uuid4().hex}.xml"
         argv, is_pytest = build_pytest_argv(
             test_command,
             list(tests),
             python=self.python,
             junit_path=str(PurePosixPath(self.container_workdir) / name),
         )
-        outcome = self._run(argv)
+        environment = None
+        if guard is not None:
+            self._check_guard_support()
+            argv, environment = self.guarded_run(argv, guard)
+        outcome = self._run(argv, environment)
         report = JunitReport()
         if is_pytest:
             report = parse_junit(self.workdir / name) or JunitReport(errors=1)
@@ -374,6 +438,7 @@ class DockerSandbox:
             timed_out=outcome.timed_out,
             isolated=True,
             duration_s=outcome.duration_s,
+            behaviour_flags=tuple(parse_guard_flags(outcome.text())) if guard is not None else (),
         )
         self._trajectory.append(
             {

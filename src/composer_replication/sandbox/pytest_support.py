@@ -41,8 +41,10 @@ __all__ = [
     "JunitReport",
     "build_pytest_argv",
     "bundle_distributions",
+    "guard_config",
     "guard_environment",
     "guard_site_dir",
+    "guarded_command",
     "interpreter_bin_dir",
     "parse_junit",
     "pytest_bundle_dir",
@@ -156,14 +158,10 @@ def guard_site_dir() -> Path:
     return target
 
 
-def guard_environment(
-    guard: GuardSpec, root: str | os.PathLike[str], *, with_bundle: bool
-) -> dict[str, str]:
-    """The environment variables that put a test run under the behaviour guard: its
-    configuration (what to protect under ``root``), the ``PYTHONPATH`` that loads it
-    first (then the pytest bundle when the run uses it) and ``PYTEST_PLUGINS``, which has
-    pytest register it as a plugin before any conftest (so it records pytest's identity)."""
-    from composer_replication.sandbox.behaviour_guard import GUARD_ENV, GUARD_PLUGIN
+def guard_config(guard: GuardSpec, root: str | os.PathLike[str]) -> dict[str, str]:
+    """The behaviour guard's configuration variable: what it protects under ``root`` (the
+    workdir as the test run sees it) and whose code it judges."""
+    from composer_replication.sandbox.behaviour_guard import GUARD_ENV
 
     config = {
         "root": os.fspath(root),
@@ -171,14 +169,39 @@ def guard_environment(
         "candidates": list(guard.candidates),
         "report_prefix": JUNIT_PREFIX,
     }
+    return {GUARD_ENV: json.dumps(config)}
+
+
+def guard_environment(
+    guard: GuardSpec, root: str | os.PathLike[str], *, with_bundle: bool
+) -> dict[str, str]:
+    """The environment variables that put a test run under the behaviour guard: its
+    configuration (``guard_config``), the ``PYTHONPATH`` that loads it first (then the
+    pytest bundle when the run uses it) and ``PYTEST_PLUGINS``, which has pytest register
+    it as a plugin before any conftest (so it records pytest's identity)."""
+    from composer_replication.sandbox.behaviour_guard import GUARD_PLUGIN
+
     path = [str(guard_site_dir())]
     if with_bundle:
         path.append(str(pytest_bundle_dir()))
     return {
-        GUARD_ENV: json.dumps(config),
+        **guard_config(guard, root),
         "PYTHONPATH": ":".join(path),
         "PYTEST_PLUGINS": GUARD_PLUGIN,
     }
+
+
+def guarded_command(argv: Sequence[str], guard_dir: str) -> list[str]:
+    """``argv`` behind a shell that puts ``guard_dir`` (where ``guard_site_dir()`` is
+    visible to the run, e.g. bound into a container) first on ``PYTHONPATH`` and the guard
+    first in ``PYTEST_PLUGINS``, keeping what the environment (an image) set there."""
+    from composer_replication.sandbox.behaviour_guard import GUARD_PLUGIN
+
+    script = (
+        'export PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" '
+        'PYTEST_PLUGINS="$2${PYTEST_PLUGINS:+,$PYTEST_PLUGINS}"; shift 2; exec "$@"'
+    )
+    return ["sh", "-c", script, "sh", guard_dir, GUARD_PLUGIN, *argv]
 
 
 def interpreter_bin_dir(python: str) -> Path:
