@@ -105,8 +105,11 @@ def test_modal_spawns_one_call_per_rank() -> None:
 def test_modal_partial_spawn_failure_cancels_siblings() -> None:
     fn = FakeFunction(fail_at=1)
     ex = ModalExecutor("a", modal_module=fake_modal(fn))
-    with pytest.raises(RuntimeError, match="rank 1 failed: quota"):
+    with pytest.raises(RuntimeError) as raised:
         ex.launch_replicas(3, "my.train", {})
+    assert str(raised.value) == (
+        "Modal spawn of rank 1 failed: quota; cancelled the 1 replicas already spawned"
+    )
     assert fn.spawned[0].status == "TERMINATED"
 
 
@@ -172,7 +175,37 @@ def test_hf_jobs_one_job_per_rank() -> None:
     ex.cancel(handles[1])
     assert api.cancelled == ["job1"]
     api.stages["job0"] = "ERROR"
-    assert ex.collect(handles)[0]["error"] == "exit 137"
+    row = ex.collect(handles)[0]
+    assert row["error"] == "exit 137"
+    # the protocol's keys first, then the backend's own
+    assert list(row) == ["rank", "status", "exit_code", "error", "job_id", "url"]
+
+
+class FlakyHfApi(FakeHfApi):
+    """Refuses the third launch; cancelling job0 fails (the Hub is unreachable)."""
+
+    def run_job(self, **kwargs: Any) -> Any:
+        if len(self.runs) == 2:
+            raise RuntimeError("quota exceeded")
+        return super().run_job(**kwargs)
+
+    def cancel_job(self, *, job_id: str, namespace: str | None = None) -> None:
+        if job_id == "job0":
+            raise ConnectionError("hub unreachable")
+        super().cancel_job(job_id=job_id, namespace=namespace)
+
+
+def test_hf_jobs_partial_launch_failure_cancels_every_launched_rank() -> None:
+    api = FlakyHfApi()
+    ex = HFJobsExecutor("img", api=api)
+    with pytest.raises(RuntimeError) as raised:
+        ex.launch_replicas(3, "my.train", {})
+    # the launch error is the one reported; job0's failed cancel does not spare job1
+    assert str(raised.value) == (
+        "HF Jobs launch of rank 2 failed: quota exceeded; cancelled the 2 replicas already launched"
+    )
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert api.cancelled == ["job1"]
 
 
 def test_hf_jobs_flavors_and_rendezvous_check() -> None:

@@ -1,4 +1,5 @@
-"""What every serverless executor shares: the handle, the Protocol, entrypoint helpers.
+"""What every serverless executor shares: the handle, the Protocol, entrypoint, launch and
+collect helpers.
 
 An executor starts ``n`` replicas of one entrypoint somewhere (local processes, a
 Kubernetes Indexed Job, SageMaker training jobs, Modal functions, HF Jobs) and tells each
@@ -8,6 +9,7 @@ its rank. The replicas never need a network between them: they meet through an
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,7 +168,9 @@ def collect_by_polling(
     interval_s: float,
     result: Callable[[ReplicaHandle, str], dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """Poll until every handle is terminal (or ``timeout``), then build one row per rank.
+    """Poll until every handle is terminal (or ``timeout``), then build one row per rank:
+    ``rank`` and ``status`` first, then what ``result(handle, status)`` returns (the
+    protocol's ``exit_code`` and ``error``, and the backend's own keys).
 
     Rows of replicas still running at the deadline keep their live status.
     """
@@ -179,4 +183,43 @@ def collect_by_polling(
         if done or (deadline is not None and time.monotonic() >= deadline):
             break
         time.sleep(interval_s)
-    return [result(h, statuses[h.rank]) for h in sorted(handles, key=lambda h: h.rank)]
+    return [
+        {"rank": h.rank, "status": statuses[h.rank], **result(h, statuses[h.rank])}
+        for h in sorted(handles, key=lambda h: h.rank)
+    ]
+
+
+def launch_one_by_one(
+    executor: Any,
+    n_replicas: int,
+    start_rank: Callable[[int], dict[str, Any]],
+    failure: Callable[[int, Exception], str],
+) -> list[ReplicaHandle]:
+    """Start ranks ``0..n_replicas-1`` in order; ``start_rank(rank)`` launches one and returns
+    its handle's metadata.
+
+    If rank k fails, ranks ``0..k-1`` are cancelled before ``RuntimeError(failure(k, exc))``
+    is raised: a partial DiLoCo run would only wait for peers that never come. The cancels
+    are best effort (the launch error is the one to report, and one failed cancel must not
+    leave the later ranks running).
+    """
+    handles: list[ReplicaHandle] = []
+    for rank in range(n_replicas):
+        try:
+            metadata = start_rank(rank)
+        except Exception as exc:
+            for launched in handles:
+                with contextlib.suppress(Exception):
+                    executor.cancel(launched)
+            raise RuntimeError(failure(rank, exc)) from exc
+        handles.append(ReplicaHandle(rank, executor.backend_name, metadata))
+    return handles
+
+
+def import_sdk(module: str, install_hint: str) -> Any:
+    """A backend's optional SDK, imported when the executor first needs it; a missing one is
+    a ``RuntimeError`` whose message is ``install_hint`` (what to pip install)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(install_hint) from exc

@@ -24,6 +24,7 @@ from composer_replication.diloco.serverless.base import (
     ReplicaStatus,
     check_launch_args,
     collect_by_polling,
+    import_sdk,
     launch_spec,
     scalar_env,
 )
@@ -115,19 +116,17 @@ class EKSExecutor:
 
     def _apis(self) -> tuple[Any, Any]:
         if self._batch_api is None or self._core_api is None:
+            kubernetes = import_sdk(
+                "kubernetes",
+                "EKSExecutor needs the kubernetes client: pip install "
+                "'composer-replication[cloud]' (kubernetes)",
+            )
             try:
-                from kubernetes import client, config
-            except ImportError as exc:
-                raise RuntimeError(
-                    "EKSExecutor needs the kubernetes client: pip install "
-                    "'composer-replication[cloud]' (kubernetes)"
-                ) from exc
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            self._batch_api = self._batch_api or client.BatchV1Api()
-            self._core_api = self._core_api or client.CoreV1Api()
+                kubernetes.config.load_incluster_config()
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config()
+            self._batch_api = self._batch_api or kubernetes.client.BatchV1Api()
+            self._core_api = self._core_api or kubernetes.client.CoreV1Api()
         return self._batch_api, self._core_api
 
     # ------------------------------------------------------------------ the Job
@@ -314,8 +313,6 @@ class EKSExecutor:
             if status == "failed" and error is None:
                 error = "replica failed (job failed, deadline exceeded or pod error)"
             return {
-                "rank": handle.rank,
-                "status": status,
                 "exit_code": code,
                 "error": error,
                 "job_name": handle.metadata["job_name"],

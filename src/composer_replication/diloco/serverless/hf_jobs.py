@@ -23,6 +23,8 @@ from composer_replication.diloco.serverless.base import (
     check_launch_args,
     collect_by_polling,
     entrypoint_string,
+    import_sdk,
+    launch_one_by_one,
     scalar_env,
 )
 from composer_replication.diloco.serverless.runner import build_command
@@ -72,13 +74,11 @@ class HFJobsExecutor:
 
     def _client(self) -> Any:
         if self._api is None:
-            try:
-                from huggingface_hub import HfApi
-            except ImportError as exc:
-                raise RuntimeError(
-                    "HFJobsExecutor needs huggingface_hub: pip install huggingface_hub"
-                ) from exc
-            self._api = HfApi(token=self.token)
+            hub = import_sdk(
+                "huggingface_hub",
+                "HFJobsExecutor needs huggingface_hub: pip install huggingface_hub",
+            )
+            self._api = hub.HfApi(token=self.token)
         return self._api
 
     def flavor(self, gpu: str | None) -> str:
@@ -112,34 +112,33 @@ class HFJobsExecutor:
         command = build_command(entrypoint_string(entrypoint), entrypoint_args)
         rank_env = str(entrypoint_args.get("rank_env", RANK_ENV))
         api = self._client()
-        handles: list[ReplicaHandle] = []
-        for rank in range(n_replicas):
-            env = {
-                **scalar_env(entrypoint_args),
-                rank_env: str(rank),
-                WORLD_SIZE_ENV: str(n_replicas),
-            }
-            try:
-                job = api.run_job(
-                    image=self.image,
-                    command=command,
-                    env=env,
-                    secrets=self.secrets or None,
-                    flavor=self.flavor(gpu),
-                    timeout=int(timeout),
-                    labels={"diloco-rank": str(rank)},
-                    namespace=self.namespace,
-                )
-            except Exception as exc:
-                for launched in handles:
-                    self.cancel(launched)
-                raise RuntimeError(
-                    f"HF Jobs launch of rank {rank} failed: {exc}; cancelled the "
-                    f"{len(handles)} replicas already launched"
-                ) from exc
-            meta = {"job_id": job.id, "url": getattr(job, "url", None)}
-            handles.append(ReplicaHandle(rank, self.backend_name, meta))
-        return handles
+
+        def start_rank(rank: int) -> dict[str, Any]:
+            job = api.run_job(
+                image=self.image,
+                command=command,
+                env={
+                    **scalar_env(entrypoint_args),
+                    rank_env: str(rank),
+                    WORLD_SIZE_ENV: str(n_replicas),
+                },
+                secrets=self.secrets or None,
+                flavor=self.flavor(gpu),
+                timeout=int(timeout),
+                labels={"diloco-rank": str(rank)},
+                namespace=self.namespace,
+            )
+            return {"job_id": job.id, "url": getattr(job, "url", None)}
+
+        return launch_one_by_one(
+            self,
+            n_replicas,
+            start_rank,
+            lambda rank, exc: (
+                f"HF Jobs launch of rank {rank} failed: {exc}; cancelled the "
+                f"{rank} replicas already launched"
+            ),
+        )
 
     def _info(self, handle: ReplicaHandle) -> Any:
         return self._client().inspect_job(
@@ -167,8 +166,6 @@ class HFJobsExecutor:
         def row(handle: ReplicaHandle, status: str) -> dict[str, Any]:
             info = self._info(handle)
             return {
-                "rank": handle.rank,
-                "status": status,
                 "exit_code": {"succeeded": 0, "failed": 1}.get(status),
                 "error": info.status.message if status == "failed" else None,
                 "job_id": handle.metadata["job_id"],

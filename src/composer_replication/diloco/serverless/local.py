@@ -175,8 +175,6 @@ class LocalProcessExecutor:
             if status == "succeeded" and handle.metadata.get("result_path"):
                 kind, result = read_result(handle.metadata["result_path"])
             return {
-                "rank": handle.rank,
-                "status": status,
                 "exit_code": code,
                 "error": error,
                 "pid": handle.metadata["pid"],

@@ -33,6 +33,8 @@ from composer_replication.diloco.serverless.base import (
     check_launch_args,
     collect_by_polling,
     entrypoint_string,
+    import_sdk,
+    launch_one_by_one,
 )
 
 # modal.call_graph.InputStatus names -> our statuses
@@ -81,13 +83,10 @@ class ModalExecutor:
 
     def _sdk(self) -> Any:
         if self._modal is None:
-            try:
-                import modal
-            except ImportError as exc:
-                raise RuntimeError(
-                    "ModalExecutor needs the Modal SDK: pip install modal (and `modal token new`)"
-                ) from exc
-            self._modal = modal
+            self._modal = import_sdk(
+                "modal",
+                "ModalExecutor needs the Modal SDK: pip install modal (and `modal token new`)",
+            )
         return self._modal
 
     def _call(self, handle: ReplicaHandle) -> Any:
@@ -111,25 +110,22 @@ class ModalExecutor:
         if gpu is not None:
             options["gpu"] = gpu  # Modal's own names: "A100", "H100:8", "L40S", ...
         function = function.with_options(**options)
-        handles = []
-        for rank in range(n_replicas):
-            try:
-                call = function.spawn(
-                    rank=rank,
-                    world_size=n_replicas,
-                    entrypoint=spec,
-                    entrypoint_args=entrypoint_args,
-                )
-            except Exception as exc:
-                for launched in handles:
-                    self.cancel(launched)
-                raise RuntimeError(
-                    f"Modal spawn of rank {rank} failed: {exc}; cancelled the "
-                    f"{len(handles)} replicas already spawned"
-                ) from exc
-            meta = {"call_id": call.object_id, "app_name": self.app_name}
-            handles.append(ReplicaHandle(rank, self.backend_name, meta))
-        return handles
+
+        def start_rank(rank: int) -> dict[str, Any]:
+            call = function.spawn(
+                rank=rank, world_size=n_replicas, entrypoint=spec, entrypoint_args=entrypoint_args
+            )
+            return {"call_id": call.object_id, "app_name": self.app_name}
+
+        return launch_one_by_one(
+            self,
+            n_replicas,
+            start_rank,
+            lambda rank, exc: (
+                f"Modal spawn of rank {rank} failed: {exc}; cancelled the "
+                f"{rank} replicas already spawned"
+            ),
+        )
 
     def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
         graph = self._call(handle).get_call_graph()
@@ -156,8 +152,6 @@ class ModalExecutor:
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
             return {
-                "rank": handle.rank,
-                "status": status,
                 "exit_code": {"succeeded": 0, "failed": 1}.get(status),
                 "error": error,
                 "call_id": handle.metadata["call_id"],

@@ -14,7 +14,6 @@ are injectable.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
 from typing import Any
@@ -26,6 +25,8 @@ from composer_replication.diloco.serverless.base import (
     ReplicaStatus,
     check_launch_args,
     collect_by_polling,
+    import_sdk,
+    launch_one_by_one,
     launch_spec,
     scalar_env,
 )
@@ -90,12 +91,9 @@ class SageMakerExecutor:
         current = self._sm if service == "sagemaker" else self._logs
         if current is not None:
             return current
-        try:
-            import boto3
-        except ImportError as exc:
-            raise RuntimeError(
-                "SageMakerExecutor needs boto3: pip install 'composer-replication[cloud]'"
-            ) from exc
+        boto3 = import_sdk(
+            "boto3", "SageMakerExecutor needs boto3: pip install 'composer-replication[cloud]'"
+        )
         made = boto3.client(service, region_name=self.region)
         if service == "sagemaker":
             self._sm = made
@@ -184,22 +182,24 @@ class SageMakerExecutor:
             for rank in range(n_replicas)
         ]
         sm = self._client("sagemaker")
-        handles: list[ReplicaHandle] = []
-        for rank, request in enumerate(requests):
-            try:
-                response = sm.create_training_job(**request)
-            except Exception as exc:
-                for launched in handles:
-                    # best effort: the launch error is the one to report
-                    with contextlib.suppress(Exception):
-                        self.cancel(launched)
-                raise RuntimeError(
-                    f"SageMaker launch of rank {rank} ({request['TrainingJobName']}) failed: "
-                    f"{exc}; stopped the {len(handles)} replicas already launched"
-                ) from exc
-            meta = {"job_name": request["TrainingJobName"], "arn": response["TrainingJobArn"]}
-            handles.append(ReplicaHandle(rank, self.backend_name, meta))
-        return handles
+
+        def start_rank(rank: int) -> dict[str, Any]:
+            response = sm.create_training_job(**requests[rank])
+            return {
+                "job_name": requests[rank]["TrainingJobName"],
+                "arn": response["TrainingJobArn"],
+            }
+
+        return launch_one_by_one(
+            self,
+            n_replicas,
+            start_rank,
+            lambda rank, exc: (
+                f"SageMaker launch of rank {rank} "
+                f"({requests[rank]['TrainingJobName']}) failed: {exc}; stopped the {rank} replicas "
+                "already launched"
+            ),
+        )
 
     def _describe(self, handle: ReplicaHandle) -> dict[str, Any]:
         return self._client("sagemaker").describe_training_job(
@@ -251,8 +251,6 @@ class SageMakerExecutor:
         def row(handle: ReplicaHandle, status: str) -> dict[str, Any]:
             job = self._describe(handle)
             return {
-                "rank": handle.rank,
-                "status": status,
                 "exit_code": 0 if status == "succeeded" else None,
                 "error": job.get("FailureReason"),
                 "result": (job.get("ModelArtifacts") or {}).get("S3ModelArtifacts"),
