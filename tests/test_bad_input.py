@@ -291,6 +291,13 @@ CASES: list[tuple[str, str, int, str]] = [
     ("train-set-without-key", "train --set =5", 2, "'=5'"),
     ("train-steps-0", "train --set steps=0", 2, "steps"),
     ("train-infinite-lr", "train --set optim.lr=1e999", 2, "optim.lr"),
+    (
+        "train-custom-loss-unimportable",
+        "train --set loss.type=custom --set loss.import_path=no_such_module:rl",
+        2,
+        "no_such_module:rl",
+    ),
+    ("train-custom-loss-without-path", "train --set loss.type=custom", 2, "loss.import_path"),
     ("train-nan-betas", "train --set optim.betas=[NaN,NaN]", 2, "optim.betas"),
     ("train-betas-out-of-range", "train --set optim.betas=[5,-1]", 2, "optim.betas"),
     ("train-infinite-weight-decay", "train --set optim.weight_decay=1e999", 2, "weight_decay"),

@@ -30,6 +30,7 @@ import torch
 
 from composer_replication.config.loss import LossConfig
 from composer_replication.model_parts import AdapterDisabled
+from composer_replication.ops.assembler import pair_settings_of
 from composer_replication.ops.divergence import SDPO_WRAPPERS, divergence_settings
 from composer_replication.ops.pairs import (
     PAIR_VARIANTS as DPO_VARIANTS,
@@ -153,8 +154,14 @@ def compose_loss(
     for name, value in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
-    if not 0.0 <= lm_ce_label_smoothing < 1.0:
-        raise ValueError(f"lm_ce_label_smoothing={lm_ce_label_smoothing} must be in [0, 1)")
+    cfg = LossConfig.from_knobs(
+        lm_ce_label_smoothing=lm_ce_label_smoothing,
+        chunk_size=chunk_size,
+        dpo_variant=dpo_variant,
+        replay_dpo_beta=replay_dpo_beta,
+        simpo_beta=simpo_beta,
+        simpo_gamma=simpo_gamma,
+    )
     divergence = divergence_settings(
         sdpo_jsd_beta=sdpo_jsd_beta,
         sdpo_temperature=sdpo_temperature,
@@ -164,12 +171,6 @@ def compose_loss(
         entropy_opd_h_max=entropy_opd_h_max,
         chunk_size=chunk_size,
     )
-    pair_settings = pair_loss_settings(
-        dpo_variant=dpo_variant,
-        replay_dpo_beta=replay_dpo_beta,
-        simpo_beta=simpo_beta,
-        simpo_gamma=simpo_gamma,
-    )
     if "input_ids" not in inputs or "response_mask" not in inputs:
         raise ValueError(
             "inputs needs 'input_ids' and 'response_mask' (build it with "
@@ -178,14 +179,6 @@ def compose_loss(
     input_ids = inputs["input_ids"]
     response_mask = inputs["response_mask"]
     _check_same_shape("response_mask", response_mask, input_ids)
-    cfg = LossConfig(
-        lm_ce_label_smoothing=lm_ce_label_smoothing,
-        chunk_size=chunk_size,
-        dpo_variant=dpo_variant,
-        replay_dpo_beta=replay_dpo_beta,
-        simpo_beta=simpo_beta,
-        simpo_gamma=simpo_gamma,
-    )
 
     teacher = None
     tokens = None
@@ -203,7 +196,7 @@ def compose_loss(
     pairs = []
     if beta_replay > 0 and all(k in inputs for k in _DPO_KEYS):
         pairs = _batch_pairs(inputs)
-        if pair_settings.needs_reference and pairs[0].ref_chosen_logp is None:
+        if pair_settings_of(cfg).needs_reference and pairs[0].ref_chosen_logp is None:
             fill_reference_logps(_reference(model, ref_model), pairs, chunk_size=chunk_size)
             if isinstance(inputs, dict):  # cache: a re-used batch never pays for them twice
                 device = input_ids.device

@@ -20,6 +20,7 @@ __all__ = [
     "BUILTIN_ENVIRONMENTS",
     "check_device",
     "check_env_name",
+    "check_loss_function",
     "check_model_source",
     "check_pairs_files",
     "check_resume",
@@ -188,3 +189,16 @@ def check_run(config: Any) -> None:
     for i, env in enumerate(config.envs):
         check_env_name(env.name, f"envs.{i}.name")
     check_pairs_files(config)
+    check_loss_function(config.loss)
+
+
+def check_loss_function(loss: Any) -> None:
+    """A custom rl loss (``loss.type = 'custom'``) must import and be callable."""
+    if loss.type != "custom":
+        return
+    from composer_replication.callables import load_callable
+
+    try:
+        load_callable(loss.import_path, "loss.import_path (custom rl loss)")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None

@@ -159,6 +159,10 @@ def test_mixed_run_with_ref_kl_settings_prime_rl_fixes_is_refused():
     text = MIXED.replace("coefficients = {rl = 0.5}", "coefficients = {rl = 0.5, ce = 0.5}")
     with pytest.raises(UnsupportedAlgorithmError, match=r"coefficients.ce = 0.5"):
         export_run_config(_config(text), seq_len=1024)
+    custom = 'type = "custom"\nimport_path = "composer_replication.ops.token_losses:rl_loss"'
+    text = MIXED.replace("coefficients = {rl = 0.5}", custom)
+    with pytest.raises(UnsupportedAlgorithmError, match=r"type = 'custom'"):
+        export_run_config(_config(text), seq_len=1024)
     text = MIXED.replace("coefficients = {rl = 0.5}", "lm_ce_label_smoothing = 0.1")
     with pytest.raises(UnsupportedAlgorithmError, match=r"lm_ce_label_smoothing = 0.1"):
         export_run_config(_config(text), seq_len=1024)

@@ -316,10 +316,16 @@ _NON_DEFAULT_LOSS = {
     "simpo_beta": 3.0,
     "simpo_gamma": 0.5,
     "lm_ce_label_smoothing": 0.1,
+    "type": "custom",
+    "import_path": "composer_replication.ops.token_losses:rl_loss",
+    "kwargs": {"kl_tau": 0.01},
     "coefficients": {"rl": 2.0, "ce": 1.0, "ref_kl": 1.0, "jsd": 1.0, "dpo": 1.0},
     "kl_token_trust_threshold": 0.1,
     "chunk_size": 64,
 }
+
+
+_CUSTOM_LOSS = ("type", "import_path", "kwargs")
 
 
 @pytest.mark.parametrize("name", sorted(_NON_DEFAULT_LOSS))
@@ -332,13 +338,23 @@ def test_every_loss_setting_is_applied_or_refused_by_each_backend(name):
 
     assert set(_NON_DEFAULT_LOSS) == set(LossConfig.model_fields)  # no setting left untested
     value = _NON_DEFAULT_LOSS[name]
+    companions = [  # a custom rl loss is type, import_path and kwargs together
+        f"loss.{other}={json.dumps(_NON_DEFAULT_LOSS[other])}"
+        for other in _CUSTOM_LOSS
+        if name in _CUSTOM_LOSS and other != name and other != "kwargs"
+    ]
     config = RunConfig.default(
-        [f"loss.{name}={json.dumps(value)}", "envs.0.algorithm.sampling.temperature=1.0"]
+        [
+            f"loss.{name}={json.dumps(value)}",
+            *companions,
+            "envs.0.algorithm.sampling.temperature=1.0",
+        ]
     )
     assert getattr(config.loss, name) == value
     if name in TRL_APPLIED_LOSS_SETTINGS:
         _check_run(config)
     else:
-        with pytest.raises(ValueError, match=rf"^loss\.{name}=.*does not apply") as err:
+        named = "type" if name in _CUSTOM_LOSS else name  # refused by its first field
+        with pytest.raises(ValueError, match=rf"^loss\.{named}=.*does not apply") as err:
             _check_run(config)
         assert "\n" not in str(err.value)

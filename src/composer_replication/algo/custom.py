@@ -20,10 +20,10 @@ from typing import Any, overload
 from composer_replication.algo.base import (
     Algorithm,
     check_group,
-    load_callable,
     on_completion,
     rollout_to_sample,
 )
+from composer_replication.callables import load_callable
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 

@@ -32,11 +32,11 @@ from composer_replication.algo.advantage import grpo_advantages
 from composer_replication.algo.base import (
     Algorithm,
     check_group,
-    load_callable,
     on_completion,
     rollout_to_sample,
     sampled,
 )
+from composer_replication.callables import load_callable
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from composer_replication.callables import IMPORT_PATH_PATTERN
 from composer_replication.config.deprecation import rename_deprecated
 
 COMPONENTS = ("rl", "ce", "ref_kl", "jsd", "dpo")
@@ -29,9 +30,30 @@ LOSS_RENAMES = {
 
 
 class LossConfig(BaseModel):
-    """Settings of the loss components ``rl``, ``ce``, ``ref_kl``, ``jsd`` and ``dpo``."""
+    """Settings of the loss components ``rl``, ``ce``, ``ref_kl``, ``jsd`` and ``dpo``.
+
+    ``type`` picks the ``rl`` component: ``"default"`` (DPPO trust region + log-ratio
+    penalty, set by the knobs below) or ``"custom"``: a user function named by
+    ``import_path``, called as ``fn(logprobs, inference_logprobs, advantages, loss_mask,
+    weights, **kwargs)`` on (B, T-1) tensors and returning the rl sum over the batch's tokens
+    (a 0-d tensor, or a tuple whose first item is that sum); the trainer divides it by the rl
+    token count, as it does the default's. The other components are fixed.
+    """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    type: Literal["default", "custom"] = Field(
+        "default", description="rl component: 'default' (DPPO + KL) or 'custom' (import_path)."
+    )
+    import_path: str | None = Field(
+        None,
+        pattern=IMPORT_PATH_PATTERN,
+        description="type = 'custom': 'package.module:function' of the rl loss.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="type = 'custom': keyword arguments passed to the rl loss function.",
+    )
 
     mask_low: float = Field(
         0.2, ge=0, description="DPPO trust region below: drop A<=0 tokens with dp < -mask_low."
@@ -116,11 +138,35 @@ class LossConfig(BaseModel):
             raise ValueError(
                 f"loss.coefficients names unknown components {sorted(unknown)}; known: {COMPONENTS}"
             )
+        if self.type == "custom" and self.import_path is None:
+            raise ValueError(
+                "loss.type = 'custom' needs loss.import_path = 'package.module:function' "
+                "(the rl loss function)"
+            )
+        if self.type == "default" and (self.import_path is not None or self.kwargs):
+            raise ValueError(
+                "loss.import_path / loss.kwargs are set but loss.type = 'default': set "
+                "loss.type = 'custom' to use that function, or remove them"
+            )
         if self.taid_t_start > self.taid_t_end:
             raise ValueError(
                 f"loss.taid_t_start = {self.taid_t_start} is above taid_t_end = {self.taid_t_end}"
             )
         return self
+
+    @classmethod
+    def from_knobs(cls, **knobs: Any) -> LossConfig:
+        """The config of these keyword knobs (``compose_loss``'s and the trl trainer's
+        arguments); a bad value is a one-line ``ValueError`` naming it."""
+        from pydantic import ValidationError
+
+        try:
+            return cls(**knobs)
+        except ValidationError as err:
+            first = err.errors()[0]
+            name = ".".join(str(part) for part in first["loc"])
+            value = knobs.get(name, first.get("input"))
+            raise ValueError(f"{name}={value!r}: {first['msg']}") from None
 
     def coefficient(self, component: str) -> float:
         """The multiplier of ``component``'s mean (1.0 when not listed)."""

@@ -21,11 +21,14 @@ DPPO trust region, ce, ref_kl, the k2 trust mask), :mod:`.self_distillation` (js
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.callables import load_callable
 from composer_replication.config.loss import LossConfig
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.divergence import (
@@ -67,7 +70,28 @@ __all__ = [
     "divergence_settings_of",
     "micro_batch_losses",
     "pair_settings_of",
+    "rl_loss_of",
 ]
+
+
+def rl_loss_of(cfg: LossConfig) -> Callable[..., Any]:
+    """The rl component's function of ``(logprobs, inference_logprobs, advantages,
+    loss_mask, weights)``: the default DPPO loss with ``cfg``'s knobs, or the custom one
+    (imported once; a bad ``import_path`` is a one-line ``ValueError`` naming it)."""
+    if cfg.type == "custom":
+        return functools.partial(_custom_rl_loss(cfg.import_path), **cfg.kwargs)
+    return functools.partial(
+        rl_loss,
+        mask_low=cfg.mask_low,
+        mask_high=cfg.mask_high,
+        adv_tau=cfg.adv_tau,
+        kl_tau=cfg.kl_tau,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _custom_rl_loss(import_path: str) -> Callable[..., Any]:
+    return load_callable(import_path, "loss.import_path (custom rl loss)")
 
 
 def divergence_settings_of(cfg: LossConfig) -> DivergenceSettings:
@@ -199,17 +223,7 @@ def _token_components(
     inf = mb.inference_logprobs[:, 1:]
     adv = mb.advantages[:, 1:]
     rl_w = mb.rl_weights[:, 1:]
-    components["rl"], _ = rl_loss(
-        logprobs,
-        inf,
-        adv,
-        mask,
-        rl_w,
-        mask_low=cfg.mask_low,
-        mask_high=cfg.mask_high,
-        adv_tau=cfg.adv_tau,
-        kl_tau=cfg.kl_tau,
-    )
+    components["rl"] = _rl_sum(cfg, logprobs, inf, adv, mask, rl_w)
     with torch.no_grad():
         live = (mask != 0) & (rl_w != 0)
         keep = dppo_keep_mask(
@@ -238,6 +252,20 @@ def _token_components(
             logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low
         )
         stats.update(ref_kl_row_sums(values, has_tokens))
+
+
+def _rl_sum(
+    cfg: LossConfig, logprobs: Tensor, inf: Tensor, adv: Tensor, mask: Tensor, weights: Tensor
+) -> Tensor:
+    value = rl_loss_of(cfg)(logprobs, inf, adv, mask, weights)
+    total = value[0] if isinstance(value, tuple) else value
+    if not isinstance(total, torch.Tensor) or total.dim() != 0:
+        shape = tuple(total.shape) if isinstance(total, torch.Tensor) else type(total).__name__
+        raise ValueError(
+            f"loss.import_path = {cfg.import_path!r} returned {shape}; the rl loss must "
+            "return the sum over the batch's tokens as a 0-d tensor"
+        )
+    return total
 
 
 def _smoothed_ce_sum(hidden: Tensor, weight: Tensor, mb: MicroBatch, cfg: LossConfig) -> Tensor:

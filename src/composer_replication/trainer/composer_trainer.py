@@ -367,7 +367,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def _loss_config(self) -> LossConfig:
         """The assembler's settings: the pair knobs (the divergence is passed as built by
         :meth:`_divergence`, its ``taid_t`` possibly a scheduler)."""
-        return LossConfig(**{k: getattr(self, k) for k in PAIR_KNOBS})
+        return LossConfig.from_knobs(**{k: getattr(self, k) for k in PAIR_KNOBS})
 
     # ------------------------------------------------------------------ batch building
 

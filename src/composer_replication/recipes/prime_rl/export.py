@@ -205,6 +205,11 @@ def _check_loss(config: RunConfig, kinds: set[str], problems: list[str]) -> None
             f"loss: coefficients.ce = {loss.coefficient('ce')}; PRIME-RL's ce component has "
             "weight 1: remove the coefficient"
         )
+    if loss.type == "custom":
+        problems.append(
+            f"loss: type = 'custom' ({loss.import_path}); the export writes PRIME-RL's loss as "
+            "this project's composer loss: run a custom rl loss with the native trainer"
+        )
     if kinds & {"sft", "echo"} and loss.lm_ce_label_smoothing:
         problems.append(
             f"loss: lm_ce_label_smoothing = {loss.lm_ce_label_smoothing}; PRIME-RL's ce "
