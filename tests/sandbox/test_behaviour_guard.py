@@ -71,22 +71,66 @@ def test_a_command_filling_the_workdir_is_stopped_and_later_ones_refused(workdir
     before = HackMonitor().snapshot(workdir)
     fill = "i=0; while true; do head -c 1048576 /dev/zero > f$i; i=$((i+1)); done"
     out = sandbox.exec({"command": fill})
-    assert "passed its disk quota of 8 MB" in out and "process group killed" in out
+    assert "reached its disk quota of 8 MB" in out and "process group killed" in out
     assert sandbox.over_quota is not None
     # stopped within a few measurements (unbounded, 60 s of writing would be many GB)
     assert len(list(workdir.glob("f*"))) < 512
-    assert sandbox.exec({"command": "echo hi"}).startswith("Error: the workdir passed")
+    assert sandbox.exec({"command": "echo hi"}).startswith("Error: the workdir reached")
     refused = sandbox.run_tests("python -m pytest -q", ())
     assert not refused.ok and refused.exit_code is None
     verdict = HackMonitor().check(before, workdir, sandbox.trajectory())
-    assert "disk_filling: the workdir passed its disk quota of 8 MB" in verdict.reasons
+    assert "disk_filling: the workdir reached its disk quota of 8 MB" in verdict.reasons
 
 
 def test_a_quick_writer_is_caught_by_the_measurement_after_the_command(workdir: Path):
     sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=1)
     out = sandbox.exec({"command": "head -c 3000000 /dev/zero > big"})
-    assert "passed its disk quota of 1 MB" in out
+    assert "reached its disk quota of 1 MB" in out
     assert sandbox.exec({"command": "true"}).startswith("Error:")
+
+
+WRITERS = {
+    "shell": "cat /dev/zero > big",
+    "python": "python3 -c \"f = open('big', 'wb')\nwhile True: f.write(bytes(1 << 20))\"",
+    "two-appenders": "cat /dev/zero >> big & cat /dev/zero >> big; wait",
+}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_writer_as_fast_as_it_can_stops_at_the_quota(workdir: Path, writer: str):
+    from composer_replication.safety.hack_monitor import HackMonitor
+    from composer_replication.sandbox.workdir import disk_usage, filesystem_block
+
+    quota = 8 * 1024 * 1024
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=8)
+    before = HackMonitor().snapshot(workdir)
+    out = sandbox.exec({"command": WRITERS[writer]})
+    # the kernel refused the write at the room left (RLIMIT_FSIZE), not a measurement later:
+    # the file is that room to the byte, and the tree ends within the quota. One block of
+    # slack: the filesystem may add an extent-tree block to map a large file, and st_blocks
+    # counts it
+    block = filesystem_block(workdir)
+    size = (workdir / "big").stat().st_size
+    assert size % block == 0 and size > quota - 64 * block
+    assert disk_usage(workdir) <= quota + block
+    assert sandbox.over_quota == "the workdir reached its disk quota of 8 MB"
+    assert "reached its disk quota of 8 MB" in out
+    verdict = HackMonitor().check(before, workdir, sandbox.trajectory())
+    assert "disk_filling: the workdir reached its disk quota of 8 MB" in verdict.reasons
+    assert sandbox.exec({"command": "true"}).startswith("Error: the workdir reached")
+
+
+def test_files_the_host_adds_count_before_the_next_command(workdir: Path):
+    from composer_replication.sandbox.workdir import disk_usage, filesystem_block
+
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=1)
+    assert sandbox.exec({"command": "echo small > a"}) == ""
+    # the host (e.g. a write_file tool) leaves less than one block of room
+    room = 1024 * 1024 - disk_usage(workdir)
+    (workdir / "filler").write_bytes(b"\1" * (room - filesystem_block(workdir) // 2))
+    refused = sandbox.exec({"command": "echo more > b"})
+    assert refused.startswith("Error: the workdir reached its disk quota of 1 MB")
+    assert not (workdir / "b").exists()
 
 
 def test_a_workdir_already_over_its_quota_is_a_clear_error(workdir: Path):

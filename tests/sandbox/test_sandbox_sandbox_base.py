@@ -143,6 +143,20 @@ def test_output_capture_small_output_is_exact() -> None:
 def test_resource_limits_validate() -> None:
     with pytest.raises(ValueError, match="mem_mb must be a positive int"):
         ResourceLimits(mem_mb=0)
+    with pytest.raises(ValueError, match="file_bytes must be an int >= 0 or None"):
+        ResourceLimits(file_bytes=-1)
+
+
+def test_file_bytes_lowers_the_file_size_limit_to_the_byte() -> None:
+    import resource
+
+    def fsize(limits: ResourceLimits) -> int:
+        return dict(limits.as_rlimits())[resource.RLIMIT_FSIZE]
+
+    assert fsize(ResourceLimits(file_mb=2)) == 2 * 1024 * 1024
+    assert fsize(ResourceLimits(file_mb=2, file_bytes=12_288)) == 12_288
+    assert fsize(ResourceLimits(file_mb=2, file_bytes=0)) == 0
+    assert fsize(ResourceLimits(file_mb=2, file_bytes=5 * 1024 * 1024)) == 2 * 1024 * 1024
 
 
 @pytest.mark.integration
@@ -235,7 +249,27 @@ def test_over_quota_measures_the_tree(tmp_path) -> None:
     (tmp_path / "sub" / "big").write_bytes(os.urandom(3 * 1024 * 1024))
     assert over_quota(tmp_path, None) is None
     assert over_quota(tmp_path, 8 * 1024 * 1024) is None
-    assert over_quota(tmp_path, 1024 * 1024) == "the workdir passed its disk quota of 1 MB"
+    assert over_quota(tmp_path, 1024 * 1024) == "the workdir reached its disk quota of 1 MB"
+
+
+def test_quota_room_is_whole_blocks_below_the_quota(tmp_path) -> None:
+    from composer_replication.sandbox.workdir import (
+        disk_usage,
+        filesystem_block,
+        over_quota,
+        quota_room,
+    )
+
+    (tmp_path / "data").write_bytes(b"\1" * 10_000)
+    used, block = disk_usage(tmp_path), filesystem_block(tmp_path)
+    assert block == os.statvfs(tmp_path).f_frsize and used % 512 == 0
+    # 2.5 blocks free: a file may grow by 2 whole blocks (a third would pass the quota)
+    assert quota_room(tmp_path, used + 2 * block + block // 2) == 2 * block
+    assert over_quota(tmp_path, used + 2 * block + block // 2) is None
+    # less than one block free: the quota is reached, nothing more may be written
+    assert quota_room(tmp_path, used + block - 1) == 0
+    assert over_quota(tmp_path, used + block - 1) is not None
+    assert quota_room(tmp_path, used // 2) == 0  # already past it
 
 
 def test_find_bwrap_says_why_not(tmp_path) -> None:

@@ -19,8 +19,8 @@ rollout is also checked for the known tricks:
   pytest config, sitecustomize or .pth file;
 - `forbidden_read`: a command or tool call touching a path that matches one of the
   configured forbidden globs (hidden tests, held-out tasks, reference solutions);
-- `disk_filling`: the sandbox stopped a command or test run because the workdir passed
-  its disk quota (what the sandbox observed, not a pattern).
+- `disk_filling`: the sandbox stopped or refused a command or test run because the
+  workdir reached its disk quota (what the sandbox observed, not a pattern).
 
 What the agent's code does while the final test run executes is judged by the sandbox's
 behaviour guard (`sandbox.behaviour_guard`); environments add its flags to the verdict.

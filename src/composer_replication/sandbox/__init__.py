@@ -8,7 +8,8 @@ bombs, runaway CPU and huge files (rlimits), hangs (wall-clock kill of the proce
 and huge outputs (bounded capture). What it does NOT protect against: kernel exploits (the
 kernel is shared; use `DockerSandbox(runtime="runsc")` or a VM for hostile code), reads of
 world-readable host files outside the hidden directories, and the workdir's total size
-(each file is capped; the workdir's total is measured after each command, see
+for a writer of many files at once (no single file can pass the room its quota has left,
+the kernel stops it there; several files together are measured every 0.1 s, see
 `sandbox.local`). Memory and process counts hold for a run's whole process tree where a
 control group is writable (`sandbox.cgroups`), per process otherwise. A guarded test run
 (`GuardSpec`, `sandbox.behaviour_guard`) refuses what the agent's code does to the report,

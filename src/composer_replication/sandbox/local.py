@@ -32,9 +32,12 @@ What it does NOT protect against:
   sandbox uid or list them in `hide_paths`.
 - Total memory without a writable cgroup hierarchy: rlimits are then per process (N
   processes may each use `mem_limit_mb`; `whole_tree_limits` says which held).
-- Disk in a writable workdir: RLIMIT_FSIZE caps each file, not how many (callers that need
-  a bound check the workdir's size, or bind it read-only with ``workdir_writable=False``);
-  /tmp holds up to `tmp_size_mb` and /dev/shm up to `shm_size_mb`.
+- Disk in a writable workdir beyond its quota for a writer of many files at once: each
+  command's RLIMIT_FSIZE is the room the quota has left, so no single file passes it (the
+  kernel stops the write at that size), but several files can, each up to that room, until
+  the measurement every 0.1 s kills the command (``workdir_quota_mb``; or bind the workdir
+  read-only with ``workdir_writable=False``). /tmp holds up to `tmp_size_mb` and /dev/shm
+  up to `shm_size_mb`.
 - A fixed `run_as_uid` shares one RLIMIT_NPROC budget between concurrent sandboxes; CPU
   fairness; side channels; code under test forging a report it writes itself (graders
   that must not trust it form the verdict outside: ``envs.function_grader``).
@@ -100,7 +103,14 @@ from composer_replication.sandbox.pytest_support import (
     support_root,
 )
 from composer_replication.sandbox.uid_pool import NOBODY_UID, lease_uid, resolve_identity
-from composer_replication.sandbox.workdir import check_reachable, disk_usage, hand_over, over_quota
+from composer_replication.sandbox.workdir import (
+    check_reachable,
+    disk_usage,
+    hand_over,
+    over_quota,
+    quota_reached,
+    quota_room,
+)
 
 __all__ = ["DEFAULT_HIDE_PATHS", "NOBODY_UID", "LocalSubprocessSandbox", "exec_suffix"]
 
@@ -131,11 +141,14 @@ class LocalSubprocessSandbox:
         tmp_size_mb: Size of the private /tmp tmpfs (bubblewrap only).
         shm_size_mb: Size of the private /dev/shm tmpfs (bubblewrap only).
         workdir_writable: False binds the workdir read-only (nothing can be written there).
-        workdir_quota_mb: Disk the writable workdir may occupy in all (None: no quota). It
-            is measured every 0.1 s while a command runs and once after; a command that
-            passes it is killed, and every later command and test run is refused
-            (``over_quota`` says why). Between two measurements a command can write at
-            most what the disk takes in 0.1 s, each file at most ``max_file_mb``.
+        workdir_quota_mb: Disk the writable workdir may occupy in all (None: no quota).
+            Before each command the room left is measured and becomes the command's
+            RLIMIT_FSIZE (in whole filesystem blocks, below ``max_file_mb``), so a write
+            that would take one file past the quota fails at that size (EFBIG, SIGXFSZ);
+            several files together are measured every 0.1 s while it runs and once after.
+            A command that reaches the quota (not one block left) is killed, and every
+            later command and test run is refused (``over_quota`` says why). While the
+            quota is nearly used, the cap holds for files in /tmp too.
         whole_tree_limits: Bound memory and process count of each run's whole process tree
             with a control group when one is writable (see ``sandbox.cgroups``).
         python: Interpreter for tests and `python`/`python3` inside; default /usr/bin/python3.
@@ -300,6 +313,14 @@ class LocalSubprocessSandbox:
         gid: int | None,
         extra_env: Mapping[str, str] | None = None,
     ) -> ProcessOutcome:
+        limits = self.limits
+        if self.workdir_quota_bytes is not None:
+            room = quota_room(self.workdir, self.workdir_quota_bytes)
+            if room == 0:  # e.g. files the host put there since: nothing can be written
+                self.over_quota = self.over_quota or quota_reached(self.workdir_quota_bytes)
+                return self._refused()
+            # one file can take at most the room left: the kernel stops it there
+            limits = dataclasses.replace(limits, file_bytes=room)
         env = self._env(extra_env)
         started = with_start_marker(inner)
         if self.bwrap is not None:
@@ -331,7 +352,7 @@ class LocalSubprocessSandbox:
                 env=outer_env,
                 timeout_s=timeout_s or self.exec_timeout_s,
                 max_output_bytes=self.max_output_bytes,
-                limits=self.limits,
+                limits=limits,
                 uid=uid,
                 gid=gid,
                 cgroup_procs=group.procs_files if group is not None else (),

@@ -43,6 +43,8 @@ class ResourceLimits:
 
     RLIMIT_AS bounds each process's address space (not the sum over processes), RLIMIT_NPROC
     counts every process of the child's real uid on the host and is not enforced for root.
+    RLIMIT_FSIZE is ``file_mb`` MiB, or ``file_bytes`` when that is set and smaller (the
+    room a workdir quota has left: the kernel stops a write at exactly that size).
     """
 
     mem_mb: int = 1024
@@ -50,12 +52,25 @@ class ResourceLimits:
     file_mb: int = 256
     open_files: int = 1024
     processes: int = 128
+    file_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("mem_mb", "cpu_s", "file_mb", "open_files", "processes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ResourceLimits.{name} must be a positive int, got {value!r}")
+        value = self.file_bytes
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(
+                f"ResourceLimits.file_bytes must be an int >= 0 or None, got {value!r}"
+            )
+
+    def max_file_bytes(self) -> int:
+        """The RLIMIT_FSIZE value: the largest file a process may write, in bytes."""
+        cap = self.file_mb * 1024 * 1024
+        return cap if self.file_bytes is None else min(cap, self.file_bytes)
 
     def as_rlimits(self) -> list[tuple[int, int]]:
         """(resource, value) pairs, soft = hard."""
@@ -63,7 +78,7 @@ class ResourceLimits:
         return [
             (resource.RLIMIT_AS, self.mem_mb * mib),
             (resource.RLIMIT_CPU, self.cpu_s),
-            (resource.RLIMIT_FSIZE, self.file_mb * mib),
+            (resource.RLIMIT_FSIZE, self.max_file_bytes()),
             (resource.RLIMIT_NOFILE, self.open_files),
             (resource.RLIMIT_NPROC, self.processes),
             (resource.RLIMIT_CORE, 0),

@@ -11,7 +11,16 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["check_reachable", "disk_usage", "hand_over", "make_shared_tempdir", "over_quota"]
+__all__ = [
+    "check_reachable",
+    "disk_usage",
+    "filesystem_block",
+    "hand_over",
+    "make_shared_tempdir",
+    "over_quota",
+    "quota_reached",
+    "quota_room",
+]
 
 
 def _can_traverse(st: os.stat_result, uid: int, gid: int) -> bool:
@@ -105,9 +114,31 @@ def disk_usage(root: str | os.PathLike[str], stop_above: int | None = None) -> i
     return total
 
 
+def filesystem_block(root: str | os.PathLike[str]) -> int:
+    """The allocation unit of the filesystem holding ``root`` (what ``st_blocks`` grows by)."""
+    try:
+        return os.statvfs(root).f_frsize or 4096
+    except OSError:
+        return 4096
+
+
+def quota_room(root: str | os.PathLike[str], quota_bytes: int) -> int:
+    """How large one file may grow before the tree under ``root`` passes ``quota_bytes``:
+    the room left, rounded down to whole filesystem blocks (a file of that size occupies at
+    most that much); 0 when not one block is left."""
+    block = filesystem_block(root)
+    room = quota_bytes - disk_usage(root, quota_bytes)
+    return max(0, room) // block * block
+
+
+def quota_reached(quota_bytes: int) -> str:
+    """The reason a command is stopped or refused at the quota (the text it shows)."""
+    return f"the workdir reached its disk quota of {quota_bytes // (1024 * 1024)} MB"
+
+
 def over_quota(root: str | os.PathLike[str], quota_bytes: int | None) -> str | None:
-    """Why the tree under ``root`` is past ``quota_bytes`` of disk, or None when it is not
-    (or there is no quota)."""
-    if quota_bytes is None or disk_usage(root, quota_bytes) <= quota_bytes:
+    """Why the tree under ``root`` has reached ``quota_bytes`` (not one filesystem block
+    left under it), or None when it has not (or there is no quota)."""
+    if quota_bytes is None or quota_room(root, quota_bytes) > 0:
         return None
-    return f"the workdir passed its disk quota of {quota_bytes // (1024 * 1024)} MB"
+    return quota_reached(quota_bytes)
