@@ -25,6 +25,9 @@ EXECUTORS = ("local", "eks", "sagemaker", "modal", "hf_jobs")
 DEFAULT_STATE_DIR = Path(".diloco")
 #: What each launched replica runs (by import path: the executors start it in its own process).
 TRAIN_REPLICA = "composer_replication.trainer.replica.train_replica"
+# the options every command that reads a recorded run shares
+_RUN_ID = typer.Argument(None, help="Run id (default: the latest).")
+_STATE_DIR = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded.")
 
 diloco_app = typer.Typer(
     name="diloco",
@@ -196,7 +199,7 @@ def launch_command(
     gpu: str | None = typer.Option(None, help="GPU per replica, e.g. A100, H100:8, A10G."),
     timeout: int = typer.Option(3600, min=1, help="Hard deadline per replica, seconds."),
     run_id: str | None = typer.Option(None, help="Run id (default: timestamp + random)."),
-    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+    state_dir: Path = _STATE_DIR,
     entrypoint: str = typer.Option(TRAIN_REPLICA, hidden=True, help="Replica function."),
 ) -> None:
     """Start N replicas of `train CONFIG` with DiLoCo on, meeting through the rendezvous."""
@@ -222,8 +225,8 @@ def launch_command(
 
 @diloco_app.command("status")
 def status_command(
-    run_id: str | None = typer.Argument(None, help="Run id (default: the latest)."),
-    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+    run_id: str | None = _RUN_ID,
+    state_dir: Path = _STATE_DIR,
 ) -> None:
     """Each replica's status: pending, running, succeeded, failed or cancelled."""
     for row in status(run_id, state_dir=state_dir):
@@ -232,10 +235,10 @@ def status_command(
 
 @diloco_app.command("logs")
 def logs_command(
-    run_id: str | None = typer.Argument(None, help="Run id (default: the latest)."),
+    run_id: str | None = _RUN_ID,
     rank: int | None = typer.Option(None, help="Only this replica."),
     lines: int = typer.Option(200, min=1, help="Lines per replica."),
-    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+    state_dir: Path = _STATE_DIR,
 ) -> None:
     """The tail of each replica's log."""
     for r, text in logs(run_id, rank=rank, n_lines=lines, state_dir=state_dir).items():
@@ -244,8 +247,8 @@ def logs_command(
 
 @diloco_app.command("cancel")
 def cancel_command(
-    run_id: str | None = typer.Argument(None, help="Run id (default: the latest)."),
-    state_dir: Path = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded."),
+    run_id: str | None = _RUN_ID,
+    state_dir: Path = _STATE_DIR,
 ) -> None:
     """Stop every replica of the run."""
     n = cancel(run_id, state_dir=state_dir)

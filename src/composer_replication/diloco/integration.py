@@ -151,21 +151,13 @@ class ObjectStoreDiLoCo:
         self.store._check_fresh = False
 
 
-class TorchftSync:
-    """Yielded for the torchft backend: torchft's ``DiLoCo`` hooks ``optimizer.step``."""
+class TorchftSync(NoSync):
+    """Yielded for the torchft backend: torchft's ``DiLoCo`` hooks ``optimizer.step`` and
+    keeps its own state, so every hook here is ``NoSync``'s no-op."""
 
     def __init__(self, manager: Any, diloco: Any) -> None:
         self.manager = manager
         self.diloco = diloco
-
-    def after_inner_step(self) -> bool:
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
 
 
 class _Trainable(torch.nn.Module):
