@@ -25,6 +25,16 @@ def test_train_help_keeps_every_word_of_its_options():
     assert "sized by the config's engine table" in result.output
 
 
+@pytest.mark.parametrize("group", ["", "diloco"])
+def test_command_groups_show_help_when_bare_and_offer_no_completion(group):
+    # every group is built by errors.command_group: bare -> its help, no completion options
+    bare = CliRunner().invoke(app, [group] if group else [])
+    assert "Usage:" in bare.output and "Commands" in bare.output
+    assert bare.exit_code == 2  # click's code for a group called without a command
+    helped = CliRunner().invoke(app, [*([group] if group else []), "--help"])
+    assert helped.exit_code == 0 and "--install-completion" not in helped.output
+
+
 def test_top_level_import_is_cheap():
     code = (
         "import sys, composer_replication as c\n"

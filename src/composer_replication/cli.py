@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from composer_replication.errors import user_error
+from composer_replication.errors import command_group, user_error
 
 
 class _OneLineErrors(TyperGroup):
@@ -48,13 +48,8 @@ class _OneLineErrors(TyperGroup):
         return code
 
 
-app = typer.Typer(
-    name="composer-replication",
-    help="Post-train coding agents with the Composer recipe.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    cls=_OneLineErrors,
+app = command_group(
+    "composer-replication", "Post-train coding agents with the Composer recipe.", cls=_OneLineErrors
 )
 
 
@@ -432,20 +427,23 @@ def evaluate(
 
     quiet_library_progress_bars()  # in a log file, the weight-loading bar is noise
     with _one_line_errors(debug):
-        result = _evaluate_suite(
-            suite,
-            model,
-            env,
-            samples,
-            temperature,
-            greedy,
-            max_new_tokens,
-            seed,
-            limit,
-            timeout,
-            heldout_fraction,
-            split,
-        )
+        if suite == "humaneval":
+            result = _eval_humaneval(
+                model, samples, temperature, greedy, max_new_tokens, seed, limit, timeout
+            )
+        else:
+            result = _eval_heldout(
+                model,
+                env,
+                samples or 4,
+                temperature,
+                greedy,
+                max_new_tokens or 80,
+                seed,
+                limit,
+                heldout_fraction,
+                split,
+            )
     if output:
         write_text_atomic(output, json.dumps(result, indent=2) + "\n")
         typer.echo(f"written: {output}")
@@ -464,40 +462,6 @@ def _one_line_errors(debug: bool) -> Iterator[None]:
             raise
         typer.echo(f"Error: {user_error(exc)} (--debug shows the traceback)", err=True)
         raise typer.Exit(code=EXIT_USAGE) from None
-
-
-def _evaluate_suite(
-    suite: str,
-    model: str,
-    env: str,
-    samples: int | None,
-    temperature: float,
-    greedy: bool,
-    max_new_tokens: int | None,
-    seed: int,
-    limit: int | None,
-    timeout: float,
-    heldout_fraction: float,
-    split: str,
-) -> dict[str, Any]:
-    if suite == "humaneval":
-        result = _eval_humaneval(
-            model, samples, temperature, greedy, max_new_tokens, seed, limit, timeout
-        )
-    else:
-        result = _eval_heldout(
-            model,
-            env,
-            samples or 4,
-            temperature,
-            greedy,
-            max_new_tokens or 80,
-            seed,
-            limit,
-            heldout_fraction,
-            split,
-        )
-    return result
 
 
 def _eval_heldout(

@@ -13,6 +13,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import typer
+
 __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_KILL_SWITCH",
@@ -20,6 +25,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "UsageError",
+    "command_group",
     "user_error",
 ]
 
@@ -50,3 +56,19 @@ def user_error(exc: BaseException) -> str:
         return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text
+
+
+def command_group(name: str, help: str, **settings: Any) -> typer.Typer:
+    """A Typer app as every command group of this package is built: plain error output (no
+    rich traceback boxes), its help when called with no command, no shell-completion
+    options; ``settings`` go to ``typer.Typer`` as well (``cls=...``)."""
+    import typer
+
+    return typer.Typer(
+        name=name,
+        help=help,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        **settings,
+    )

@@ -21,6 +21,8 @@ from typing import Any
 
 import typer
 
+from composer_replication.errors import command_group
+
 EXECUTORS = ("local", "eks", "sagemaker", "modal", "hf_jobs")
 DEFAULT_STATE_DIR = Path(".diloco")
 #: What each launched replica runs (by import path: the executors start it in its own process).
@@ -29,12 +31,8 @@ TRAIN_REPLICA = "composer_replication.trainer.replica.train_replica"
 _RUN_ID = typer.Argument(None, help="Run id (default: the latest).")
 _STATE_DIR = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded.")
 
-diloco_app = typer.Typer(
-    name="diloco",
-    help="Launch and manage DiLoCo replicas that meet through an object store.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+diloco_app = command_group(
+    "diloco", "Launch and manage DiLoCo replicas that meet through an object store."
 )
 
 

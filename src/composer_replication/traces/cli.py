@@ -24,14 +24,12 @@ from typing import Any, Optional
 
 import typer
 
+from composer_replication.errors import command_group
+
 __all__ = ["app", "ingest", "load_teachers", "pairs", "register", "replay"]
 
-app = typer.Typer(
-    name="trace",
-    help="Trace replay: ingest Claude Code sessions, replay them through teachers, make pairs.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+app = command_group(
+    "trace", "Trace replay: ingest Claude Code sessions, replay them through teachers, make pairs."
 )
 
 
