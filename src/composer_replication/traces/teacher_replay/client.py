@@ -236,6 +236,17 @@ async def run_call(
         return _row(plan, error=_refusal(plan, budget))
     charged = attempts = 0
     start = time.perf_counter()
+
+    def failed(error: str) -> TeacherCallResult:
+        # what this call has cost and tried so far, read when it ends
+        return _row(
+            plan,
+            error=error,
+            latency_s=time.perf_counter() - start,
+            charged_nanos=charged,
+            attempts=attempts,
+        )
+
     try:
         while True:
             attempts += 1
@@ -273,24 +284,12 @@ async def run_call(
                 if reservation is not None:  # a failure the provider does not bill
                     budget.settle(reservation, 0)
                     reservation = None
-                return _row(
-                    plan,
-                    error=outcome.error,
-                    latency_s=time.perf_counter() - start,
-                    charged_nanos=charged,
-                    attempts=attempts,
-                )
+                return failed(outcome.error)
             await asyncio.sleep(delay)
             if reservation is None:
                 reservation = await budget.reserve(plan.reservation_nanos)
                 if reservation is None:
-                    return _row(
-                        plan,
-                        error=_refusal(plan, budget),
-                        latency_s=time.perf_counter() - start,
-                        charged_nanos=charged,
-                        attempts=attempts,
-                    )
+                    return failed(_refusal(plan, budget))
             stats.n_retries += 1
     finally:
         if reservation is not None:
