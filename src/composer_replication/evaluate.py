@@ -13,16 +13,19 @@ numbers. HumanEval is in :mod:`composer_replication.evals.humaneval`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.envs import build_environment, pass_at_1
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.safety import HeldoutSplit
 
+if TYPE_CHECKING:
+    from composer_replication.roles import Sampler
+
 
 def heldout_rollouts(
     env: Any,
-    policy: Any,
+    sampler: Sampler,
     tokenizer: Any,
     task_ids: list[str],
     *,
@@ -46,7 +49,7 @@ def heldout_rollouts(
     with torch.random.fork_rng(devices=[]), seeded_rows(derived_seed(int(seed), "heldout")):
         torch.manual_seed(seed)
         return env.rollouts(
-            policy,
+            sampler,
             tokenizer,
             task_ids,
             group_size=samples_per_task,
@@ -56,7 +59,7 @@ def heldout_rollouts(
 
 def evaluation_rollouts(
     env: Any,
-    policy: Any,
+    sampler: Sampler,
     tokenizer: Any,
     task_ids: list[str],
     *,
@@ -79,7 +82,7 @@ def evaluation_rollouts(
     with reuse_prompt_states():
         groups = heldout_rollouts(
             env,
-            policy,
+            sampler,
             tokenizer,
             task_ids,
             samples_per_task=samples_per_task,
@@ -91,14 +94,14 @@ def evaluation_rollouts(
         if temperature == 0:
             return groups, [g[:1] for g in groups]
         greedy_groups = heldout_rollouts(
-            env, policy, tokenizer, task_ids, samples_per_task=1, temperature=0.0, **settings
+            env, sampler, tokenizer, task_ids, samples_per_task=1, temperature=0.0, **settings
         )
     return groups, greedy_groups
 
 
 def configured_evaluation_rollouts(
     env: Any,
-    policy: Any,
+    sampler: Sampler,
     tokenizer: Any,
     heldout_ids: list[str],
     eval_config: Any,
@@ -110,7 +113,7 @@ def configured_evaluation_rollouts(
     ev = eval_config
     return evaluation_rollouts(
         env,
-        policy,
+        sampler,
         tokenizer,
         heldout_ids[: ev.max_tasks] if ev.max_tasks else list(heldout_ids),
         samples_per_task=ev.samples_per_task,
@@ -176,6 +179,7 @@ def evaluate_model(
 
     from composer_replication.evals.pass_at_k import reported_ks
     from composer_replication.models import load_policy
+    from composer_replication.rollout.generate import InProcessSampler
 
     if split not in ("heldout", "train", "all"):
         raise ValueError(f"split={split!r} must be heldout, train or all")
@@ -192,7 +196,7 @@ def evaluate_model(
     ids = ids[:limit] if limit is not None else ids
     groups, greedy_groups = evaluation_rollouts(
         env,
-        policy,
+        InProcessSampler(policy),
         tokenizer,
         ids,
         samples_per_task=samples_per_task,

@@ -27,7 +27,7 @@ from composer_replication.envs.feature_deletion import (
 )
 from composer_replication.models import tiny_policy
 from composer_replication.rollout.agent import ScriptedSampler
-from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.rollout.generate import InProcessSampler, SamplingSettings
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
 from composer_replication.safety.hack_monitor import Manifest
 from composer_replication.sandbox.local import LocalSubprocessSandbox
@@ -269,7 +269,11 @@ def test_tiny_policy_attempts_are_scored_zero_as_data(generated: Path):
     model, tok = tiny_policy(seed=1)
     env = FeatureDeletionEnv(generated, max_turns=2)
     (group,) = env.rollouts(
-        model, tok, [TASK_ID], group_size=2, sampling=SamplingSettings(max_new_tokens=8)
+        InProcessSampler(model),
+        tok,
+        [TASK_ID],
+        group_size=2,
+        sampling=SamplingSettings(max_new_tokens=8),
     )
     assert len(group) == 2
     for r in group:

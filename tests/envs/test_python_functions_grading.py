@@ -61,46 +61,51 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
     import logging
     import time
 
-    import composer_replication.envs.python_functions as pf
     from composer_replication.models import tiny_policy
     from composer_replication.rollout.generate import (
         DecodeOptions,
+        InProcessSampler,
         SamplingSettings,
         decode_options,
         seeded_rows,
     )
 
+    started, ended = [], []
+
+    class TimedSampler(InProcessSampler):
+        """Sampling in process that notes when each call returned."""
+
+        def sample_batch(self, *args, **kwargs):
+            out = super().sample_batch(*args, **kwargs)
+            ended.append(time.perf_counter())
+            return out
+
     model, tok = tiny_policy(seed=5)
+    sampler = TimedSampler(model)
     env = PythonFunctionsEnv(grading_workers=0, grading_stall_s=0.05)
     assert env.grading_workers >= 1
     task_ids = env.task_ids()[:3]
     settings = SamplingSettings(max_new_tokens=48, temperature=1.0)
     # frequent tokens end rows early, at many different steps
     with seeded_rows(1):
-        probe = env.sample(model, tok, task_ids, group_size=4, sampling=settings)
+        probe = env.sample(sampler, tok, task_ids, group_size=4, sampling=settings)
     counts = collections.Counter(t for g in probe for r in g for t in r.completion_ids)
     model.generation_config.eos_token_id = [t for t, _ in counts.most_common(30)]
-    started, ended = [], []
-    real_grade, real_generate = env.grade, pf.generate
+    ended.clear()
+    real_grade = env.grade
 
     def grade(task, text):
         started.append(time.perf_counter())
         time.sleep(0.06)  # over the stall threshold
         return real_grade(task, text)
 
-    def generate(*args, **kwargs):
-        out = real_generate(*args, **kwargs)
-        ended.append(time.perf_counter())
-        return out
-
     monkeypatch.setattr(env, "grade", grade)
-    monkeypatch.setattr(pf, "generate", generate)
     with (
         caplog.at_level(logging.WARNING),
         decode_options(DecodeOptions(loop="static", sync_every=2)),
         seeded_rows(1),
     ):
-        groups = env.rollouts(model, tok, task_ids, group_size=4, sampling=settings)
+        groups = env.rollouts(sampler, tok, task_ids, group_size=4, sampling=settings)
     lengths = sorted(len(r.completion_ids) for g in groups for r in g)
     assert lengths[0] < lengths[-1] - 4  # rows ended at different windows
     assert min(started) < ended[0]  # grading began before sampling returned

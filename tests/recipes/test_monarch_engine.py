@@ -149,6 +149,7 @@ def test_generators_sample_their_share_with_the_share_seed(monarch_run):
     under torch.manual_seed(shard_seed(seed, step, env, share)), graded by the rewarder as
     in-process grading would, tagged with the version of the weights that sampled them."""
     from composer_replication.recipes.monarch.actors import shard_seed
+    from composer_replication.rollout.generate import InProcessSampler
 
     mon = monarch_run
     tasks = mon.pick_tasks()
@@ -158,7 +159,7 @@ def test_generators_sample_their_share_with_the_share_seed(monarch_run):
     for k, share in enumerate(shares(tasks[0], 2)):
         torch.manual_seed(shard_seed(0, mon.step, 0, k))
         sampled = rt.env.sample(
-            mon.policy, mon.tokenizer, share, group_size=2, sampling=rt.sampling
+            InProcessSampler(mon.policy), mon.tokenizer, share, group_size=2, sampling=rt.sampling
         )
         local += rt.env.grade_groups(sampled)
     assert [g[0].task_id for g in groups] == tasks[0]
@@ -185,7 +186,7 @@ def test_weights_reach_the_generators(monarch_run):
     samples, _ = mon.collect()
     batches = pack_samples(samples, max_tokens=1024, pad_id=0, split=mon.split)
     version = mon.learner.version + 1
-    mesh.get(mesh.trainer.update.call_one(batches, version), "trainer")
+    mesh.get(mesh.trainer.call_learner.call_one("update", [batches, version]), "trainer")
     trainer_lp = mesh.get(mesh.trainer.completion_logprobs.call_one(prompt, completion), "trainer")
     stale = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
     assert stale == before

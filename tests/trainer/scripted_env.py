@@ -7,7 +7,6 @@ switch must catch. It records every call so tests can check which tasks were req
 
 from __future__ import annotations
 
-from composer_replication.rollout.generate import generate
 from composer_replication.rollout.types import Rollout
 
 
@@ -25,7 +24,7 @@ class ScriptedEnv:
     def task_ids(self) -> list[str]:
         return list(self.ids)
 
-    def rollouts(self, policy, tokenizer, task_ids, *, group_size, sampling):
+    def rollouts(self, sampler, tokenizer, task_ids, *, group_size, sampling):
         is_eval = sampling.temperature == 0
         self.calls.append(("eval" if is_eval else "train", list(task_ids)))
         if is_eval:
@@ -42,7 +41,7 @@ class ScriptedEnv:
         settings = type(sampling)(
             max_new_tokens=self.max_new_tokens, temperature=sampling.temperature
         )
-        gens = generate(policy, tokenizer, prompts, settings)
+        gens = sampler.sample_batch(tokenizer, prompts, settings)
         groups = []
         for i, tid in enumerate(task_ids):
             group = []

@@ -358,8 +358,10 @@ def test_two_diloco_replicas_train_through_an_object_store(tmp_path, tiny_dir):
 def test_evaluation_sampling_is_seeded_and_leaves_training_rng_alone(tmp_path, tiny_dir):
     from composer_replication.evaluate import heldout_rollouts
     from composer_replication.models import load_policy
+    from composer_replication.rollout.generate import InProcessSampler
 
-    policy, tok = load_policy(tiny_dir)
+    model, tok = load_policy(tiny_dir)
+    policy = InProcessSampler(model)
     env = ScriptedEnv(n_tasks=4, max_new_tokens=6)
     kwargs = dict(samples_per_task=3, temperature=1.0, max_new_tokens=6)
     torch.manual_seed(123)

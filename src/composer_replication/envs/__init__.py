@@ -13,9 +13,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from composer_replication.envs.base import Environment, pass_at_1
+from composer_replication.envs.base import (
+    DemonstratingEnvironment,
+    Environment,
+    SplitEnvironment,
+    pass_at_1,
+)
 
-__all__ = ["Environment", "build_environment", "pass_at_1"]
+__all__ = [
+    "DemonstratingEnvironment",
+    "Environment",
+    "SplitEnvironment",
+    "build_environment",
+    "pass_at_1",
+]
 
 
 def build_environment(env_config: Any) -> Environment:

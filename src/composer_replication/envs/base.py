@@ -9,10 +9,13 @@ it comes back as a ``Rollout`` with ``error`` set and reward 0, never as an exce
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.types import Rollout
+
+if TYPE_CHECKING:
+    from composer_replication.roles import Sampler
 
 
 @runtime_checkable
@@ -27,14 +30,50 @@ class Environment(Protocol):
 
     def rollouts(
         self,
-        policy: Any,
+        sampler: Sampler,
         tokenizer: Any,
         task_ids: Sequence[str],
         *,
         group_size: int,
         sampling: SamplingSettings,
     ) -> list[list[Rollout]]:
-        """``group_size`` scored attempts per task, one group per task id, in order."""
+        """``group_size`` scored attempts per task sampled by ``sampler``, one group per
+        task id, in order."""
+        ...
+
+
+@runtime_checkable
+class SplitEnvironment(Environment, Protocol):
+    """A single-turn environment that samples and grades in separate calls (so sampling
+    and grading can run in different processes); it is its own
+    :class:`~composer_replication.roles.Grader`."""
+
+    def sample(
+        self,
+        sampler: Sampler,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        group_size: int,
+        sampling: SamplingSettings,
+    ) -> list[list[Rollout]]:
+        """The sampling half of ``rollouts``: ungraded groups, one per task id, in order."""
+        ...
+
+    def grade_groups(self, groups: Sequence[Sequence[Rollout]]) -> list[list[Rollout]]:
+        """The grading half: ``groups`` with rewards, feedback and errors filled in."""
+        ...
+
+
+@runtime_checkable
+class DemonstratingEnvironment(Environment, Protocol):
+    """An environment that answers its tasks with reference solutions (the samples of
+    ``sampling.source = "reference"``)."""
+
+    def demonstrations(
+        self, tokenizer: Any, task_ids: Sequence[str], *, group_size: int = 1
+    ) -> list[list[Rollout]]:
+        """Each task's prompt answered with its reference solution, one group per task."""
         ...
 
 

@@ -34,7 +34,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.envs.fd_tasks import (
     FDTask,
@@ -59,6 +59,7 @@ from composer_replication.rollout.agent import (
     SampleFn,
     ScriptedSampler,
     run_agent_rollouts,
+    sampler_step,
 )
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import (
@@ -75,6 +76,9 @@ from composer_replication.safety.hack_monitor import (
 )
 from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import make_shared_tempdir
+
+if TYPE_CHECKING:
+    from composer_replication.roles import Sampler
 
 __all__ = [
     "FD_TOOLS",
@@ -214,7 +218,7 @@ class FeatureDeletionEnv:
 
     def rollouts(
         self,
-        policy: Any,
+        sampler: Sampler | None,
         tokenizer: Any,
         task_ids: Sequence[str],
         *,
@@ -222,21 +226,25 @@ class FeatureDeletionEnv:
         sampling: SamplingSettings,
         sample_fn: SampleFn | None = None,
     ) -> list[list[Rollout]]:
-        """``group_size`` scored attempts per task; ``sample_fn`` replaces the policy's
-        sampling step (``rollout.agent``)."""
+        """``group_size`` scored attempts per task, each turn sampled by ``sampler``;
+        ``sample_fn`` replaces that sampling step (``rollout.agent``; ``sampler`` may then
+        be None)."""
         unknown = [t for t in task_ids if t not in self.tasks]
         if unknown:
             raise ValueError(f"unknown feature_deletion task ids {unknown[:5]}")
-        return self._run(policy, tokenizer, task_ids, group_size, sampling, sample_fn)
+        if sample_fn is None:
+            if sampler is None:
+                raise ValueError("feature_deletion rollouts need a sampler or a sample_fn")
+            sample_fn = sampler_step(sampler, tokenizer)
+        return self._run(tokenizer, task_ids, group_size, sampling, sample_fn)
 
     def _run(
         self,
-        policy: Any,
         tokenizer: Any,
         task_ids: Sequence[str],
         group_size: int,
         sampling: SamplingSettings,
-        sample_fn: SampleFn | None,
+        sample_fn: SampleFn,
         min_turns: int = 1,
         max_total_tokens: int | None = None,
     ) -> list[list[Rollout]]:
@@ -247,7 +255,7 @@ class FeatureDeletionEnv:
                 for _ in range(group_size):
                     attempts.append(self._materialise(tid, scratch / f"{len(attempts):04d}"))
             rollouts = run_agent_rollouts(
-                policy,
+                None,
                 tokenizer,
                 [Episode(a.task.task_id, self.messages(a.task), a) for a in attempts],
                 sampling=sampling,
@@ -391,6 +399,6 @@ class FeatureDeletionEnv:
         sampler = ScriptedSampler(tokenizer, [script])
         # scripted: no model context to protect, so the token cap is lifted
         groups = self._run(
-            None, tokenizer, [task_id], 1, sampling, sampler, len(script), max_total_tokens=1 << 30
+            tokenizer, [task_id], 1, sampling, sampler, len(script), max_total_tokens=1 << 30
         )
         return groups[0][0]

@@ -23,13 +23,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.envs.function_grader import grade_function
 from composer_replication.envs.task_bank import PythonTask, extract_code, load_tasks
 from composer_replication.rollout.demonstrations import ReferenceSolutions, demonstration_rollout
-from composer_replication.rollout.generate import SamplingSettings, generate
+from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.types import REFERENCE_KEY, Rollout
+
+if TYPE_CHECKING:
+    from composer_replication.roles import Sampler
 
 SYSTEM_PROMPT = (
     "You are a careful Python programmer. Complete the function the user gives you. "
@@ -169,7 +172,7 @@ class PythonFunctionsEnv:
 
     def rollouts(
         self,
-        policy: Any,
+        sampler: Sampler | ReferenceSolutions,
         tokenizer: Any,
         task_ids: Sequence[str],
         *,
@@ -178,14 +181,14 @@ class PythonFunctionsEnv:
     ) -> list[list[Rollout]]:
         """Sampled and graded groups. Each completion is handed to the graders as soon as
         sampling knows it (the static decode loop finishes rows while others decode)."""
-        if isinstance(policy, ReferenceSolutions):  # reference answers pass by construction
+        if isinstance(sampler, ReferenceSolutions):  # reference answers pass by construction
             return self.sample(
-                policy, tokenizer, task_ids, group_size=group_size, sampling=sampling
+                sampler, tokenizer, task_ids, group_size=group_size, sampling=sampling
             )
         with ThreadPoolExecutor(self.grading_workers) as pool:
             graders = _Graders(self, pool)
             groups = self.sample(
-                policy,
+                sampler,
                 tokenizer,
                 task_ids,
                 group_size=group_size,
@@ -196,7 +199,7 @@ class PythonFunctionsEnv:
 
     def sample(
         self,
-        policy: Any,
+        sampler: Sampler | ReferenceSolutions,
         tokenizer: Any,
         task_ids: Sequence[str],
         *,
@@ -207,10 +210,10 @@ class PythonFunctionsEnv:
         """The sampling half of :meth:`rollouts`: ungraded groups (reward 0, the completion's
         text in ``metadata["completion_text"]``), one per task id, in order. Single-turn, so
         sampling and grading can run in different processes (:meth:`grade_groups`). With
-        :class:`ReferenceSolutions` as ``policy``, the :meth:`demonstrations`.
+        :class:`ReferenceSolutions` as ``sampler``, the :meth:`demonstrations`.
         ``on_completion(task_id, text)`` is called for each completion as soon as it is
         sampled."""
-        if isinstance(policy, ReferenceSolutions):
+        if isinstance(sampler, ReferenceSolutions):
             return self.demonstrations(tokenizer, task_ids, group_size=group_size)
         self._check_known(task_ids)
         jobs = [(tid, k) for tid in task_ids for k in range(group_size)]
@@ -219,8 +222,7 @@ class PythonFunctionsEnv:
         prompts = {tid: self.prompt_ids(tokenizer, self.tasks[tid]) for tid in task_ids}
         # one call: at most generation_batch rows decode at once, the others join as rows end
         t0 = time.perf_counter()
-        generations = generate(
-            policy,
+        generations = sampler.sample_batch(
             tokenizer,
             [prompts[tid] for tid, _ in jobs],
             sampling,

@@ -1,8 +1,7 @@
 """The policy sampler backed by an inference engine: token ids in, token ids out.
 
-``EngineSampler.sample_batch`` has the signature the rollout code already calls on a
-sampling source (:func:`composer_replication.rollout.generate.generate` forwards to it), so
-environments and agents run unchanged. Prompts go out as lists of token ids in one
+``EngineSampler`` is a :class:`~composer_replication.roles.Sampler` (of the live policy), so
+environments and agents sample through it as through any other sampler. Prompts go out as lists of token ids in one
 ``/v1/completions`` request; completions come back as the engine's token ids
 (``return_token_ids``) with the log-prob of each sampled token under the distribution it was
 sampled from (the server runs with ``--logprobs-mode processed_logprobs``, i.e. after
@@ -13,10 +12,10 @@ sampled. Each :class:`Generation` records the policy version that sampled it in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from composer_replication.rollout.generate import Generation, SamplingSettings
+from composer_replication.rollout.generate import Generation, SamplingSettings, announced
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "length"}
 
@@ -28,6 +27,8 @@ class EngineSampler:
         policy_version: the version of the weights the engine serves (0 = the weights it
             was started with); a weight sync raises it.
     """
+
+    samples_from_live_policy = True
 
     def __init__(
         self,
@@ -45,9 +46,16 @@ class EngineSampler:
         self._requests = 0
 
     def sample_batch(
-        self, tokenizer: Any, prompts: Sequence[Sequence[int]], settings: SamplingSettings
+        self,
+        tokenizer: Any,
+        prompts: Sequence[Sequence[int]],
+        settings: SamplingSettings,
+        *,
+        max_rows: int | None = None,
+        on_row_done: Callable[[int, Generation], None] | None = None,
     ) -> list[Generation]:
-        """One completion per prompt (all prompts in one request)."""
+        """One completion per prompt (all prompts in one request: the engine schedules
+        the rows, ``max_rows`` does not apply); each announced once the request returns."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -95,7 +103,7 @@ class EngineSampler:
                     metadata={"policy_version": version},
                 )
             )
-        return out
+        return announced(out, on_row_done)
 
     def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
         """The engine's log-prob of each of ``completion_ids`` after ``prompt_ids``

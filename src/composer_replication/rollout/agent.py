@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.rollout.chat_renderer import TOOL_RESULT_PREFIX, ChatRenderer
-from composer_replication.rollout.generate import Generation, SamplingSettings, generate
+from composer_replication.rollout.generate import Generation, InProcessSampler, SamplingSettings
 from composer_replication.rollout.scripted import SampleFn, ScriptedSampler
 from composer_replication.rollout.tool_calls import (
     FINISH_TOOL,
@@ -47,6 +47,9 @@ from composer_replication.rollout.tool_calls import (
 )
 from composer_replication.rollout.types import Rollout
 
+if TYPE_CHECKING:
+    from composer_replication.roles import Sampler
+
 __all__ = [
     "TOOL_RESULT_PREFIX",
     "ChatRenderer",
@@ -56,6 +59,7 @@ __all__ = [
     "Tool",
     "policy_sampler",
     "run_agent_rollouts",
+    "sampler_step",
 ]
 
 Tool = Callable[[Any, dict[str, Any]], str]
@@ -70,13 +74,19 @@ class Episode:
     state: Any = None
 
 
-def policy_sampler(policy: Any, tokenizer: Any) -> SampleFn:
-    """The default sampling step: one batched ``generate`` call with the live policy."""
+def sampler_step(sampler: Sampler, tokenizer: Any) -> SampleFn:
+    """The sampling step of an agent turn: one batched call of ``sampler``."""
 
     def sample(prompts: list[list[int]], settings: SamplingSettings) -> list[Generation]:
-        return generate(policy, tokenizer, prompts, settings)
+        return sampler.sample_batch(tokenizer, prompts, settings)
 
     return sample
+
+
+def policy_sampler(policy: Any, tokenizer: Any) -> SampleFn:
+    """The default sampling step: one batched ``generate`` call with ``policy`` (a model in
+    this process)."""
+    return sampler_step(InProcessSampler(policy), tokenizer)
 
 
 @dataclass

@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from composer_replication.rollout.generate import Generation, SamplingSettings
+from composer_replication.rollout.demonstrations import ReferenceSolutions
+from composer_replication.rollout.generate import Generation, InProcessSampler, SamplingSettings
+
+if TYPE_CHECKING:
+    from composer_replication.roles import Sampler
 
 
 class EndpointSampler:
-    """A frozen sampling source behind ``{base_url}/completions``."""
+    """A frozen sampling source behind ``{base_url}/completions`` (a
+    :class:`~composer_replication.roles.Sampler` whose samples never come from the live
+    policy)."""
+
+    samples_from_live_policy = False
 
     def __init__(
         self,
@@ -40,8 +48,16 @@ class EndpointSampler:
         self.max_retries = max_retries
 
     def sample_batch(
-        self, tokenizer: Any, prompts: Sequence[Sequence[int]], settings: SamplingSettings
+        self,
+        tokenizer: Any,
+        prompts: Sequence[Sequence[int]],
+        settings: SamplingSettings,
+        *,
+        max_rows: int | None = None,
+        on_row_done: Callable[[int, Generation], None] | None = None,
     ) -> list[Generation]:
+        """One request per prompt, in order (``max_rows`` does not apply: one row at a
+        time); each completion is announced as it arrives."""
         import httpx
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -69,6 +85,8 @@ class EndpointSampler:
                 out.append(
                     Generation(list(prompt), ids, [float(x or 0.0) for x in logprobs], reason, text)
                 )
+                if on_row_done is not None:  # a grader can start on it at once
+                    on_row_done(len(out) - 1, out[-1])
         return out
 
     def _post(self, client: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -93,25 +111,22 @@ class EndpointSampler:
         raise RuntimeError(f"{url}: retries exhausted")
 
 
-def sampling_source(reference: Any, policy: Any) -> Any:
-    """The model object to sample with for a ``sampling.source`` reference (for
-    ``"reference"``, the marker that makes the environment answer with its reference
-    solutions)."""
+def sampling_source(reference: Any, policy: Sampler) -> Sampler | ReferenceSolutions:
+    """The sampler of a ``sampling.source`` reference: ``policy`` (the live policy's
+    sampler) for ``"policy"``, a frozen local model in this process, a frozen endpoint,
+    or for ``"reference"`` the marker that makes the environment answer with its
+    reference solutions."""
     if reference is None or reference == "policy":
         return policy
-    from composer_replication.config.references import REFERENCE_SOLUTIONS
+    from composer_replication.config.references import REFERENCE_SOLUTIONS, LocalFrozenModel
 
     if reference == REFERENCE_SOLUTIONS:
-        from composer_replication.rollout.demonstrations import ReferenceSolutions
-
         return ReferenceSolutions()
-    local_path = getattr(reference, "local_path", None)
-    if local_path:
+    if isinstance(reference, LocalFrozenModel):
         from composer_replication.models import load_policy
 
-        model, _ = load_policy(None if local_path == "embedded" else local_path)
+        path = reference.local_path
+        model, _ = load_policy(None if path == "embedded" else path)
         model.eval().requires_grad_(False)
-        return model
-    return EndpointSampler(
-        reference.base_url, reference.name, api_key_env=getattr(reference, "api_key_env", None)
-    )
+        return InProcessSampler(model, live=False)
+    return EndpointSampler(reference.base_url, reference.name, api_key_env=reference.api_key_env)

@@ -184,7 +184,10 @@ def generate(
     max_rows: int | None = None,
     on_row_done: Callable[[int, Generation], None] | None = None,
 ) -> list[Generation]:
-    """Sample one completion per prompt with the policy, in one batched call.
+    """Sample one completion per prompt with ``model`` (a torch model in this process), in
+    one batched call. A sampler of another kind is called through its own ``sample_batch``
+    (:class:`~composer_replication.roles.Sampler`); :class:`InProcessSampler` is this
+    function in that shape.
 
     ``max_rows``: in process, at most this many rows decode at once and the others join as
     rows finish (None: all at once). ``on_row_done(index, generation)`` is called once per
@@ -193,8 +196,6 @@ def generate(
     import torch
 
     settings = settings or SamplingSettings()
-    if hasattr(model, "sample_batch"):  # a frozen endpoint sampler
-        return _announced(model.sample_batch(tokenizer, prompts, settings), on_row_done)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -244,9 +245,39 @@ def generate(
                     )
     finally:
         model.train(was_training)
-    return _announced(
+    return announced(
         [_generation(prompt, row, tokenizer) for prompt, row in zip(prompts, rows)], on_row_done
     )
+
+
+class InProcessSampler:
+    """The :class:`~composer_replication.roles.Sampler` of a model in this process:
+    :func:`generate` with ``model``.
+
+    ``live``: the model is the policy being trained (False: a frozen local model, e.g. an
+    sft source given by ``local_path``). The sampled log-probs are always the model's own.
+    """
+
+    def __init__(self, model: Any, *, live: bool = True) -> None:
+        self.model = model
+        self.samples_from_live_policy = live
+
+    def sample_batch(
+        self,
+        tokenizer: Any,
+        prompts: Sequence[Sequence[int]],
+        settings: SamplingSettings,
+        *,
+        max_rows: int | None = None,
+        on_row_done: Callable[[int, Generation], None] | None = None,
+    ) -> list[Generation]:
+        return generate(
+            self.model, tokenizer, prompts, settings, max_rows=max_rows, on_row_done=on_row_done
+        )
+
+    def __repr__(self) -> str:
+        kind = "live" if self.samples_from_live_policy else "frozen"
+        return f"InProcessSampler({type(self.model).__name__}, {kind})"
 
 
 def _generation(prompt: Sequence[int], row: Any, tokenizer: Any) -> Generation:
@@ -259,9 +290,11 @@ def _generation(prompt: Sequence[int], row: Any, tokenizer: Any) -> Generation:
     )
 
 
-def _announced(
+def announced(
     generations: list[Generation], on_row_done: Callable[[int, Generation], None] | None
 ) -> list[Generation]:
+    """``generations``, after ``on_row_done(index, generation)`` for each (for samplers
+    that learn every completion at once)."""
     if on_row_done is not None:
         for index, generation in enumerate(generations):
             on_row_done(index, generation)

@@ -45,6 +45,7 @@ from composer_replication.errors import EXIT_USAGE as EXIT_USAGE
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
+    from composer_replication.roles import Sampler
     from composer_replication.safety import TripwireStatus
 
 BACKENDS = ("native", "trl")
@@ -117,8 +118,9 @@ class RunLifecycle:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> float:
-        """Held-out pass@1 over every environment's held-out tasks, as ``eval`` asks.
+    def evaluate(self, sampler: Sampler, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> float:
+        """Held-out pass@1 of ``sampler`` over every environment's held-out tasks, as
+        ``eval`` asks (the :class:`~composer_replication.roles.Evaluator` role).
 
         The sampled pass@1 is returned (the kill switch's signal); pass@k for the other k
         of ``reported_ks(eval.samples_per_task)`` and, with ``eval.greedy``, greedy pass@1
@@ -136,7 +138,7 @@ class RunLifecycle:
             task_ids = item.task_ids[: ev.max_tasks] if ev.max_tasks else list(item.task_ids)
             sampled, greedy = configured_evaluation_rollouts(
                 item.env,
-                policy,
+                sampler,
                 tokenizer,
                 self.ranks.share(task_ids),
                 ev,
@@ -179,11 +181,13 @@ class RunLifecycle:
             write_text_atomic(self.run_dir / "config.json", self.config.model_dump_json(indent=2))
         return moved
 
-    def evaluate_start(self, policy: Any, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> None:
+    def evaluate_start(
+        self, sampler: Sampler, tokenizer: Any, tasks: Sequence[HeldoutTasks]
+    ) -> None:
         """The initial policy's held-out pass@1 (when ``eval.at_start``), as step 0."""
         if not self.config.eval.at_start:
             return
-        self.heldout_before = self.evaluate(policy, tokenizer, tasks)
+        self.heldout_before = self.evaluate(sampler, tokenizer, tasks)
         self.metrics.append(
             {
                 "step": 0,

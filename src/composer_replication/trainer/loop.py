@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_replication import roles
 from composer_replication.algo.filters import ZeroAdvantageFilter
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.distributed.data_parallel import (
@@ -32,6 +33,7 @@ from composer_replication.inference.engine import build_policy_engine
 from composer_replication.inference.frozen import FrozenEngines
 from composer_replication.rollout.generate import (
     DecodeOptions,
+    InProcessSampler,
     decode_options,
     derived_seed,
     seeded_rows,
@@ -40,11 +42,9 @@ from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.learner import Learner
 from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle, RunResult
-from composer_replication.trainer.loss_schedule import LossSchedule
 from composer_replication.trainer.rollout_queue import RolloutQueue, drop_stale
 from composer_replication.trainer.runtime import EnvRuntime, build_runtime
 from composer_replication.trainer.setup import ProgressBar, seed_everything, setup_policy
-from composer_replication.trainer.teachers import TeacherModels
 from composer_replication.wire import pack_samples
 
 if TYPE_CHECKING:
@@ -98,12 +98,13 @@ class Trainer:
         except BaseException:
             self._stop_frozen_engines()
             raise
-        self.learner = Learner(config, self.policy, ranks=self.ranks)
+        learner = Learner(config, self.policy, ranks=self.ranks)
+        self.learner: roles.Learner = learner
         # DiLoCo replicas must see different data: offset the task stream by the rank.
         self.task_rng = random.Random(config.seed + (diloco_rank(config.diloco) or 0))
         self._diloco_state: dict[str, Any] | None = None
-        self.optimizer = self.learner.optimizer
-        self.scheduler = self.learner.scheduler
+        self.optimizer = learner.optimizer
+        self.scheduler = learner.scheduler
         # Everything above can fail on bad input; only now does the run directory appear.
         self.life = RunLifecycle(config, backend="native", run_dir=run_dir, ranks=self.ranks)
         self.run_dir = self.life.run_dir
@@ -122,14 +123,6 @@ class Trainer:
         self._pending_tasks: deque[list[list[str]]] = deque()
 
     @property
-    def teachers(self) -> TeacherModels:
-        return self.learner.teachers
-
-    @property
-    def losses(self) -> LossSchedule:
-        return self.learner.losses
-
-    @property
     def sync(self) -> Any:
         return self.learner.sync
 
@@ -138,9 +131,9 @@ class Trainer:
         self.learner.sync = value
 
     @property
-    def sampling_policy(self) -> Any:
-        """What samples the live policy: the engine's sampler, or the policy itself."""
-        return self.policy if self.engine is None else self.engine.sampler
+    def live_sampler(self) -> roles.Sampler:
+        """What samples the live policy: the engine's sampler, or the policy in process."""
+        return InProcessSampler(self.policy) if self.engine is None else self.engine.sampler
 
     def _build_runtimes(
         self, env_configs: list[Any], environments: dict[str, Environment] | None
@@ -249,7 +242,7 @@ class Trainer:
         """Held-out pass@1 over every environment's held-out tasks (sampled by the engine
         when there is one: it holds the current weights)."""
         # the sampling is seeded by eval.seed inside (the same numbers at every evaluation)
-        return self.life.evaluate(self.sampling_policy, self.tokenizer, self.heldout_tasks)
+        return self.life.evaluate(self.live_sampler, self.tokenizer, self.heldout_tasks)
 
     def pick_tasks(self) -> list[list[str]]:
         """This step's train task ids of every environment (curriculum, held-out refused)."""
@@ -274,7 +267,7 @@ class Trainer:
         with seeded_rows(derived_seed(self.config.seed, "rollouts", index)):
             return [
                 rt.env.rollouts(
-                    rt.sampling_model(self.sampling_policy),
+                    rt.rollout_sampler(self.live_sampler),
                     self.tokenizer,
                     task_ids,
                     group_size=rt.group_size,
@@ -432,7 +425,7 @@ class Trainer:
             self.engine.after_step(self.policy, self.step)
         if not resumed:
             with self.learner.weights.gathered():
-                self.life.evaluate_start(self.sampling_policy, self.tokenizer, self.heldout_tasks)
+                self.life.evaluate_start(self.live_sampler, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.config.inference.async_level:
             self.rollout_queue = RolloutQueue(

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from composer_replication.config.run import EnvConfig
     from composer_replication.datagen.curriculum import DifficultyCurriculum
     from composer_replication.envs.base import Environment
+    from composer_replication.roles import Sampler
+    from composer_replication.rollout.demonstrations import ReferenceSolutions
     from composer_replication.safety.holdout import HeldoutSplit
 
 
@@ -34,8 +36,8 @@ class EnvRuntime:
         sampling: generation settings of its rollouts.
         group_size: rollouts per task.
         curriculum: picks the train tasks of each step.
-        sampler: the frozen sampling source (or the reference solutions), or None when
-            the live policy samples.
+        sampler: the frozen sampler (or the reference solutions), or None when the live
+            policy samples.
     """
 
     config: EnvConfig
@@ -46,11 +48,11 @@ class EnvRuntime:
     sampling: SamplingSettings
     group_size: int
     curriculum: DifficultyCurriculum
-    sampler: Any = None
+    sampler: Sampler | ReferenceSolutions | None = None
 
-    def sampling_model(self, policy: Any) -> Any:
-        """The model (or endpoint) that samples this environment's rollouts."""
-        return policy if self.sampler is None else self.sampler
+    def rollout_sampler(self, live: Sampler) -> Sampler | ReferenceSolutions:
+        """What samples this environment's rollouts, given the live policy's sampler."""
+        return live if self.sampler is None else self.sampler
 
     @property
     def evaluation_key(self) -> tuple[str, str]:
@@ -73,8 +75,9 @@ def build_runtime(
     from composer_replication.algo import build_algorithm
     from composer_replication.config.references import REFERENCE_SOLUTIONS
     from composer_replication.datagen.curriculum import DifficultyCurriculum
-    from composer_replication.envs import build_environment
+    from composer_replication.envs import DemonstratingEnvironment, build_environment
     from composer_replication.rollout.endpoint_sampler import sampling_source
+    from composer_replication.rollout.generate import InProcessSampler
 
     env = env or build_environment(env_config)
     recorded = getattr(env, "recorded_split", None)
@@ -84,9 +87,7 @@ def build_runtime(
         check_same_split(recorded, split, f"the tasks of environment {env.name!r}")
     algo_cfg = env_config.algorithm
     sampling = algo_cfg.sampling
-    if sampling.source == REFERENCE_SOLUTIONS and not callable(
-        getattr(env, "demonstrations", None)
-    ):
+    if sampling.source == REFERENCE_SOLUTIONS and not isinstance(env, DemonstratingEnvironment):
         raise ValueError(
             f"environment {env.name!r} gives no reference solutions (it has no "
             "demonstrations method), so sampling.source = 'reference' has nothing to train "
@@ -119,5 +120,7 @@ def build_runtime(
         ),
         group_size=sampling.group_size,
         curriculum=DifficultyCurriculum(train_ids, split=split),
-        sampler=None if sampling.source == "policy" else sampling_source(sampling.source, policy),
+        sampler=None
+        if sampling.source == "policy"
+        else sampling_source(sampling.source, InProcessSampler(policy)),
     )

@@ -322,6 +322,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     """
     from composer_replication.algo.replay_dpo import load_pair_records
     from composer_replication.envs import build_environment
+    from composer_replication.rollout.generate import InProcessSampler
     from composer_replication.safety import HeldoutSplit
     from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
     from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
@@ -356,7 +357,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
         **settings,
     )
     life.begin(resumed=False)
-    life.evaluate_start(policy, tokenizer, heldout)
+    life.evaluate_start(InProcessSampler(policy), tokenizer, heldout)
     callback = _LifecycleCallback(
         life, policy, tokenizer, heldout, settings.get("taid_t"), trainer.reward_funcs[0]
     )
@@ -379,13 +380,18 @@ class _LifecycleCallback:
         policy: Any,
         tokenizer: Any,
         heldout: list[Any],
-        taid_schedule: Any = None,
-        reward: Any = None,
+        taid_t: Any = None,
+        reward: PythonFunctionsReward | None = None,
     ) -> None:
-        self.life, self.policy, self.tokenizer, self.heldout = life, policy, tokenizer, heldout
-        self.reward = reward  # its last_info carries the grader's hack flags
-        # A scheduled TAID t (a TAIDScheduler): folded in from the logged SDPO loss.
-        self.taid = taid_schedule if hasattr(taid_schedule, "update_t") else None
+        from composer_replication.ops.taid import TAIDScheduler
+        from composer_replication.rollout.generate import InProcessSampler
+
+        self.life, self.tokenizer, self.heldout = life, tokenizer, heldout
+        self.sampler = InProcessSampler(policy)  # held-out evaluation samples the policy
+        self.reward = reward  # its tally counts the grader's hack flags
+        # A scheduled TAID t (a TAIDScheduler, not a fixed t): folded in from the logged
+        # SDPO loss.
+        self.taid = taid_t if isinstance(taid_t, TAIDScheduler) else None
 
     def on_log(self, state: Any, control: Any, logs: dict[str, Any]) -> None:
         if "reward" not in logs:  # the end-of-training summary row
@@ -396,14 +402,14 @@ class _LifecycleCallback:
             row["taid/t"] = self.taid.t
             if logs.get("loss/jsd") is not None:
                 self.taid.update_t(float(logs["loss/jsd"]), step)
-        if self.reward is not None and hasattr(self.reward, "drain_tally"):
+        if self.reward is not None:
             row.update(self.reward.drain_tally())
         if self.life.close_step_if_out_of_time(step):
             control.should_training_stop = True
         if self.life.hack_round(step, row):
             control.should_training_stop = True
         if self.life.is_eval_step(step):
-            heldout = self.life.evaluate(self.policy, self.tokenizer, self.heldout)
+            heldout = self.life.evaluate(self.sampler, self.tokenizer, self.heldout)
             if self.life.guard_round(step, row, heldout):
                 control.should_training_stop = True
         self.life.append(row)

@@ -1,15 +1,18 @@
 """The four roles of a run as Monarch actors, built from the native loop's own parts.
 
 - :class:`GeneratorActor` (Sampler): a policy copy that takes version-tagged weights from
-  the learner and samples its share of a step's tasks. A single-turn environment (one with
-  ``sample`` / ``grade_groups``, e.g. ``python_functions``) is only sampled here and graded
-  by a rewarder; a multi-turn environment (``feature_deletion``: sampling and tool calls
-  interleave) runs whole episodes here, tools in this process's sandbox, graded on the spot.
+  the learner and samples its share of a step's tasks. A single-turn environment (a
+  :class:`~composer_replication.envs.base.SplitEnvironment`, e.g. ``python_functions``) is
+  only sampled here and graded by a rewarder; a multi-turn environment (``feature_deletion``:
+  sampling and tool calls interleave) runs whole episodes here, tools in this process's
+  sandbox, graded on the spot.
 - :class:`RewarderActor` (Grader): grades sampled completions through the environments and
-  their sandboxes.
+  their sandboxes (each split environment is a :class:`~composer_replication.roles.Grader`).
 - :class:`TrainerActor` (Learner): a :class:`~composer_replication.trainer.learner.Learner`
-  (the algorithm-blind step, AdamW, schedule, teachers) that publishes its trainable weights
-  with a version after every step, and writes the run's checkpoints.
+  (the algorithm-blind step, AdamW, schedule, teachers) whose methods of the
+  :class:`~composer_replication.roles.Learner` role the controller calls through one
+  endpoint (:meth:`TrainerActor.call_learner`); it publishes its trainable weights with a version
+  after every step, and writes the run's checkpoints.
 - :class:`TeacherPoolActor` (Teachers): teacher replay of trace states through teacher
   endpoints (:func:`~composer_replication.traces.teacher_replay.replay.replay_trace`).
 
@@ -28,6 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.envs.base import SplitEnvironment
+from composer_replication.roles import Learner, protocol_methods
+from composer_replication.rollout.generate import InProcessSampler
 from composer_replication.trainer.checkpoint import trainable_state
 from monarch.actor import Actor, endpoint
 
@@ -35,9 +41,12 @@ if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
     from composer_replication.rollout.types import Rollout
     from composer_replication.trainer.runtime import EnvRuntime
-    from composer_replication.wire import MicroBatch
+
+#: the methods of the Learner role the trainer process answers for the controller
+LEARNER_METHODS = protocol_methods(Learner)
 
 __all__ = [
+    "LEARNER_METHODS",
     "GeneratorActor",
     "RewarderActor",
     "TeacherPoolActor",
@@ -49,9 +58,10 @@ __all__ = [
 
 
 def is_split_environment(env: Any) -> bool:
-    """True when ``env`` samples and grades in separate calls (``sample`` / ``grade_groups``);
-    such an environment is sampled by generators and graded by rewarders."""
-    return callable(getattr(env, "sample", None)) and callable(getattr(env, "grade_groups", None))
+    """True when ``env`` samples and grades in separate calls (a
+    :class:`~composer_replication.envs.base.SplitEnvironment`); such an environment is
+    sampled by generators and graded by rewarders."""
+    return isinstance(env, SplitEnvironment)
 
 
 def shard_seed(seed: int, step: int, env_index: int, shard: int) -> int:
@@ -123,7 +133,7 @@ class GeneratorActor(Actor):
             torch.manual_seed(shard_seed(self.config.seed, step, env_index, shard))
             run = rt.env.sample if is_split_environment(rt.env) else rt.env.rollouts
             groups = run(
-                rt.sampling_model(self.policy),
+                rt.rollout_sampler(InProcessSampler(self.policy)),
                 self.tokenizer,
                 task_ids,
                 group_size=rt.group_size,
@@ -171,13 +181,16 @@ class RewarderActor(Actor):
         """The groups with rewards, feedback and errors filled in (never raises for a bad
         completion: that is a graded failure)."""
         env = self.envs[env_index]
-        if not is_split_environment(env):
+        if not isinstance(env, SplitEnvironment):
             raise ValueError(f"environment {env.name!r} grades inside its episodes, not here")
         return env.grade_groups(groups)
 
 
 class TrainerActor(Actor):
-    """Learner: the algorithm-blind step, optimizer and schedule; publishes weights."""
+    """Learner: the algorithm-blind step, optimizer and schedule; publishes weights.
+
+    ``version`` is the step number of the last :meth:`call_learner` ``update`` (0: the initial
+    weights, or the checkpoint's step after :meth:`resume`)."""
 
     def __init__(self, config: RunConfig, run_dir: str) -> None:
         from composer_replication.trainer.checkpoint import CheckpointManager
@@ -195,12 +208,16 @@ class TrainerActor(Actor):
         return os.getpid()
 
     @endpoint
-    def update(self, batches: list[MicroBatch], step: int) -> dict[str, Any]:
-        """One optimizer step; the new weights become version ``step``."""
-        row = self.learner.update(batches, step)
-        row["lr"] = self.learner.lr()
-        self.version = step
-        return row
+    def call_learner(self, method: str, args: list[Any]) -> Any:
+        """``method(*args)`` of the :class:`~composer_replication.roles.Learner` role on the
+        learner here (one of :data:`LEARNER_METHODS`); after ``update(batches, step)`` the
+        weights are version ``step``."""
+        if method not in LEARNER_METHODS:
+            raise ValueError(f"{method!r} is not a method of the Learner role {LEARNER_METHODS}")
+        out = getattr(self.learner, method)(*args)
+        if method == "update":
+            self.version = int(args[1])
+        return out
 
     @endpoint
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
@@ -208,18 +225,14 @@ class TrainerActor(Actor):
         return self.version, trainable_state(self.policy)
 
     @endpoint
-    def kl_to_initial(self) -> float:
-        return self.learner.kl_to_initial()
-
-    @endpoint
     def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         return completion_logprobs(self.policy, prompt_ids, completion_ids)
 
     @endpoint
     def save(self, step: int, extra: dict[str, Any]) -> str:
-        """A complete checkpoint of ``step``: the controller's ``extra`` plus the learner's."""
+        """A complete checkpoint of ``step``: weights, optimizer and schedule from here, the
+        controller's ``extra`` state (the learner's own ``state_dict`` among it)."""
         learner = self.learner
-        extra = {**extra, **learner.state_dict(), "diloco": learner.sync.state_dict()}
         path = self.checkpoints.save(
             step,
             model=self.policy,
@@ -231,7 +244,9 @@ class TrainerActor(Actor):
 
     @endpoint
     def resume(self) -> tuple[int, dict[str, Any]] | None:
-        """Restore the latest checkpoint: (step, its extra state), or None without one."""
+        """Restore the latest checkpoint's weights, optimizer and schedule: (step, its extra
+        state), or None without one. The learner's own state is in the extra state; the
+        controller restores it through :meth:`call_learner` ``load_state_dict``."""
         latest = self.checkpoints.latest()
         if latest is None:
             return None
@@ -239,7 +254,6 @@ class TrainerActor(Actor):
         state = self.checkpoints.load(
             latest, model=self.policy, optimizer=learner.optimizer, scheduler=learner.scheduler
         )
-        learner.load_state_dict(state["extra"])
         self.version = state["step"]
         return state["step"], state["extra"]
 

@@ -6,13 +6,16 @@ kill switch, metrics, report, summary); only two of its parts move out of proces
 
 - ``run_rollouts``: a step's tasks are cut into contiguous shares, one per generator
   process (:class:`~.actors.GeneratorActor`); the completions of single-turn environments
-  are then cut into shares for the rewarder processes (:class:`~.actors.RewarderActor`).
-  Multi-turn environments come back graded from the generators.
-- the learner: :class:`RemoteLearner` sends the packed micro-batches to the trainer process
-  (:class:`~.actors.TrainerActor`), then moves the new weights, tagged with their version
-  (the step number), to every generator and into the controller's own copy (used for
-  evaluation and by algorithms that score with the live policy). Checkpoints are written by
-  the trainer process (model, optimizer, schedule, teachers) with the controller's state.
+  are then graded by :class:`RemoteGrader` (the Grader role: shares for the rewarder
+  processes, :class:`~.actors.RewarderActor`). Multi-turn environments come back graded
+  from the generators.
+- the learner: :class:`RemoteLearner` is the controller's Learner (the
+  :class:`~composer_replication.roles.Learner` role): every method runs on the trainer
+  process's learner (:class:`~.actors.TrainerActor`); after a step it moves the new weights,
+  tagged with their version (the step number), to every generator and into the
+  controller's own copy (used for evaluation and by algorithms that score with the live
+  policy). Checkpoints are written by the trainer process (model, optimizer, schedule) with
+  the controller's state (the learner's own among it).
 
 Every actor call waits at most ``engine.call_timeout_s``; a dead process (its calls fail
 with Monarch's supervision error within seconds) or a silent one ends the run with
@@ -23,6 +26,7 @@ with Monarch's supervision error within seconds) or a silent one ends the run wi
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +40,15 @@ if TYPE_CHECKING:
     from composer_replication.trainer.lifecycle import RunResult
     from composer_replication.wire import MicroBatch
 
-__all__ = ["ActorFailedError", "MonarchTrainer", "RemoteLearner", "RoleMesh", "shares", "train"]
+__all__ = [
+    "ActorFailedError",
+    "MonarchTrainer",
+    "RemoteGrader",
+    "RemoteLearner",
+    "RoleMesh",
+    "shares",
+    "train",
+]
 
 
 class ActorFailedError(RuntimeError):
@@ -137,12 +149,7 @@ class RoleMesh:
         groups = [g for k, _, fut in pending for g in self.get(fut, f"generator {k}")]
         if not split_env:
             return groups
-        graded = [
-            (k, self.rewarder(k).grade.call_one(env_index, share))
-            for k, share in enumerate(shares(groups, self.engine.rewarders))
-            if share
-        ]
-        return [g for k, fut in graded for g in self.get(fut, f"rewarder {k}")]
+        return RemoteGrader(self, env_index).grade_groups(groups)
 
     def publish(self, version: int, state: dict[str, Any]) -> None:
         """Send the learner's weights of ``version`` to every generator and wait for all."""
@@ -175,8 +182,28 @@ class _WholeCopy:
         return contextlib.nullcontext()
 
 
+class RemoteGrader:
+    """The :class:`~composer_replication.roles.Grader` of one split environment on the
+    rewarder processes: the groups cut into contiguous shares, one per rewarder."""
+
+    def __init__(self, mesh: RoleMesh, env_index: int) -> None:
+        self.mesh = mesh
+        self.env_index = env_index
+
+    def grade_groups(self, groups: Sequence[Sequence[Rollout]]) -> list[list[Rollout]]:
+        mesh = self.mesh
+        graded = [
+            (k, mesh.rewarder(k).grade.call_one(self.env_index, [list(g) for g in share]))
+            for k, share in enumerate(shares(list(groups), mesh.engine.rewarders))
+            if share
+        ]
+        return [g for k, fut in graded for g in mesh.get(fut, f"rewarder {k}")]
+
+
 class RemoteLearner:
-    """The controller's handle on the trainer process, in the shape of a ``Learner``."""
+    """The controller's :class:`~composer_replication.roles.Learner`: each method of the
+    role runs on the trainer process's learner (``TrainerActor.call_learner``); after an
+    update the new weights move to the generators and into the controller's copy."""
 
     def __init__(self, mesh: RoleMesh, policy: Any) -> None:
         self.mesh = mesh
@@ -184,13 +211,26 @@ class RemoteLearner:
         self.weights = _WholeCopy()
         self.sync = NO_SYNC
         self.version = 0
-        self._lr = 0.0
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.mesh.get(self.mesh.trainer.call_learner.call_one(method, list(args)), "trainer")
 
     def update(self, batches: list[MicroBatch], step: int) -> dict[str, Any]:
-        row = self.mesh.get(self.mesh.trainer.update.call_one(batches, step), "trainer")
-        self._lr = row.pop("lr")
+        row = self._call("update", batches, step)
         self.sync_weights()
         return row
+
+    def lr(self) -> float:
+        return self._call("lr")
+
+    def kl_to_initial(self) -> float:
+        return self._call("kl_to_initial")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._call("load_state_dict", state)
 
     def sync_weights(self) -> int:
         """Move the trainer's newest weights to the generators and the controller."""
@@ -201,18 +241,6 @@ class RemoteLearner:
         load_trainable_state(self.policy, state)
         self.version = version
         return version
-
-    def lr(self) -> float:
-        return self._lr
-
-    def kl_to_initial(self) -> float:
-        return self.mesh.get(self.mesh.trainer.kl_to_initial.call_one(), "trainer")
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # the trainer process adds its own to every checkpoint
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing here: the trainer process restored its state with the checkpoint."""
 
 
 class MonarchTrainer(Trainer):
@@ -249,7 +277,7 @@ class MonarchTrainer(Trainer):
             ) from exc
         super().__init__(config, run_dir=run_dir, console=console)
         self.mesh = RoleMesh(config, self.run_dir, engine)
-        self.learner = RemoteLearner(self.mesh, self.policy)
+        self.learner: RemoteLearner = RemoteLearner(self.mesh, self.policy)
         self.split_envs = [_is_split(rt.env) for rt in self.runtimes]
 
     def run_rollouts(

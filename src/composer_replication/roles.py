@@ -1,0 +1,151 @@
+"""The roles of a run as typed protocols: Sampler, Grader, Learner, Evaluator.
+
+A run is roles driven by one controller (the native loop), and the roles are the same
+code in every engine: the controller holds each role by its protocol and never asks an
+object what it can do (no ``hasattr``). Implementations satisfy a protocol structurally
+(nothing here is subclassed); ``isinstance`` against a protocol checks that its members
+are present, and the tests also compare the implementations' method signatures with
+the protocol's.
+
+- :class:`Sampler`: prompts as token ids in, completions as token ids with their
+  sampling log-probs out. ``rollout.generate.InProcessSampler`` (a model in this
+  process), ``inference.sampler.EngineSampler`` (the live policy on a vLLM server),
+  ``rollout.endpoint_sampler.EndpointSampler`` (a frozen OpenAI-compatible endpoint).
+- :class:`Grader`: sampled rollouts in, the same rollouts with rewards, feedback and
+  errors out; a bad completion is a graded failure, never an exception.
+  ``envs.python_functions.PythonFunctionsEnv`` (in process) and
+  ``recipes.monarch.engine.RemoteGrader`` (on the rewarder processes).
+- :class:`Learner`: packed micro-batches in, one optimizer step out.
+  ``trainer.learner.Learner`` (in process, or FSDP2 shards under torchrun) and
+  ``recipes.monarch.engine.RemoteLearner`` (on the trainer process).
+- :class:`Evaluator`: a sampler in, its held-out pass@1 out (the kill switch's signal).
+  ``trainer.lifecycle.RunLifecycle``.
+
+This module imports nothing at run time beyond ``typing``: every layer may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Generic, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from composer_replication.rollout.generate import Generation, SamplingSettings
+    from composer_replication.rollout.types import Rollout
+    from composer_replication.wire import MicroBatch
+
+__all__ = ["Evaluator", "Grader", "Learner", "PolicyWeights", "Sampler", "protocol_methods"]
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Turns prompts (token ids) into completions (token ids) with their sampling
+    log-probs.
+
+    Attributes:
+        samples_from_live_policy: True when the samples come from the policy being
+            trained (their log-probs can form the rl component's importance ratio and
+            they age as the policy moves on); False for a frozen source (a teacher
+            endpoint, a frozen local model), whose samples never go stale.
+    """
+
+    samples_from_live_policy: bool
+
+    def sample_batch(
+        self,
+        tokenizer: Any,
+        prompts: Sequence[Sequence[int]],
+        settings: SamplingSettings,
+        *,
+        max_rows: int | None = None,
+        on_row_done: Callable[[int, Generation], None] | None = None,
+    ) -> list[Generation]:
+        """One completion per prompt, in order.
+
+        ``max_rows``: at most this
+        many rows sample at once (a hint; samplers without a row limit ignore it).
+        ``on_row_done(index, generation)`` is called once per prompt as soon as its
+        completion is known (at the latest before this call returns)."""
+        ...
+
+
+@runtime_checkable
+class Grader(Protocol):
+    """Grades sampled rollouts: rewards, feedback (error sites) and errors filled in."""
+
+    def grade_groups(self, groups: Sequence[Sequence[Rollout]]) -> list[list[Rollout]]:
+        """``groups`` graded, same shape and order. Never raises for a bad completion:
+        that is a graded failure (reward 0, ``error`` set)."""
+        ...
+
+
+@runtime_checkable
+class PolicyWeights(Protocol):
+    """How the controller reaches a learner's weights (a no-op for a whole copy)."""
+
+    def gathered(self) -> AbstractContextManager[Any]:
+        """Whole weights inside the block (a sharded policy samples collective-free)."""
+        ...
+
+    def accumulating(self) -> AbstractContextManager[Any]:
+        """Gradients accumulate inside the block (sharded: reduced once at its end)."""
+        ...
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """The algorithm-blind step over packed micro-batches, the optimizer and its
+    schedule.
+
+    Attributes:
+        weights: the policy's weights as the controller may use them.
+        sync: the DiLoCo hook around the step loop (``NO_SYNC`` when off); the
+            controller sets it for the length of a run.
+    """
+
+    weights: PolicyWeights
+    sync: Any
+
+    def update(self, batches: list[MicroBatch], step: int) -> dict[str, Any]:
+        """One optimizer step over ``batches`` (``step``: the step number after it); the
+        step's metrics."""
+        ...
+
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        ...
+
+    def kl_to_initial(self) -> float:
+        """Token-mean KL of the policy to its initial weights on the last step's batches."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the learner beyond weights, optimizer and schedule."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (from a checkpoint's extra state)."""
+        ...
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """Measures a sampler on held-out tasks."""
+
+    def evaluate(self, sampler: Sampler, tokenizer: Any, tasks: Sequence[Any]) -> float:
+        """Held-out pass@1 of ``sampler`` over ``tasks`` (one
+        ``trainer.lifecycle.HeldoutTasks`` per environment)."""
+        ...
+
+
+def protocol_methods(protocol: type) -> tuple[str, ...]:
+    """The methods a role protocol requires, sorted (its attributes left out)."""
+    names: set[str] = set()
+    for klass in protocol.__mro__:
+        if klass in (Protocol, Generic, object) or not getattr(klass, "_is_protocol", False):
+            continue
+        names.update(
+            name for name, value in vars(klass).items() if callable(value) and name[0] != "_"
+        )
+    return tuple(sorted(names))
