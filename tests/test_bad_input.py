@@ -292,6 +292,19 @@ CASES: list[tuple[str, str, int, str]] = [
     ("train-steps-0", "train --set steps=0", 2, "steps"),
     ("train-infinite-lr", "train --set optim.lr=1e999", 2, "optim.lr"),
     (
+        "diloco-status-unknown-run",
+        "diloco status nosuchrun --state-dir {empty_run}",
+        2,
+        "nosuchrun",
+    ),
+    ("diloco-logs-no-runs", "diloco logs --state-dir {empty_run}", 2, "no DiLoCo runs"),
+    (
+        "diloco-cancel-unknown-run",
+        "diloco cancel nosuchrun --state-dir {empty_run}",
+        2,
+        "nosuchrun",
+    ),
+    (
         "train-custom-loss-unimportable",
         "train --set loss.type=custom --set loss.import_path=no_such_module:rl",
         2,

@@ -12,10 +12,12 @@ work; the typer commands in ``diloco_app`` only parse options.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +203,7 @@ def launch_command(
     entrypoint: str = typer.Option(TRAIN_REPLICA, hidden=True, help="Replica function."),
 ) -> None:
     """Start N replicas of `train CONFIG` with DiLoCo on, meeting through the rendezvous."""
-    try:
+    with _one_line_errors():
         state = launch(
             config,
             executor,
@@ -215,10 +217,17 @@ def launch_command(
             options=parse_options(opt),
             entrypoint=entrypoint,
         )
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"launched run {state['run_id']}: {replicas} replicas on {executor}")
     typer.echo(f"rendezvous: {state['rendezvous']}")
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """A run that is not recorded, or a backend's refusal, as a one-line usage error."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 @diloco_app.command("status")
@@ -227,7 +236,9 @@ def status_command(
     state_dir: Path = _STATE_DIR,
 ) -> None:
     """Each replica's status: pending, running, succeeded, failed or cancelled."""
-    for row in status(run_id, state_dir=state_dir):
+    with _one_line_errors():
+        rows = status(run_id, state_dir=state_dir)
+    for row in rows:
         typer.echo(f"rank {row['rank']}: {row['status']}")
 
 
@@ -239,7 +250,9 @@ def logs_command(
     state_dir: Path = _STATE_DIR,
 ) -> None:
     """The tail of each replica's log."""
-    for r, text in logs(run_id, rank=rank, n_lines=lines, state_dir=state_dir).items():
+    with _one_line_errors():
+        tails = logs(run_id, rank=rank, n_lines=lines, state_dir=state_dir)
+    for r, text in tails.items():
         typer.echo(f"===== rank {r} =====\n{text}")
 
 
@@ -249,5 +262,6 @@ def cancel_command(
     state_dir: Path = _STATE_DIR,
 ) -> None:
     """Stop every replica of the run."""
-    n = cancel(run_id, state_dir=state_dir)
+    with _one_line_errors():
+        n = cancel(run_id, state_dir=state_dir)
     typer.echo(f"cancelled {n} replicas")
