@@ -21,19 +21,14 @@ from composer_replication.algo.base import (
     Algorithm,
     AlgorithmResources,
 )
-from composer_replication.algo.replay_dpo import (
-    PairPool,
-    build_pair_pool,
-    fill_pair_reference_logps,
-    pair_sample,
-)
+from composer_replication.algo.replay_dpo import PairDrawing, build_pair_pool, pair_sample
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.algo.sdpo import grpo_with_self_distillation
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import DPOPairTokens, TrainingSample
 
 
-class ComposerAlgorithm(Algorithm):
+class ComposerAlgorithm(PairDrawing, Algorithm):
     """Dr.GRPO + alpha_sdpo * SDPO + beta_replay * trace-replay DPO."""
 
     name = "composer"
@@ -50,8 +45,7 @@ class ComposerAlgorithm(Algorithm):
     ) -> None:
         super().__init__(config)
         self.tokenizer = tokenizer
-        self.pool = PairPool(pairs, rng or random.Random(0))
-        self.reference_scorer = reference_scorer
+        self._draw_from(pairs, rng, reference_scorer)
 
     @classmethod
     def build(cls, config: Any, resources: AlgorithmResources) -> ComposerAlgorithm:
@@ -71,13 +65,6 @@ class ComposerAlgorithm(Algorithm):
             rng=resources.rng,
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"pool": self.pool.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("pool"):
-            self.pool.load_state_dict(state["pool"])
-
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         cfg = self.advantage_config
         samples = grpo_with_self_distillation(self.name, group, cfg, self.tokenizer)
@@ -87,7 +74,4 @@ class ComposerAlgorithm(Algorithm):
 
     async def score(self, samples: list[TrainingSample]) -> None:
         """DPO reference log-probs of the pairs (left to the trainer without a scorer)."""
-        if self.reference_scorer is None:
-            return
-        pairs = [s.dpo for s in samples if s.dpo is not None]
-        await fill_pair_reference_logps(pairs, self.reference_scorer)
+        await self.score_pairs(samples)

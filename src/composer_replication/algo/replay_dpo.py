@@ -175,7 +175,39 @@ async def fill_pair_reference_logps(pairs: Sequence[DPOPairTokens], scorer: Pref
     set_reference_logps(todo, sums[0::2], sums[1::2])
 
 
-class ReplayDPOAlgorithm(Algorithm):
+class PairDrawing:
+    """What an algorithm that draws preference pairs shares: the pool (its draw order is
+    the algorithm's resumable state) and the pairs' reference scorer."""
+
+    pool: PairPool
+    reference_scorer: PrefillScorer | None
+
+    def _draw_from(
+        self,
+        pairs: Sequence[DPOPairTokens],
+        rng: random.Random | None,
+        reference_scorer: PrefillScorer | None,
+    ) -> None:
+        self.pool = PairPool(pairs, rng or random.Random(0))
+        self.reference_scorer = reference_scorer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pool": self.pool.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("pool"):
+            self.pool.load_state_dict(state["pool"])
+
+    async def score_pairs(self, samples: list[TrainingSample]) -> None:
+        """DPO reference log-probs of the samples' pairs (left to the trainer without a
+        scorer)."""
+        if self.reference_scorer is None:
+            return
+        pairs = [s.dpo for s in samples if s.dpo is not None]
+        await fill_pair_reference_logps(pairs, self.reference_scorer)
+
+
+class ReplayDPOAlgorithm(PairDrawing, Algorithm):
     """dpo on replayed preference pairs; rollouts of the group carry no signal here."""
 
     name = "replay_dpo"
@@ -190,8 +222,7 @@ class ReplayDPOAlgorithm(Algorithm):
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(config)
-        self.pool = PairPool(pairs, rng or random.Random(0))
-        self.reference_scorer = reference_scorer
+        self._draw_from(pairs, rng, reference_scorer)
 
     @classmethod
     def build(cls, config: Any, resources: AlgorithmResources) -> ReplayDPOAlgorithm:
@@ -201,13 +232,6 @@ class ReplayDPOAlgorithm(Algorithm):
         )
         return cls(config, pairs, reference_scorer=resources.reference_scorer, rng=resources.rng)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"pool": self.pool.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("pool"):
-            self.pool.load_state_dict(state["pool"])
-
     def assign(self, group: list[Rollout]) -> list[TrainingSample]:
         """``pairs_per_group`` pair-only samples; the group's rollouts are not used."""
         k = self.advantage_config.pairs_per_group
@@ -215,7 +239,5 @@ class ReplayDPOAlgorithm(Algorithm):
 
     async def score(self, samples: list[TrainingSample]) -> None:
         """Reference log-probs for DPO pairs (SimPO is reference-free: nothing to do)."""
-        if self.reference_scorer is None or self.advantage_config.dpo_variant == "simpo":
-            return
-        pairs = [s.dpo for s in samples if s.dpo is not None]
-        await fill_pair_reference_logps(pairs, self.reference_scorer)
+        if self.advantage_config.dpo_variant != "simpo":
+            await self.score_pairs(samples)
