@@ -60,7 +60,7 @@ def test_opd_assign_and_score(tokenizer, teacher_model):
     multi = Rollout("add", [1, 4093, 198], [31041, 665, 42, 7], [-0.5, -0.25, 0.0, -1.0],
                     completion_mask=[1, 1, 0, 1])  # fmt: skip
     empty = Rollout("add", [1, 4093], [], [])
-    samples = algo.assign([_rollout(tokenizer, BAD, 0.0), multi, empty])
+    samples = algo.process_group([_rollout(tokenizer, BAD, 0.0), multi, empty])
     s0, s1, s2 = samples
     n_prompt = len(_prompt(tokenizer, MESSAGES))
     assert s0.ref_kl_weights == [0.0] * n_prompt + [1.0] * (s0.n_tokens - n_prompt)
@@ -97,7 +97,7 @@ def test_opsd_demo_context_and_score(tiny):
         _rollout(tokenizer, GOOD, 1.0),  # best, no reference: no signal
     ]
     assert tokenizer.decode(group[0].completion_ids, skip_special_tokens=True) == GOOD
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     n_prompt = len(group[1].prompt_ids)
 
     demo_msg = f"Write add(a, b).\n\nHere is a correct solution, for reference:\n{GOOD}"
@@ -128,9 +128,9 @@ def test_opsd_template_and_missing_messages(tokenizer):
     )
     algo = build_algorithm(config, tokenizer=tokenizer, scorer=LocalPrefillScorer(None))
     group = [_rollout(tokenizer, GOOD, 1.0), _rollout(tokenizer, BAD, 0.0)]
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     text = tokenizer.decode(samples[1].metadata[REF_CONTEXT])
     assert f"Write add(a, b).\n<demo>{GOOD}</demo><|im_end|>" in text
     group[1].prompt_messages = None
     with pytest.raises(ValueError, match="has no prompt_messages"):
-        algo.assign(group)
+        algo.process_group(group)

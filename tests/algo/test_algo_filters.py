@@ -42,7 +42,7 @@ def _assign(tokenizer, advantage: dict, rewards, feedback=None, **resources):
         _rollout(tokenizer, texts[i % 3], r, feedback=(feedback if i == 0 else None))
         for i, r in enumerate(rewards)
     ]
-    return algo.assign(group)
+    return algo.process_group(group)
 
 
 def _counts(samples) -> dict[str, int]:

@@ -92,7 +92,7 @@ def test_replay_dpo_assign_score_and_pack(tiny, tmp_path):
     )
     algo = build_algorithm(config, tokenizer=tokenizer, reference_scorer=LocalPrefillScorer(model))
     rollout = Rollout("t", [1, 2], [3], [-0.1])
-    samples = algo.assign([rollout])
+    samples = algo.process_group([rollout])
     assert len(samples) == 2 and all(s.input_ids == [] for s in samples)
     assert {s.dpo.weight for s in samples} == {0.5}
 
@@ -139,7 +139,7 @@ def test_simpo_and_no_scorer_leave_reference_alone(tokenizer):
         algo = build_algorithm(
             AlgorithmConfig(advantage=advantage), pairs=pairs, reference_scorer=scorer
         )
-        samples = algo.assign([])
+        samples = algo.process_group([])
         asyncio.run(algo.score(samples))  # "x" would fail if called
         assert samples[0].dpo.ref_chosen_logp is None
         assert samples[0].dpo.weight == 1.0 and pairs[0].weight == 7.0  # a copy took the weight

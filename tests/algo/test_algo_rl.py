@@ -1,4 +1,4 @@
-"""assign() of the rl / ce algorithms on hand-made rollouts: exact streams, packable."""
+"""process_group() of the rl / ce algorithms on hand-made rollouts: exact streams, packable."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _build(advantage, **sampling):
 
 
 def test_rollout_to_sample_layout():
-    (sample,) = _build({"type": "reward"}).assign([_multi_turn(1.0)])
+    (sample,) = _build({"type": "reward"}).process_group([_multi_turn(1.0)])
     assert sample.input_ids == [5, 6, 7, 10, 11, 20, 21, 12]
     assert sample.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
     assert sample.inference_logprobs == [0.0, 0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -0.125]
@@ -57,7 +57,7 @@ def test_rollout_to_sample_layout():
 
 def test_grpo_assign():
     group = [_rollout(1.0), _multi_turn(0.0), _rollout(0.0), _rollout(1.0)]
-    samples = _build({"type": "grpo"}).assign(group)
+    samples = _build({"type": "grpo"}).process_group(group)
     assert [s.advantages for s in samples] == [
         [0, 0, 0, 0.5, 0.5, 0.5],
         [0, 0, 0, -0.5, -0.5, 0, 0, -0.5],
@@ -74,7 +74,7 @@ def test_grpo_std_normalize_and_length_penalty():
     # lengths 4 and 3, target 2: penalties 0.5 * 2/2 = 0.5 and 0.5 * 1/2 = 0.25
     algo = _build({"type": "grpo", "length_penalty": 0.5, "length_target": 2})
     assert algo.group_advantages(group) == [-0.125, 0.125]
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     assert samples[0].advantages == [0, 0, 0, -0.125, -0.125, -0.125, -0.125]
     std_algo = _build({"type": "grpo", "std_normalize": True})
     a = std_algo.group_advantages([_rollout(2.0), _rollout(0.0)])
@@ -83,21 +83,21 @@ def test_grpo_std_normalize_and_length_penalty():
 
 def test_max_rl_assign():
     group = [_rollout(1.0), _rollout(0.0), _rollout(0.0), _rollout(0.0)]
-    samples = _build({"type": "max_rl"}).assign(group)
+    samples = _build({"type": "max_rl"}).process_group(group)
     hi, lo = 0.75 / (0.25 + 1e-6), -0.25 / (0.25 + 1e-6)
     assert samples[0].advantages == [0, 0, 0, hi, hi, hi]
     assert samples[3].advantages == [0, 0, 0, lo, lo, lo]
-    unsolved = _build({"type": "max_rl"}).assign([_rollout(0.0), _rollout(0.0)])
+    unsolved = _build({"type": "max_rl"}).process_group([_rollout(0.0), _rollout(0.0)])
     assert [s.advantages for s in unsolved] == [[0.0] * 6] * 2
     _check_packable(samples + unsolved)
 
 
 def test_reward_assign_is_the_raw_reward():
-    samples = _build({"type": "reward"}, group_size=1).assign([_multi_turn(0.75)])
+    samples = _build({"type": "reward"}, group_size=1).process_group([_multi_turn(0.75)])
     assert samples[0].advantages == [0, 0, 0, 0.75, 0.75, 0, 0, 0.75]
     _check_packable(samples)
     with pytest.raises(ValueError, match="not finite"):
-        _build({"type": "reward"}).assign([_rollout(float("inf"))])
+        _build({"type": "reward"}).process_group([_rollout(float("inf"))])
 
 
 def test_custom_via_import_path():
@@ -108,7 +108,7 @@ def test_custom_via_import_path():
             "kwargs": {"scale": 0.5},
         }
     )
-    samples = algo.assign([_rollout(1.0), _multi_turn(0.5)])
+    samples = algo.process_group([_rollout(1.0), _multi_turn(0.5)])
     assert samples[0].advantages == [0, 0, 0, 0.5, 0.5, 0.5]
     # observation tokens get 0.0 whatever the function returned
     assert samples[1].advantages == [0, 0, 0, 0.25, 0.25, 0, 0, 0.25]
@@ -128,7 +128,7 @@ def test_custom_takes_advantage_inputs_and_broadcasts_group_credit():
     config = AlgorithmConfig(
         advantage={"type": "custom", "import_path": "x.y:z", "kwargs": {"scale": 2.0}}
     )
-    samples = CustomAlgorithm(config, fn=centred).assign([_rollout(1.0), _multi_turn(0.0)])
+    samples = CustomAlgorithm(config, fn=centred).process_group([_rollout(1.0), _multi_turn(0.0)])
     assert seen == [(AdvantageInputs, [1.0, 0.0], [3, 5])]
     assert samples[0].advantages == [0, 0, 0, 1.0, 1.0, 1.0]
     assert samples[1].advantages == [0, 0, 0, -1.0, -1.0, 0, 0, -1.0]  # observations 0
@@ -154,7 +154,7 @@ def test_custom_per_token_values_and_kwargs():
     config = AlgorithmConfig(
         advantage={"type": "custom", "import_path": "x.y:z", "kwargs": {"k": 1}}
     )
-    samples = CustomAlgorithm(config, fn=fn).assign([_rollout(0.0), _multi_turn(0.0)])
+    samples = CustomAlgorithm(config, fn=fn).process_group([_rollout(0.0), _multi_turn(0.0)])
     assert seen == {"k": 1}
     assert samples[0].advantages == [0, 0, 0, 0.1, 0.2, 0.3]
     assert samples[1].advantages == [0, 0, 0, 1.0, 2.0, 0.0, 0.0, 5.0]
@@ -163,11 +163,11 @@ def test_custom_per_token_values_and_kwargs():
 def test_custom_wrong_shapes_are_rejected():
     group = [_rollout(0.0), _multi_turn(0.0)]
     with pytest.raises(ValueError, match="returned 1 lists for a group of 2 rollouts"):
-        _custom(lambda g: [[0.0, 0.0, 0.0]]).assign(group)
+        _custom(lambda g: [[0.0, 0.0, 0.0]]).process_group(group)
     with pytest.raises(ValueError, match=r"rollout 1 \('t1'\) has 5 completion tokens but 3"):
-        _custom(lambda g: [[0.0] * 3, [0.0] * 3]).assign(group)
+        _custom(lambda g: [[0.0] * 3, [0.0] * 3]).process_group(group)
     with pytest.raises(ValueError, match=r"non-finite advantages at completion tokens \[1\]"):
-        _custom(lambda g: [[0.0, float("nan"), 0.0], [0.0] * 5]).assign(group)
+        _custom(lambda g: [[0.0, float("nan"), 0.0], [0.0] * 5]).process_group(group)
 
 
 def test_custom_unimportable_function_fails_at_build():
@@ -181,7 +181,7 @@ def test_sft_assign_is_ce_on_sampled_tokens():
         sampling={"source": {"name": "t", "base_url": "http://x/v1"}},
         advantage={"type": "sft", "ce_weight": 0.5},
     )
-    (sample,) = build_algorithm(config).assign([_multi_turn(0.0)])
+    (sample,) = build_algorithm(config).process_group([_multi_turn(0.0)])
     assert sample.ce_weights == [0, 0, 0, 0.5, 0.5, 0, 0, 0.5]
     assert sample.rl_weights == [0.0] * 8
     assert sample.advantages is None
@@ -194,7 +194,7 @@ def test_echo_assign_weights_observations_per_role():
     algo = _build({"type": "echo", "roles": {"tool": {"alpha": 0.1}, "user": {"alpha": 0.5}}})
     roles = ("assistant", "assistant", "tool", "user", "assistant")
     group = [_multi_turn(1.0), _multi_turn(0.0, roles=roles), _rollout(0.0)]
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     a = 1.0 - 1.0 / 3.0  # r - mean, as computed
     assert samples[0].advantages == [0, 0, 0, a, a, 0, 0, a]
     assert samples[0].ce_weights == [0, 0, 0, 0, 0, 0.1, 0.1, 0]
@@ -212,7 +212,7 @@ def test_echo_filter_keep_mask_and_missing_roles():
     algo = EchoAlgorithm(
         config, filter_fn=lambda r: [[r.reward > 0] * len(step) for step in r.trajectory]
     )
-    samples = algo.assign([_multi_turn(1.0), _multi_turn(0.0)])
+    samples = algo.process_group([_multi_turn(1.0), _multi_turn(0.0)])
     assert samples[0].ce_weights == [0, 0, 0, 0, 0, 0.1, 0.1, 0]
     assert samples[1].ce_weights is None  # filtered out: rl credit only
     assert samples[1].advantages == [0, 0, 0, -0.5, -0.5, 0, 0, -0.5]
@@ -227,10 +227,10 @@ def test_echo_filter_keep_mask_and_missing_roles():
 def test_base_checks_and_defaults():
     algo = _build({"type": "grpo"})
     with pytest.raises(ValueError, match="empty group"):
-        algo.assign([])
+        algo.process_group([])
     other = Rollout("t2", [1], [2], [0.0])
     with pytest.raises(ValueError, match=r"task ids \['t1', 't2'\]"):
-        algo.assign([_rollout(0.0), other])
+        algo.process_group([_rollout(0.0), other])
     assert algo.observation_weights(_multi_turn(0.0)) == [0.0] * 5
     assert algo.components == ("rl",)
     assert algo.advantage_config.loss_requirements() == {}

@@ -71,7 +71,7 @@ def _check_teacher(sample, rollout, teacher_prompt, alpha):
 def test_sdpo_assign(tokenizer):
     algo = build_algorithm(AlgorithmConfig(advantage={"type": "sdpo"}), tokenizer=tokenizer)
     group = _group(tokenizer)
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     adv = grpo_advantages([1.0, 0.0, 1.0]).tolist()
     for sample, rollout, a in zip(samples, group, adv):
         n_prompt = len(rollout.prompt_ids)
@@ -112,7 +112,7 @@ def test_sdpo_hints_without_demos(tokenizer, hint_source, feedback, expected):
     )
     algo = build_algorithm(config, tokenizer=tokenizer)
     group = [_rollout(tokenizer, GOOD, 1.0), _rollout(tokenizer, BAD, 0.0, feedback=feedback)]
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     _check_teacher(samples[1], group[1], _hinted(tokenizer, f"{TASK}\n\nHint: {expected}"), 0.5)
 
 
@@ -133,7 +133,7 @@ def test_reference_demonstrations_stand_in_for_a_missing_better_sibling(tokenize
         return rollouts
 
     on = AlgorithmConfig(advantage={"type": kind, "use_reference_demos": True})
-    samples = build_algorithm(on, tokenizer=tokenizer).assign(group())
+    samples = build_algorithm(on, tokenizer=tokenizer).process_group(group())
     demo = f"{TASK}\n\nHere is a correct solution, for reference:\n{reference}"
     alpha = 1.0 if kind == "sdpo" else 0.1
     for sample, rollout in zip(samples, group()):
@@ -142,18 +142,19 @@ def test_reference_demonstrations_stand_in_for_a_missing_better_sibling(tokenize
     # a better sibling is still the demonstration
     better = [*group(), _rollout(tokenizer, GOOD, 1.0)]
     notes = [
-        s.metadata.get("jsd_note") for s in build_algorithm(on, tokenizer=tokenizer).assign(better)
+        s.metadata.get("jsd_note")
+        for s in build_algorithm(on, tokenizer=tokenizer).process_group(better)
     ]
     assert notes[:3] == ["demo", "demo", None]  # (composer adds its pair sample after)
     # off (the default), or no reference on the rollout: a hint
     off = AlgorithmConfig(advantage={"type": kind})
-    off_samples = build_algorithm(off, tokenizer=tokenizer).assign(group())
+    off_samples = build_algorithm(off, tokenizer=tokenizer).process_group(group())
     assert [s.metadata.get("jsd_note") for s in off_samples[:2]] == ["hint", "hint"]
     bare = [
         _rollout(tokenizer, BAD, 0.0, feedback="failed"),
         _rollout(tokenizer, BAD, 0.0, feedback="failed"),
     ]
-    bare_samples = build_algorithm(on, tokenizer=tokenizer).assign(bare)
+    bare_samples = build_algorithm(on, tokenizer=tokenizer).process_group(bare)
     assert [s.metadata.get("jsd_note") for s in bare_samples[:2]] == ["hint", "hint"]
 
 
@@ -177,11 +178,11 @@ def test_sdpo_no_signal_without_notes_or_error_sites(tokenizer):
     config = AlgorithmConfig(
         advantage={"type": "sdpo", "use_sibling_demos": False, "hint_source": "none"}
     )
-    samples = build_algorithm(config, tokenizer=tokenizer).assign(_group(tokenizer))
+    samples = build_algorithm(config, tokenizer=tokenizer).process_group(_group(tokenizer))
     assert all(s.jsd_weights is None for s in samples)
     uniform = [_rollout(tokenizer, GOOD, 1.0), _rollout(tokenizer, BAD, 1.0)]
     algo = build_algorithm(AlgorithmConfig(advantage={"type": "sdpo"}), tokenizer=tokenizer)
-    assert all(s.jsd_weights is None for s in algo.assign(uniform))
+    assert all(s.jsd_weights is None for s in algo.process_group(uniform))
 
 
 def test_composer_assign_and_score(tiny):
@@ -191,7 +192,7 @@ def test_composer_assign_and_score(tiny):
         config, tokenizer=tokenizer, pairs=PAIRS, reference_scorer=LocalPrefillScorer(model)
     )
     group = _group(tokenizer)
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     assert len(samples) == 4
     *seq_samples, pair_sample = samples
     demo = f"{TASK}\n\nHere is a correct solution, for reference:\n{GOOD}"
@@ -213,7 +214,7 @@ def test_composer_assign_and_score(tiny):
     batches = pack_samples(samples, max_tokens=4096, split=None)
     assert [p.weight for b in batches for p in b.pairs] == [0.05]
     # the next group draws the other pair of the pool
-    assert algo.assign(group)[-1].dpo is not pair
+    assert algo.process_group(group)[-1].dpo is not pair
 
 
 def test_composer_pairs_default_to_the_shipped_file_and_beta_replay_0_turns_them_off(tokenizer):
@@ -223,9 +224,9 @@ def test_composer_pairs_default_to_the_shipped_file_and_beta_replay_0_turns_them
     assert len(shipped) >= 1
     algo = build_algorithm(AlgorithmConfig(advantage={"type": "composer"}), tokenizer=tokenizer)
     assert len(algo.pool.pairs) == len(shipped)
-    assert algo.assign(_group(tokenizer))[-1].dpo.weight == 0.05
+    assert algo.process_group(_group(tokenizer))[-1].dpo.weight == 0.05
     off = AlgorithmConfig(advantage={"type": "composer", "beta_replay": 0.0})
     algo = build_algorithm(off, tokenizer=tokenizer)
-    samples = algo.assign(_group(tokenizer))
+    samples = algo.process_group(_group(tokenizer))
     assert len(samples) == 3 and all(s.dpo is None for s in samples)
     asyncio.run(algo.score(samples))  # nothing to score: a no-op

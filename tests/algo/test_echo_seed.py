@@ -59,7 +59,7 @@ def test_filter_is_called_per_rollout_with_kwargs_and_returns_a_mask_per_step():
     # _turn: step 0 = prompt (3) + [10, 11, 20, 21]; step 1 = prompt + those (7) + [12]
     assert [len(m) for m in algo.keep_masks(group[0])] == [7, 8]
     calls.clear()
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     assert calls == [(1.0, 0.5, {}), (0.0, 0.5, {}), (0.5, 0.5, {}), (0.25, 0.5, {})]
     tool = [0, 0, 0, 0, 0, 0.1, 0.1, 0]
     assert [s.ce_weights for s in samples] == [tool, None, tool, None]
@@ -95,7 +95,7 @@ def test_each_step_mask_selects_the_observation_tokens_of_that_step():
     algo = EchoAlgorithm(_echo(roles={"tool": {"alpha": 0.5}}), filter_fn=drop_token_22)
     # step 2's prompt holds 22 again: only each step's completion span is read
     assert algo.token_keep(rollout) == [True] * 5 + [False, True, True]
-    (sample,) = algo.assign([rollout])
+    (sample,) = algo.process_group([rollout])
     assert sample.ce_weights == [0, 0, 0, 0, 0, 0.5, 0.5, 0, 0, 0.5, 0]
 
 
@@ -118,7 +118,7 @@ def test_filter_from_the_config_import_path_and_kwargs(tmp_path, monkeypatch):
     algo = build_algorithm(config)
     group = [_turn(1.0, feedback="WARNING: deprecated"), _turn(0.0, feedback="ok")]
     assert algo.token_keep(group[0]) == [False] * 5 and algo.token_keep(group[1]) == [True] * 5
-    samples = algo.assign(group)
+    samples = algo.process_group(group)
     assert samples[0].ce_weights is None
     assert samples[1].ce_weights == [0, 0, 0, 0, 0, 0.25, 0.25, 0]
 
@@ -146,7 +146,7 @@ def test_without_a_filter_every_token_is_kept():
 def test_a_filter_must_return_one_mask_per_step(returned, message):
     algo = EchoAlgorithm(_echo(), filter_fn=lambda rollout, **kw: returned)
     with pytest.raises(ValueError, match=message):
-        algo.assign([_turn(1.0), _turn(0.0)])
+        algo.process_group([_turn(1.0), _turn(0.0)])
 
 
 def test_numpy_masks_and_bools_are_accepted():
@@ -230,9 +230,9 @@ def test_echo_with_no_weighted_role_fails_validation(roles):
 def test_observation_tokens_without_roles_raise_at_assign():
     algo = build_algorithm(_echo())
     with pytest.raises(ValueError, match=r"task 't1' has 2 observation tokens .* no token_roles"):
-        algo.assign([_turn(1.0), _turn(0.0, roles=None)])
+        algo.process_group([_turn(1.0), _turn(0.0, roles=None)])
     # a single-turn rollout (no observation token) needs no roles: rl only, no ce
     single = Rollout("t1", list(PROMPT), [10, 11], [-0.5, -0.25], reward=1.0)
-    samples = algo.assign([single, _turn(0.0)])
+    samples = algo.process_group([single, _turn(0.0)])
     assert samples[0].ce_weights is None
     assert samples[1].ce_weights == [0, 0, 0, 0, 0, 0.1, 0.1, 0]

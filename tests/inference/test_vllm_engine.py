@@ -175,7 +175,7 @@ def test_environment_rollouts_reach_the_trainer_exactly_as_sampled(engine, polic
         assert rollout.completion_ids == gen.completion_ids
         assert rollout.inference_logprobs == gen.logprobs
     group[0].reward, group[1].reward = 1.0, 0.0
-    samples = build_algorithm(AlgorithmConfig(advantage={"type": "grpo"})).assign(group)
+    samples = build_algorithm(AlgorithmConfig(advantage={"type": "grpo"})).process_group(group)
     (batch,) = pack_samples(samples, max_tokens=4096, pad_id=tokenizer.pad_token_id, split=None)
     for row, gen in enumerate(sampled):
         n = len(gen.prompt_ids) + len(gen.completion_ids)
@@ -204,7 +204,7 @@ def test_weight_sync_makes_engine_logprobs_equal_the_trained_policy(engine, poli
         Rollout("t", g.prompt_ids, g.completion_ids, g.logprobs, reward=float(i % 2 == 0))
         for i, g in enumerate(gens)
     ]
-    samples = build_algorithm(AlgorithmConfig(advantage={"type": "grpo"})).assign(group)
+    samples = build_algorithm(AlgorithmConfig(advantage={"type": "grpo"})).process_group(group)
     batches = pack_samples(samples, max_tokens=4096, pad_id=tokenizer.pad_token_id, split=None)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

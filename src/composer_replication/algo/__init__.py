@@ -17,7 +17,12 @@ from composer_replication.algo.advantage import (
     length_penalty,
     max_rl_advantages,
 )
-from composer_replication.algo.base import Algorithm, AlgorithmResources, rollout_to_sample
+from composer_replication.algo.base import (
+    Algorithm,
+    AlgorithmResources,
+    FrozenPool,
+    rollout_to_sample,
+)
 from composer_replication.algo.composer import ComposerAlgorithm
 from composer_replication.algo.custom import AdvantageInputs, CustomAlgorithm
 from composer_replication.algo.echo import EchoAlgorithm
@@ -91,8 +96,9 @@ def build_algorithm(
         config: an ``AlgorithmConfig`` (or a dict validated into one).
         tokenizer: the policy's tokenizer; needed by opsd, sdpo, composer (hinted / demo
             contexts) and to tokenise preference pairs (replay_dpo, composer).
-        scorer: prefill scorer of the opd teacher / opsd reference; built from the config's
-            frozen reference when omitted (opsd on ``"policy"`` scores with ``policy``).
+        scorer: prefill scorer of the opd teacher / opsd reference (the frozen pool the
+            class declares ``given_as="scorer"``); built from the config's frozen reference
+            when omitted (opsd on ``"policy"`` scores with ``policy``).
         reference_scorer: frozen reference for DPO log-probs (replay_dpo, composer); without
             one the trainer's reference model fills them.
         pairs: preference pairs (``DPOPair`` / ``NormalizedDPOPair`` objects or dicts, or
@@ -134,6 +140,7 @@ __all__ = [
     "EchoFilter",
     "EndpointPrefillScorer",
     "FrozenEndpoint",
+    "FrozenPool",
     "GRPOAdvantage",
     "GRPOAlgorithm",
     "LocalFrozenModel",

@@ -1,30 +1,40 @@
-"""The ``Algorithm`` interface and the shared Rollout -> TrainingSample conversion.
+"""The ``Algorithm`` interface: rollouts compiled, in stages, into per-token weight streams.
 
-An algorithm turns a finished group of rollouts into training samples: per-token weight
-streams on the trainer's fixed loss components (``rl``, ``ce``, ``ref_kl``, ``jsd``,
-``dpo``). It has three hooks:
+An algorithm turns finished rollouts into training samples: per-token weight streams on
+the trainer's fixed loss components (``rl``, ``ce``, ``ref_kl``, ``jsd``, ``dpo``). The
+compilation runs in stages. Each stage is a hook a subclass overrides; the base class
+drives them, and the pipeline calls only its two drivers, never a hook:
 
-- ``assign(group)``: synchronous, at group finalisation; fills advantages and weights.
-- ``async score(samples)``: at ship time; fills reference log-probs that need a model
-  (a frozen teacher's prefill log-probs, DPO reference log-probs). Default: no-op.
-- ``observation_weights(rollout)``: per completion token, the ``ce`` weight of
-  environment-provided tokens; default 0.0 everywhere (observations are masked).
+- ``process_group(group)``, at group time: ``check_group(group)`` (what groups it accepts;
+  default non-empty, one task) -> ``build_samples(rollout)`` for each rollout (the Rollout ->
+  TrainingSample conversion; observation tokens weighted by ``observation_weights``) ->
+  ``finalize_group(group, samples)`` (group-level credit: advantages, anything that
+  compares siblings; default: the samples unchanged).
+- ``async score(batch)``, at ship time (after filtering): ``score_samples(samples)`` (fill
+  what needs a model, e.g. reference log-probs; default nothing) over the batch in chunks
+  of ``scoring_chunk_size``, at most ``max_concurrent_scoring`` chunks in flight.
 
-An algorithm owns its resources: its ``build`` step takes what it needs from
-:class:`AlgorithmResources` (tokenizer, pairs, scorers, the live policy for an in-process
-reference). The loss settings and the jsd teacher it requires are declared by its config
-(``AdvantageConfig.loss_requirements`` / ``teacher_mode``) and resolved when the run config
-is validated: the trainer never branches on an algorithm's name.
+Frozen models an algorithm scores with (an opd teacher, the opsd reference, the DPO
+reference) are declared on its class (``frozen_pools``: :class:`FrozenPool`), never built
+by the algorithm: ``build`` constructs it (``from_resources``), then ``setup(resources)``
+connects each declared pool with ``connect_frozen_pool(name, pool)``, from a scorer the
+run hands over or from the model the config names; ``connected_pools`` holds them.
+Other resources (tokenizer, pairs, rng) an algorithm takes in ``from_resources`` from
+:class:`AlgorithmResources`. The loss settings and the jsd teacher it requires are
+declared by its config (``AdvantageConfig.loss_requirements`` / ``teacher_mode``) and
+resolved when the run config is validated: the trainer never branches on an algorithm's
+name.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from composer_replication.algo.advantage import align_prefill_logprobs
+from composer_replication.algo.scoring import LocalPrefillScorer, scorer_for
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -34,7 +44,8 @@ if TYPE_CHECKING:
     from composer_replication.algo.scoring import PrefillScorer
     from composer_replication.config.algorithm import AlgorithmConfig
 
-# Sample metadata keys of a pending reference-log-prob request (set by assign, used by score).
+# Sample metadata keys of a pending reference-log-prob request (set at group time, used by
+# score).
 REF_CONTEXT = "ref_context_ids"
 REF_INDEX = "ref_context_index"
 
@@ -45,9 +56,10 @@ class AlgorithmResources:
 
     Attributes:
         tokenizer: the policy's tokenizer.
-        scorer: prefill scorer of an opd teacher / opsd reference (built from the config's
-            frozen model when None; over ``policy`` for a ``"policy"`` reference).
-        reference_scorer: frozen reference for DPO log-probs (None: the trainer's).
+        scorer: a ready frozen pool declared ``given_as="scorer"`` (the opd teacher / opsd
+            reference); without one it is built from the config's model.
+        reference_scorer: a ready frozen pool declared ``given_as="reference_scorer"`` (the
+            DPO reference; None: the trainer's reference model fills those log-probs).
         pairs: preference pairs, overriding ``advantage.pairs_path``.
         rng: randomness of pair sampling.
         policy: the live policy, for references that are the policy itself.
@@ -63,11 +75,43 @@ class AlgorithmResources:
     temperature: float = 1.0
 
 
-class Algorithm(ABC):
-    """One algorithm: group of rollouts in, training samples out."""
+@dataclass(frozen=True)
+class FrozenPool:
+    """A frozen model pool an algorithm scores with, declared in ``Algorithm.frozen_pools``.
+
+    ``Algorithm.setup`` connects it from, in order: the resource ``given_as`` names; the
+    model the advantage config's ``model_field`` names (an endpoint or a local model, see
+    :func:`~composer_replication.algo.scoring.scorer_for`; ``"policy"``: the live policy
+    scoring in process).
+
+    Attributes:
+        name: its key in ``Algorithm.connected_pools`` ("teacher", "reference", ...).
+        given_as: the :class:`AlgorithmResources` field (the ``build_algorithm`` argument)
+            that hands a ready scorer over: "scorer" or "reference_scorer".
+        model_field: the advantage-config field naming the model that serves it; None when
+            only ``given_as`` supplies it.
+        error_if_missing: the one-line error when no source gives the pool; None makes it
+            optional (left unconnected).
+    """
+
+    name: str
+    given_as: str
+    model_field: str | None = None
+    error_if_missing: str | None = None
+
+
+class Algorithm:
+    """One algorithm: rollouts in, training samples out, through the hooks above."""
 
     name: ClassVar[str]
     components: ClassVar[tuple[str, ...]]
+    #: the frozen model pools it scores with (connected by ``setup``)
+    frozen_pools: ClassVar[tuple[FrozenPool, ...]] = ()
+    #: ``score_samples`` calls in flight at once; an endpoint scorer also bounds the
+    #: requests of each call (``EndpointPrefillScorer.max_concurrency``)
+    max_concurrent_scoring: ClassVar[int] = 4
+    #: samples per ``score_samples`` call (a local scorer's prefill batch is 8 sequences)
+    scoring_chunk_size: ClassVar[int] = 8
 
     def __init__(self, config: AlgorithmConfig) -> None:
         if config.advantage.type != self.name:
@@ -76,34 +120,155 @@ class Algorithm(ABC):
                 f"{config.advantage.type!r}; use build_algorithm(config)"
             )
         self.config = config
+        self.connected_pools: dict[str, PrefillScorer] = {}
+
+    # ------------------------------------------------------------------ construction
 
     @classmethod
     def build(cls, config: AlgorithmConfig, resources: AlgorithmResources) -> Algorithm:
-        """Construct from a config and the run's resources (override to take some)."""
+        """Construct from a config and the run's resources, then connect its frozen pools."""
+        algorithm = cls.from_resources(config, resources)
+        algorithm.setup(resources)
+        return algorithm
+
+    @classmethod
+    def from_resources(cls, config: AlgorithmConfig, resources: AlgorithmResources) -> Algorithm:
+        """The algorithm with the resources it takes besides its frozen pools (override to
+        take some: a tokenizer, pairs). Default: ``cls(config)``."""
         return cls(config)
+
+    def setup(self, resources: AlgorithmResources) -> None:
+        """Connect every declared frozen pool not yet connected (see :class:`FrozenPool`).
+
+        Raises:
+            ValueError: a required pool has no source (its ``error_if_missing``).
+        """
+        for spec in self.frozen_pools:
+            if spec.name in self.connected_pools:
+                continue
+            pool = self._pool_source(spec, resources)
+            if pool is not None:
+                self.connect_frozen_pool(spec.name, pool)
+            elif spec.error_if_missing is not None:
+                raise ValueError(spec.error_if_missing)
+
+    def _pool_source(self, spec: FrozenPool, resources: AlgorithmResources) -> Any:
+        given = getattr(resources, spec.given_as)
+        if given is not None or spec.model_field is None:
+            return given
+        model = getattr(self.advantage_config, spec.model_field)
+        if model == "policy":
+            if resources.policy is None:
+                return None
+            return LocalPrefillScorer(resources.policy, temperature=resources.temperature)
+        return scorer_for(model)
+
+    def connect_frozen_pool(self, name: str, pool: PrefillScorer) -> None:
+        """Connect ``pool`` as the frozen pool ``name`` (one its class declares)."""
+        declared = [spec.name for spec in self.frozen_pools]
+        if name not in declared:
+            raise ValueError(
+                f"{self.name} declares the frozen pools {declared}, not {name!r}; connect one "
+                "of those"
+            )
+        self.connected_pools[name] = pool
+
+    def frozen_pool(self, name: str) -> PrefillScorer:
+        """The connected frozen pool ``name``.
+
+        Raises:
+            ValueError: it is not connected (build with ``build_algorithm``, or call
+                ``connect_frozen_pool``).
+        """
+        if name not in self.connected_pools:
+            raise ValueError(
+                f"{self.name}: the frozen pool {name!r} is not connected; build the algorithm "
+                f"with build_algorithm(...) or call connect_frozen_pool({name!r}, scorer)"
+            )
+        return self.connected_pools[name]
 
     @property
     def advantage_config(self) -> Any:
         """``config.advantage``, the algorithm's own settings."""
         return self.config.advantage
 
-    @abstractmethod
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        """Training samples of one finished group (advantage streams and weights)."""
+    # ------------------------------------------------------------------ drivers
 
-    async def score(self, samples: list[TrainingSample]) -> None:  # noqa: B027
-        """Fill model-dependent streams (reference log-probs) in place. Default: nothing."""
+    def process_group(self, group: list[Rollout]) -> list[TrainingSample]:
+        """Training samples of one finished group: ``check_group``, ``build_samples`` per
+        rollout (in order), ``finalize_group``. The one call the pipeline makes at group
+        time."""
+        self.check_group(group)
+        samples = [sample for rollout in group for sample in self.build_samples(rollout)]
+        return self.finalize_group(group, samples)
+
+    async def score(self, batch: list[TrainingSample]) -> None:
+        """Ship time: ``score_samples`` over ``batch`` in chunks of ``scoring_chunk_size``,
+        at most ``max_concurrent_scoring`` chunks in flight. Fills the samples in place."""
+        size, limit = self.scoring_chunk_size, self.max_concurrent_scoring
+        if size < 1 or limit < 1:
+            raise ValueError(
+                f"{self.name}: scoring_chunk_size = {size} and max_concurrent_scoring = "
+                f"{limit} must both be >= 1"
+            )
+        gate = asyncio.Semaphore(limit)
+
+        async def score_chunk(chunk: list[TrainingSample]) -> None:
+            async with gate:
+                await self.score_samples(chunk)
+
+        await asyncio.gather(
+            *(score_chunk(batch[i : i + size]) for i in range(0, len(batch), size))
+        )
+
+    # ------------------------------------------------------------------ hooks
+
+    def check_group(self, group: list[Rollout]) -> None:
+        """Refuse a group this algorithm cannot train on. Default: :func:`check_group`."""
+        check_group(group, self.name)
+
+    def build_samples(self, rollout: Rollout) -> list[TrainingSample]:
+        """One rollout's training samples: the plain sample (:func:`rollout_to_sample`), with
+        ``ce_weights`` on observation tokens where :meth:`observation_weights` gives any.
+
+        Raises:
+            ValueError: ``observation_weights`` is not one weight per completion token.
+        """
+        sample = rollout_to_sample(rollout, source=self.name)
+        observed = self.observation_weights(rollout)
+        if len(observed) != len(rollout.completion_ids):
+            raise ValueError(
+                f"{self.name}: observation_weights gave {len(observed)} weights for the "
+                f"{len(rollout.completion_ids)} completion tokens of a rollout of task "
+                f"{rollout.task_id!r}; return one weight per completion token"
+            )
+        if any(observed):
+            sample.ce_weights = on_completion(rollout, observed)
+        return [sample]
+
+    def observation_weights(self, rollout: Rollout) -> list[float]:
+        """Per completion token, the ce weight of observation tokens (default all 0.0)."""
+        return [0.0] * len(rollout.completion_ids)
+
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
+        """Group-level credit over the group's samples (``build_samples`` of each rollout,
+        in group order); returns the group's samples. Default: ``samples`` unchanged."""
+        return samples
+
+    async def score_samples(self, samples: list[TrainingSample]) -> None:
+        """Fill model-dependent streams (reference log-probs) of ``samples`` in place, with
+        the connected frozen pools. Default: nothing."""
+
+    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue exactly (e.g. a pair pool's draw order)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Default: nothing to restore."""
-
-    def observation_weights(self, rollout: Rollout) -> list[float]:
-        """Per completion token, the ce weight of observation tokens (default all 0.0)."""
-        return [0.0] * len(rollout.completion_ids)
 
 
 # ------------------------------------------------------------------ shared helpers
@@ -112,12 +277,28 @@ class Algorithm(ABC):
 def check_group(group: Sequence[Rollout], algorithm: str) -> None:
     """A group is a non-empty list of rollouts of one task."""
     if not group:
-        raise ValueError(f"{algorithm}: assign() got an empty group")
+        raise ValueError(f"{algorithm}: process_group() got an empty group")
     tasks = {r.task_id for r in group}
     if len(tasks) > 1:
         raise ValueError(
             f"{algorithm}: a group holds rollouts of one task, got task ids {sorted(tasks)}"
         )
+
+
+def one_per_rollout(
+    group: Sequence[Rollout], samples: Sequence[TrainingSample]
+) -> list[tuple[Rollout, TrainingSample]]:
+    """Each rollout with its sample, for a ``finalize_group`` that credits rollouts.
+
+    Raises:
+        ValueError: ``build_samples`` did not make exactly one sample per rollout.
+    """
+    if len(samples) != len(group):
+        raise ValueError(
+            f"finalize_group credits one sample per rollout, but build_samples made "
+            f"{len(samples)} samples for {len(group)} rollouts"
+        )
+    return list(zip(group, samples))
 
 
 def rollout_to_sample(rollout: Rollout, *, source: str) -> TrainingSample:
@@ -154,7 +335,7 @@ def zeros(sample: TrainingSample) -> list[float]:
 async def fill_ref_logprobs(samples: Sequence[TrainingSample], scorer: PrefillScorer) -> None:
     """Score each sample's pending reference context and set ``ref_logprobs``.
 
-    ``assign`` leaves ``metadata[REF_CONTEXT]`` (the context token ids) and
+    The group stage leaves ``metadata[REF_CONTEXT]`` (the context token ids) and
     ``metadata[REF_INDEX]`` (per sample token, its position in that context or -1). Here
     the scorer computes the context's log-probs from its first mapped position on, and they
     are aligned back onto the sample; positions without ref_kl weight get 0.0. The request

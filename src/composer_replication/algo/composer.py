@@ -17,10 +17,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from composer_replication.algo.base import (
-    Algorithm,
-    AlgorithmResources,
-)
+from composer_replication.algo.base import AlgorithmResources
 from composer_replication.algo.replay_dpo import PairDrawing, build_pair_pool, pair_sample
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.algo.sdpo import grpo_with_self_distillation
@@ -28,7 +25,7 @@ from composer_replication.rollout.types import Rollout
 from composer_replication.wire import DPOPairTokens, TrainingSample
 
 
-class ComposerAlgorithm(PairDrawing, Algorithm):
+class ComposerAlgorithm(PairDrawing):
     """Dr.GRPO + alpha_sdpo * SDPO + beta_replay * trace-replay DPO."""
 
     name = "composer"
@@ -48,7 +45,7 @@ class ComposerAlgorithm(PairDrawing, Algorithm):
         self._draw_from(pairs, rng, reference_scorer)
 
     @classmethod
-    def build(cls, config: Any, resources: AlgorithmResources) -> ComposerAlgorithm:
+    def from_resources(cls, config: Any, resources: AlgorithmResources) -> ComposerAlgorithm:
         if resources.tokenizer is None:
             raise ValueError("composer needs tokenizer= to render hinted teacher contexts")
         cfg = config.advantage
@@ -57,21 +54,18 @@ class ComposerAlgorithm(PairDrawing, Algorithm):
             pairs = build_pair_pool(
                 resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.beta_replay
             )
-        return cls(
-            config,
-            resources.tokenizer,
-            pairs,
-            reference_scorer=resources.reference_scorer,
-            rng=resources.rng,
-        )
+        return cls(config, resources.tokenizer, pairs, rng=resources.rng)
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
+        """Dr.GRPO + SDPO on the rollouts' samples, then the group's DPO pairs."""
         cfg = self.advantage_config
-        samples = grpo_with_self_distillation(self.name, group, cfg, self.tokenizer)
+        grpo_with_self_distillation(group, samples, cfg, self.tokenizer)
         if cfg.beta_replay > 0:
             samples += [pair_sample(p, self.name) for p in self.pool.draw(cfg.pairs_per_group)]
         return samples
 
-    async def score(self, samples: list[TrainingSample]) -> None:
+    async def score_samples(self, samples: list[TrainingSample]) -> None:
         """DPO reference log-probs of the pairs (left to the trainer without a scorer)."""
         await self.score_pairs(samples)

@@ -17,12 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
-from composer_replication.algo.base import (
-    Algorithm,
-    check_group,
-    on_completion,
-    rollout_to_sample,
-)
+from composer_replication.algo.base import Algorithm, on_completion, one_per_rollout
 from composer_replication.callables import load_callable
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
@@ -91,17 +86,18 @@ class CustomAlgorithm(Algorithm):
         cfg = self.advantage_config
         self.fn = fn or load_callable(cfg.import_path, "custom advantage")
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
         cfg = self.advantage_config
+        pairs = one_per_rollout(group, samples)
         values = list(self.fn(AdvantageInputs(group), **cfg.kwargs))
         if len(values) != len(group):
             raise ValueError(
                 f"custom advantage {cfg.import_path}: returned {len(values)} lists for a group "
                 f"of {len(group)} rollouts; return one per-token list per rollout"
             )
-        samples = []
-        for i, (rollout, per_token) in enumerate(zip(group, values)):
+        for i, ((rollout, sample), per_token) in enumerate(zip(pairs, values)):
             per_token = [float(v) for v in per_token]
             n = len(rollout.completion_ids)
             if len(per_token) != n:
@@ -117,9 +113,7 @@ class CustomAlgorithm(Algorithm):
                     f"non-finite advantages at completion tokens {bad[:5]}"
                 )
             masked = [v if m else 0.0 for v, m in zip(per_token, rollout.completion_mask or ())]
-            sample = rollout_to_sample(rollout, source=self.name)
             sample.advantages = on_completion(rollout, masked)
-            samples.append(sample)
         return samples
 
 

@@ -29,13 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from composer_replication.algo.advantage import grpo_advantages
-from composer_replication.algo.base import (
-    Algorithm,
-    check_group,
-    on_completion,
-    rollout_to_sample,
-    sampled,
-)
+from composer_replication.algo.base import Algorithm, one_per_rollout, sampled
 from composer_replication.callables import load_callable
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
@@ -64,6 +58,19 @@ class EchoAlgorithm(Algorithm):
         self.filter_kwargs: dict[str, Any] = dict(spec.kwargs) if spec is not None else {}
 
     def observation_weights(self, rollout: Rollout) -> list[float]:
+        """Per completion token: the role's alpha on observation tokens the filter keeps,
+        0.0 elsewhere (the filter runs only on a rollout with some weight to narrow).
+
+        Raises:
+            ValueError: the rollout has observation tokens but no ``token_roles``; the
+                filter returned another shape.
+        """
+        weights = self.role_weights(rollout)
+        if any(weights):
+            weights = [w if k else 0.0 for w, k in zip(weights, self.token_keep(rollout))]
+        return weights
+
+    def role_weights(self, rollout: Rollout) -> list[float]:
         """Per completion token: the role's alpha on observation tokens, 0.0 elsewhere.
 
         Raises:
@@ -106,19 +113,13 @@ class EchoAlgorithm(Algorithm):
             keep += mask[len(step.prompt_ids) :]
         return keep
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
+        """Dr.GRPO advantages on the sampled tokens (the ce weights came with the samples)."""
         advantages = grpo_advantages([r.reward for r in group]).tolist()
-        samples = []
-        for rollout, advantage in zip(group, advantages):
-            observed = self.observation_weights(rollout)
-            if any(observed):
-                observed = [w if k else 0.0 for w, k in zip(observed, self.token_keep(rollout))]
-            sample = rollout_to_sample(rollout, source=self.name)
+        for (rollout, sample), advantage in zip(one_per_rollout(group, samples), advantages):
             sample.advantages = sampled(rollout, advantage)
-            if any(observed):
-                sample.ce_weights = on_completion(rollout, observed)
-            samples.append(sample)
         return samples
 
     def _filter_name(self) -> str:

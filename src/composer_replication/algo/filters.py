@@ -1,4 +1,4 @@
-"""Filters over one group's training samples, between ``assign`` and scoring/packing.
+"""Filters over one group's training samples, between ``process_group`` and scoring/packing.
 
 The zero-advantage filter: a group whose advantage streams are all zero (every rollout of
 a group-relative algorithm earned the same reward) gives the ``rl`` component no policy
@@ -58,8 +58,8 @@ def without_rl(sample: TrainingSample) -> TrainingSample:
 class ZeroAdvantageFilter:
     """Leaves the rl part of zero-advantage groups out of a step's samples and counts it.
 
-    Call it on each group's samples (``algorithm.assign(group)``); :meth:`metrics` gives
-    the step's counts: ``rollouts/zero_advantage`` (samples with rl credit in
+    Call it on each group's samples (``algorithm.process_group(group)``); :meth:`metrics`
+    gives the step's counts: ``rollouts/zero_advantage`` (samples with rl credit in
     zero-advantage groups, counted with ``enforce`` off too) and
     ``rollouts/zero_advantage_dropped`` (samples left out of the batch entirely).
     """

@@ -8,7 +8,7 @@ Per group: rewards, optionally minus a length penalty, become group-relative adv
 from __future__ import annotations
 
 from composer_replication.algo.advantage import grpo_advantages, length_penalty
-from composer_replication.algo.base import Algorithm, check_group, rollout_to_sample, sampled
+from composer_replication.algo.base import Algorithm, one_per_rollout, sampled
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -32,11 +32,10 @@ class GRPOAlgorithm(Algorithm):
             rewards = [r - float(p) for r, p in zip(rewards, penalty)]
         return grpo_advantages(rewards, std_normalize=cfg.std_normalize, eps=cfg.eps).tolist()
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
-        samples = []
-        for rollout, advantage in zip(group, self.group_advantages(group)):
-            sample = rollout_to_sample(rollout, source=self.name)
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
+        pairs = one_per_rollout(group, samples)
+        for (rollout, sample), advantage in zip(pairs, self.group_advantages(group)):
             sample.advantages = sampled(rollout, advantage)
-            samples.append(sample)
         return samples

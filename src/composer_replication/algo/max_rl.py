@@ -7,7 +7,7 @@ Component: ``rl``.
 from __future__ import annotations
 
 from composer_replication.algo.advantage import max_rl_advantages
-from composer_replication.algo.base import Algorithm, check_group, rollout_to_sample, sampled
+from composer_replication.algo.base import Algorithm, one_per_rollout, sampled
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -18,12 +18,12 @@ class MaxRLAlgorithm(Algorithm):
     name = "max_rl"
     components = ("rl",)
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
         advantages = max_rl_advantages([r.reward for r in group], eps=self.advantage_config.eps)
-        samples = []
-        for rollout, advantage in zip(group, advantages.tolist()):
-            sample = rollout_to_sample(rollout, source=self.name)
+        for (rollout, sample), advantage in zip(
+            one_per_rollout(group, samples), advantages.tolist()
+        ):
             sample.advantages = sampled(rollout, advantage)
-            samples.append(sample)
         return samples

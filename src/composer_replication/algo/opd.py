@@ -16,14 +16,12 @@ from composer_replication.algo.base import (
     REF_CONTEXT,
     REF_INDEX,
     Algorithm,
-    AlgorithmResources,
-    check_group,
+    FrozenPool,
     fill_ref_logprobs,
-    rollout_to_sample,
     sampled,
     zeros,
 )
-from composer_replication.algo.scoring import PrefillScorer, scorer_for
+from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -33,26 +31,31 @@ class OPDAlgorithm(Algorithm):
 
     name = "opd"
     components = ("ref_kl",)
+    frozen_pools = (
+        FrozenPool(
+            "teacher",
+            given_as="scorer",
+            model_field="model",
+            error_if_missing="opd needs scorer=: a PrefillScorer for the frozen teacher "
+            "(EndpointPrefillScorer(base_url, name) or LocalPrefillScorer(model))",
+        ),
+    )
 
-    def __init__(self, config: Any, scorer: PrefillScorer) -> None:
+    def __init__(self, config: Any, scorer: PrefillScorer | None = None) -> None:
         super().__init__(config)
-        self.scorer = scorer
+        if scorer is not None:
+            self.connect_frozen_pool("teacher", scorer)
 
-    @classmethod
-    def build(cls, config: Any, resources: AlgorithmResources) -> OPDAlgorithm:
-        scorer = resources.scorer or scorer_for(config.advantage.model)
-        if scorer is None:
-            raise ValueError(
-                "opd needs scorer=: a PrefillScorer for the frozen teacher "
-                "(EndpointPrefillScorer(base_url, name) or LocalPrefillScorer(model))"
-            )
-        return cls(config, scorer)
+    @property
+    def scorer(self) -> PrefillScorer:
+        """The frozen teacher's pool."""
+        return self.frozen_pool("teacher")
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
-        samples = []
-        for rollout in group:
-            sample = rollout_to_sample(rollout, source=self.name)
+    def build_samples(self, rollout: Rollout) -> list[TrainingSample]:
+        """The plain sample with ref_kl weight 1 on its sampled tokens and a pending teacher
+        request over its own ids (no rl)."""
+        samples = super().build_samples(rollout)
+        for sample in samples:
             sample.rl_weights = zeros(sample)
             sample.ref_kl_weights = sampled(rollout, 1.0)
             if any(sample.ref_kl_weights):
@@ -63,9 +66,8 @@ class OPDAlgorithm(Algorithm):
                 )
             else:
                 sample.ref_logprobs = zeros(sample)
-            samples.append(sample)
         return samples
 
-    async def score(self, samples: list[TrainingSample]) -> None:
+    async def score_samples(self, samples: list[TrainingSample]) -> None:
         """Teacher prefill log-probs of the sampled tokens -> ``ref_logprobs``."""
         await fill_ref_logprobs(samples, self.scorer)

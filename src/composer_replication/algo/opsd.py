@@ -19,14 +19,14 @@ from composer_replication.algo.base import (
     REF_INDEX,
     Algorithm,
     AlgorithmResources,
-    check_group,
+    FrozenPool,
     fill_ref_logprobs,
-    rollout_to_sample,
+    one_per_rollout,
     sampled,
     zeros,
 )
 from composer_replication.algo.context import better_sibling, demonstration_text, teacher_context
-from composer_replication.algo.scoring import LocalPrefillScorer, PrefillScorer, scorer_for
+from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -36,25 +36,34 @@ class OPSDAlgorithm(Algorithm):
 
     name = "opsd"
     components = ("ref_kl",)
+    # model = "policy" (the default): the live policy scores itself, in process
+    frozen_pools = (
+        FrozenPool(
+            "reference",
+            given_as="scorer",
+            model_field="model",
+            error_if_missing="opsd with model = 'policy' needs the policy (policy=) or "
+            "scorer=: a PrefillScorer over the live policy, e.g. "
+            "LocalPrefillScorer(policy_model)",
+        ),
+    )
 
-    def __init__(self, config: Any, tokenizer: Any, scorer: PrefillScorer) -> None:
+    def __init__(self, config: Any, tokenizer: Any, scorer: PrefillScorer | None = None) -> None:
         super().__init__(config)
         self.tokenizer = tokenizer
-        self.scorer = scorer
+        if scorer is not None:
+            self.connect_frozen_pool("reference", scorer)
 
     @classmethod
-    def build(cls, config: Any, resources: AlgorithmResources) -> OPSDAlgorithm:
+    def from_resources(cls, config: Any, resources: AlgorithmResources) -> OPSDAlgorithm:
         if resources.tokenizer is None:
             raise ValueError("opsd needs tokenizer= to render the demonstration context")
-        scorer = resources.scorer or scorer_for(config.advantage.model)
-        if scorer is None and resources.policy is not None:  # the live policy scores itself
-            scorer = LocalPrefillScorer(resources.policy, temperature=resources.temperature)
-        if scorer is None:
-            raise ValueError(
-                "opsd with model = 'policy' needs the policy (policy=) or scorer=: a "
-                "PrefillScorer over the live policy, e.g. LocalPrefillScorer(policy_model)"
-            )
-        return cls(config, resources.tokenizer, scorer)
+        return cls(config, resources.tokenizer)
+
+    @property
+    def scorer(self) -> PrefillScorer:
+        """The reference's pool (the live policy's by default)."""
+        return self.frozen_pool("reference")
 
     def demonstration(self, group: list[Rollout], i: int) -> str | None:
         """A better sibling's completion text, else the rollout's provided reference."""
@@ -64,11 +73,12 @@ class OPSDAlgorithm(Algorithm):
         reference = group[i].reference
         return str(reference) if reference else None
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
-        samples = []
-        for i, rollout in enumerate(group):
-            sample = rollout_to_sample(rollout, source=self.name)
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
+        """ref_kl on the sampled tokens of rollouts with a demonstration, and the pending
+        request for the reference's log-probs behind it (no rl)."""
+        for i, (rollout, sample) in enumerate(one_per_rollout(group, samples)):
             sample.rl_weights = zeros(sample)
             demo = self.demonstration(group, i)
             sample.ref_kl_weights = sampled(rollout, 1.0) if demo else zeros(sample)
@@ -79,9 +89,8 @@ class OPSDAlgorithm(Algorithm):
                 sample.metadata[REF_CONTEXT], sample.metadata[REF_INDEX] = ids, index
             else:
                 sample.ref_logprobs = zeros(sample)
-            samples.append(sample)
         return samples
 
-    async def score(self, samples: list[TrainingSample]) -> None:
+    async def score_samples(self, samples: list[TrainingSample]) -> None:
         """Reference log-probs of the sampled tokens behind the demonstration."""
         await fill_ref_logprobs(samples, self.scorer)

@@ -7,10 +7,12 @@ as objects, dicts or a JSONL file. Each side is tokenised with the chat template
 state followed by the response messages; the response mask covers the tokens after the
 rendered state (the assistant turn, end-of-turn token included).
 
-``assign`` emits ``pairs_per_group`` pair-only samples (``input_ids=[]``) per group, drawn
-from the pool without replacement until it is exhausted, then reshuffled. ``score`` fills
-the frozen reference's summed response log-probs on each pair once (cached on the pair);
-without a ``reference_scorer`` it leaves them to the trainer's reference model
+Each group (``finalize_group``) gets ``pairs_per_group`` pair-only samples
+(``input_ids=[]``), drawn from the pool without replacement until it is exhausted, then
+reshuffled; the rollouts themselves make no samples. ``score`` fills the frozen reference's
+summed response log-probs on each pair once (cached on the pair); without a
+``reference_scorer`` (the ``dpo_reference`` pool) it leaves them to the trainer's reference
+model
 (:func:`composer_replication.ops.pairs.fill_reference_logps`). Without ``pairs_path`` the
 pairs shipped with the package are used.
 """
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from composer_replication.algo.base import Algorithm, AlgorithmResources
+from composer_replication.algo.base import Algorithm, AlgorithmResources, FrozenPool
 from composer_replication.algo.context import render_prompt
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.ops.pairs import missing_reference, set_reference_logps
@@ -175,12 +177,13 @@ async def fill_pair_reference_logps(pairs: Sequence[DPOPairTokens], scorer: Pref
     set_reference_logps(todo, sums[0::2], sums[1::2])
 
 
-class PairDrawing:
+class PairDrawing(Algorithm):
     """What an algorithm that draws preference pairs shares: the pool (its draw order is
-    the algorithm's resumable state) and the pairs' reference scorer."""
+    the algorithm's resumable state) and the pairs' frozen reference (``dpo_reference``,
+    optional: without it the trainer's reference model fills the log-probs)."""
 
+    frozen_pools = (FrozenPool("dpo_reference", given_as="reference_scorer"),)
     pool: PairPool
-    reference_scorer: PrefillScorer | None
 
     def _draw_from(
         self,
@@ -189,7 +192,13 @@ class PairDrawing:
         reference_scorer: PrefillScorer | None,
     ) -> None:
         self.pool = PairPool(pairs, rng or random.Random(0))
-        self.reference_scorer = reference_scorer
+        if reference_scorer is not None:
+            self.connect_frozen_pool("dpo_reference", reference_scorer)
+
+    @property
+    def reference_scorer(self) -> PrefillScorer | None:
+        """The pairs' frozen reference, None when the trainer's reference model scores."""
+        return self.connected_pools.get("dpo_reference")
 
     def state_dict(self) -> dict[str, Any]:
         return {"pool": self.pool.state_dict()}
@@ -207,7 +216,7 @@ class PairDrawing:
         await fill_pair_reference_logps(pairs, self.reference_scorer)
 
 
-class ReplayDPOAlgorithm(PairDrawing, Algorithm):
+class ReplayDPOAlgorithm(PairDrawing):
     """dpo on replayed preference pairs; rollouts of the group carry no signal here."""
 
     name = "replay_dpo"
@@ -225,19 +234,28 @@ class ReplayDPOAlgorithm(PairDrawing, Algorithm):
         self._draw_from(pairs, rng, reference_scorer)
 
     @classmethod
-    def build(cls, config: Any, resources: AlgorithmResources) -> ReplayDPOAlgorithm:
+    def from_resources(cls, config: Any, resources: AlgorithmResources) -> ReplayDPOAlgorithm:
         cfg = config.advantage
         pairs = build_pair_pool(
             resources.pairs, cfg.pairs_path, resources.tokenizer, weight=cfg.beta_replay
         )
-        return cls(config, pairs, reference_scorer=resources.reference_scorer, rng=resources.rng)
+        return cls(config, pairs, rng=resources.rng)
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        """``pairs_per_group`` pair-only samples; the group's rollouts are not used."""
+    def check_group(self, group: list[Rollout]) -> None:
+        """Any group: its rollouts are not read."""
+
+    def build_samples(self, rollout: Rollout) -> list[TrainingSample]:
+        """None: a rollout carries no dpo signal."""
+        return []
+
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
+        """``pairs_per_group`` pair-only samples from the pool."""
         k = self.advantage_config.pairs_per_group
         return [pair_sample(pair, self.name) for pair in self.pool.draw(k)]
 
-    async def score(self, samples: list[TrainingSample]) -> None:
+    async def score_samples(self, samples: list[TrainingSample]) -> None:
         """Reference log-probs for DPO pairs (SimPO is reference-free: nothing to do)."""
         if self.advantage_config.dpo_variant != "simpo":
             await self.score_pairs(samples)

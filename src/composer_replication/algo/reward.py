@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from composer_replication.algo.base import Algorithm, check_group, rollout_to_sample, sampled
+from composer_replication.algo.base import Algorithm, sampled
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -18,15 +18,11 @@ class RewardAlgorithm(Algorithm):
     name = "reward"
     components = ("rl",)
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
-        samples = []
-        for rollout in group:
-            if not math.isfinite(rollout.reward):
-                raise ValueError(
-                    f"rollout {rollout.task_id!r}: reward {rollout.reward} is not finite"
-                )
-            sample = rollout_to_sample(rollout, source=self.name)
+    def build_samples(self, rollout: Rollout) -> list[TrainingSample]:
+        """The plain sample with ``A = r`` on its sampled tokens (no group baseline)."""
+        if not math.isfinite(rollout.reward):
+            raise ValueError(f"rollout {rollout.task_id!r}: reward {rollout.reward} is not finite")
+        samples = super().build_samples(rollout)
+        for sample in samples:
             sample.advantages = sampled(rollout, rollout.reward)
-            samples.append(sample)
         return samples

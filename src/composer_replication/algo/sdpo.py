@@ -22,8 +22,7 @@ from composer_replication.algo.advantage import grpo_advantages
 from composer_replication.algo.base import (
     Algorithm,
     AlgorithmResources,
-    check_group,
-    rollout_to_sample,
+    one_per_rollout,
     sampled,
 )
 from composer_replication.algo.context import (
@@ -82,24 +81,27 @@ class SDPOAlgorithm(Algorithm):
         self.tokenizer = tokenizer
 
     @classmethod
-    def build(cls, config: Any, resources: AlgorithmResources) -> SDPOAlgorithm:
+    def from_resources(cls, config: Any, resources: AlgorithmResources) -> SDPOAlgorithm:
         if resources.tokenizer is None:
             raise ValueError(f"{cls.name} needs tokenizer= to render hinted teacher contexts")
         return cls(config, resources.tokenizer)
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        return grpo_with_self_distillation(self.name, group, self.advantage_config, self.tokenizer)
+    def finalize_group(
+        self, group: list[Rollout], samples: list[TrainingSample]
+    ) -> list[TrainingSample]:
+        grpo_with_self_distillation(group, samples, self.advantage_config, self.tokenizer)
+        return samples
 
 
 def grpo_with_self_distillation(
-    source: str, group: list[Rollout], cfg: Any, tokenizer: Any
-) -> list[TrainingSample]:
-    """Dr.GRPO advantages on every rollout + the jsd stream at error sites (sdpo, composer)."""
-    check_group(group, source)
+    group: list[Rollout], samples: list[TrainingSample], cfg: Any, tokenizer: Any
+) -> None:
+    """Dr.GRPO advantages on each rollout's sample + the jsd stream at error sites, in place
+    (the group stage of sdpo and composer)."""
     advantages = grpo_advantages([r.reward for r in group]).tolist()
-    samples = []
-    for i, (rollout, advantage) in enumerate(zip(group, advantages)):
-        sample = rollout_to_sample(rollout, source=source)
+    for i, ((rollout, sample), advantage) in enumerate(
+        zip(one_per_rollout(group, samples), advantages)
+    ):
         sample.advantages = sampled(rollout, advantage)
         attach_self_distillation(
             sample,
@@ -111,5 +113,3 @@ def grpo_with_self_distillation(
             hint_source=cfg.hint_source,
             use_reference_demos=cfg.use_reference_demos,
         )
-        samples.append(sample)
-    return samples

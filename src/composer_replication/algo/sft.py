@@ -7,13 +7,7 @@ with ``ce`` weight ``ce_weight`` on every sampled token. ``rl_weights`` are zero
 
 from __future__ import annotations
 
-from composer_replication.algo.base import (
-    Algorithm,
-    check_group,
-    rollout_to_sample,
-    sampled,
-    zeros,
-)
+from composer_replication.algo.base import Algorithm, sampled, zeros
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -24,12 +18,10 @@ class SFTAlgorithm(Algorithm):
     name = "sft"
     components = ("ce",)
 
-    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
-        check_group(group, self.name)
-        samples = []
-        for rollout in group:
-            sample = rollout_to_sample(rollout, source=self.name)
+    def build_samples(self, rollout: Rollout) -> list[TrainingSample]:
+        """The plain sample with ce ``ce_weight`` on its sampled tokens and no rl."""
+        samples = super().build_samples(rollout)
+        for sample in samples:
             sample.rl_weights = zeros(sample)
             sample.ce_weights = sampled(rollout, self.advantage_config.ce_weight)
-            samples.append(sample)
         return samples

@@ -311,11 +311,12 @@ class Trainer:
         self, tasks: list[list[str]], env_groups: list[list[list[Rollout]]], t0: float
     ) -> tuple[list[Any], dict[str, float]]:
         """Training samples and rollout metrics from every environment's groups (the
-        algorithms assign and score; the curricula see each task's mean reward)."""
+        algorithms process each group and score the batch; the curricula see each task's
+        mean reward)."""
         samples, rewards, errors, n_rollouts = [], [], 0, 0
         infrastructure, flagged = 0, 0
         zero_advantage = ZeroAdvantageFilter(enforce=self.config.filters.zero_advantage.enforce)
-        scoring_s = 0.0  # the algorithms' assign + score: time/scoring_s
+        scoring_s = 0.0  # the algorithms' process_group + score: time/scoring_s
         sampled_tokens, generation_s, demonstrations, grading_max_s = 0, 0.0, 0, 0.0
         for rt, task_ids, groups in zip(self.runtimes, tasks, env_groups):
             env_samples, results = [], {}
@@ -324,7 +325,7 @@ class Trainer:
                     # reference solutions: trained on, but not the policy's reward
                     demonstrations += len(sampled_group)
                     t_scoring = time.perf_counter()
-                    env_samples += rt.algorithm.assign(list(sampled_group))
+                    env_samples += rt.algorithm.process_group(list(sampled_group))
                     scoring_s += time.perf_counter() - t_scoring
                     continue
                 # A rollout whose sandbox never ran says nothing about the policy: left out.
@@ -341,7 +342,7 @@ class Trainer:
                 if not group:
                     continue
                 t_scoring = time.perf_counter()
-                env_samples += zero_advantage(rt.algorithm.assign(group))
+                env_samples += zero_advantage(rt.algorithm.process_group(group))
                 scoring_s += time.perf_counter() - t_scoring
                 results[task_id] = sum(r.reward for r in group) / len(group)
                 rewards += [r.reward for r in group]
