@@ -63,6 +63,8 @@ class Sampler(Protocol):
     ) -> list[Generation]:
         """One completion per prompt, in order.
 
+        ``settings.logprobs`` False: the caller reads no sampling log-probs (a frozen
+        source's samples), so a sampler may skip asking for them and report 0.0.
         ``max_rows``: at most this
         many rows sample at once (a hint; samplers without a row limit ignore it).
         ``on_row_done(index, generation)`` is called once per prompt as soon as its

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from composer_replication.config.references import FrozenEndpoint
-from composer_replication.rollout.endpoint_sampler import EndpointSampler, sampling_source
-from composer_replication.rollout.generate import InProcessSampler, SamplingSettings
+from composer_replication.rollout.endpoint_sampler import EndpointSampler, frozen_source
+from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.testing import CompletionsServer, Fault
 from composer_replication.testing.completions_server import DEFAULT_REPLY as REPLY
 
@@ -109,9 +109,7 @@ def test_transient_status_is_retried_and_a_bad_key_is_not(tokenizer, monkeypatch
 def test_a_frozen_endpoint_reference_samples_through_its_sampler(tokenizer):
     with CompletionsServer(tokenizer) as server:
         reference = FrozenEndpoint(name="frozen", base_url=server.base_url)
-        live = InProcessSampler(object())
-        assert sampling_source("policy", live) is live
-        source = sampling_source(reference, live)
+        source = frozen_source(reference)
         assert isinstance(source, EndpointSampler) and not source.samples_from_live_policy
         assert (source.base_url, source.model) == (server.base_url, "frozen")
         announced = []
@@ -122,6 +120,14 @@ def test_a_frozen_endpoint_reference_samples_through_its_sampler(tokenizer):
             on_row_done=lambda i, g: announced.append((i, g)),
         )
         assert announced == [(0, gen)]
+        # a caller that reads no log-probs does not ask for them (and gets zeros)
+        (quiet,) = source.sample_batch(
+            tokenizer, _prompts(tokenizer)[:1], SamplingSettings(logprobs=False)
+        )
+        assert "logprobs" in server.requests[0].body
+        assert "logprobs" not in server.requests[1].body
+        assert quiet.completion_ids == gen.completion_ids
+        assert gen.logprobs[0] == -0.125 and quiet.logprobs == [0.0] * len(gen.logprobs)
         base_url = server.base_url
     assert gen.text == REPLY and gen.finish_reason == "stop"
     # the server is stopped: nothing listens on its port any more

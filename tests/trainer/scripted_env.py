@@ -7,6 +7,8 @@ switch must catch. It records every call so tests can check which tasks were req
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from composer_replication.rollout.types import Rollout
 
 
@@ -38,9 +40,7 @@ class ScriptedEnv:
             for tid in task_ids
             for _ in range(group_size)
         ]
-        settings = type(sampling)(
-            max_new_tokens=self.max_new_tokens, temperature=sampling.temperature
-        )
+        settings = replace(sampling, max_new_tokens=self.max_new_tokens)
         gens = sampler.sample_batch(tokenizer, prompts, settings)
         groups = []
         for i, tid in enumerate(task_ids):

@@ -8,13 +8,13 @@ import threading
 import pytest
 
 from composer_replication.config.inference import InferenceConfig
-from composer_replication.rollout.types import Rollout
+from composer_replication.rollout.types import Rollout, mark_frozen_source
 from composer_replication.trainer.rollout_queue import RolloutQueue, drop_stale
 
 
-def _rollout(task_id: str, version: int | None = None) -> Rollout:
+def _rollout(task_id: str, version: int | None = None, *, frozen: bool = False) -> Rollout:
     meta = {} if version is None else {"policy_version": version}
-    return Rollout(
+    rollout = Rollout(
         task_id=task_id,
         prompt_ids=[1],
         completion_ids=[2],
@@ -22,6 +22,9 @@ def _rollout(task_id: str, version: int | None = None) -> Rollout:
         reward=0.0,
         metadata=meta,
     )
+    if frozen:
+        mark_frozen_source(rollout)
+    return rollout
 
 
 def _sample(tasks, index=0):
@@ -96,6 +99,42 @@ def test_drop_stale_keeps_recent_groups_and_counts_the_rest():
     assert metrics["rollouts/stale_dropped"] == 3.0
     assert metrics["async/staleness_mean"] == pytest.approx((1 + 1 + 0) / 3)
     assert metrics["async/staleness_max"] == 1.0
+
+
+def test_the_queue_stamps_the_live_policys_rollouts_only():
+    def mixed(tasks, index):  # environment 0 samples the policy, environment 1 is frozen
+        live, frozen = tasks
+        return [[[_rollout(t)] for t in live], [[_rollout(t, frozen=True)] for t in frozen]]
+
+    queue = RolloutQueue(mixed, lambda: 7, depth=1)
+    queue.submit([["a"], ["b"]], 0)
+    _, ((live,), (frozen,)), _, _ = queue.pop()
+    assert live[0].policy_version == 7
+    assert frozen[0].from_frozen_source and frozen[0].policy_version is None
+    assert "policy_version" not in frozen[0].metadata
+    queue.close()
+
+
+def test_drop_stale_never_drops_a_frozen_sources_rollouts():
+    """Staleness is the sampling policy's drift from the trained one: a frozen source does
+    not drift. Its rollouts are kept however old the batch, counted apart, and left out of
+    the staleness statistics; the live policy's groups of the same batch are dropped."""
+    tasks = [["a", "b"], ["c", "d"]]
+    groups = [
+        [[_rollout("a", 1), _rollout("a", 1)], [_rollout("b", 4)]],  # the live policy
+        [[_rollout("c", frozen=True), _rollout("c", frozen=True)], [_rollout("d", frozen=True)]],
+    ]
+    kept_tasks, kept, metrics = drop_stale(tasks, groups, trainer_version=5, max_off_policy_steps=1)
+    assert kept_tasks == [["b"], ["c", "d"]]
+    assert [[len(g) for g in env] for env in kept] == [[1], [2, 1]]
+    assert metrics["rollouts/stale_dropped"] == 2.0  # group a, 4 versions old
+    assert metrics["rollouts/frozen_source"] == 3.0
+    assert metrics["async/staleness_mean"] == 1.0 and metrics["async/staleness_max"] == 1.0
+    # a marked rollout that still had a version (marked after stamping) is frozen all the same
+    late = _rollout("e", 0)
+    mark_frozen_source(late)
+    assert late.policy_version is None
+    assert drop_stale([["e"]], [[[late]]], trainer_version=9, max_off_policy_steps=0)[0] == [["e"]]
 
 
 def test_drop_stale_on_policy_rollouts_are_kept():

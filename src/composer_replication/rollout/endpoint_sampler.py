@@ -3,8 +3,10 @@
 Used when an algorithm's ``sampling.source`` is a frozen endpoint (``sft`` distils a
 teacher's samples). The prompt goes out as token ids (vLLM and llama.cpp servers accept a
 list of ints as ``prompt``); the completion text comes back and is tokenised with the
-policy's tokenizer. The endpoint's token log-probs are reported when the server returns
-them, else 0.0 (a frozen source feeds only non-rl components, which do not read them).
+policy's tokenizer. Log-probs are asked for only when ``settings.logprobs`` (an
+environment's sampler asks a frozen source for none); the endpoint's token log-probs are
+reported when the server returns them, else 0.0 (a frozen source feeds only non-rl
+components, which do not read them).
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ class EndpointSampler:
         out = []
         with httpx.Client(timeout=self.timeout_s, headers=headers) as client:
             for prompt in prompts:
-                body = {
+                body: dict[str, Any] = {
                     "model": self.model,
                     "prompt": list(prompt),
                     "max_tokens": settings.max_new_tokens,
                     "temperature": settings.temperature,
-                    "logprobs": 0,
                 }
+                if settings.logprobs:
+                    body["logprobs"] = 0
                 if settings.stop_strings:
                     body["stop"] = list(settings.stop_strings)
                 choice = self._post(client, body)["choices"][0]
@@ -111,13 +114,11 @@ class EndpointSampler:
         raise RuntimeError(f"{url}: retries exhausted")
 
 
-def sampling_source(reference: Any, policy: Sampler) -> Sampler | ReferenceSolutions:
-    """The sampler of a ``sampling.source`` reference: ``policy`` (the live policy's
-    sampler) for ``"policy"``, a frozen local model in this process, a frozen endpoint,
-    or for ``"reference"`` the marker that makes the environment answer with its
-    reference solutions."""
-    if reference is None or reference == "policy":
-        return policy
+def frozen_source(reference: Any) -> Sampler | ReferenceSolutions:
+    """The frozen pool of a ``sampling.source`` reference other than ``"policy"`` (the
+    live policy is each run's own: ``rollout.env_sampler.EnvSampler``): a frozen local
+    model sampled in this process, a frozen endpoint, or for ``"reference"`` the marker
+    that makes the environment answer with its reference solutions."""
     from composer_replication.config.references import REFERENCE_SOLUTIONS, LocalFrozenModel
 
     if reference == REFERENCE_SOLUTIONS:

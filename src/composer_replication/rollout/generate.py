@@ -139,11 +139,14 @@ def row_seeds(seed: int, prompts: Sequence[Sequence[int]]) -> list[int]:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How to sample: ``temperature`` (0 = greedy), ``max_new_tokens``, ``stop_strings``."""
+    """How to sample: ``temperature`` (0 = greedy), ``max_new_tokens``, ``stop_strings``;
+    ``logprobs`` False: the caller reads no sampling log-probs (a frozen source's samples
+    train only non-rl components), so a sampler may skip asking for them and report 0.0."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
     stop_strings: tuple[str, ...] = ()
+    logprobs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

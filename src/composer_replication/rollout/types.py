@@ -6,6 +6,7 @@ says what went wrong (and whose reward is 0), so algorithms and metrics see ever
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,13 @@ REFERENCE_KEY = "reference"
 #: The ``metadata`` key marking a demonstration: a rollout whose completion is the task's
 #: reference solution (``sampling.source = "reference"``), not a sample of the policy.
 DEMONSTRATION_KEY = "demonstration"
+#: The ``metadata`` key of the policy version that sampled a rollout (the optimizer steps
+#: its weights had seen); only rollouts of the live policy have one.
+POLICY_VERSION_KEY = "policy_version"
+#: The ``metadata`` key marking a rollout from a frozen source (a frozen model, the
+#: reference solutions): no policy sampled it, so it has no policy version and never goes
+#: stale.
+FROZEN_SOURCE_KEY = "frozen_source"
 
 
 @dataclass
@@ -50,7 +58,10 @@ class Rollout:
             (:data:`REFERENCE_KEY`): the task's reference solution, for algorithms that
             distil from a demonstration. ``demonstration`` (:data:`DEMONSTRATION_KEY`):
             the completion IS that reference solution, not a policy sample (left out of
-            reward metrics, the curriculum and the kill switch).
+            reward metrics, the curriculum and the kill switch). ``policy_version``
+            (:data:`POLICY_VERSION_KEY`): the live policy's version that sampled it.
+            ``frozen_source`` (:data:`FROZEN_SOURCE_KEY`): a frozen source sampled it (see
+            :func:`mark_frozen_source`).
     """
 
     task_id: str
@@ -98,6 +109,19 @@ class Rollout:
         return bool(self.metadata.get(DEMONSTRATION_KEY))
 
     @property
+    def from_frozen_source(self) -> bool:
+        """A frozen source (a frozen model, the reference solutions) sampled it, not the
+        live policy: it never goes stale."""
+        return bool(self.metadata.get(FROZEN_SOURCE_KEY))
+
+    @property
+    def policy_version(self) -> int | None:
+        """The live policy's version that sampled it (None: not recorded, or a frozen
+        source)."""
+        value = self.metadata.get(POLICY_VERSION_KEY)
+        return None if value is None else int(value)
+
+    @property
     def reference(self) -> str | None:
         """The task's reference solution, when the environment gives one."""
         value = self.metadata.get(REFERENCE_KEY)
@@ -112,6 +136,20 @@ class Rollout:
     def trajectory(self) -> list[TrajectoryStep]:
         """The rollout as trajectory steps (see :class:`TrajectoryStep`)."""
         return trajectory_steps(self)
+
+
+def mark_frozen_source(rollout: Rollout) -> None:
+    """Mark ``rollout`` as a frozen source's sample: no policy version, never stale."""
+    rollout.metadata[FROZEN_SOURCE_KEY] = True
+    rollout.metadata.pop(POLICY_VERSION_KEY, None)
+
+
+def stamp_policy_version(rollouts: Iterable[Rollout], version: int) -> None:
+    """Record ``version`` as the policy version that sampled each rollout of the live policy
+    that has none yet; a frozen source's rollouts stay without one."""
+    for rollout in rollouts:
+        if not rollout.from_frozen_source:
+            rollout.metadata.setdefault(POLICY_VERSION_KEY, version)
 
 
 @dataclass(frozen=True)

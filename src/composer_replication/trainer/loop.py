@@ -38,6 +38,7 @@ from composer_replication.rollout.generate import (
     derived_seed,
     seeded_rows,
 )
+from composer_replication.rollout.types import stamp_policy_version
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.learner import Learner
@@ -159,7 +160,7 @@ class Trainer:
         # each environment once, even when several entries train on it (say a demonstration
         # entry beside an rl one), with the answer budget of an entry the policy samples
         chosen: dict[tuple[str, str], EnvRuntime] = {}
-        for rt in sorted(self.runtimes, key=lambda rt: rt.sampler is not None):
+        for rt in sorted(self.runtimes, key=lambda rt: not rt.sampler.samples_from_live_policy):
             chosen.setdefault(rt.evaluation_key, rt)
         return [
             HeldoutTasks(rt.env, rt.heldout_ids, rt.sampling.max_new_tokens)
@@ -257,7 +258,8 @@ class Trainer:
     def run_rollouts(
         self, tasks: list[list[str]], *, batch_index: int | None = None
     ) -> list[list[list[Rollout]]]:
-        """One group per task of every environment, sampled with the live policy here.
+        """One group per task of every environment, sampled by each environment's sampler
+        (the live policy here, or its frozen source).
 
         In-process sampling draws each row's randomness from a generator seeded by the run's
         seed, the batch's index (the step it trains) and the row's prompt, so a group's
@@ -266,13 +268,7 @@ class Trainer:
         index = self.step if batch_index is None else batch_index
         with seeded_rows(derived_seed(self.config.seed, "rollouts", index)):
             return [
-                rt.env.rollouts(
-                    rt.rollout_sampler(self.live_sampler),
-                    self.tokenizer,
-                    task_ids,
-                    group_size=rt.group_size,
-                    sampling=rt.sampling,
-                )
+                rt.sampler.rollouts(rt.env, self.live_sampler, self.tokenizer, task_ids)
                 for rt, task_ids in zip(self.runtimes, tasks)
             ]
 
@@ -334,8 +330,8 @@ class Trainer:
                 flagged += sum(1 for r in group if r.hack_flags)
                 errors += sum(1 for r in sampled_group if r.error)
                 n_rollouts += len(sampled_group)
+                stamp_policy_version(sampled_group, self.step)
                 for r in sampled_group:
-                    r.metadata.setdefault("policy_version", self.step)
                     sampled_tokens += sum(r.completion_mask or ())
                     generation_s += float(r.metadata.get("generation_s", 0.0))
                     grading_max_s = max(grading_max_s, float(r.metadata.get("grading_s", 0.0)))

@@ -10,7 +10,10 @@ version. In steady state a batch trained at step ``n`` was sampled by version ``
 the rl component's importance ratio uses the sampler's log-probs, which corrects for it.
 
 :func:`drop_stale` removes groups older than ``max_off_policy_steps`` (counted, never
-silently), and reports the staleness of what is kept.
+silently), and reports the staleness of what is kept. Staleness is drift between the policy
+that sampled and the policy being trained, so it applies to the live policy's rollouts only:
+a frozen source's rollouts (``Rollout.from_frozen_source``: a frozen model's samples, the
+reference solutions) carry no policy version and are always kept.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from composer_replication.rollout.types import stamp_policy_version
 
 __all__ = ["RolloutQueue", "drop_stale"]
 
@@ -41,10 +46,10 @@ class RolloutQueue:
 
     ``sample(tasks, index) -> groups`` samples and grades one step's tasks (the trainer's
     ``run_rollouts``; ``index`` is the batch's, which seeds its sampling); ``version()`` is
-    the policy version the sampler serves when a batch
-    is submitted, stamped on every rollout of the batch as ``metadata["policy_version"]``
-    (the trainer syncs weights only while no batch samples, so it is the version that
-    sampled it).
+    the policy version the sampler serves when a batch is submitted, stamped on every
+    rollout of the live policy in the batch as ``metadata["policy_version"]`` (the trainer
+    syncs weights only while no batch samples, so it is the version that sampled it); a
+    frozen source's rollouts get none.
     """
 
     def __init__(
@@ -74,8 +79,7 @@ class RolloutQueue:
             groups = self._sample(tasks, index)
             for env_groups in groups:
                 for group in env_groups:
-                    for rollout in group:
-                        rollout.metadata.setdefault("policy_version", version)
+                    stamp_policy_version(group, version)
             return groups
 
         self._batches.append(_Batch(tasks, self._executor.submit(job), time.perf_counter()))
@@ -111,17 +115,24 @@ def drop_stale(
 ) -> tuple[Tasks, EnvGroups, dict[str, float]]:
     """Keep the groups sampled at most ``max_off_policy_steps`` versions before
     ``trainer_version`` (the weights about to be trained); metrics of what was kept and
-    dropped: ``rollouts/stale_dropped``, ``async/staleness_mean``, ``async/staleness_max``.
+    dropped: ``rollouts/stale_dropped``, ``async/staleness_mean``, ``async/staleness_max``
+    (over the live policy's rollouts) and ``rollouts/frozen_source`` (a frozen source's
+    rollouts, never stale: all kept).
 
-    A group's staleness is its oldest rollout's (``trainer_version - policy_version``).
+    A group's staleness is its oldest live rollout's (``trainer_version - policy_version``);
+    a live rollout without a version is the current policy's (staleness 0).
     """
     kept_tasks: Tasks = []
     kept_groups: EnvGroups = []
-    dropped, staleness = 0, []
+    dropped, frozen, staleness = 0, 0, []
     for task_ids, groups in zip(tasks, env_groups):
         env_tasks, env_kept = [], []
         for task_id, group in zip(task_ids, groups):
-            versions = [int(r.metadata.get("policy_version", trainer_version)) for r in group]
+            live = [r for r in group if not r.from_frozen_source]
+            frozen += len(group) - len(live)
+            versions = [
+                trainer_version if r.policy_version is None else r.policy_version for r in live
+            ]
             age = trainer_version - min(versions, default=trainer_version)
             if age > max_off_policy_steps:
                 dropped += len(group)
@@ -133,6 +144,7 @@ def drop_stale(
         kept_groups.append(env_kept)
     metrics = {
         "rollouts/stale_dropped": float(dropped),
+        "rollouts/frozen_source": float(frozen),
         "async/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "async/staleness_max": float(max(staleness, default=0)),
     }

@@ -1,5 +1,5 @@
 """Typed runtime records of a run: each environment with its algorithm, task split,
-curriculum and sampling source, built from the run config.
+curriculum and sampler (its rollout source), built from the run config.
 
 The loop only ever sees these records; it never looks at an algorithm's name. What an
 algorithm needs (pairs, scorers, the live policy as its own reference) it takes in its own
@@ -12,15 +12,14 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.rollout.env_sampler import EnvSampler
 
 if TYPE_CHECKING:
     from composer_replication.algo.base import Algorithm
     from composer_replication.config.run import EnvConfig
     from composer_replication.datagen.curriculum import DifficultyCurriculum
     from composer_replication.envs.base import Environment
-    from composer_replication.roles import Sampler
-    from composer_replication.rollout.demonstrations import ReferenceSolutions
+    from composer_replication.rollout.generate import SamplingSettings
     from composer_replication.safety.holdout import HeldoutSplit
 
 
@@ -33,11 +32,10 @@ class EnvRuntime:
         env: the environment (tasks, rollouts, grading).
         algorithm: turns its rollout groups into training samples.
         train_ids / heldout_ids: its task split (held-out tasks are never trained on).
-        sampling: generation settings of its rollouts.
-        group_size: rollouts per task.
+        sampler: its rollout source (the live policy or a frozen pool), whether that is
+            live, and the sampling arguments (:class:`~composer_replication.rollout.
+            env_sampler.EnvSampler`).
         curriculum: picks the train tasks of each step.
-        sampler: the frozen sampler (or the reference solutions), or None when the live
-            policy samples.
     """
 
     config: EnvConfig
@@ -45,14 +43,18 @@ class EnvRuntime:
     algorithm: Algorithm
     train_ids: list[str]
     heldout_ids: list[str]
-    sampling: SamplingSettings
-    group_size: int
+    sampler: EnvSampler
     curriculum: DifficultyCurriculum
-    sampler: Sampler | ReferenceSolutions | None = None
 
-    def rollout_sampler(self, live: Sampler) -> Sampler | ReferenceSolutions:
-        """What samples this environment's rollouts, given the live policy's sampler."""
-        return live if self.sampler is None else self.sampler
+    @property
+    def sampling(self) -> SamplingSettings:
+        """Generation settings of its rollouts."""
+        return self.sampler.settings
+
+    @property
+    def group_size(self) -> int:
+        """Rollouts per task."""
+        return self.sampler.group_size
 
     @property
     def evaluation_key(self) -> tuple[str, str]:
@@ -76,8 +78,6 @@ def build_runtime(
     from composer_replication.config.references import REFERENCE_SOLUTIONS
     from composer_replication.datagen.curriculum import DifficultyCurriculum
     from composer_replication.envs import DemonstratingEnvironment, build_environment
-    from composer_replication.rollout.endpoint_sampler import sampling_source
-    from composer_replication.rollout.generate import InProcessSampler
 
     env = env or build_environment(env_config)
     recorded = getattr(env, "recorded_split", None)
@@ -115,12 +115,6 @@ def build_runtime(
         algorithm=algorithm,
         train_ids=train_ids,
         heldout_ids=heldout_ids,
-        sampling=SamplingSettings(
-            max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature
-        ),
-        group_size=sampling.group_size,
+        sampler=EnvSampler.from_config(sampling),
         curriculum=DifficultyCurriculum(train_ids, split=split),
-        sampler=None
-        if sampling.source == "policy"
-        else sampling_source(sampling.source, InProcessSampler(policy)),
     )

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from composer_replication.envs.base import SplitEnvironment
 from composer_replication.roles import Learner, protocol_methods
 from composer_replication.rollout.generate import InProcessSampler
+from composer_replication.rollout.types import stamp_policy_version
 from composer_replication.trainer.checkpoint import trainable_state
 from monarch.actor import Actor, endpoint
 
@@ -124,25 +124,25 @@ class GeneratorActor(Actor):
     def sample(
         self, env_index: int, task_ids: list[str], step: int, shard: int
     ) -> list[list[Rollout]]:
-        """One group per task id: sampled only (split environments) or whole episodes
-        (multi-turn ones). Each rollout records ``metadata["policy_version"]``."""
+        """One group per task id, from the environment's sampler (this generator's policy
+        copy, or its frozen source): sampled only (split environments) or whole episodes
+        (multi-turn ones). Each rollout of the policy records ``metadata["policy_version"]``
+        (a frozen source's none)."""
         rt = self.runtimes[env_index]
         if not task_ids:
             return []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(shard_seed(self.config.seed, step, env_index, shard))
-            run = rt.env.sample if is_split_environment(rt.env) else rt.env.rollouts
-            groups = run(
-                rt.rollout_sampler(InProcessSampler(self.policy)),
+            groups = rt.sampler.rollouts(
+                rt.env,
+                InProcessSampler(self.policy),
                 self.tokenizer,
                 task_ids,
-                group_size=rt.group_size,
-                sampling=rt.sampling,
+                graded=not is_split_environment(rt.env),
             )
-        return [
-            [replace(r, metadata={**r.metadata, "policy_version": self.version}) for r in group]
-            for group in groups
-        ]
+        for group in groups:
+            stamp_policy_version(group, self.version)
+        return groups
 
     @endpoint
     def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
