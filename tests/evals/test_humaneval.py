@@ -127,14 +127,16 @@ def test_wrong_answers_fail(problems):
 
 
 class ScriptedSampler:
-    """A stand-in policy (``generate`` hands it the prompts): replies per entry point,
-    by temperature, cycling through a list."""
+    """A Sampler of scripted replies: per entry point, by temperature, cycling through a
+    list (it samples from no policy)."""
+
+    samples_from_live_policy = False
 
     def __init__(self, greedy: dict[str, str], sampled: dict[str, list[str]]):
         self.greedy, self.sampled = greedy, sampled
         self.seen: dict[str, int] = {}
 
-    def sample_batch(self, tokenizer, prompts, settings):
+    def sample_batch(self, tokenizer, prompts, settings, *, max_rows=None, on_row_done=None):
         out = []
         for ids in prompts:
             text = tokenizer.decode(ids)
@@ -201,8 +203,10 @@ def test_sampling_is_seeded_and_leaves_the_callers_rng_alone(problems):
     import torch
 
     from composer_replication.models import tiny_policy
+    from composer_replication.rollout.generate import InProcessSampler
 
-    policy, tokenizer = tiny_policy(seed=0)
+    model, tokenizer = tiny_policy(seed=0)
+    policy = InProcessSampler(model)
     kwargs = dict(samples=2, temperature=1.0, max_new_tokens=6)
     torch.manual_seed(123)
     state = torch.random.get_rng_state()

@@ -314,7 +314,8 @@ def _sandbox_round(
     os.chmod(calls_file, 0o644)  # readable by the sandbox uid
     before = workdir_snapshot(workdir)
     output = sandbox.exec({"command": f"python {HARNESS}"})
-    log = sandbox.trajectory()[-1] if hasattr(sandbox, "trajectory") else {}
+    trail = sandbox.trajectory()  # every Sandbox records its commands
+    log = trail[-1] if trail else {}
     flags += [f for f in _behaviour_flags(before, workdir_snapshot(workdir)) if f not in flags]
     zero = GradeResult(0.0, 0, task.n_tests, flags=flags)
     if HARNESS_MARKER not in output:  # the harness never ran: not the candidate's doing

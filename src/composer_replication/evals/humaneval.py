@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.evals.humaneval_problems import (
     N_PROBLEMS,
@@ -58,6 +58,9 @@ from composer_replication.evals.humaneval_problems import (
     training_overlaps,
 )
 from composer_replication.evals.pass_at_k import mean_pass_at_k, reported_ks
+
+if TYPE_CHECKING:
+    from composer_replication.roles import Sampler
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -137,7 +140,7 @@ def _prompt_ids(tokenizer: Any, problem: HumanEvalProblem) -> list[int]:
 
 
 def generate_completions(
-    policy: Any,
+    sampler: Sampler,
     tokenizer: Any,
     problems: Sequence[HumanEvalProblem],
     *,
@@ -149,7 +152,8 @@ def generate_completions(
     progress: Progress | None = None,
     phase: str = "generate",
 ) -> list[list[str]]:
-    """``samples`` completions per problem (one list per problem, in order).
+    """``samples`` completions per problem (one list per problem, in order), sampled by
+    ``sampler`` (``InProcessSampler(model)`` for a model in this process).
 
     Sampled inside a forked RNG seeded with ``seed``: the caller's random streams continue
     as if nothing had been drawn, and the same seed draws the same samples.
@@ -157,7 +161,7 @@ def generate_completions(
     import torch
 
     from composer_replication.envs.python_functions import STOP_STRINGS
-    from composer_replication.rollout.generate import SamplingSettings, generate
+    from composer_replication.rollout.generate import SamplingSettings
 
     if samples < 1:
         raise ValueError(f"samples={samples} must be >= 1")
@@ -173,9 +177,8 @@ def generate_completions(
         torch.manual_seed(seed)
         for start in range(0, len(jobs), max(1, batch_size)):
             chunk = jobs[start : start + max(1, batch_size)]
-            texts += [
-                g.text for g in generate(policy, tokenizer, [prompts[i] for i in chunk], settings)
-            ]
+            batch = [prompts[i] for i in chunk]
+            texts += [g.text for g in sampler.sample_batch(tokenizer, batch, settings)]
             if progress is not None:
                 progress(phase, len(texts), len(jobs))
     return [texts[i * samples : (i + 1) * samples] for i in range(len(problems))]
@@ -258,7 +261,8 @@ def grade_candidate(
         os.chmod(path, 0o644)
         sandbox = (make_sandbox or sandbox_factory())(workdir)
         output = sandbox.exec({"command": f"python {PROGRAM_FILE}"})
-        log = sandbox.trajectory()[-1] if hasattr(sandbox, "trajectory") else {}
+        trail = sandbox.trajectory()  # every Sandbox records its commands
+        log = trail[-1] if trail else {}
         if log.get("infrastructure_error"):
             return Verdict("infrastructure", str(log["infrastructure_error"])[:_DETAIL_CHARS])
         if log.get("timed_out"):
@@ -354,7 +358,7 @@ def summarize(verdicts: Sequence[Sequence[Verdict]], ks: Sequence[int]) -> dict[
 
 
 def run_humaneval(
-    policy: Any,
+    sampler: Sampler,
     tokenizer: Any,
     problems: Sequence[HumanEvalProblem],
     *,
@@ -368,7 +372,8 @@ def run_humaneval(
     batch_size: int = 64,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Greedy pass@1 and (``samples`` > 0) sampled pass@k of a loaded policy on ``problems``.
+    """Greedy pass@1 and (``samples`` > 0) sampled pass@k of ``sampler`` (a loaded policy's
+    ``InProcessSampler``, or any other Sampler) on ``problems``.
 
     Returns ``{"greedy": {...} | None, "sampled": {...} | None, "per_problem": {...}}``;
     see :func:`evaluate_humaneval` for the fields.
@@ -391,7 +396,7 @@ def run_humaneval(
         label: str, n: int, temp: float
     ) -> tuple[list[list[str]], list[list[Verdict]]]:
         texts = generate_completions(
-            policy,
+            sampler,
             tokenizer,
             problems,
             samples=n,
@@ -459,12 +464,13 @@ def evaluate_humaneval(
     completion, and the sampled statuses with their count of passes.
     """
     from composer_replication.models import load_policy
+    from composer_replication.rollout.generate import InProcessSampler
 
     started = time.perf_counter()
     problems = load_problems(limit)
     policy, tokenizer = load_policy(None if model_source == "embedded" else model_source)
     scores = run_humaneval(
-        policy,
+        InProcessSampler(policy),
         tokenizer,
         problems,
         greedy=greedy,
