@@ -155,8 +155,12 @@ def test_environment_rollouts_reach_the_trainer_exactly_as_sampled(engine, polic
     sampled = []
 
     class Recording:  # the real engine sampler, with a record of what it returned
-        def sample_batch(self, tok, prompts, settings):
-            gens = engine.sampler.sample_batch(tok, prompts, settings)
+        samples_from_live_policy = True
+
+        def sample_batch(self, tok, prompts, settings, *, max_rows=None, on_row_done=None):
+            gens = engine.sampler.sample_batch(
+                tok, prompts, settings, max_rows=max_rows, on_row_done=on_row_done
+            )
             sampled.extend(gens)
             return gens
 
