@@ -188,7 +188,7 @@ def _composer_settings(run_config: RunConfig) -> dict[str, Any]:
         "simpo_gamma": loss.simpo_gamma,
     }
     if out["sdpo_wrapper"] == "taid" and out["taid_t"] is None:
-        from composer_replication.distillation.taid import TAIDScheduler
+        from composer_replication.ops.taid import TAIDScheduler
 
         out["taid_t"] = TAIDScheduler(
             max(1, run_config.steps), t_start=loss.taid_t_start, t_end=loss.taid_t_end
