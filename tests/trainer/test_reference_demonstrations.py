@@ -187,8 +187,10 @@ def test_a_run_trains_ce_on_the_demonstrations_beside_rl(tmp_path, tiny_dir, tok
         expected = sum(len(g[0].completion_ids) for g in env.demonstrations(tokenizer, ids))
         assert row["tokens/ce"] == expected
         # the tiny random model writes no function: the reward is the policy's (0), never
-        # the demonstrations' 1.0, so the kill switch compares the policy with itself
-        assert row["reward/mean"] == 0.0 and row["tokens/rl"] > 0
+        # the demonstrations' 1.0, so the kill switch compares the policy with itself; its
+        # groups have no rl credit and leave through the zero-advantage filter
+        assert row["reward/mean"] == 0.0
+        assert row["rollouts/zero_advantage"] == 4 and row["tokens/rl"] == 0
 
     # held-out tasks are evaluated once per evaluation, as in a run without the demonstration
     # entry (the two entries share the environment and its held-out split)
