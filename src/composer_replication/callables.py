@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["IMPORT_PATH_PATTERN", "load_callable"]
-
-#: What an ``import_path`` setting must look like.
-IMPORT_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+__all__ = ["load_callable"]
 
 
 def load_callable(import_path: str, what: str) -> Any:

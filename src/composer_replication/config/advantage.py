@@ -17,7 +17,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from composer_replication.callables import IMPORT_PATH_PATTERN
 from composer_replication.config.deprecation import rename_deprecated
 from composer_replication.config.references import ModelReference
 
@@ -25,6 +24,8 @@ from composer_replication.config.references import ModelReference
 DEFAULT_HINT_TEMPLATE = "{content}\n\nHint: {hint}"
 DEFAULT_DEMO_TEMPLATE = "{content}\n\nHere is a correct solution, for reference:\n{demonstration}"
 
+#: What an ``import_path`` setting must look like ('package.module:function').
+IMPORT_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 _IMPORT_PATH = IMPORT_PATH_PATTERN
 
 #: Types whose advantage is relative to the group (a group of one gives all zeros).

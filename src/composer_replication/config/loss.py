@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from composer_replication.callables import IMPORT_PATH_PATTERN
+from composer_replication.config.advantage import IMPORT_PATH_PATTERN
 from composer_replication.config.deprecation import rename_deprecated
 
 COMPONENTS = ("rl", "ce", "ref_kl", "jsd", "dpo")
