@@ -9,6 +9,7 @@ Docker).
 
 from __future__ import annotations
 
+import copy
 import os
 import shlex
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "SANDBOX_DENYLIST",
+    "CommandLog",
     "GuardSpec",
     "TestRunResult",
     "action_command",
@@ -190,3 +192,45 @@ class TestRunResult:
             "infrastructure_error": self.infrastructure_error,
             "behaviour_flags": list(self.behaviour_flags),
         }
+
+
+class CommandLog:
+    """What every sandbox backend keeps alike: the trajectory of its commands, the
+    first-token policy check and how a refused command or a test run is recorded. A
+    backend sets ``denylist`` and ``_trajectory`` (a list) in its constructor."""
+
+    denylist: frozenset[str]
+    _trajectory: list[dict[str, Any]]
+
+    def trajectory(self) -> list[dict[str, Any]]:
+        """Every boot/exec/run_tests so far, oldest first (a deep copy)."""
+        return copy.deepcopy(self._trajectory)
+
+    def is_command_allowed(self, command: str) -> bool:
+        """First-token policy check (see `SANDBOX_DENYLIST`); not a security boundary."""
+        return is_command_allowed(command, self.denylist)
+
+    def _refusal(self, entry: dict[str, Any], command: str) -> str | None:
+        """The text an agent sees when ``command`` is refused (``entry`` recorded as not
+        allowed), or None when the command may run."""
+        if is_command_allowed(command, self.denylist):
+            return None
+        text = denied_message(command)
+        entry.update(allowed=False, output=text, exit_code=None, timed_out=False)
+        self._trajectory.append(entry)
+        return text
+
+    def _record_tests(
+        self, test_command: str, tests: Any, result: TestRunResult, **extra: Any
+    ) -> TestRunResult:
+        """Record a test run in the trajectory and return its result."""
+        self._trajectory.append(
+            {
+                "type": "run_tests",
+                "test_command": test_command,
+                "tests": list(tests),
+                "result": result.to_dict(),
+                **extra,
+            }
+        )
+        return result

@@ -31,7 +31,6 @@ install; without a reachable daemon, a `RuntimeError` saying so.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import os
@@ -44,11 +43,10 @@ from typing import Any
 
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
+    CommandLog,
     GuardSpec,
     TestRunResult,
     action_command,
-    denied_message,
-    is_command_allowed,
 )
 from composer_replication.sandbox.behaviour_guard import parse_guard_flags
 from composer_replication.sandbox.docker_daemon import (
@@ -126,7 +124,7 @@ def _parse_user(user: str) -> tuple[int | None, int | None]:
     return int(uid_text), int(gid_text) if gid_text.isdigit() else int(uid_text)
 
 
-class DockerSandbox:
+class DockerSandbox(CommandLog):
     """A task container with the whole lockdown; see the module docstring.
 
     Args:
@@ -358,11 +356,9 @@ class DockerSandbox:
         """Run `action["command"]` with sh in the container; combined stdout/stderr."""
         command = action_command(action)
         entry: dict[str, Any] = {"type": "exec", "command": command, "isolated": True}
-        if not is_command_allowed(command, self.denylist):
-            text = denied_message(command)
-            entry.update(allowed=False, output=text, exit_code=None, timed_out=False)
-            self._trajectory.append(entry)
-            return text
+        refusal = self._refusal(entry, command)
+        if refusal is not None:
+            return refusal
         outcome = self._run(["sh", "-c", command])
         text = outcome.text() + exec_suffix(outcome, self.exec_timeout_s)
         entry.update(
@@ -440,23 +436,7 @@ class DockerSandbox:
             duration_s=outcome.duration_s,
             behaviour_flags=tuple(parse_guard_flags(outcome.text())) if guard is not None else (),
         )
-        self._trajectory.append(
-            {
-                "type": "run_tests",
-                "test_command": test_command,
-                "tests": list(tests),
-                "result": result.to_dict(),
-            }
-        )
-        return result
-
-    def trajectory(self) -> list[dict[str, Any]]:
-        """Every boot/exec/run_tests so far, oldest first (a deep copy)."""
-        return copy.deepcopy(self._trajectory)
-
-    def is_command_allowed(self, command: str) -> bool:
-        """First-token policy check (see `SANDBOX_DENYLIST`); not a security boundary."""
-        return is_command_allowed(command, self.denylist)
+        return self._record_tests(test_command, tests, result)
 
     reap_leaked = staticmethod(reap_leaked)
     runsc_available = staticmethod(runsc_available)

@@ -56,7 +56,6 @@ the pytest bundle (see `pytest_support`) is put on PYTHONPATH read-only.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import os
@@ -70,11 +69,10 @@ from typing import Any
 
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
+    CommandLog,
     GuardSpec,
     TestRunResult,
     action_command,
-    denied_message,
-    is_command_allowed,
 )
 from composer_replication.sandbox.behaviour_guard import parse_guard_flags
 from composer_replication.sandbox.bwrap import (
@@ -126,7 +124,7 @@ def _default_python() -> str:
     return shutil.which("python3") or sys.executable
 
 
-class LocalSubprocessSandbox:
+class LocalSubprocessSandbox(CommandLog):
     """Run commands and tests in `workdir` on this host (see the module docstring for limits).
 
     Args:
@@ -426,11 +424,9 @@ class LocalSubprocessSandbox:
         """Run `action["command"]` with /bin/sh in the workdir; combined stdout/stderr."""
         command = action_command(action)
         entry: dict[str, Any] = {"type": "exec", "command": command, "isolated": self.isolated}
-        if not is_command_allowed(command, self.denylist):
-            text = denied_message(command)
-            entry.update(allowed=False, output=text, exit_code=None, timed_out=False)
-            self._trajectory.append(entry)
-            return text
+        refusal = self._refusal(entry, command)
+        if refusal is not None:
+            return refusal
         self._ensure_booted()
         outcome = self._refused() if self.over_quota else self._run(["/bin/sh", "-c", command])
         text = outcome.text() + exec_suffix(outcome, self.exec_timeout_s)
@@ -495,24 +491,7 @@ class LocalSubprocessSandbox:
             infrastructure_error=self.last_infrastructure_error,
             behaviour_flags=tuple(parse_guard_flags(outcome.text())) if guard is not None else (),
         )
-        self._trajectory.append(
-            {
-                "type": "run_tests",
-                "test_command": test_command,
-                "tests": list(tests),
-                "result": result.to_dict(),
-                "stopped": outcome.stopped,
-            }
-        )
-        return result
-
-    def trajectory(self) -> list[dict[str, Any]]:
-        """Every boot/exec/run_tests so far, oldest first (a deep copy)."""
-        return copy.deepcopy(self._trajectory)
-
-    def is_command_allowed(self, command: str) -> bool:
-        """First-token policy check (see `SANDBOX_DENYLIST`); not a security boundary."""
-        return is_command_allowed(command, self.denylist)
+        return self._record_tests(test_command, tests, result, stopped=outcome.stopped)
 
     def __repr__(self) -> str:
         return (

@@ -3,12 +3,12 @@ testing the components that drive a sandbox)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from composer_replication.sandbox.base import (
     SANDBOX_DENYLIST,
+    CommandLog,
     TestRunResult,
     denied_message,
     is_command_allowed,
@@ -45,7 +45,7 @@ class Sandbox(Protocol):
 TestScript = Callable[[str, Sequence[str]], TestRunResult]
 
 
-class FakeSandbox:
+class FakeSandbox(CommandLog):
     """A scripted sandbox: canned command outputs and test results, a real trajectory.
 
     Args:
@@ -108,18 +108,4 @@ class FakeSandbox:
                 "FakeSandbox.run_tests has no scripted result; pass test_results= a list of "
                 "TestRunResult or a function (test_command, tests) -> TestRunResult"
             )
-        self._trajectory.append(
-            {
-                "type": "run_tests",
-                "test_command": test_command,
-                "tests": list(tests),
-                "result": result.to_dict(),
-            }
-        )
-        return result
-
-    def trajectory(self) -> list[dict[str, Any]]:
-        return copy.deepcopy(self._trajectory)
-
-    def is_command_allowed(self, command: str) -> bool:
-        return is_command_allowed(command, self.denylist)
+        return self._record_tests(test_command, tests, result)
