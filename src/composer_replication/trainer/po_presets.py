@@ -27,7 +27,7 @@ KL to the reference. trl adds ``beta * k3`` per token to the loss, with the k3 e
 ``exp(lp_ref - lp) - (lp_ref - lp) - 1`` (Schulman, "Approximating KL divergence", 2020):
 unbiased for KL(pi || ref) on samples from pi and never negative, but as a *loss* its
 gradient is not the gradient of the KL. Composer instead uses k1, ``lp - lp_ref``, folded
-into the per-token policy-gradient signal (``trainer.components.ref_kl_loss`` treats
+into the per-token policy-gradient signal (``ops.token_losses.ref_kl_loss`` treats
 ``stopgrad(lp_ref - lp)`` as a reward), whose expected gradient is the reverse-KL gradient.
 Every preset keeps trl's default ``beta = 0`` (no KL term, no reference model): Composer's
 KL control lives in the held-out guard (``safety.HeldOutGuard``), not in the loss.
