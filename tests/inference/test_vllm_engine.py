@@ -301,9 +301,15 @@ def test_async_level_one_samples_the_next_step_while_the_trainer_trains(engine, 
     calls, updates = [], []
     real_rollouts = trainer.runtimes[0].env.rollouts
     real_update = trainer.learner.update
+    # sampled_ahead[k]: the queue's thread has started sampling training batch k
+    sampled_ahead = [threading.Event() for _ in range(8)]
+    batches_started = []
 
     def recording_rollouts(policy, tokenizer, task_ids, *, group_size, sampling):
         start = time.perf_counter()
+        if threading.current_thread().name.startswith("rollouts"):
+            batches_started.append(start)
+            sampled_ahead[len(batches_started) - 1].set()
         groups = real_rollouts(
             policy, tokenizer, task_ids, group_size=group_size, sampling=sampling
         )
@@ -314,7 +320,11 @@ def test_async_level_one_samples_the_next_step_while_the_trainer_trains(engine, 
     def recording_update(batches, step):
         start = time.perf_counter()
         out = real_update(batches, step)
-        updates.append((start, time.perf_counter()))
+        # Step n's update does not end before batch n+1 is being sampled: with the queue
+        # sampling ahead that happens at once; without it, never (the wait times out).
+        n = len(updates)
+        overlapped = sampled_ahead[n + 1].wait(timeout=120) if n < 2 else True
+        updates.append((start, time.perf_counter(), overlapped))
         return out
 
     trainer.runtimes[0].env.rollouts = recording_rollouts
@@ -332,7 +342,7 @@ def test_async_level_one_samples_the_next_step_while_the_trainer_trains(engine, 
     assert eval_calls  # held-out evaluation went through the engine too
     # the batch of step n+1 was sampled while step n trained (it started before it ended)
     for n in (0, 1):
-        assert train_calls[n + 1][2] < updates[n][1]
+        assert updates[n][2] and train_calls[n + 1][2] < updates[n][1]
     # each batch is one policy version: 0, 0, 1, 2 (sampled before steps 1, 1, 2, 3 trained)
     versions = [{r.metadata["policy_version"] for g in c[4] for r in g} for c in train_calls]
     assert versions == [{0}, {0}, {1}, {2}]
