@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from composer_replication.batch import Example, PreferencePair, build_batch
-from composer_replication.ops.dpo import dpo_loss
 from composer_replication.loss import LossComponents, compose_loss
+from composer_replication.ops.dpo import dpo_loss
 from composer_replication.opsd import generalized_jsd_loss
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from composer_replication.ops.token_losses import ref_kl_loss, rl_loss
 from composer_replication.recipes.prime_rl import composer_loss
 from composer_replication.recipes.prime_rl.composer_loss import (
     IMPORT_PATH,
@@ -17,7 +18,6 @@ from composer_replication.recipes.prime_rl.composer_loss import (
     loss_fn,
     prime_rl_loss,
 )
-from composer_replication.ops.token_losses import ref_kl_loss, rl_loss
 
 
 @dataclass

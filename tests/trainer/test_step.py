@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from composer_replication.ops.dpo import dpo_loss
-from composer_replication.opsd import generalized_jsd_loss
 from composer_replication.ops.token_losses import ce_loss, rl_loss
+from composer_replication.opsd import generalized_jsd_loss
 from composer_replication.trainer.step import LossConfig, component_counts, train_step
 from composer_replication.trainer.teachers import TeacherModels
 from composer_replication.wire import DPOPairTokens, TrainingSample, pack_samples

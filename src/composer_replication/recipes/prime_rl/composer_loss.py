@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_replication.ops.trust_region import mismatch_kl, ref_kl_sample_metrics
 from composer_replication.ops.token_losses import dppo_keep_mask, ref_kl_loss, rl_loss
+from composer_replication.ops.trust_region import mismatch_kl, ref_kl_sample_metrics
 
 #: The ``[trainer.loss] import_path`` PRIME-RL resolves (dotted: module path + attribute).
 IMPORT_PATH = "composer_replication.recipes.prime_rl.composer_loss.prime_rl_loss"
