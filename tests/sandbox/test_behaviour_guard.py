@@ -64,10 +64,29 @@ def test_flags_are_read_from_anywhere_in_the_output_once_each():
     assert parse_guard_flags("nothing here") == []
 
 
-def test_a_command_filling_the_workdir_is_stopped_and_later_ones_refused(workdir: Path):
+def _volume_modes():
+    from composer_replication.sandbox.quota_volume import volume_support
+
+    reason = volume_support()
+    skip = pytest.mark.skip(reason=f"no quota volume here: {reason}")
+    return [
+        pytest.param(True, id="volume", marks=[skip] if reason else []),
+        pytest.param(False, id="measured"),
+    ]
+
+
+ENFORCEMENT = pytest.mark.parametrize("quota_volume", _volume_modes())
+
+
+@ENFORCEMENT
+def test_a_command_filling_the_workdir_is_stopped_and_later_ones_refused(
+    workdir: Path, quota_volume: bool
+):
     from composer_replication.safety.hack_monitor import HackMonitor
 
-    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=8)
+    sandbox = LocalSubprocessSandbox(
+        workdir, exec_timeout_s=60, workdir_quota_mb=8, quota_volume=quota_volume
+    )
     before = HackMonitor().snapshot(workdir)
     fill = "i=0; while true; do head -c 1048576 /dev/zero > f$i; i=$((i+1)); done"
     out = sandbox.exec({"command": fill})
@@ -82,8 +101,13 @@ def test_a_command_filling_the_workdir_is_stopped_and_later_ones_refused(workdir
     assert "disk_filling: the workdir reached its disk quota of 8 MB" in verdict.reasons
 
 
-def test_a_quick_writer_is_caught_by_the_measurement_after_the_command(workdir: Path):
-    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=1)
+@ENFORCEMENT
+def test_a_quick_writer_is_caught_by_the_measurement_after_the_command(
+    workdir: Path, quota_volume: bool
+):
+    sandbox = LocalSubprocessSandbox(
+        workdir, exec_timeout_s=60, workdir_quota_mb=1, quota_volume=quota_volume
+    )
     out = sandbox.exec({"command": "head -c 3000000 /dev/zero > big"})
     assert "reached its disk quota of 1 MB" in out
     assert sandbox.exec({"command": "true"}).startswith("Error:")
@@ -96,13 +120,18 @@ WRITERS = {
 }
 
 
+@ENFORCEMENT
 @pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_a_writer_as_fast_as_it_can_stops_at_the_quota(workdir: Path, writer: str):
+def test_a_writer_as_fast_as_it_can_stops_at_the_quota(
+    workdir: Path, writer: str, quota_volume: bool
+):
     from composer_replication.safety.hack_monitor import HackMonitor
     from composer_replication.sandbox.workdir import disk_usage, filesystem_block
 
     quota = 8 * 1024 * 1024
-    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=8)
+    sandbox = LocalSubprocessSandbox(
+        workdir, exec_timeout_s=60, workdir_quota_mb=8, quota_volume=quota_volume
+    )
     before = HackMonitor().snapshot(workdir)
     out = sandbox.exec({"command": WRITERS[writer]})
     # the kernel refused the write at the room left (RLIMIT_FSIZE), not a measurement later:
@@ -120,13 +149,17 @@ def test_a_writer_as_fast_as_it_can_stops_at_the_quota(workdir: Path, writer: st
     assert sandbox.exec({"command": "true"}).startswith("Error: the workdir reached")
 
 
-def test_files_the_host_adds_count_before_the_next_command(workdir: Path):
-    from composer_replication.sandbox.workdir import disk_usage, filesystem_block
+@ENFORCEMENT
+def test_files_the_host_adds_count_before_the_next_command(workdir: Path, quota_volume: bool):
+    from composer_replication.sandbox.workdir import filesystem_block
 
-    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60, workdir_quota_mb=1)
+    sandbox = LocalSubprocessSandbox(
+        workdir, exec_timeout_s=60, workdir_quota_mb=1, quota_volume=quota_volume
+    )
     assert sandbox.exec({"command": "echo small > a"}) == ""
-    # the host (e.g. a write_file tool) leaves less than one block of room
-    room = 1024 * 1024 - disk_usage(workdir)
+    # the host (e.g. a write_file tool) leaves less than one block of room for file data
+    files = sum(-(-p.stat().st_size // 4096) * 4096 for p in workdir.rglob("*") if p.is_file())
+    room = 1024 * 1024 - files
     (workdir / "filler").write_bytes(b"\1" * (room - filesystem_block(workdir) // 2))
     refused = sandbox.exec({"command": "echo more > b"})
     assert refused.startswith("Error: the workdir reached its disk quota of 1 MB")

@@ -7,10 +7,11 @@ private /tmp), reads of /tmp, /var/tmp, /run, /root, /home and other users' priv
 bombs, runaway CPU and huge files (rlimits), hangs (wall-clock kill of the process group)
 and huge outputs (bounded capture). What it does NOT protect against: kernel exploits (the
 kernel is shared; use `DockerSandbox(runtime="runsc")` or a VM for hostile code), reads of
-world-readable host files outside the hidden directories, and the workdir's total size
-for a writer of many files at once (no single file can pass the room its quota has left,
-the kernel stops it there; several files together are measured every 0.1 s, see
-`sandbox.local`). Memory and process counts hold for a run's whole process tree where a
+world-readable host files outside the hidden directories, and, where we are not root, the
+workdir's total size for a writer of many files at once (no single file can pass the room
+its quota has left; several files together are measured every 0.1 s). As root the workdir
+is a tmpfs of the quota's size for the command (`sandbox.quota_volume`), so the kernel
+stops every write at the quota. Memory and process counts hold for a run's whole process tree where a
 control group is writable (`sandbox.cgroups`), per process otherwise. A guarded test run
 (`GuardSpec`, `sandbox.behaviour_guard`) refuses what the agent's code does to the report,
 the tests, the runtime or pytest itself while it is tested.
@@ -27,7 +28,7 @@ exceptions: a denied command, a timeout or a crash comes back as text the agent 
 Modules: `protocol` (``Sandbox``, ``FakeSandbox``), `base` (records and command policy
 shared by the backends), `local` + `bwrap` (the bubblewrap backend), `docker`, `process`
 (one child process with limits), `pytest_support` (pytest inside a sandbox), `workdir`,
-`cgroups`, `uid_pool`, `behaviour_guard` (the audit hook of guarded test runs), `files`.
+`cgroups`, `uid_pool`, `quota_volume` (the workdir quota as a tmpfs), `behaviour_guard` (the audit hook of guarded test runs), `files`.
 Names load lazily: importing the package imports neither docker nor the backends.
 """
 

@@ -32,12 +32,13 @@ What it does NOT protect against:
   sandbox uid or list them in `hide_paths`.
 - Total memory without a writable cgroup hierarchy: rlimits are then per process (N
   processes may each use `mem_limit_mb`; `whole_tree_limits` says which held).
-- Disk in a writable workdir beyond its quota for a writer of many files at once: each
-  command's RLIMIT_FSIZE is the room the quota has left, so no single file passes it (the
-  kernel stops the write at that size), but several files can, each up to that room, until
-  the measurement every 0.1 s kills the command (``workdir_quota_mb``; or bind the workdir
-  read-only with ``workdir_writable=False``). /tmp holds up to `tmp_size_mb` and /dev/shm
-  up to `shm_size_mb`.
+- Where we are not root: disk in a writable workdir beyond its quota for a writer of many
+  files at once. Each command's RLIMIT_FSIZE is the room the quota has left, so no single
+  file passes it, but several files can, each up to that room, until the measurement every
+  0.1 s kills the command (bind the workdir read-only with ``workdir_writable=False`` where
+  that matters). As root the command works on a tmpfs of exactly the quota
+  (``sandbox.quota_volume``) and the kernel refuses every byte past it. /tmp holds up to
+  `tmp_size_mb` and /dev/shm up to `shm_size_mb`.
 - A fixed `run_as_uid` shares one RLIMIT_NPROC budget between concurrent sandboxes; CPU
   fairness; side channels; code under test forging a report it writes itself (graders
   that must not trust it form the verdict outside: ``envs.function_grader``).
@@ -100,6 +101,12 @@ from composer_replication.sandbox.pytest_support import (
     pytest_bundle_dir,
     support_root,
 )
+from composer_replication.sandbox.quota_volume import (
+    QuotaVolume,
+    VolumeError,
+    VolumeFull,
+    volume_support,
+)
 from composer_replication.sandbox.uid_pool import NOBODY_UID, lease_uid, resolve_identity
 from composer_replication.sandbox.workdir import (
     check_reachable,
@@ -140,13 +147,16 @@ class LocalSubprocessSandbox(CommandLog):
         shm_size_mb: Size of the private /dev/shm tmpfs (bubblewrap only).
         workdir_writable: False binds the workdir read-only (nothing can be written there).
         workdir_quota_mb: Disk the writable workdir may occupy in all (None: no quota).
-            Before each command the room left is measured and becomes the command's
-            RLIMIT_FSIZE (in whole filesystem blocks, below ``max_file_mb``), so a write
-            that would take one file past the quota fails at that size (EFBIG, SIGXFSZ);
-            several files together are measured every 0.1 s while it runs and once after.
-            A command that reaches the quota (not one block left) is killed, and every
-            later command and test run is refused (``over_quota`` says why). While the
-            quota is nearly used, the cap holds for files in /tmp too.
+            Where we are root, commands see the workdir on a tmpfs of exactly that size
+            (``sandbox.quota_volume``, copied from and back to the host directory around
+            each command), so the kernel stops every write at the quota (ENOSPC),
+            however many files or processes write at once; ``quota_enforcement`` is then
+            "volume". Elsewhere ("measured") the room left becomes each command's
+            RLIMIT_FSIZE (one file stops exactly there) and the tree is measured every
+            0.1 s and once after. A command that reaches the quota (not one block left) is
+            killed, and every later command and test run is refused (``over_quota`` says
+            why). While the quota is nearly used, the per-file cap holds in /tmp too.
+        quota_volume: False measures the quota instead of mounting a volume for it.
         whole_tree_limits: Bound memory and process count of each run's whole process tree
             with a control group when one is writable (see ``sandbox.cgroups``).
         python: Interpreter for tests and `python`/`python3` inside; default /usr/bin/python3.
@@ -177,6 +187,7 @@ class LocalSubprocessSandbox(CommandLog):
         shm_size_mb: int = 64,
         workdir_writable: bool = True,
         workdir_quota_mb: int | None = 512,
+        quota_volume: bool = True,
         whole_tree_limits: bool = True,
         python: str | None = None,
         pytest_from: str = "auto",
@@ -226,6 +237,14 @@ class LocalSubprocessSandbox(CommandLog):
                     f"{workdir_quota_mb} MB; pass a larger workdir_quota_mb (or None)"
                 )
         self.over_quota: str | None = None
+        # "volume" (a tmpfs of the quota's size), "measured", or None (no quota)
+        self.quota_enforcement: str | None = None
+        self.quota_volume_unavailable = ""
+        if self.workdir_quota_bytes is not None:
+            reason = volume_support() if quota_volume else "quota_volume=False"
+            self.quota_enforcement = "measured" if reason else "volume"
+            self.quota_volume_unavailable = reason
+        self._volume: QuotaVolume | None = None
         self.python = python or _default_python()
         self.pytest_from = pytest_from
         self.denylist = denylist
@@ -300,7 +319,8 @@ class LocalSubprocessSandbox(CommandLog):
         if not self.lease_uids:
             return self._run_as(inner, timeout_s, self.uid, self.gid, extra_env)
         with lease_uid() as uid:
-            hand_over(self.workdir, uid, uid)
+            if self.quota_enforcement != "volume":  # (a volume is handed over as it loads)
+                hand_over(self.workdir, uid, uid)
             return self._run_as(inner, timeout_s, uid, uid, extra_env)
 
     def _run_as(
@@ -312,8 +332,20 @@ class LocalSubprocessSandbox(CommandLog):
         extra_env: Mapping[str, str] | None = None,
     ) -> ProcessOutcome:
         limits = self.limits
+        self.last_infrastructure_error = None
+        volume = None
+        measured: Path = self.workdir
         if self.workdir_quota_bytes is not None:
-            room = quota_room(self.workdir, self.workdir_quota_bytes)
+            if self.quota_enforcement == "volume":
+                try:
+                    volume = self._loaded_volume(uid, gid)
+                except VolumeFull:  # files the host put there since: they alone fill it
+                    self.over_quota = self.over_quota or quota_reached(self.workdir_quota_bytes)
+                    return self._refused()
+                except VolumeError as exc:
+                    return self._not_started(inner, exc)
+                measured = volume.path
+            room = quota_room(measured, self.workdir_quota_bytes)
             if room == 0:  # e.g. files the host put there since: nothing can be written
                 self.over_quota = self.over_quota or quota_reached(self.workdir_quota_bytes)
                 return self._refused()
@@ -338,7 +370,7 @@ class LocalSubprocessSandbox(CommandLog):
         else:
             argv, outer_env = started, env
         group = None
-        self.last_infrastructure_error = None
+        quota = self.workdir_quota_bytes
         try:
             if self.cgroups is not None:
                 group = RunCgroup(
@@ -354,19 +386,29 @@ class LocalSubprocessSandbox(CommandLog):
                 uid=uid,
                 gid=gid,
                 cgroup_procs=group.procs_files if group is not None else (),
-                watch=self._quota_watch if self.workdir_quota_bytes is not None else None,
+                watch=(lambda: over_quota(measured, quota)) if quota is not None else None,
+                enter=volume.join_namespace if volume is not None else None,
             )
         except OSError as exc:  # e.g. the interpreter does not exist: data, not a crash
-            text = f"sandbox error: could not start {inner[0]!r}: {exc}".encode()
-            self.last_infrastructure_error = text.decode()
-            return ProcessOutcome(None, text, len(text), False, False, 0.0)
+            return self._not_started(inner, exc)
         finally:
             if group is not None:
                 group.close()
-        if self.workdir_quota_bytes is not None and self.over_quota is None:
+        if quota is not None and self.over_quota is None:
             if outcome.stopped is None:
-                outcome = dataclasses.replace(outcome, stopped=self._quota_watch())
+                outcome = dataclasses.replace(outcome, stopped=over_quota(measured, quota))
             self.over_quota = outcome.stopped
+        if volume is not None:
+            try:
+                volume.store()
+            except VolumeError as exc:  # the host keeps what it had before the command
+                note = f"\n[sandbox error: {exc}; the command's changes are lost]".encode()
+                self.last_infrastructure_error = note.decode().strip()
+                outcome = dataclasses.replace(
+                    outcome,
+                    output=outcome.output + note,
+                    total_bytes=outcome.total_bytes + len(note),
+                )
         started_outcome = strip_start_marker(outcome)
         if started_outcome is not None:
             return started_outcome
@@ -375,8 +417,27 @@ class LocalSubprocessSandbox(CommandLog):
         )
         return outcome
 
-    def _quota_watch(self) -> str | None:
-        return over_quota(self.workdir, self.workdir_quota_bytes)
+    def _loaded_volume(self, uid: int | None, gid: int | None) -> QuotaVolume:
+        """The quota volume (made on first use, again if its holder died), holding a copy
+        of the host workdir owned by the identity the command runs as."""
+        assert self.workdir_quota_bytes is not None
+        if self._volume is None or not self._volume.alive:
+            self._volume = QuotaVolume(self.workdir, self.workdir_quota_bytes)
+        owner_uid = uid if uid is not None else os.geteuid()
+        self._volume.load(owner=(owner_uid, gid if gid is not None else owner_uid))
+        return self._volume
+
+    def _not_started(self, inner: Sequence[str], exc: OSError) -> ProcessOutcome:
+        text = f"sandbox error: could not start {inner[0]!r}: {exc}".encode()
+        self.last_infrastructure_error = text.decode()
+        return ProcessOutcome(None, text, len(text), False, False, 0.0)
+
+    def close(self) -> None:
+        """Release the quota volume (its holder process and tmpfs); the host workdir stays.
+        A later command makes a new one."""
+        if self._volume is not None:
+            self._volume.close()
+            self._volume = None
 
     def _refused(self) -> ProcessOutcome:
         text = f"Error: {self.over_quota}; no further commands run in this workdir".encode()
@@ -386,7 +447,7 @@ class LocalSubprocessSandbox(CommandLog):
     def boot(self, image: str | None = None) -> None:
         """Prepare the workdir and pick the pytest source. `image` is recorded, not used:
         this backend's "image" is the host filesystem."""
-        if not self.lease_uids:
+        if not self.lease_uids and self.quota_enforcement != "volume":
             hand_over(self.workdir, self.uid, self.gid)
         if not self._booted:
             self._use_bundle = self._needs_bundle()
@@ -417,8 +478,9 @@ class LocalSubprocessSandbox(CommandLog):
     def _ensure_booted(self) -> None:
         if not self._booted:
             self.boot(None)
-        elif not self.lease_uids:  # (a leased uid gets the workdir at every run)
-            hand_over(self.workdir, self.uid, self.gid)  # files the host added since
+        elif not self.lease_uids and self.quota_enforcement != "volume":
+            # files the host added since (a leased uid, or a volume, gets them at every run)
+            hand_over(self.workdir, self.uid, self.gid)
 
     def exec(self, action: Mapping[str, Any]) -> str:
         """Run `action["command"]` with /bin/sh in the workdir; combined stdout/stderr."""

@@ -90,10 +90,12 @@ def _child_preexec(
     cgroup_procs: Sequence[str],
     uid: int | None,
     gid: int | None,
+    enter: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     # Runs in the forked child: only C-level calls on precomputed values (no imports, no
     # allocation-heavy work), which keeps it safe even if the parent has other threads.
-    # Order: join the cgroups while still privileged, set the rlimits, then drop to uid/gid.
+    # Order: join the cgroups and the mount namespace (``enter``) while still privileged,
+    # set the rlimits, then drop to uid/gid.
     own_pid = b"0"  # writing 0 to cgroup.procs moves the writing process itself
 
     def apply() -> None:
@@ -103,6 +105,8 @@ def _child_preexec(
                 os.write(fd, own_pid)
             finally:
                 os.close(fd)
+        if enter is not None:
+            enter()
         for res, value in pairs:
             resource.setrlimit(res, (value, value))
         if uid is not None:
@@ -191,6 +195,7 @@ def run_bounded(
     cgroup_procs: Sequence[str] = (),
     watch: Callable[[], str | None] | None = None,
     watch_interval_s: float = 0.1,
+    enter: Callable[[], None] | None = None,
 ) -> ProcessOutcome:
     """Run `argv` to completion or until `timeout_s`, whichever comes first.
 
@@ -201,6 +206,8 @@ def run_bounded(
     files the child joins before it drops privileges (whole-tree memory / pids limits).
     ``watch`` is called every ``watch_interval_s`` while the child runs; a reason it returns
     kills the group and comes back as ``stopped`` (e.g. a workdir over its quota).
+    ``enter`` runs in the child before the rlimits and the uid drop (e.g. joining the mount
+    namespace of a quota volume).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -211,7 +218,7 @@ def run_bounded(
     capture = OutputCapture(max_output_bytes)
     pairs = limits.as_rlimits() if limits is not None else []
     group = gid if gid is not None else uid
-    needs_preexec = bool(pairs or cgroup_procs or uid is not None)
+    needs_preexec = bool(pairs or cgroup_procs or uid is not None or enter is not None)
     proc = subprocess.Popen(
         list(argv),
         cwd=cwd,
@@ -221,7 +228,9 @@ def run_bounded(
         stderr=subprocess.STDOUT,
         start_new_session=True,
         close_fds=True,
-        preexec_fn=_child_preexec(pairs, list(cgroup_procs), uid, group) if needs_preexec else None,
+        preexec_fn=(
+            _child_preexec(pairs, list(cgroup_procs), uid, group, enter) if needs_preexec else None
+        ),
     )
     assert proc.stdout is not None
     fd = proc.stdout.fileno()

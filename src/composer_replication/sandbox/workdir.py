@@ -91,9 +91,10 @@ def make_shared_tempdir(prefix: str = "composer-replication-") -> Path:
 
 def disk_usage(root: str | os.PathLike[str], stop_above: int | None = None) -> int:
     """Bytes of disk the tree under ``root`` occupies (allocated blocks, by ``lstat``, links
-    not followed). Stops counting once past ``stop_above`` (the answer is then a lower
-    bound above it): a quota check needs no more."""
+    not followed, a file with several hard links once). Stops counting once past
+    ``stop_above`` (the answer is then a lower bound above it): a quota check needs no more."""
     total = 0
+    linked: set[tuple[int, int]] = set()
     pending = [os.fspath(root)]
     while pending:
         try:
@@ -106,6 +107,10 @@ def disk_usage(root: str | os.PathLike[str], stop_above: int | None = None) -> i
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
+                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                    if (st.st_dev, st.st_ino) in linked:
+                        continue
+                    linked.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
                 if stat.S_ISDIR(st.st_mode):
                     pending.append(entry.path)
