@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["file_kind", "read_regular_file"]
+__all__ = ["file_kind", "mode_kind", "read_regular_file"]
 
 
 def file_kind(path: Path) -> str:
@@ -22,6 +22,11 @@ def file_kind(path: Path) -> str:
         mode = os.lstat(path).st_mode
     except OSError:
         return "missing"
+    return mode_kind(mode)
+
+
+def mode_kind(mode: int) -> str:
+    """ "file", "dir", "link", "fifo", "socket" or "device": the type an ``st_mode`` names."""
     if stat.S_ISREG(mode):
         return "file"
     if stat.S_ISDIR(mode):

@@ -34,6 +34,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from composer_replication.sandbox.files import mode_kind
+
 __all__ = [
     "QuotaVolume",
     "VolumeError",
@@ -278,16 +280,8 @@ def mirror_tree(
 
 
 def _kind(st: os.stat_result) -> str | None:
-    mode = st.st_mode
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISLNK(mode):
-        return "link"
-    if stat.S_ISFIFO(mode):
-        return "fifo"
-    return None
+    kind = mode_kind(st.st_mode)
+    return None if kind in ("socket", "device") else kind
 
 
 def _lstat(path: str) -> os.stat_result | None:
