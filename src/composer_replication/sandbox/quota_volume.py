@@ -241,16 +241,19 @@ def mirror_tree(
         src_dir = os.path.join(src, rel_dir)
         dst_dir = os.path.join(dst, rel_dir)
         wanted = {e.name: e.stat(follow_symlinks=False) for e in os.scandir(src_dir)}
-        for entry in os.scandir(dst_dir):
-            st = wanted.get(entry.name)
-            if st is None or _kind(st) != _kind(entry.stat(follow_symlinks=False)):
-                _remove(entry.path)
+        present = {e.name: e.stat(follow_symlinks=False) for e in os.scandir(dst_dir)}
+        for name, there in list(present.items()):
+            st = wanted.get(name)
+            if st is None or _kind(st) != _kind(there):
+                _remove(os.path.join(dst_dir, name))
+                del present[name]
         for name, st in sorted(wanted.items()):
             rel = os.path.join(rel_dir, name)
             target = os.path.join(dst_dir, name)
             kind = _kind(st)
+            there = present.get(name)
             if kind == "dir":
-                if not os.path.lexists(target):
+                if there is None:
                     os.mkdir(target, 0o700)
                 _match_dir(st, target, _owner_of(st) if copy_owner else owner)
                 pending.append(rel)
@@ -258,37 +261,31 @@ def mirror_tree(
             if kind is None:  # sockets, devices: nothing a workdir needs
                 continue
             first = links.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+            changed = False
             if first is not None:
-                _link(first, target)
+                changed = _link(first, target, there)
             else:
                 if st.st_nlink > 1:
                     links[(st.st_dev, st.st_ino)] = target
-                known = synced.get(rel)
-                present = _lstat(target)
                 fresh = (
-                    known is not None
-                    and present is not None
-                    and known == (_Sig.of(st), _Sig.of(present))
-                    and present.st_nlink == st.st_nlink
+                    there is not None
+                    and synced.get(rel) == (_Sig.of(st), _Sig.of(there))
+                    and there.st_nlink == st.st_nlink
                 )
                 if not fresh:
                     _copy_entry(os.path.join(src, rel), target, st, kind)
-                if owner is not None or copy_owner:
-                    _own(target, owner or _owner_of(st))
-            record[rel] = (_Sig.of(st), _Sig.of(os.lstat(target)))
+                    changed = True
+                want = owner or (_owner_of(st) if copy_owner else None)
+                if want is not None and (changed or _owner_of(there) != want):
+                    os.lchown(target, *want)
+                    changed = True
+            record[rel] = (_Sig.of(st), _Sig.of(os.lstat(target) if changed else there))
     return record
 
 
 def _kind(st: os.stat_result) -> str | None:
     kind = mode_kind(st.st_mode)
     return None if kind in ("socket", "device") else kind
-
-
-def _lstat(path: str) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
 
 
 def _remove(path: str) -> None:
@@ -312,20 +309,14 @@ def _owner_of(st: os.stat_result) -> tuple[int, int]:
     return st.st_uid, st.st_gid
 
 
-def _own(target: str, owner: tuple[int, int]) -> None:
-    present = os.lstat(target)
-    if (present.st_uid, present.st_gid) != owner:
-        os.lchown(target, *owner)
-
-
-def _link(first: str, target: str) -> None:
-    present = _lstat(target)
-    existing = _lstat(first)
-    if present is not None and existing is not None and present.st_ino == existing.st_ino:
-        return
-    if present is not None:
+def _link(first: str, target: str, there: os.stat_result | None) -> bool:
+    """Make ``target`` a hard link of ``first``; False when it already was one."""
+    if there is not None and there.st_ino == os.lstat(first).st_ino:
+        return False
+    if there is not None:
         _remove(target)
     os.link(first, target, follow_symlinks=False)
+    return True
 
 
 def _copy_entry(source: str, target: str, st: os.stat_result, kind: str) -> None:
