@@ -173,3 +173,13 @@ def test_shorthand_feeds_the_algorithm_validation(tmp_path):
     assert "length_penalty = 0.5 needs length_target" in message
     message = _error(tmp_path, '[advantage]\ntype = "no_such_algorithm"\n')
     assert "no_such_algorithm" in message
+
+
+def test_a_bad_run_level_table_is_named_where_it_was_written(tmp_path):
+    # not envs.0.algorithm.advantage: the user wrote [advantage] (or --set advantage.x=...)
+    message = _error(tmp_path, '[advantage]\ntype = "grpo"\nbeta_kl = -1\n')
+    assert message.startswith("advantage.beta_kl: Extra inputs are not permitted (got -1)")
+    assert "envs.0" not in message
+    with pytest.raises(ValidationError, match=r"advantage: Input tag 'nosuch'") as info:
+        RunConfig.default(["advantage.type=nosuch"])
+    assert "envs.0" not in str(info.value)

@@ -44,6 +44,7 @@ def fold_run_advantage(data: Any, default_envs: Callable[[], list[dict[str, Any]
         return data
     out = dict(data)
     table = out.pop(SHORTHAND)
+    _check_run_table(table)
     envs = out.get("envs")
     if envs is None:
         envs = default_envs()
@@ -51,6 +52,24 @@ def fold_run_advantage(data: Any, default_envs: Callable[[], list[dict[str, Any]
         return out  # the envs field reports its own type error
     out["envs"] = [_inherit(env, table) for env in envs]
     return out
+
+
+def _check_run_table(table: Any) -> None:
+    """A run-level table that is not a valid advantage: one error naming ``advantage.<key>``
+    (where the user wrote it), not the environment it would have been copied into."""
+    with warnings.catch_warnings():  # old spellings warn once, in the real validation
+        warnings.simplefilter("ignore")
+        try:
+            _ADVANTAGE.validate_python(table)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = [str(p) for p in first.get("loc", ())]
+            if loc and isinstance(table, dict) and loc[0] == table.get("type"):
+                loc = loc[1:]  # the union's tag: the user wrote no such level
+            value = first.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            message = str(first.get("msg", "")).removeprefix("Value error, ")
+            raise ValueError(f"{'.'.join([SHORTHAND, *loc])}: {message}{shown}") from None
 
 
 def fold_env_advantage(data: Any, where: str = "an environment") -> Any:
