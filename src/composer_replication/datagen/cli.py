@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from composer_replication.errors import command_group
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = ["app", "datagen_command", "datagen_main"]
@@ -126,5 +127,5 @@ def datagen_command(
     raise typer.Exit(datagen_main(repo, output, max_tasks, follow_symlinks=follow_symlinks))
 
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = command_group("datagen", "Make FeatureDeletion tasks from a repository.")
 app.command("datagen")(datagen_command)

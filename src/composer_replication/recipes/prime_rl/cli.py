@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-export_app = typer.Typer(
-    help="Write a run config in another engine's format.", no_args_is_help=True
-)
+from composer_replication.errors import command_group
+
+export_app = command_group("export", "Write a run config in another engine's format.")
 
 
 @export_app.command("prime-rl")
