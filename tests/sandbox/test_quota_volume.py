@@ -8,6 +8,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,10 @@ def test_mirror_copies_only_what_changed_and_sees_a_rewrite_with_its_old_mtime(t
     (src / "same.txt").write_text("unchanged")
     (src / "test_x.py").write_text("assert add(1, 2) == 3\n")
     record = mirror_tree(src, dst, {}, owner=None)
+    # it returned a clock tick (10 ms at HZ=100) after its last write: a change from now on
+    # cannot share that write's coarse change time
+    newest = max(os.lstat(p).st_ctime_ns for p in dst.iterdir())
+    assert time.time_ns() >= newest + 10_000_000
 
     # the same length, the old modification time put back: only the change time tells
     old = os.stat(src / "test_x.py")

@@ -10,7 +10,9 @@ reaches the volume through ``/proc/<holder>/root<workdir>``.
 The host directory stays the one record. Before each command the volume is made a copy of
 it (``load``), after the command the host directory is made a copy of the volume
 (``store``). Both copies only move what changed since the last one, judged by inode and
-change time, which code in the sandbox cannot set back. They never follow a symbolic link,
+change time, which code in the sandbox cannot set back. Change times come from a coarse
+clock, so a copy returns only once that clock has ticked past its last write: a later
+change always moves a change time. They never follow a symbolic link,
 keep hard links as links and holes as holes (so the host never gets more bytes than the
 volume held), drop set-uid/set-gid bits and skip sockets and device nodes.
 
@@ -30,6 +32,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +52,8 @@ _CLONE_NEWNS = 0x00020000
 _COPY_CHUNK = 1 << 20
 _SETID = stat.S_ISUID | stat.S_ISGID
 _READY = b"ready\n"
+# Change times come from a coarse clock: one tick is 1-10 ms (HZ 1000 down to 100).
+_CLOCK_TICK_NS = 20_000_000
 # None: not probed yet; "": usable; else why not.
 _SUPPORT: list[str | None] = [None]
 
@@ -224,7 +229,9 @@ def mirror_tree(
     """Make the tree under ``dst`` a copy of the tree under ``src``; return the new record.
 
     ``synced`` maps relative paths to the (src, dst) signatures they had when last equal:
-    an entry whose signatures both still match is not copied again. Symbolic links are
+    an entry whose signatures both still match is not copied again. Having written
+    anything, it returns only once the clock is a tick past that write, so a change made
+    after it returns cannot keep the change time the record holds. Symbolic links are
     copied as links and never followed; hard links stay links; holes stay holes; regular
     files lose set-uid/set-gid bits; sockets and device nodes are left out (and removed
     from ``dst``). ``owner`` (uid, gid) owns every ``dst`` entry; None gives each the owner
@@ -233,6 +240,7 @@ def mirror_tree(
     record: dict[str, tuple[_Sig, _Sig]] = {}
     links: dict[tuple[int, int], str] = {}  # (dev, ino) of a src file -> its first dst path
     copy_owner = owner is None and os.geteuid() == 0
+    last_write_ns = 0
     root_st = os.lstat(src)
     _match_dir(root_st, str(dst), _owner_of(root_st) if copy_owner else owner, root=True)
     pending = [""]
@@ -279,8 +287,18 @@ def mirror_tree(
                 if want is not None and (changed or _owner_of(there) != want):
                     os.lchown(target, *want)
                     changed = True
-            record[rel] = (_Sig.of(st), _Sig.of(os.lstat(target) if changed else there))
+            if changed:
+                there = os.lstat(target)
+                last_write_ns = max(last_write_ns, there.st_ctime_ns)
+            record[rel] = (_Sig.of(st), _Sig.of(there))
+    _wait_past(last_write_ns)
     return record
+
+
+def _wait_past(change_ns: int) -> None:
+    """Sleep until the coarse clock of change times has surely moved past ``change_ns``."""
+    if change_ns:
+        time.sleep(max(0.0, (change_ns + _CLOCK_TICK_NS - time.time_ns()) / 1e9))
 
 
 def _kind(st: os.stat_result) -> str | None:
