@@ -344,6 +344,31 @@ def test_load_policy_from_local_directory(tmp_path, tokenizer):
     assert torch.equal(model32.lm_head.weight, tiny_model(seed=2).lm_head.weight)
 
 
+def test_a_cached_hub_id_loads_from_disk_without_the_network(tmp_path, tokenizer, monkeypatch):
+    import socket
+
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--acme--tiny-coder"
+    save_checkpoint(tiny_model(seed=3), repo / "snapshots" / "0123abcd", tokenizer=tokenizer)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a cached hub id reached for the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    model, tok = load_policy("acme/tiny-coder")
+    assert torch.equal(model.lm_head.weight, tiny_model(seed=3).lm_head.weight)
+    assert tok(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
+    assert load_tokenizer("acme/tiny-coder")(PROMPT)["input_ids"] == tok(PROMPT)["input_ids"]
+    # not cached: the offline error at once, without a request either
+    with pytest.raises(RuntimeError, match="not in the local Hugging Face cache"):
+        load_policy("acme/not-cached")
+
+
 def test_load_policy_unknown_hub_id_says_offline():
     with pytest.raises(RuntimeError) as info:
         load_policy("no-such-org/no-such-model-for-composer-replication")

@@ -284,6 +284,18 @@ def _resolve_source(source: str | os.PathLike[str] | None) -> tuple[str, Path | 
     return "hub", text
 
 
+def _hub_snapshot(hub_id: str) -> Path:
+    """The cached snapshot folder of ``hub_id``, looked up on disk only: handed a hub id,
+    ``from_pretrained`` still asks the hub for an adapter config and retries for a while
+    before giving up offline."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception as err:  # not cached, or not a valid repository id
+        raise _offline_error(hub_id, err) from err
+
+
 def _offline_error(hub_id: str, err: Exception) -> RuntimeError:
     return RuntimeError(
         f"{hub_id!r} is not in the local Hugging Face cache, and this run is offline (no "
@@ -300,14 +312,11 @@ def _tokenizer_from(
     if kind == "gguf":
         assert isinstance(where, Path)
         return _gguf_tokenizer(where)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            where, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        if kind == "hub":
-            raise _offline_error(str(where), err) from err
-        raise
+    if kind == "hub":
+        where = _hub_snapshot(str(where))
+    tokenizer = AutoTokenizer.from_pretrained(
+        where, local_files_only=True, trust_remote_code=trust_remote_code
+    )
     return _with_pad_token(tokenizer)
 
 
@@ -369,16 +378,18 @@ def load_policy(
         except Exception as err:  # the GGUF reader fails in many ways on a damaged file
             raise _unreadable(where, "a GGUF model", err) from err
         return model.eval().to(device=device, dtype=torch_dtype), tokenizer
+    hub_id = str(where) if kind == "hub" else None
+    if hub_id is not None:
+        where = _hub_snapshot(hub_id)
     try:
         model = _model_from_dir(
             where, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError, KeyError) as err:
-        if kind == "hub":
-            raise _offline_error(str(where), err) from err
-        if kind == "dir":
+        if kind in ("dir", "hub"):
             raise _unreadable(where, "a Hugging Face model directory", err) from err
         raise
+    kind = "dir" if hub_id is not None else kind
     return model, _tokenizer_from(kind, where, trust_remote_code=trust_remote_code)
 
 
