@@ -16,7 +16,19 @@ import typer
 from composer_replication.errors import command_group
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
-__all__ = ["app", "datagen_command", "datagen_main"]
+__all__ = ["app", "datagen_command", "datagen_main", "sandbox_quota_mb"]
+
+#: Disk a gate's tests may write beyond the repository's own size.
+QUOTA_HEADROOM_MB = 512
+
+
+def sandbox_quota_mb(repo: Path) -> int:
+    """The workdir quota of the gates' sandboxes: the repository's size plus
+    ``QUOTA_HEADROOM_MB``, so a large repository fits and its tests still cannot fill the
+    disk."""
+    from composer_replication.sandbox.workdir import disk_usage
+
+    return -(-disk_usage(repo) // (1024 * 1024)) + QUOTA_HEADROOM_MB
 
 
 def _error(console: Any, message: str) -> None:
@@ -65,8 +77,12 @@ def datagen_main(
         _error(console, str(exc))
         return 2
 
+    quota_mb = sandbox_quota_mb(repo)
+
     def factory(workdir: Path) -> LocalSubprocessSandbox:
-        return LocalSubprocessSandbox(workdir, exec_timeout_s=exec_timeout_s)
+        return LocalSubprocessSandbox(
+            workdir, exec_timeout_s=exec_timeout_s, workdir_quota_mb=quota_mb
+        )
 
     with Progress(
         TextColumn("[bold]datagen[/bold]"),
