@@ -84,11 +84,3 @@ def test_datagen_refuses_unusable_outputs_before_any_work(shared_dir: Path) -> N
         assert result.exit_code == 2, result.output
         assert needle in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in shared_dir.iterdir()) == ["repo", "tasks.workdirs"]
-
-
-def test_the_gates_quota_fits_the_repository(tmp_path: Path) -> None:
-    from composer_replication.datagen.cli import QUOTA_HEADROOM_MB, sandbox_quota_mb
-
-    (tmp_path / "data.bin").write_bytes(b"\1" * (3 * 1024 * 1024 + 1))
-    # 3 MiB and a block, rounded up to whole MiB, plus the headroom
-    assert sandbox_quota_mb(tmp_path) == 4 + QUOTA_HEADROOM_MB

@@ -279,3 +279,11 @@ def test_find_bwrap_says_why_not(tmp_path) -> None:
     missing = tmp_path / "no-bwrap"
     found, reason = find_bwrap(missing, None, None)
     assert found is None and reason == f"bubblewrap not found ({missing!r})"
+
+
+def test_quota_fitting_is_the_tree_in_whole_mib_plus_headroom(tmp_path) -> None:
+    from composer_replication.sandbox.workdir import quota_fitting
+
+    (tmp_path / "data.bin").write_bytes(b"\1" * (3 * 1024 * 1024 + 1))
+    assert quota_fitting(tmp_path) == 4 + 512  # 3 MiB and a block, rounded up to 4
+    assert quota_fitting(tmp_path, headroom_mb=8) == 12

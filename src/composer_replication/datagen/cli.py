@@ -16,19 +16,7 @@ import typer
 from composer_replication.errors import command_group
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
-__all__ = ["app", "datagen_command", "datagen_main", "sandbox_quota_mb"]
-
-#: Disk a gate's tests may write beyond the repository's own size.
-QUOTA_HEADROOM_MB = 512
-
-
-def sandbox_quota_mb(repo: Path) -> int:
-    """The workdir quota of the gates' sandboxes: the repository's size plus
-    ``QUOTA_HEADROOM_MB``, so a large repository fits and its tests still cannot fill the
-    disk."""
-    from composer_replication.sandbox.workdir import disk_usage
-
-    return -(-disk_usage(repo) // (1024 * 1024)) + QUOTA_HEADROOM_MB
+__all__ = ["app", "datagen_command", "datagen_main"]
 
 
 def _error(console: Any, message: str) -> None:
@@ -63,6 +51,7 @@ def datagen_main(
     from composer_replication.datagen.feature_deletion import check_outputs, generate_tasks
     from composer_replication.outputs import OutputError, check_output
     from composer_replication.sandbox.local import LocalSubprocessSandbox
+    from composer_replication.sandbox.workdir import quota_fitting
 
     console = console or Console(stderr=True)
     if not Path(repo).is_dir():
@@ -77,7 +66,7 @@ def datagen_main(
         _error(console, str(exc))
         return 2
 
-    quota_mb = sandbox_quota_mb(repo)
+    quota_mb = quota_fitting(repo)  # a large repository fits; its tests cannot fill the disk
 
     def factory(workdir: Path) -> LocalSubprocessSandbox:
         return LocalSubprocessSandbox(

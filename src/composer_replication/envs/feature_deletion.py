@@ -104,8 +104,12 @@ PREAMBLE = (
 
 def default_sandbox_factory(workdir: Path) -> Any:
     from composer_replication.sandbox.local import LocalSubprocessSandbox
+    from composer_replication.sandbox.workdir import quota_fitting
 
-    return LocalSubprocessSandbox(workdir, exec_timeout_s=60, mem_limit_mb=1024)
+    # the quota fits the repository however large, with 512 MB for what the agent writes
+    return LocalSubprocessSandbox(
+        workdir, exec_timeout_s=60, mem_limit_mb=1024, workdir_quota_mb=quota_fitting(workdir)
+    )
 
 
 def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[[Path], Any]:

@@ -18,6 +18,7 @@ __all__ = [
     "hand_over",
     "make_shared_tempdir",
     "over_quota",
+    "quota_fitting",
     "quota_reached",
     "quota_room",
 ]
@@ -134,6 +135,12 @@ def quota_room(root: str | os.PathLike[str], quota_bytes: int) -> int:
     block = filesystem_block(root)
     room = quota_bytes - disk_usage(root, quota_bytes)
     return max(0, room) // block * block
+
+
+def quota_fitting(root: str | os.PathLike[str], headroom_mb: int = 512) -> int:
+    """A workdir quota in MB that fits the tree under ``root`` as it is (its size rounded
+    up to whole MiB) plus ``headroom_mb`` for what commands write."""
+    return -(-disk_usage(root) // (1024 * 1024)) + headroom_mb
 
 
 def quota_reached(quota_bytes: int) -> str:
