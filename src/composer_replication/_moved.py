@@ -25,6 +25,7 @@ MOVED: dict[str, str] = {
     "composer_replication.datagen.sandbox": "composer_replication.sandbox",
     "composer_replication.datagen.docker_sandbox": "composer_replication.sandbox.docker",
     "composer_replication.trainer.ranks": "composer_replication.distributed.ranks",
+    "composer_replication.trainer.components": "composer_replication.ops.token_losses",
     "composer_replication.datagen.fd_tasks": "composer_replication.envs.fd_tasks",
     "composer_replication.datagen.hack_monitor": "composer_replication.safety.hack_monitor",
     "composer_replication.datagen.scrub": "composer_replication.sandbox.scrub",

@@ -197,3 +197,22 @@ def test_default_hint_classifies_pytest_output():
 def test_bad_settings_raise_before_trl_starts(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ComposerReplicationTrainer(model=None, **kwargs)
+
+
+def test_sequence_logprobs_sums_the_response_tokens_log_probs(tiny):
+    """The trainer's static helper against log_softmax + gather by hand, with padding."""
+    model, _ = tiny
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=gen)
+    attention = torch.ones_like(ids)
+    attention[1, 7:] = 0  # the second row is padded at its end
+    response = torch.zeros_like(ids)
+    response[0, 4:] = 1
+    response[1, 3:7] = 1
+    got = ComposerReplicationTrainer._sequence_logprobs(model, ids, response, attention)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits.double()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want = (logp * response[:, 1:]).sum(-1)
+    assert got.shape == (2,)
+    assert torch.allclose(got.double(), want, atol=1e-4)

@@ -85,6 +85,7 @@ from composer_replication.ops.pairs import (
     pad_rows,
     pair_loss_settings,
     pairs_from_padded,
+    sequence_logps,
 )
 from composer_replication.ops.self_distillation import aligned_from_masks
 from composer_replication.padded_batch import padded_losses, padded_samples
@@ -653,6 +654,17 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self.accelerator.unwrap_model(model), [], pairs, cfg=self._loss_config()
         )
         return losses.mean("dpo", inputs["dpo_pair_mask"].new_zeros((), dtype=torch.float32))
+
+    @staticmethod
+    def _sequence_logprobs(
+        model: Any,
+        input_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B,) summed log-probs of the response tokens under ``model`` (the quantity the
+        replay DPO channel compares; ``ops.pairs.sequence_logps``)."""
+        return sequence_logps(model, input_ids, response_mask, attention_mask)
 
 
 def _clip_pair(pair: DPOPairTokens, max_length: int) -> DPOPairTokens:
