@@ -92,6 +92,11 @@ def test_process_group_runs_the_hooks_in_order():
     with pytest.raises(ValueError, match="empty group"):
         algo.process_group([])
     assert algo.calls == ["check_group:0"]  # nothing is built from a refused group
+    # assign(group), the first public name, is the same stage
+    algo.calls.clear()
+    again = algo.assign(group)
+    assert [s.input_ids for s in again] == [s.input_ids for s in samples]
+    assert algo.calls[0] == "check_group:2" and algo.calls[-1] == "finalize_group:2"
 
 
 def test_build_samples_checks_the_observation_weights():

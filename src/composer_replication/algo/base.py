@@ -202,6 +202,10 @@ class Algorithm:
         samples = [sample for rollout in group for sample in self.build_samples(rollout)]
         return self.finalize_group(group, samples)
 
+    def assign(self, group: list[Rollout]) -> list[TrainingSample]:
+        """Group finalisation under its first public name: ``process_group(group)``."""
+        return self.process_group(group)
+
     async def score(self, batch: list[TrainingSample]) -> None:
         """Ship time: ``score_samples`` over ``batch`` in chunks of ``scoring_chunk_size``,
         at most ``max_concurrent_scoring`` chunks in flight. Fills the samples in place."""
