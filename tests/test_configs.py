@@ -109,3 +109,19 @@ def test_resume_needs_a_checkpoint_unless_resume_or_start(tmp_path):
     (step / "state.pt").write_bytes(b"x")
     (step / "trainable.safetensors").write_bytes(b"x")
     assert check_resume(cfg) is True
+
+
+def test_engine_monarch_without_torchmonarch_is_one_usage_error(monkeypatch):
+    import importlib.util
+
+    from composer_replication.errors import UsageError
+    from composer_replication.preflight import check_engine
+
+    check_engine("monarch")  # installed here: nothing to say
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "monarch" else real(name, *a)
+    )
+    with pytest.raises(UsageError, match=r"pip install 'composer-replication\[monarch\]'"):
+        check_engine("monarch")
+    check_engine("in_process")  # needs nothing extra

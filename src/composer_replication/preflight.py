@@ -190,6 +190,18 @@ def check_run(config: Any) -> None:
         check_env_name(env.name, f"envs.{i}.name")
     check_pairs_files(config)
     check_loss_function(config.loss)
+    check_engine(config.engine.type)
+
+
+def check_engine(engine: str) -> None:
+    """The packages an engine needs are installed (found, not imported)."""
+    import importlib.util
+
+    if engine == "monarch" and importlib.util.find_spec("monarch") is None:
+        raise UsageError(
+            "engine monarch needs torchmonarch: pip install 'composer-replication[monarch]' "
+            "(or --engine in_process)"
+        )
 
 
 def check_loss_function(loss: Any) -> None:

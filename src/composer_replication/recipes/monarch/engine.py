@@ -272,7 +272,7 @@ class MonarchTrainer(Trainer):
         try:
             import monarch.actor  # noqa: F401
         except ImportError as exc:
-            raise ImportError(
+            raise RuntimeError(
                 "engine monarch needs torchmonarch: pip install 'composer-replication[monarch]'"
             ) from exc
         super().__init__(config, run_dir=run_dir, console=console)
