@@ -209,3 +209,16 @@ async def test_requests_carry_model_messages_and_extra_body(server):
     }
     assert state_of(server.requests[0]) == "s0"
     assert rows[0]["error"] is None
+
+
+def test_record_types_know_their_optional_keys_at_run_time():
+    from composer_replication.traces.teacher_replay.records import (
+        TeacherCallResult,
+        TeacherSpec,
+        TraceState,
+    )
+
+    assert TeacherSpec.__optional_keys__ == {"base_url", "api_key_env", "model", "extra_body"}
+    assert TeacherSpec.__required_keys__ == {"slug", "input_per_mtok", "output_per_mtok"}
+    assert TraceState.__optional_keys__ == {"error_site", "source"}
+    assert TeacherCallResult.__optional_keys__ == {"cached", "attempts"}

@@ -3,9 +3,10 @@
 All are `TypedDict`s (plain JSON-able dicts, so rows stream to and from JSONL unchanged).
 The keys of the public record types are required; the extensions are optional
 (`NotRequired`), so code written against the spec keeps working.
-"""
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: on Python 3.11 a ``TypedDict`` reads
+``NotRequired`` only from evaluated annotations (``__optional_keys__``).
+"""
 
 import sys
 from typing import Any, TypedDict
