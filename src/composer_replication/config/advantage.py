@@ -276,10 +276,10 @@ class EchoAdvantage(_Advantage):
     )
     filter: EchoFilter | None = Field(
         None,
-        description="Optional keep mask over each group's rollouts: {import_path, kwargs}, "
-        "fn(rollouts, **kwargs) -> list[bool] (a bare import path is shorthand for "
-        "{import_path = ...}); False leaves that rollout's observations out of ce (its rl "
-        "credit stays).",
+        description="Optional keep masks per rollout: {import_path, kwargs}, "
+        "fn(rollout, **kwargs) -> list[list[bool]], one mask per trajectory step over its "
+        "prompt + completion (a bare import path is shorthand for {import_path = ...}); False "
+        "leaves that step's observation tokens out of ce (rl credit stays).",
     )
 
     @field_validator("filter", mode="before")
