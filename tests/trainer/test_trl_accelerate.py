@@ -111,6 +111,7 @@ def test_accelerate_launch_two_processes_trains_one_run(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]  # one row per step, written once
     assert rows[0]["heldout/pass@1"] == 0.0 and rows[2]["heldout/pass@1"] == 0.0
     assert all(r["loss"] > 0 for r in rows[1:])  # the SDPO term trained
+    assert rows[2]["kl/to_init"] > 0  # measured on both processes' rollouts, summed
     # the same TOML means the same global batch: tokens per step equal one process's
     assert _num_tokens(run) == _num_tokens(tmp_path / "one")
     summary = json.loads((run / "summary.json").read_text())

@@ -4,9 +4,11 @@ one end-to-end ``train_with_trl`` run on the tiny model."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
+import torch
 
 from composer_replication.config import RunConfig
 from composer_replication.envs.python_functions import PythonFunctionsEnv
@@ -169,6 +171,8 @@ pairs_path = "{pairs}"
     assert (result.final_model_dir / "config.json").is_file()
     (step_row,) = [r for r in result.metrics if r["step"] == 1]
     assert step_row["heldout/pass@1"] == 0.0 and step_row["guard/fired"] is False
+    # the kill switch's KL reading, measured on the step's rollouts as the native loop does
+    assert math.isfinite(step_row["kl/to_init"]) and step_row["kl/to_init"] >= 0.0
     assert step_row["loss/dpo"] == pytest.approx(0.6931472, abs=1e-6)
     assert step_row["sdpo/error_sites"] == 1.0  # no function in random text: all format errors
     # the report reads a trl run as it reads a native one: its loss plot has the channels
@@ -224,6 +228,55 @@ def test_lifecycle_callback_evaluates_on_schedule_and_stops_when_the_guard_fires
     assert rows[1]["guard/fired"] is False and rows[3]["guard/fired"] is True
     callback.on_log(SimpleNamespace(global_step=4), control, {"train_runtime": 1.0})
     assert len(life.metrics.rows()) == 4  # the end-of-training summary is not a step row
+
+
+def test_the_guard_gets_the_exact_kl_to_the_initial_policy_of_the_last_rollouts(tmp_path):
+    """KL(policy || initial) over the vocabulary at each completion position of trl's last
+    padded micro-batch (prompts left-padded, completions right-padded), token-mean, against
+    the same sum written out by hand."""
+    from types import SimpleNamespace
+
+    from composer_replication.models import tiny_model
+    from composer_replication.trainer.lifecycle import RunLifecycle
+    from composer_replication.trainer.trl_backend import _LifecycleCallback
+
+    policy = tiny_model(seed=0)
+    base = _config()
+    cfg = base.model_copy(update={"output_dir": str(tmp_path / "run")})
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    trainer = SimpleNamespace(last_sampled=None)
+    callback = _LifecycleCallback(
+        RunLifecycle(cfg, backend="trl"), policy, tokenizer, [], trainer=trainer
+    )
+    assert callback.kl_to_initial() is None  # nothing trained yet
+    with torch.no_grad():  # the policy moves away from its frozen initial copy
+        gen = torch.Generator().manual_seed(1)
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.02)
+    prompts = [[0, 0, 11, 12], [21, 22, 23, 24]]
+    prompt_mask = [[0, 0, 1, 1], [1, 1, 1, 1]]
+    completions = [[31, 32, 33], [41, 0, 0]]
+    completion_mask = [[1, 1, 1], [1, 0, 0]]
+    trainer.last_sampled = tuple(
+        torch.tensor(x) for x in (prompts, prompt_mask, completions, completion_mask)
+    )
+    got = callback.kl_to_initial()
+
+    temperature = cfg.loss.log_temperature
+    total, count = 0.0, 0
+    for row in ([11, 12, 31, 32, 33], [21, 22, 23, 24, 41]):
+        n_prompt = 2 if row[0] == 11 else 4
+        ids = torch.tensor([row])
+        with torch.no_grad():
+            p = torch.log_softmax(policy(input_ids=ids).logits[0].double() / temperature, -1)
+            q = torch.log_softmax(
+                callback.initial(input_ids=ids).logits[0].double() / temperature, -1
+            )
+        for t in range(n_prompt - 1, len(row) - 1):  # positions predicting completion tokens
+            total += float((p[t].exp() * (p[t] - q[t])).sum())
+            count += 1
+    assert count == 4 and got > 0
+    assert got == pytest.approx(total / count, rel=1e-4)
 
 
 def test_lifecycle_callback_ends_a_trl_run_whose_time_budget_is_spent(tmp_path):

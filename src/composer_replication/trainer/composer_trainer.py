@@ -194,6 +194,10 @@ def _check_dataset_split(dataset: Any, split: HeldoutSplit | None) -> None:
     split.check_trainable([str(t) for t in dataset["task_id"] if t])
 
 
+#: The padded rollout tensors of trl's micro-batch kept as ``last_sampled`` (in this order).
+SAMPLED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+
+
 class ComposerReplicationTrainer(GRPOTrainer):
     """trl's ``GRPOTrainer`` whose loss adds Composer's SDPO and trace-replay DPO channels.
 
@@ -272,6 +276,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         _check_dataset_split(kwargs.get("train_dataset"), split)
         super().__init__(*args, **kwargs)
         self._feedback_funcs = [f for f in self.reward_funcs if hasattr(f, "last_feedback")]
+        # the last trained micro-batch's rollouts (``SAMPLED_KEYS``), None before the first
+        self.last_sampled: tuple[torch.Tensor, ...] | None = None
         trace_cfg = None if data_collator is None else data_collator.config
         trace_sdpo = (
             trace_cfg is not None and trace_cfg.enable_sdpo and bool(trace_cfg.hint_generator)
@@ -520,6 +526,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        if self.model.training:  # what the kill switch measures KL to the initial policy on
+            self.last_sampled = tuple(inputs[key].detach() for key in SAMPLED_KEYS)
         loss = super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
         scale = 1.0 / self.current_gradient_accumulation_steps if mode == "train" else 1.0

@@ -25,8 +25,10 @@
 
 Differences from the native loop, by design of trl: generation has no stop strings (the
 grader ignores text after the code block), sampling is trl's (no sibling demonstrations in
-the SDPO teacher context: hints only), the guard gets no KL-to-initial reading, and only the
-``policy`` teacher is available for SDPO.
+the SDPO teacher context: hints only), and only the ``policy`` teacher is available for SDPO.
+The guard's KL-to-initial reading is measured as the native loop measures it (exact over
+the vocabulary, ``setup.kl_to_initial_sum``), on the rollouts of the last trained
+micro-batch (``ComposerReplicationTrainer.last_sampled``), summed over the processes.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "PythonFunctionsReward",
     "grpo_config_from_run",
     "launched_processes",
+    "sampled_micro_batches",
     "tasks_per_process",
     "train_prompt_dataset",
     "train_with_trl",
@@ -235,6 +238,35 @@ def grpo_config_from_run(run_config: RunConfig, output_dir: str | Path) -> Any:
     )
 
 
+def sampled_micro_batches(
+    sampled: tuple[Any, ...], *, max_tokens: int, pad_id: int = 0
+) -> list[Any]:
+    """Micro-batches of trl's padded rollouts (``composer_trainer.SAMPLED_KEYS``): each
+    row's prompt and completion tokens, the completion trainable (what the KL to the
+    initial policy is measured on). Rows without completion tokens are left out."""
+    from composer_replication.wire import TrainingSample, pack_samples
+
+    prompt_ids, prompt_mask, completion_ids, completion_mask = (t.tolist() for t in sampled)
+    samples = []
+    for p_ids, p_mask, c_ids, c_mask in zip(
+        prompt_ids, prompt_mask, completion_ids, completion_mask
+    ):
+        prompt = [t for t, m in zip(p_ids, p_mask) if m]
+        completion = [t for t, m in zip(c_ids, c_mask) if m]
+        if not completion:
+            continue
+        n = len(prompt) + len(completion)
+        samples.append(
+            TrainingSample(
+                input_ids=prompt + completion,
+                loss_mask=[0] * len(prompt) + [1] * len(completion),
+                inference_logprobs=[0.0] * n,
+                rl_weights=[0.0] * n,
+            )
+        )
+    return pack_samples(samples, max_tokens=max_tokens, pad_id=pad_id, split=None)
+
+
 def launched_processes() -> int:
     """How many processes ``accelerate launch`` / ``torchrun`` started (1 without them)."""
     import os
@@ -359,7 +391,13 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     life.begin(resumed=False)
     life.evaluate_start(InProcessSampler(policy), tokenizer, heldout)
     callback = _LifecycleCallback(
-        life, policy, tokenizer, heldout, settings.get("taid_t"), trainer.reward_funcs[0]
+        life,
+        policy,
+        tokenizer,
+        heldout,
+        settings.get("taid_t"),
+        trainer.reward_funcs[0],
+        trainer=trainer,
     )
     trainer.add_callback(callback.as_trainer_callback())
     if console is not None and life.ranks.is_writer:
@@ -382,11 +420,17 @@ class _LifecycleCallback:
         heldout: list[Any],
         taid_t: Any = None,
         reward: PythonFunctionsReward | None = None,
+        trainer: Any = None,
     ) -> None:
         from composer_replication.ops.taid import TAIDScheduler
         from composer_replication.rollout.generate import InProcessSampler
+        from composer_replication.trainer.teachers import TeacherModels
 
         self.life, self.tokenizer, self.heldout = life, tokenizer, heldout
+        self.policy, self.trainer = policy, trainer
+        # the initial policy the guard measures KL to: the base under a LoRA policy's
+        # adapters, else a frozen copy (as the native loop keeps it)
+        self.initial = TeacherModels(policy).initial if policy is not None else None
         self.sampler = InProcessSampler(policy)  # held-out evaluation samples the policy
         self.reward = reward  # its tally counts the grader's hack flags
         # A scheduled TAID t (a TAIDScheduler, not a fixed t): folded in from the logged
@@ -410,9 +454,39 @@ class _LifecycleCallback:
             control.should_training_stop = True
         if self.life.is_eval_step(step):
             heldout = self.life.evaluate(self.sampler, self.tokenizer, self.heldout)
-            if self.life.guard_round(step, row, heldout):
+            kl = self.kl_to_initial()
+            if self.life.guard_round(step, row, heldout, kl_to_init=kl):
                 control.should_training_stop = True
         self.life.append(row)
+
+    def kl_to_initial(self) -> float | None:
+        """Token-mean KL(policy || initial) on the last trained rollouts, every process's
+        summed; None before anything was trained."""
+        from composer_replication.integrations.altered_minds.kl_logging import token_mean_kl
+        from composer_replication.trainer.setup import kl_to_initial_sum
+
+        sampled = getattr(self.trainer, "last_sampled", None)
+        if sampled is None or self.initial is None:
+            return None
+        config = self.life.config
+        batches = sampled_micro_batches(
+            sampled,
+            max_tokens=config.micro_batch_tokens,
+            pad_id=self.tokenizer.pad_token_id or 0,
+        )
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            total, count = kl_to_initial_sum(
+                self.policy, self.initial, batches, config.loss.log_temperature
+            )
+        finally:
+            self.policy.train(was_training)
+        ranks = self.life.ranks
+        if ranks.distributed:
+            parts = ranks.gather_shares([(total, count)], ranks.world_size)
+            total, count = sum(t for t, _ in parts), sum(c for _, c in parts)
+        return token_mean_kl(total, count)
 
     def as_trainer_callback(self) -> Any:
         from transformers import TrainerCallback
