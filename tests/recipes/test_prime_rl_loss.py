@@ -172,6 +172,14 @@ def test_small_hand_computed_values():
     torch.testing.assert_close(metrics["is_masked"], torch.tensor(2 / 3, dtype=torch.float64))
     torch.testing.assert_close(metrics["is_masked_high"], torch.tensor(1 / 3, dtype=torch.float64))
     torch.testing.assert_close(metrics["is_masked_low"], torch.tensor(1 / 3, dtype=torch.float64))
+    # a zero advantage is on the keep mask's low side: the metrics count it there too
+    zero = SeedInputs(lp, lp_inf, torch.tensor([1.0, 2.0, 0.0, 3.0], dtype=torch.float64), mask)
+    zero_metrics = prime_rl_loss(zero).metrics
+    torch.testing.assert_close(zero_metrics["is_masked_low"], metrics["is_masked_low"])
+    torch.testing.assert_close(
+        zero_metrics["is_masked"],
+        zero_metrics["is_masked_high"] + zero_metrics["is_masked_low"],
+    )
     mkl0 = 1.25 - math.log(1.25) - 1
     torch.testing.assert_close(
         metrics["unmasked_mismatch_kl"], torch.tensor(mkl0, dtype=torch.float64)

@@ -177,7 +177,8 @@ def _rl_metrics(lp: Tensor, lp_inf: Tensor, adv: Tensor, mask: Tensor, knobs: di
         dropped = tokens & ~kept
         dp = lp.exp() - lp_inf.exp()
         high = (adv > 0) & (dp > knobs["dppo_mask_high"])
-        low = (adv < 0) & (dp < -knobs["dppo_mask_low"])
+        # the keep mask's own sides (A <= 0 counts as low), so high + low = is_masked
+        low = (adv <= 0) & (dp < -knobs["dppo_mask_low"])
         mkl = mismatch_kl(lp, lp_inf)
         dtype = lp.dtype
         return {
