@@ -97,6 +97,21 @@ def test_every_algorithm_runs_two_steps(tmp_path, tiny_dir, pairs_file, algo):
     assert (result.run_dir / "report" / "rewards.png").exists()
 
 
+def test_sdpo_over_the_teachers_top_k_with_a_tail_bucket_trains_through_the_loop(
+    tmp_path, tiny_dir
+):
+    """[loss] sdpo_top_k reaches the jsd component of the real loop: the same first step's
+    rollouts give another jsd value than the full vocabulary, finite and positive."""
+    rows = {}
+    for name, extra in (("full", ""), ("top_k", "[loss]\nsdpo_top_k = 20")):
+        cfg = _config(tmp_path / name, tiny_dir, algo="sdpo", steps=1, extra=extra)
+        result = train(cfg, environments={"scripted": ScriptedEnv()})
+        (rows[name],) = [r for r in result.metrics if r["step"] == 1]
+    assert rows["top_k"]["tokens/jsd"] == rows["full"]["tokens/jsd"] > 0
+    assert 0 < rows["top_k"]["loss/jsd"] < float("inf")
+    assert rows["top_k"]["loss/jsd"] != pytest.approx(rows["full"]["loss/jsd"])
+
+
 @pytest.mark.parametrize("algo", ["opd", "opsd", "sft"])
 def test_reference_algorithms_run_with_a_local_frozen_model(tmp_path, tiny_dir, algo):
     model_ref = f'name = "frozen"\nlocal_path = "{tiny_dir}"'

@@ -359,6 +359,7 @@ _NON_DEFAULT_LOSS = {
     "sdpo_jsd_beta": 0.9,
     "sdpo_temperature": 0.7,
     "sdpo_token_clip": 5.0,
+    "sdpo_top_k": 20,
     "sdpo_wrapper": "entropy_opd",
     "taid_t": 0.5,
     "taid_t_start": 0.3,

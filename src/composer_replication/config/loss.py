@@ -78,6 +78,13 @@ class LossConfig(BaseModel):
     sdpo_token_clip: float | None = Field(
         None, gt=0, description="jsd: clamp each token's divergence to this (null: no clamp)."
     )
+    sdpo_top_k: int | None = Field(
+        None,
+        ge=1,
+        description="jsd (generalized JSD only): compare over the teacher's top-k tokens plus "
+        "one tail bucket holding the rest of each distribution's mass (SDPO, arXiv "
+        "2601.20802); null: the whole vocabulary.",
+    )
     sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = Field(
         "none",
         description="jsd divergence: 'none' (generalized JSD), 'taid' (TAID, arXiv "
@@ -151,6 +158,11 @@ class LossConfig(BaseModel):
         if self.taid_t_start > self.taid_t_end:
             raise ValueError(
                 f"loss.taid_t_start = {self.taid_t_start} is above taid_t_end = {self.taid_t_end}"
+            )
+        if self.sdpo_top_k is not None and self.sdpo_wrapper != "none":
+            raise ValueError(
+                f"loss.sdpo_top_k = {self.sdpo_top_k} works with the generalized JSD only: "
+                f"unset it or set sdpo_wrapper = 'none' (not {self.sdpo_wrapper!r})"
             )
         return self
 

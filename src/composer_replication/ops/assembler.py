@@ -97,7 +97,7 @@ def _custom_rl_loss(import_path: str) -> Callable[..., Any]:
 def divergence_settings_of(cfg: LossConfig) -> DivergenceSettings:
     """The jsd component's divergence as ``cfg`` sets it (``taid_t`` must be resolved)."""
     knobs = {k: getattr(cfg, k) for k in DIVERGENCE_KNOBS}
-    return divergence_settings(**knobs, chunk_size=cfg.chunk_size)
+    return divergence_settings(**knobs, chunk_size=cfg.chunk_size, top_k=cfg.sdpo_top_k)
 
 
 def pair_settings_of(cfg: LossConfig) -> PairLossSettings:

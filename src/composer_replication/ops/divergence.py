@@ -4,7 +4,9 @@ the self-distillation channel's math lives.
 Three kinds, selected by :class:`DivergenceSettings` ``kind``:
 
 - ``"jsd"``: the generalized JSD of GKD (arXiv 2306.13649), mixture ``beta``
-  (:mod:`.jsd`, analytic chunked gradient);
+  (:mod:`.jsd`, analytic chunked gradient); with ``top_k``, over the teacher's top-k
+  tokens plus one tail bucket holding the rest of each distribution's mass (SDPO, arXiv
+  2601.20802; ``topk_tail_jsd_token_loss``);
 - ``"taid"``: TAID (arXiv 2501.16937), cross-entropy of the student to the target
   ``softmax((1 - t) * stopgrad(z_s) + t * z_t)``;
 - ``"entropy_opd"``: entropy-aware on-policy distillation (arXiv 2603.07079),
@@ -58,6 +60,7 @@ __all__ = [
     "finite_logprobs",
     "taid_token_loss",
     "token_divergence",
+    "topk_tail_jsd_token_loss",
 ]
 
 
@@ -73,6 +76,7 @@ class DivergenceSettings:
         taid_t: TAID's interpolation in [0, 1] (required for ``"taid"``).
         h_max: entropy at which entropy-aware OPD's weight reaches 1 (None: log V).
         chunk_size: hidden rows per chunk (None: about 32 MiB of fp32 logits).
+        top_k: jsd over the teacher's top-k tokens and a tail bucket (None: all of V).
     """
 
     kind: str = "jsd"
@@ -82,6 +86,7 @@ class DivergenceSettings:
     taid_t: float | None = None
     h_max: float | None = None
     chunk_size: int | None = None
+    top_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in DIVERGENCES:
@@ -104,6 +109,14 @@ class DivergenceSettings:
             raise ValueError(f"entropy_opd_h_max={self.h_max} must be > 0 (or None: log V)")
         if self.chunk_size is not None and int(self.chunk_size) < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
+        if self.top_k is not None:
+            if int(self.top_k) < 1:
+                raise ValueError(f"sdpo_top_k={self.top_k} must be >= 1 (or None: all of V)")
+            if self.kind != "jsd":
+                raise ValueError(
+                    f"sdpo_top_k={self.top_k} works with the generalized JSD only; unset it "
+                    f"or set sdpo_wrapper = 'none' (not {self.kind!r})"
+                )
 
 
 def divergence_settings(
@@ -115,6 +128,7 @@ def divergence_settings(
     taid_t: Any = None,
     entropy_opd_h_max: float | None = None,
     chunk_size: int | None = None,
+    top_k: int | None = None,
 ) -> DivergenceSettings:
     """The SDPO channel's settings from its public knob names (:data:`DIVERGENCE_KNOBS`).
 
@@ -135,6 +149,7 @@ def divergence_settings(
         taid_t=None if t is None else float(t),
         h_max=entropy_opd_h_max,
         chunk_size=chunk_size,
+        top_k=top_k,
     )
 
 
@@ -222,9 +237,50 @@ def entropy_opd_token_loss(
     return weight * forward_kl + (1.0 - weight) * reverse_kl
 
 
+def topk_tail_jsd_token_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    top_k: int,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Per-token generalized JSD (...,) over k + 1 buckets: the teacher's top-k tokens and
+    one tail bucket holding the rest of each distribution's mass (SDPO, arXiv 2601.20802).
+
+    Both logits are divided by ``temperature``; the top-k is picked on the teacher (no
+    gradient). Unlike a renormalised top-k, the tail keeps the student's mass outside the
+    teacher's top tokens in the comparison. ``top_k >= V`` is the full-vocabulary JSD.
+    """
+    from composer_replication.ops.jsd import jsd_rows
+
+    vocab = student_logits.shape[-1]
+    dtype = _compute_dtype(student_logits, teacher_logits)
+    log_q = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1).detach()
+    if top_k >= vocab:
+        return jsd_rows(finite_logprobs(log_q), finite_logprobs(log_p), float(beta))
+    top = log_p.topk(int(top_k), dim=-1).indices
+    in_top = torch.zeros_like(log_p, dtype=torch.bool).scatter_(-1, top, True)
+
+    def buckets(logp: Tensor) -> Tensor:
+        tail = logp.masked_fill(in_top, float("-inf")).logsumexp(dim=-1, keepdim=True)
+        return finite_logprobs(torch.cat([logp.gather(-1, top), tail], dim=-1))
+
+    return jsd_rows(buckets(log_q), buckets(log_p), float(beta))
+
+
 def _logits_divergence(
     student_logits: Tensor, teacher_logits: Tensor, settings: DivergenceSettings
 ) -> Tensor:
+    if settings.kind == "jsd":
+        return topk_tail_jsd_token_loss(
+            student_logits,
+            teacher_logits,
+            top_k=int(settings.top_k or student_logits.shape[-1]),
+            beta=settings.beta,
+            temperature=settings.temperature,
+        )
     if settings.kind == "taid":
         tau = float(settings.temperature)
         return taid_token_loss(student_logits / tau, teacher_logits / tau, float(settings.taid_t))
@@ -240,7 +296,7 @@ def _chunked_logits_divergence(
     teacher_weight: Tensor,
     settings: DivergenceSettings,
 ) -> Tensor:
-    """TAID / entropy-aware OPD over hidden rows, chunk by chunk.
+    """TAID / entropy-aware OPD / top-k JSD over hidden rows, chunk by chunk.
 
     With grad, each chunk runs under non-reentrant activation checkpointing: its (C, V)
     logits are dropped after the forward pass and recomputed in the backward pass.
@@ -292,7 +348,7 @@ def token_divergence(
     """
     cfg = settings or DivergenceSettings()
     t_weight = teacher_head(student_hidden, weight, teacher_hidden, teacher_weight)
-    if cfg.kind == "jsd":
+    if cfg.kind == "jsd" and cfg.top_k is None:
         values = jsd_from_hidden(
             student_hidden,
             weight,
