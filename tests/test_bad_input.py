@@ -465,6 +465,10 @@ def test_real_processes_exit_with_the_code_and_one_line(ws):
     assert _snapshot(ws) == before
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(ws, tmp_path):
@@ -486,6 +490,9 @@ def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(ws, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal delivers it: a test run started in the background by a
+        # non-interactive shell inherits SIGINT ignored, and so would the command
+        preexec_fn=_sigint_default,
     )
     deadline = time.monotonic() + 120
     while not list(run.glob("checkpoints/step_*")) and time.monotonic() < deadline:
