@@ -109,7 +109,7 @@ def assert_aligned(rollout):
         rollout.completion_mask, rollout.token_roles, rollout.inference_logprobs
     ):
         if m == 0:  # environment-written: never sampled, never credited
-            assert lp == 0.0 and role in ("tool", "assistant")
+            assert lp == 0.0 and role in ("tool", "user", "assistant")
         else:
             assert m == 1 and role == "assistant"
 
@@ -128,9 +128,16 @@ def test_tiny_policy_rollouts_are_aligned_answers(tiny):
         n = len(r.completion_ids)
         assert 1 <= n <= 12 and r.prompt_ids == prompt and r.prompt_messages == PROMPT
         assert r.completion_mask == [1] * n and all(lp < 0 for lp in r.inference_logprobs)
-        assert r.metadata["turns"] == 1 and r.metadata["end_reason"] == "answer"
         (reason,) = r.metadata["finish_reasons"]
-        assert r.metadata["events"] == [{"turn": 1, "type": "answer", "finish_reason": reason}]
+        assert r.metadata["turns"] == 1
+        if reason == "length":  # cut off by the budget: truncated, never an answer
+            assert r.metadata["end_reason"] == "truncated"
+            assert r.metadata["events"] == [
+                {"turn": 1, "type": "truncated", "kind": "no_call", "tokens": n}
+            ]
+        else:
+            assert r.metadata["end_reason"] == "answer"
+            assert r.metadata["events"] == [{"turn": 1, "type": "answer", "finish_reason": reason}]
         assert (r.reward, r.error, r.feedback) == (0.0, None, None)
 
 
@@ -150,25 +157,29 @@ def test_malformed_calls_become_observations_and_the_policy_continues(tiny):
     for r in rollouts:
         assert_aligned(r)
         events = r.metadata["events"]
-        assert [(e["turn"], e["type"], e.get("kind")) for e in events] == [
-            (1, "parse_error", "json_decode"),
-            (2, "parse_error", "unknown_tool"),
-            (3, "answer", None),
+        # the policy's own last reply ends the episode: an answer, or cut off by the budget
+        last = "truncated" if r.metadata["finish_reasons"][-1] == "length" else "answer"
+        assert [(e["turn"], e["type"]) for e in events] == [
+            (1, "parse_error"),
+            (2, "parse_error"),
+            (3, last),
         ]
+        assert [e.get("kind") for e in events[:2]] == ["json_decode", "unknown_tool"]
         assert r.metadata["turns"] == 3 and r.error is None
         assert r.feedback == unknown and classify_error(r.feedback) == "tool_not_found"
         runs = segments(r)
+        # end of turn and the next turn's header are the template's (assistant, mask 0);
+        # the observation message is the tool's
         assert [(m, role) for m, role, _, _ in runs] == [
-            (1, "assistant"), (0, "assistant"), (0, "tool"),
-            (1, "assistant"), (0, "assistant"), (0, "tool"),
+            (1, "assistant"), (0, "assistant"), (0, "tool"), (0, "assistant"),
+            (1, "assistant"), (0, "assistant"), (0, "tool"), (0, "assistant"),
             (1, "assistant"),
         ]  # fmt: skip
         assert tok.decode(runs[0][2]) == malformed
-        assert tok.decode(runs[1][2] + runs[2][2]) == (
-            f"<|im_end|>\n<|im_start|>tool\n{events[0]['message']}<|im_end|>\n"
-            "<|im_start|>assistant\n"
-        )
-        assert tok.decode(runs[4][2] + runs[5][2]) == (
+        assert tok.decode(runs[1][2]) == "<|im_end|>\n"
+        assert tok.decode(runs[2][2]) == (f"<|im_start|>tool\n{events[0]['message']}<|im_end|>\n")
+        assert tok.decode(runs[3][2]) == "<|im_start|>assistant\n"
+        assert tok.decode(runs[5][2] + runs[6][2] + runs[7][2]) == (
             f"<|im_end|>\n<|im_start|>tool\n{unknown}<|im_end|>\n<|im_start|>assistant\n"
         )
         # the policy's turn was sampled on exactly this token stream: its log-probs match
@@ -282,10 +293,11 @@ def test_template_without_a_tool_role_gets_user_observations(tokenizer):
         None, plain, episodes(1), sampling=SAMPLING, max_turns=2, tools=TOOLS,
         sample_fn=ScriptedSampler(plain, [[call("echo", x=1)]]),
     )  # fmt: skip
-    observation = [t for t, role in zip(r.completion_ids, r.token_roles) if role == "tool"]
-    assert plain.decode(observation) == (
-        '<|im_start|>user\n[tool result] echo: {"x": 1}<|im_end|>\n<|im_start|>assistant\n'
-    )
+    # the observation is a user message here: its tokens carry the role "user"
+    assert "tool" not in r.token_roles
+    observation = [t for t, role in zip(r.completion_ids, r.token_roles) if role == "user"]
+    assert plain.decode(observation) == '<|im_start|>user\n[tool result] echo: {"x": 1}<|im_end|>\n'
+
     assert r.metadata["conversation"][3] == {
         "role": "user",
         "content": '[tool result] echo: {"x": 1}',
@@ -305,7 +317,12 @@ def test_history_rewriting_template_falls_back_without_retokenising():
     assert {"turn": 1, "type": "render_fallback", "method": "stand_in"} in events
     runs = segments(r)
     assert thinking.decode(runs[0][2]) == reply  # the sampled reasoning stays in the stream
-    assert thinking.decode(runs[1][2] + runs[2][2]) == (
+    assert [(m, role) for m, role, _, _ in runs[1:4]] == [
+        (0, "assistant"),
+        (0, "tool"),
+        (0, "assistant"),
+    ]
+    assert thinking.decode(runs[1][2] + runs[2][2] + runs[3][2]) == (
         '<|im_end|>\n<|im_start|>tool\necho: {"x": 1}<|im_end|>\n<|im_start|>assistant\n'
     )
 

@@ -15,6 +15,13 @@ this):
   ``[tool result]`` instead (see ``rollout.agent``).
 - A message without ``<tool_call>`` is the model's final answer; calling ``finish`` ends the
   episode too.
+- The older attribute form ``<tool_call name="read_file">{"path": "pkg/mod.py"}</tool_call>``
+  (the arguments object alone; how earlier trace files wrote calls) is read as the same call.
+
+This is the project's text format (:class:`~composer_replication.rollout.tool_formats.
+TextToolFormat`); a chat template with tool calls of its own gets
+:class:`~composer_replication.rollout.tool_formats.NativeToolFormat` instead, whose parser
+shares :func:`call_from_object`.
 
 :func:`parse_tool_call` never raises on model text: a malformed call is data, a
 :class:`ToolCallError` whose ``kind`` is one of :data:`ERROR_KINDS` and whose ``message`` is
@@ -25,7 +32,9 @@ agent-visible failures (bad path, missing argument, timeout) by raising :class:`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +48,10 @@ __all__ = [
     "ToolCall",
     "ToolCallError",
     "ToolError",
+    "ToolParameter",
+    "ToolResult",
     "ToolSpec",
+    "call_from_object",
     "format_tool_call",
     "parse_tool_call",
     "tool_instructions",
@@ -85,21 +97,95 @@ class ToolError(Exception):
     """Raised by a tool for a failure the model should see and can recover from.
 
     ``kind`` classifies it for the rollout's event log: ``bad_arguments``, ``path_error``,
-    ``timeout`` or the generic ``tool_error``.
+    ``timeout``, ``tests_failed``, ``no_match`` / ``ambiguous_match`` (an edit), or the
+    generic ``tool_error``; ``info`` is logged with it (e.g. a test run's counts).
     """
 
-    def __init__(self, message: str, kind: str = "tool_error") -> None:
+    def __init__(
+        self, message: str, kind: str = "tool_error", info: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.kind = kind
+        self.info = dict(info or {})
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool's successful output: ``text`` (the observation) and ``info`` (facts about the
+    call for the rollout's event log, e.g. a test run's counts; never shown to the model)."""
+
+    text: str
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: JSON-schema types a tool parameter may have.
+PARAMETER_TYPES = ("string", "integer", "number", "boolean", "array", "object")
+
+
+@dataclass(frozen=True)
+class ToolParameter:
+    """One argument of a tool: its JSON-schema ``type`` (``items``: the element type of an
+    ``array``), whether it is ``required``, and what it means."""
+
+    name: str
+    description: str
+    type: str = "string"
+    required: bool = True
+    items: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in PARAMETER_TYPES:
+            raise ValueError(
+                f"tool parameter {self.name!r}: type {self.type!r} is not one of {PARAMETER_TYPES}"
+            )
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of this parameter."""
+        out: dict[str, Any] = {"type": self.type, "description": self.description}
+        if self.type == "array":
+            out["items"] = {"type": self.items or "string"}
+        return out
 
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """How a tool is described to the model: ``parameters`` are (name, description) pairs."""
+    """How a tool is described to the model.
+
+    ``parameters`` are :class:`ToolParameter` s; a plain ``(name, description)`` pair is a
+    required string parameter.
+    """
 
     name: str
     description: str
-    parameters: tuple[tuple[str, str], ...] = ()
+    parameters: tuple[ToolParameter | tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        params = tuple(
+            p if isinstance(p, ToolParameter) else ToolParameter(str(p[0]), str(p[1]))
+            for p in self.parameters
+        )
+        object.__setattr__(self, "parameters", params)
+
+    @property
+    def params(self) -> tuple[ToolParameter, ...]:
+        """``parameters`` as :class:`ToolParameter` s."""
+        return self.parameters  # type: ignore[return-value]
+
+    def schema(self) -> dict[str, Any]:
+        """The tool as an OpenAI-style function schema (what a chat template's ``tools=``
+        takes)."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {p.name: p.schema() for p in self.params},
+                    "required": [p.name for p in self.params if p.required],
+                },
+            },
+        }
 
 
 def format_tool_call(name: str, arguments: Mapping[str, Any] | None = None) -> str:
@@ -123,14 +209,17 @@ def tool_instructions(tools: Sequence[ToolSpec], preamble: str = "") -> str:
         "Tools:",
     ]
     for spec in tools:
-        signature = ", ".join(p for p, _ in spec.parameters)
-        params = "; ".join(f"{p}: {d}" for p, d in spec.parameters) or "none"
+        signature = ", ".join(p.name if p.required else f"{p.name}?" for p in spec.params)
+        params = "; ".join(f"{p.name}: {p.description}" for p in spec.params) or "none"
         lines.append(f"- {spec.name}({signature}): {spec.description} Arguments: {params}.")
     return "\n".join(lines)
 
 
 def _available(tool_names: Collection[str]) -> str:
     return ", ".join(sorted(tool_names)) or "none"
+
+
+_LEGACY_OPEN = re.compile(r'<tool_call\s+name\s*=\s*"([^"]*)"\s*>')
 
 
 def parse_tool_call(
@@ -144,6 +233,9 @@ def parse_tool_call(
             (None accepts any name).
     """
     start = text.find(TOOL_CALL_OPEN)
+    legacy = _LEGACY_OPEN.search(text)
+    if legacy is not None and (start < 0 or legacy.start() < start):
+        return _parse_legacy(text, legacy, tool_names)
     if start < 0:
         return ToolCallError(
             "no_call", f"Error: no tool call found; write {TOOL_CALL_OPEN}{{...}}{TOOL_CALL_CLOSE}"
@@ -151,22 +243,60 @@ def parse_tool_call(
     body_start = start + len(TOOL_CALL_OPEN)
     end = text.find(TOOL_CALL_CLOSE, body_start)
     if end < 0:
-        raw = text[body_start:]
-        return ToolCallError(
-            "json_decode",
-            f"Error: the {TOOL_CALL_OPEN} is never closed with {TOOL_CALL_CLOSE} (the JSON "
-            "may be cut off); write the whole call again",
-            raw=raw,
-        )
+        return unclosed_call(text[body_start:])
     raw = text[body_start:end]
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as err:
-        return ToolCallError(
-            "json_decode",
-            f"Error: the tool call is not valid JSON.\njson.decoder.JSONDecodeError: {err}",
-            raw=raw,
-        )
+        return invalid_json(raw, err)
+    return call_from_object(data, raw, tool_names)
+
+
+def unclosed_call(raw: str) -> ToolCallError:
+    """A call whose closing tag never came (the reply may have been cut off)."""
+    return ToolCallError(
+        "json_decode",
+        f"Error: the {TOOL_CALL_OPEN} is never closed with {TOOL_CALL_CLOSE} (the JSON "
+        "may be cut off); write the whole call again",
+        raw=raw,
+    )
+
+
+def invalid_json(raw: str, err: json.JSONDecodeError) -> ToolCallError:
+    """A call whose body is not JSON."""
+    return ToolCallError(
+        "json_decode",
+        f"Error: the tool call is not valid JSON.\njson.decoder.JSONDecodeError: {err}",
+        raw=raw,
+    )
+
+
+def _parse_legacy(
+    text: str, match: re.Match[str], tool_names: Collection[str] | None
+) -> ToolCall | ToolCallError:
+    """``<tool_call name="X">{arguments}</tool_call>``: the arguments object alone."""
+    end = text.find(TOOL_CALL_CLOSE, match.end())
+    if end < 0:
+        return unclosed_call(text[match.end() :])
+    raw = text[match.end() : end].strip()
+    try:
+        arguments = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as err:
+        return invalid_json(raw, err)
+    return call_from_object({"name": match.group(1), "arguments": arguments}, raw, tool_names)
+
+
+def call_from_object(
+    data: Any,
+    raw: str,
+    tool_names: Collection[str] | None,
+    *,
+    arguments_key: str = "arguments",
+    string_arguments: bool = False,
+) -> ToolCall | ToolCallError:
+    """A decoded call object (``{"name": ..., arguments_key: {...}}``) checked: an object,
+    a non-empty name, an object of arguments, a known tool. ``string_arguments``: the
+    format carries the arguments as a JSON string of that object (decoded here)."""
     if not isinstance(data, dict):
         return ToolCallError(
             "missing_name",
@@ -180,13 +310,17 @@ def parse_tool_call(
             'Error: the tool call has no "name" (a non-empty string naming the tool)',
             raw=raw,
         )
-    arguments = data.get("arguments", {})
+    arguments = data.get(arguments_key, {})
     if arguments is None:
         arguments = {}
+    if string_arguments and isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else left a string: refused below
+            arguments = json.loads(arguments) if arguments.strip() else {}
     if not isinstance(arguments, dict):
         return ToolCallError(
             "bad_arguments",
-            f'Error: "arguments" of {name!r} must be a JSON object, got {type(arguments).__name__}',
+            f'Error: "{arguments_key}" of {name!r} must be a JSON object, got '
+            f"{type(arguments).__name__}",
             raw=raw,
             name=name,
         )

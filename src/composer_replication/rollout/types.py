@@ -44,6 +44,9 @@ class Rollout:
         reward: the verifier's score (0.0 for a failed rollout).
         prompt_messages: the chat messages behind ``prompt_ids``, so an algorithm can
             re-render the prompt with a hint or a demonstration.
+        prompt_tools: the tools' JSON schemas the chat template rendered the prompt with
+            (a model with native tool calls), to be passed again when it is re-rendered;
+            None when the template got none.
         token_roles: per completion token, the role that produced it ("assistant",
             "tool", "user", ...), for algorithms that weight observation tokens.
         feedback: error-site text from the environment (failing test output, a tool
@@ -75,6 +78,7 @@ class Rollout:
     feedback: str | None = None
     error: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    prompt_tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
