@@ -11,6 +11,7 @@ import torch
 
 from composer_replication.hint_generator import dispatch
 from composer_replication.loss import compose_loss
+from composer_replication.traces.ingestion.render import render_tool_call
 from composer_replication.trainer.data_collator import (
     CollatorConfig,
     ComposerDataCollator,
@@ -255,8 +256,10 @@ def test_collator_takes_trace_dicts_beside_examples():
     assert batch["rewards"].tolist() == [0.5, 1.0]
     assert batch["dpo_chosen_input_ids"].shape[0] == 2  # one row per pair of the trace
     response = batch["input_ids"][0][batch["response_mask"][0] == 1].tolist()
-    assert response == [*chars("def add(a, b): return a + b"), EOS]
-    assert batch["sdpo_loss_mask"][0].sum() == len(response)  # the error site is hinted
+    last = [*chars("def add(a, b): return a + b"), EOS]
+    # both assistant turns are trained; the one after the failing tool is the error site
+    assert response == [*chars(TraceExample.from_dict(TRACE).turns[1].text()), EOS, *last]
+    assert batch["sdpo_loss_mask"][0].sum() == len(last)
     assert batch["sdpo_loss_mask"][1].sum() == 0
 
 
@@ -287,7 +290,9 @@ def test_a_seed_trace_with_a_tool_error_produces_the_sdpo_channel():
     collator = ComposerDataCollator(tokenizer=CharTokenizer(), config=cfg)
     batch = collator([{"trace_id": "x", "turns": SEED_TURNS, "final_reward": 1.0}])
     assert set(batch) == BASE_KEYS | SDPO_KEYS
-    assert batch["sdpo_loss_mask"].sum() == batch["response_mask"].sum()
+    # the fix after the failing tool is the site; the tool call before it is trained too
+    fix = [*chars("def add(a, b): return a + b"), EOS]
+    assert batch["sdpo_loss_mask"].sum() == len(fix)
     assert seen == [
         (
             "runtime_error",
@@ -299,10 +304,9 @@ def test_a_seed_trace_with_a_tool_error_produces_the_sdpo_channel():
             },
         )
     ]
-    # the assistant's tool_call is rendered into the state the policy sees
-    prompt = batch["input_ids"][0][batch["response_mask"][0] == 0].tolist()
-    call = chars('<tool_call name="Bash">\n{"c": 1}\n</tool_call>')
-    assert any(prompt[i : i + len(call)] == call for i in range(len(prompt)))
+    # the assistant's tool_call is rendered into the turn the policy is trained on
+    trained = batch["input_ids"][0][batch["response_mask"][0] == 1].tolist()
+    assert trained == [*chars(render_tool_call("Bash", {"c": 1})), EOS, *fix]
     # the same trace without tool errors gives no SDPO channel
     clean = [dict(t, tool_error=None, error_meta=None) for t in SEED_TURNS]
     assert set(collator([{"trace_id": "x", "turns": clean, "final_reward": 1.0}])) == BASE_KEYS

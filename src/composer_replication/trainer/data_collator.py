@@ -1,33 +1,64 @@
 """Agent-trace examples -> the padded batch dict of ``loss.compose_loss``.
 
-A ``TraceExample`` is one decision of an agent: the conversation so far (``turns``), the
-action taken (``response``), its rewards, optionally the error it ran into and teacher
-preference pairs for the same state. ``ComposerDataCollator(tokenizer, config)(examples)``
-builds the three channels' inputs (the key layout of :mod:`composer_replication.batch`).
-Examples may also be given as trace dicts (:meth:`TraceExample.from_dict`), the documented
-``TraceExample`` TypedDict shape: ``trace_id``, ``turns`` (``role`` / ``content`` messages;
-assistant ``tool_call`` / ``tool_calls``; tool ``name``, ``tool_error`` / ``error`` /
-``is_error`` and ``error_meta``), ``final_reward`` and ``dpo_pairs`` (``chosen`` /
-``rejected``); the last assistant turn is the response trained on, the turns before it are
-the state, and an error reported after it is the failure it led to.
+A ``TraceExample`` is an agent trace cut at its last action: the conversation before it
+(``turns``), that action (``response``), its rewards, optionally the error it ran into and
+teacher preference pairs for the same state. ``ComposerDataCollator(tokenizer,
+config)(examples)`` builds the three channels' inputs (the key layout of
+:mod:`composer_replication.batch`). Examples may also be given as trace dicts
+(:meth:`TraceExample.from_dict`), the documented ``TraceExample`` TypedDict shape:
+``trace_id``, ``turns`` (``role`` / ``content`` messages; assistant ``tool_call`` /
+``tool_calls``; tool ``name``, ``tool_error`` / ``error`` / ``is_error`` and ``error_meta``),
+``final_reward`` and ``dpo_pairs`` (``chosen`` / ``rejected``); the last assistant turn is the
+response, the turns before it are the state, and an error reported after it is the failure
+it led to.
+
+What is trained (``response_mask``, ``labels``). The trained turns are the response and,
+with ``CollatorConfig.multi_turn`` (the default), every assistant turn of the state after its
+first turn. A row is the conversation up to the first trained turn, rendered with the chat
+template and its generation prompt, followed by the rest of the conversation as tokens:
+each trained turn is its text tokens + eos (tokenised once; 1 in ``response_mask``), and
+the turns between two trained turns are the chat template's own tokens for them (0): the
+ids the template adds when those turns and the next generation prompt are appended (the
+previous turn's end-of-turn text after eos, e.g. ChatML's newline, included). The row then
+equals the template's tokens of the whole conversation, up to the last turn's eos. When the
+template does not extend its earlier rendering that way (it rewrites history, e.g. drops
+old reasoning, or tokenises a turn differently in context), the turns in between are the
+delta they add after a fixed stand-in exchange (``user: "."``, ``assistant: "."``; a
+leading eos, already ending the trained turn, dropped), else their rendering on their own.
+With ``multi_turn=False`` only the response is trained and every earlier turn is prompt.
 
 - always: ``input_ids``, ``attention_mask``, ``response_mask`` (B, T), ``labels`` (B, T)
-  (``input_ids`` with ``ignore_index`` off the response) and ``rewards`` (B,) float, read
-  from ``example.rewards[config.rlvr_reward_key]``;
-- SDPO, when ``enable_sdpo``, a ``hint_generator`` is configured and some example has an
-  error site: ``ctx_teacher_input_ids``, ``ctx_teacher_attention_mask``,
-  ``ctx_teacher_response_mask`` (B, T') and ``sdpo_loss_mask`` (B, T). The teacher context is
-  the state with the hint added to the last user message (``algo.context.augment_messages``),
-  followed by the SAME response token ids; rows without a hint keep the plain state and an
-  all-zero ``sdpo_loss_mask`` row;
+  (``input_ids`` with ``ignore_index`` off the trained turns) and ``rewards`` (B,) float,
+  read from ``example.rewards[config.rlvr_reward_key]``;
+- SDPO, when ``enable_sdpo``, a ``hint_generator`` is configured and some error site gets
+  a hint: ``ctx_teacher_input_ids``, ``ctx_teacher_attention_mask``,
+  ``ctx_teacher_response_mask`` (B, T') and ``sdpo_loss_mask`` (B, T). The error sites are
+  the trained turns that (a) directly follow an observation turn (user / tool) reporting
+  an error (``TraceTurn.reports_error``: the hint generator gets that turn's error and
+  tool), or (b) are the response and the example has an ``error`` (reported after it:
+  the failure it led to; ``TraceExample.error_site``). A site's hint is written with
+  ``DEFAULT_HINT_TEMPLATE`` into the turns between the previous trained turn (or the
+  start) and the site, as ``algo.context.augment_messages`` does: into the last user
+  message there, else as a new user message right before the site. The teacher context is
+  the conversation with every hint of the row written in, rendered the same way, with the
+  SAME ids for every trained turn; ``ctx_teacher_response_mask`` marks all of them (as many
+  tokens as ``response_mask``, in the same order: token k of one is token k of the other),
+  and ``sdpo_loss_mask`` (student shape) is 1 on the tokens of the sites that got a hint.
+  A later site's teacher thus also sees the earlier sites' hints. Rows without a hint keep
+  the plain conversation and an all-zero ``sdpo_loss_mask`` row. For a single trained turn
+  this is the old rule: the hint in the state's last user message;
 - replay DPO, when ``enable_replay_dpo`` and some example carries pairs:
   ``dpo_{chosen,rejected}_{input_ids,attention_mask,response_mask}`` (P, T''), one row per
-  pair (state + that response).
+  pair (the whole state as prompt + that response).
 
-Truncation: a prompt is cut from the left (the latest turns are kept), a response from the
-right, so that every row fits ``max_seq_len`` (``max_dpo_seq_len`` for pairs) with at least
-one prompt token before the response. The response is tokenised once (text + eos) and the
-same ids are appended to every context, so student and teacher positions align exactly.
+Truncation, to ``max_seq_len``: the prompt is cut from the left (the latest tokens kept,
+at least one); when the trained turns and the turns between them still do not fit, whole
+trailing turns are dropped (a trained turn with the turns before it, so a row never ends in
+an observation nor holds part of one) and the prompt is cut again to the room left; a
+first trained turn longer than ``max_seq_len - 1`` is cut from the right. With SDPO a row
+keeps the trained turns its teacher context can hold too (hints only add tokens), and each
+context's prompt is cut to fit. Pairs: the response cut from the right to
+``max_dpo_seq_len - 1``, then the prompt from the left.
 """
 
 from __future__ import annotations
@@ -131,7 +162,9 @@ class TraceTurn:
 
 @dataclass(frozen=True)
 class TraceExample:
-    """One agent decision: ``turns`` (the state), ``response`` (the action trained on).
+    """An agent trace cut at its last action: ``turns`` (the state), ``response`` (the
+    action); with ``CollatorConfig.multi_turn`` the state's own assistant turns are trained
+    too (``earlier_actions``).
 
     The documented ``TraceExample`` TypedDict shape is accepted as keywords too:
     ``TraceExample(trace_id=..., turns=[...], final_reward=..., dpo_pairs=[...])``, with
@@ -141,8 +174,9 @@ class TraceExample:
     the failure the response led to (``error`` / ``error_meta``).
 
     Attributes:
-        turns: the conversation before the response (at least one turn).
-        response: the assistant text that was produced at this state.
+        turns: the conversation before the response (at least one turn), earlier actions
+            included.
+        response: the assistant text that was produced at this state (the last action).
         rewards: named scalar rewards; ``CollatorConfig.rlvr_reward_key`` is the one used.
         error: the failure the response led to (failing tests, tool error); the error site
             SDPO hints about. Without it, an error reported by the last observation turn of
@@ -215,7 +249,8 @@ class TraceExample:
 
     def _split_response(self, turns: tuple[TraceTurn, ...]) -> tuple[TraceTurn, ...]:
         """The last assistant turn becomes ``response``; an error a later turn reports
-        becomes ``error`` / ``error_meta``; returns the state (the turns before it)."""
+        becomes ``error`` / ``error_meta`` (with that turn's ``tool_name``); returns the state
+        (the turns before it)."""
         last = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=None)
         if last is None or last == 0:
             raise ValueError(
@@ -226,9 +261,18 @@ class TraceExample:
         after = [t for t in turns[last + 1 :] if t.reports_error]
         if after and self.error is None:
             object.__setattr__(self, "error", after[-1].error or after[-1].content)
-            if self.error_meta is None and after[-1].error_meta:
-                object.__setattr__(self, "error_meta", after[-1].error_meta)
+            if self.error_meta is None and (after[-1].error_meta or after[-1].tool_name):
+                # the tool that failed, for the hint (the state's last turn is another one)
+                meta = {"tool_name": after[-1].tool_name} if after[-1].tool_name else {}
+                object.__setattr__(self, "error_meta", {**meta, **(after[-1].error_meta or {})})
         return turns[:last]
+
+    @property
+    def earlier_actions(self) -> tuple[int, ...]:
+        """Indices into ``turns`` of the state's assistant turns after its first turn: the
+        actions trained beside the response when ``CollatorConfig.multi_turn`` is on (an
+        assistant turn that opens the conversation has no prompt before it and stays state)."""
+        return tuple(i for i, t in enumerate(self.turns) if i > 0 and t.role == "assistant")
 
     @property
     def pairs(self) -> list[tuple[str, str]]:
@@ -270,7 +314,7 @@ class TraceExample:
         return [t.message() for t in self.turns]
 
     def error_site(self) -> HintContext | None:
-        """What the hint generator needs about this example's error, or None: the
+        """What the hint generator needs about the response's error, or None: the
         example's ``error`` (with ``error_meta``), else the error the last observation turn
         reports (with its ``error_meta``)."""
         last = self.turns[-1]
@@ -281,13 +325,29 @@ class TraceExample:
             text = last.error or str(meta.get("error_message") or last.content)
         else:
             return None
+        return self._hint_context(text, meta, self.error_kind, last.tool_name)
+
+    def turn_error_site(self, index: int) -> HintContext | None:
+        """What the hint generator needs about the error ``turns[index]`` reports (its error
+        text, ``error_meta`` and tool), or None when that turn reports none. The action right
+        after such a turn is an error site (see the module docstring)."""
+        turn = self.turns[index]
+        if not turn.reports_error:
+            return None
+        meta = dict(turn.error_meta or {})
+        text = turn.error or str(meta.get("error_message") or turn.content)
+        return self._hint_context(text, meta, None, turn.tool_name)
+
+    def _hint_context(
+        self, text: str, meta: dict[str, Any], kind: str | None, tool_name: str | None
+    ) -> HintContext:
         ctx = HintContext(**{k: v for k, v in meta.items() if k in HintContext.__annotations__})
         ctx["error_message"] = text
         ctx["error_kind"] = (
-            self.error_kind or meta.get("error_kind") or classify_error(text) or "runtime_error"
+            kind or meta.get("error_kind") or classify_error(text) or "runtime_error"
         )
-        if last.tool_name and "tool_name" not in ctx:
-            ctx["tool_name"] = last.tool_name
+        if tool_name and "tool_name" not in ctx:
+            ctx["tool_name"] = tool_name
         if self.available_tools and "available_tools" not in ctx:
             ctx["available_tools"] = self.available_tools
         return ctx
@@ -347,7 +407,10 @@ class CollatorConfig:
     ``hint_generator`` is called as ``hint_generator(error_kind, ctx) -> hint | None``
     (``composer_replication.hint_generator.dispatch`` fits); None disables SDPO. ``split``:
     examples whose ``task_id`` it holds out raise ``HeldoutLeakError`` (the project's split
-    by default; None for data with no held-out pool).
+    by default; None for data with no held-out pool). ``multi_turn``: train every assistant
+    turn of a trace after its first turn (``TraceExample.earlier_actions``) beside the
+    response, each a possible SDPO site; False trains the response only, the earlier turns
+    being prompt.
     """
 
     max_seq_len: int = 4096
@@ -359,6 +422,7 @@ class CollatorConfig:
     enable_replay_dpo: bool = True
     rlvr_reward_key: str = "final_reward"
     split: HeldoutSplit | None = DEFAULT_SPLIT
+    multi_turn: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "max_dpo_seq_len"):
@@ -368,12 +432,65 @@ class CollatorConfig:
                 )
 
 
+@dataclass(frozen=True)
+class _Context:
+    """One context (student or teacher) of an example, in pieces.
+
+    ``prompt``: the conversation up to the first trained turn with the generation prompt;
+    ``turns``: per trained turn, ``(ids of the turns before it since the previous trained
+    turn, its own ids)``; the first has no ids before it (the prompt leads to it).
+    """
+
+    prompt: list[int]
+    turns: list[tuple[list[int], list[int]]]
+
+    def turns_that_fit(self, cap: int) -> int:
+        """How many leading trained turns fit ``cap`` with at least one prompt token (at
+        least 1: a first turn too long for the cap is cut)."""
+        used, n = 1, 0
+        for before, own in self.turns:
+            used += len(before) + len(own)
+            if used > cap:
+                break
+            n += 1
+        return max(n, 1)
+
+    def cut(self, n: int, cap: int) -> tuple[list[int], list[int]]:
+        """(ids, turn of each id: its trained turn's index, -1 elsewhere) of the first ``n``
+        trained turns, the first one cut to ``cap - 1`` when alone, after the prompt's tail."""
+        turns = self.turns[:n]
+        if n == 1:
+            turns = [([], turns[0][1][: cap - 1])]
+        body = sum(len(before) + len(own) for before, own in turns)
+        ids = self.prompt[-(cap - body) :]
+        marks = [-1] * len(ids)
+        for j, (before, own) in enumerate(turns):
+            ids += before + own
+            marks += [-1] * len(before) + [j] * len(own)
+        return ids, marks
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """An example's conversation split at its trained turns.
+
+    ``stretches[j]``: the messages between trained turn j - 1 (or the start) and trained
+    turn j; ``actions[j]``: trained turn j's message; ``at[j]``: its index in ``turns``
+    (``len(turns)`` for the response).
+    """
+
+    stretches: list[list[dict[str, Any]]]
+    actions: list[dict[str, str]]
+    at: list[int]
+
+
 class ComposerDataCollator:
     """Collate ``TraceExample``s into the ``compose_loss`` batch (see the module docstring)."""
 
     def __init__(self, tokenizer: TokenizerLike, config: CollatorConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.config = config or CollatorConfig()
+        self._stand_in: list[int] | None = None
 
     def __call__(
         self, examples: Sequence[TraceExample | Mapping[str, Any]]
@@ -386,11 +503,26 @@ class ComposerDataCollator:
         if self.config.split is not None:
             self.config.split.check_trainable([ex.task_id for ex in examples if ex.task_id])
         cfg = self.config
-        responses = [self._response_ids(ex.response) for ex in examples]
-        rows = [
-            _fit(self._prompt_ids(ex.messages()), resp, cfg.max_seq_len)
-            for ex, resp in zip(examples, responses)
+        layouts = [self._layout(ex) for ex in examples]
+        action_ids = [[self._response_ids(a["content"]) for a in lay.actions] for lay in layouts]
+        student = [
+            self._context(lay.stretches, lay.actions, ids) for lay, ids in zip(layouts, action_ids)
         ]
+        hints: list[dict[int, str]] = [{} for _ in examples]
+        if cfg.enable_sdpo and cfg.hint_generator is not None:
+            hints = [self._hints(ex, lay) for ex, lay in zip(examples, layouts)]
+        teacher = None
+        if any(hints):
+            teacher = [
+                self._context(self._hinted(lay, found), lay.actions, ids) if found else plain
+                for lay, ids, found, plain in zip(layouts, action_ids, hints, student)
+            ]
+        # a row keeps the trained turns both of its contexts hold
+        cap = cfg.max_seq_len
+        kept = [ctx.turns_that_fit(cap) for ctx in student]
+        if teacher is not None:
+            kept = [min(n, ctx.turns_that_fit(cap)) for n, ctx in zip(kept, teacher)]
+        rows = [ctx.cut(n, cap) for ctx, n in zip(student, kept)]
         batch = self._pad(rows, "")
         labels = batch["input_ids"].clone()
         labels[batch["response_mask"] == 0] = cfg.ignore_index
@@ -398,19 +530,98 @@ class ComposerDataCollator:
         batch["rewards"] = torch.tensor(
             [self._reward(i, ex) for i, ex in enumerate(examples)], dtype=torch.float32
         )
-        if cfg.enable_sdpo and cfg.hint_generator is not None:
-            batch.update(self._sdpo_fields(examples, rows, batch["response_mask"]))
+        if teacher is not None:
+            batch.update(
+                self._pad([ctx.cut(n, cap) for ctx, n in zip(teacher, kept)], "ctx_teacher_")
+            )
+            batch["sdpo_loss_mask"] = _site_mask(rows, hints, batch["input_ids"].shape[1])
         if cfg.enable_replay_dpo:
             batch.update(self._dpo_fields(examples))
         return batch
 
     # ------------------------------------------------------------------ pieces
 
+    def _layout(self, example: TraceExample) -> _Layout:
+        messages = example.messages()
+        at = [*(example.earlier_actions if self.config.multi_turn else ()), len(messages)]
+        messages.append({"role": "assistant", "content": example.response or ""})
+        starts = [0, *(i + 1 for i in at[:-1])]
+        return _Layout(
+            stretches=[messages[s:e] for s, e in zip(starts, at)],
+            actions=[messages[i] for i in at],
+            at=at,
+        )
+
+    def _hints(self, example: TraceExample, layout: _Layout) -> dict[int, str]:
+        """Trained turn index -> its hint, for the turns that are error sites and got one."""
+        out: dict[int, str] = {}
+        for j, at in enumerate(layout.at):
+            if at == len(example.turns):
+                site = example.error_site()
+            else:
+                site = example.turn_error_site(at - 1)
+            hint = None if site is None else self.config.hint_generator(site["error_kind"], site)
+            if hint:
+                out[j] = hint
+        return out
+
+    @staticmethod
+    def _hinted(layout: _Layout, hints: Mapping[int, str]) -> list[list[dict[str, Any]]]:
+        return [
+            augment_messages(stretch, DEFAULT_HINT_TEMPLATE, hint=hints[j])
+            if j in hints
+            else stretch
+            for j, stretch in enumerate(layout.stretches)
+        ]
+
+    def _context(
+        self,
+        stretches: Sequence[list[dict[str, Any]]],
+        actions: Sequence[dict[str, str]],
+        action_ids: Sequence[list[int]],
+    ) -> _Context:
+        """Render a conversation turn by turn; the trained turns' ids are ``action_ids``."""
+        conversation = list(stretches[0])
+        prompt = self._prompt_ids(conversation)
+        ids = list(prompt)
+        turns = []
+        for j, (action, own) in enumerate(zip(actions, action_ids)):
+            before: list[int] = []
+            if j:
+                before = self._between_ids(conversation, stretches[j], ids)
+                conversation += stretches[j]
+            turns.append((before, own))
+            ids += before + own
+            conversation.append(action)
+        return _Context(prompt, turns)
+
+    def _between_ids(
+        self, conversation: list[dict[str, Any]], stretch: list[dict[str, Any]], ids: list[int]
+    ) -> list[int]:
+        """The ids of ``stretch`` + the generation prompt after ``conversation`` (which ends
+        with a trained turn, ``ids`` so far): the template's delta when its rendering extends
+        ``ids``, else the delta after a stand-in exchange, else ``stretch`` on its own."""
+        full = self._prompt_ids([*conversation, *stretch])
+        if full[: len(ids)] == ids:
+            return full[len(ids) :]
+        if self._stand_in is None:
+            head = self._prompt_ids(_STAND_IN[:1])
+            self._stand_in = head + self._text_ids(_STAND_IN[1]["content"])
+        full = self._prompt_ids([*_STAND_IN, *stretch])
+        if full[: len(self._stand_in)] != self._stand_in:
+            return self._prompt_ids(stretch)
+        rest = full[len(self._stand_in) :]
+        eos = self.tokenizer.eos_token_id
+        return rest[1:] if eos is not None and rest[:1] == [int(eos)] else rest
+
     def _prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return render_prompt(self.tokenizer, messages)
 
+    def _text_ids(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
     def _response_ids(self, text: str) -> list[int]:
-        ids = [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        ids = self._text_ids(text)
         eos = self.tokenizer.eos_token_id
         return [*ids, int(eos)] if eos is not None else ids
 
@@ -423,31 +634,6 @@ class ComposerDataCollator:
             )
         return float(example.rewards[key])
 
-    def _sdpo_fields(
-        self,
-        examples: Sequence[TraceExample],
-        rows: list[tuple[list[int], list[int]]],
-        response_mask: torch.Tensor,
-    ) -> dict[str, torch.Tensor]:
-        hints: list[str | None] = []
-        for ex in examples:
-            site = ex.error_site()
-            hints.append(
-                None if site is None else self.config.hint_generator(site["error_kind"], site)
-            )
-        if not any(hints):
-            return {}
-        teacher = []
-        for ex, hint, (_, resp) in zip(examples, hints, rows):
-            messages = ex.messages()
-            if hint:
-                messages = augment_messages(messages, DEFAULT_HINT_TEMPLATE, hint=hint)
-            teacher.append(_fit(self._prompt_ids(messages), resp, self.config.max_seq_len))
-        out = self._pad(teacher, "ctx_teacher_")
-        has_hint = torch.tensor([bool(h) for h in hints], dtype=torch.long)
-        out["sdpo_loss_mask"] = response_mask * has_hint[:, None]
-        return out
-
     def _dpo_fields(self, examples: Sequence[TraceExample]) -> dict[str, torch.Tensor]:
         pairs = [(ex, pair) for ex in examples for pair in ex.pairs]
         if not pairs:
@@ -455,30 +641,45 @@ class ComposerDataCollator:
         out: dict[str, torch.Tensor] = {}
         cap = self.config.max_dpo_seq_len
         for k, side in enumerate(("chosen", "rejected")):
-            rows = [
-                _fit(self._prompt_ids(ex.messages()), self._response_ids(pair[k]), cap)
-                for ex, pair in pairs
-            ]
+            rows = []
+            for ex, pair in pairs:
+                prompt, response = _fit(
+                    self._prompt_ids(ex.messages()), self._response_ids(pair[k]), cap
+                )
+                rows.append((prompt + response, [-1] * len(prompt) + [0] * len(response)))
             out.update(self._pad(rows, f"dpo_{side}_"))
         return out
 
     def _pad(
         self, rows: Sequence[tuple[list[int], list[int]]], prefix: str
     ) -> dict[str, torch.Tensor]:
-        width = max(len(p) + len(r) for p, r in rows)
+        """(ids, turn marks) rows, right-padded; the response mask is where a mark is >= 0."""
+        width = max(len(ids) for ids, _ in rows)
         ids = torch.full((len(rows), width), self.config.pad_token_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         resp = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (prompt, response) in enumerate(rows):
-            n_p, n_r = len(prompt), len(response)
-            ids[i, : n_p + n_r] = torch.tensor(prompt + response, dtype=torch.long)
-            attn[i, : n_p + n_r] = 1
-            resp[i, n_p : n_p + n_r] = 1
+        for i, (row, marks) in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attn[i, : len(row)] = 1
+            resp[i, : len(row)] = torch.tensor([int(m >= 0) for m in marks], dtype=torch.long)
         return {
             f"{prefix}input_ids": ids,
             f"{prefix}attention_mask": attn,
             f"{prefix}response_mask": resp,
         }
+
+
+_STAND_IN = ({"role": "user", "content": "."}, {"role": "assistant", "content": "."})
+
+
+def _site_mask(
+    rows: Sequence[tuple[list[int], list[int]]], hints: Sequence[Mapping[int, str]], width: int
+) -> torch.Tensor:
+    """(B, T) long: 1 on the tokens of the trained turns that got a hint."""
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, ((_, marks), found) in enumerate(zip(rows, hints)):
+        mask[i, : len(marks)] = torch.tensor([int(m in found) for m in marks], dtype=torch.long)
+    return mask
 
 
 def _fit(prompt: list[int], response: list[int], cap: int) -> tuple[list[int], list[int]]:
