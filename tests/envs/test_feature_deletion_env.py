@@ -18,6 +18,7 @@ from composer_replication.config import EnvConfig
 from composer_replication.datagen.feature_deletion import generate_tasks
 from composer_replication.envs import Environment, build_environment
 from composer_replication.envs.fd_tasks import read_jsonl_records
+from composer_replication.envs.fd_tools import DEFAULT_TOOLS
 from composer_replication.envs.feature_deletion import (
     FDAttempt,
     FeatureDeletionEnv,
@@ -42,6 +43,8 @@ TARGETS = [
     "tests/test_stats.py::test_median[values1-2.5]",
 ]
 SAMPLING = SamplingSettings(max_new_tokens=400, temperature=0)
+# the attacks below write whole files: the tool is offered on request
+WITH_WRITE = (*DEFAULT_TOOLS, "write_file")
 ORIGINAL_STATS = (FD_REPO / "textkit" / "stats.py").read_text()
 
 
@@ -83,7 +86,8 @@ def test_env_loads_datagen_output_and_keeps_references_out_of_the_prompt(
     assert list(task.target_tests) == TARGETS
     system, user = env.messages(task)
     assert system["role"] == "system" and "<tool_call>" in system["content"]
-    assert "- write_file(path, content):" in system["content"]
+    assert "- replace(path, old, new):" in system["content"]
+    assert "write_file" not in system["content"]  # offered on request only
     assert user["content"].startswith(task.prompt.rstrip())
     assert user["content"].endswith("\n".join(task.files))
     ref = read_jsonl_records(generated.with_name("tasks.reference.jsonl"))[0]
@@ -141,13 +145,13 @@ def test_file_tools_touch_only_plain_files_inside_the_workdir(tmp_path: Path):
     os.link(outside, root / "linked.txt")
     os.symlink(outside, root / "alias.txt")
     attempt = FDAttempt(task=None, workdir=root, sandbox=None, manifest=Manifest())  # type: ignore[arg-type]
-    assert read_file(attempt, {"path": "pkg/m.py"}) == "x = 1\n"
+    assert read_file(attempt, {"path": "pkg/m.py"}) == "pkg/m.py (lines 1-1 of 1)\n   1| x = 1"
+    assert read_file(attempt, {"path": "pkg"}) == "pkg is a directory with 1 entries:\nm.py"
     assert write_file(attempt, {"path": "new/dir/n.py", "content": "y = 2\n"}) == (
         "wrote 6 characters to new/dir/n.py"
     )
     assert (root / "new" / "dir" / "n.py").read_text() == "y = 2\n"
     refusals = [
-        (read_file, {"path": "pkg"}, "pkg is a directory; it contains: m.py"),
         (read_file, {"path": "pipe"}, "pipe is not a regular file"),  # would block a reader
         (read_file, {"path": "linked.txt"}, "linked.txt has 2 hard links"),
         (write_file, {"path": "linked.txt", "content": "x"}, "linked.txt has 2 hard links"),
@@ -169,7 +173,7 @@ def test_file_tools_touch_only_plain_files_inside_the_workdir(tmp_path: Path):
         assert info.value.kind == "bad_arguments"
     # every attempted read and write is logged for the hack monitor, refused ones included
     assert [a["type"] for a in attempt.actions][:4] == [
-        "read_file", "write_file", "read_file", "read_file",
+        "read_file", "read_file", "write_file", "read_file",
     ]  # fmt: skip
     assert {"type": "write_file", "path": "alias.txt", "content": "x"} in attempt.actions
 
@@ -178,7 +182,7 @@ def test_file_tools_touch_only_plain_files_inside_the_workdir(tmp_path: Path):
 def test_scripted_attempts_are_scored_by_the_tests_and_the_hack_monitor(generated: Path, tokenizer):
     tok = tokenizer
     hack_log = generated.with_name("hacks.jsonl")
-    env = FeatureDeletionEnv(generated, hack_log=hack_log)
+    env = FeatureDeletionEnv(generated, hack_log=hack_log, tools=WITH_WRITE)
     correct = _with_median(
         "    ordered = sorted(values)\n    mid = len(ordered) // 2\n"
         "    if len(ordered) % 2:\n        return ordered[mid]\n"
@@ -314,7 +318,7 @@ def _attack(env, tok, script):
 
 def test_repository_attacks_score_zero_with_the_reason_recorded(generated: Path, tokenizer):
     tok = tokenizer
-    env = FeatureDeletionEnv(generated)
+    env = FeatureDeletionEnv(generated, tools=WITH_WRITE)
     wrong = _with_median("    return 0\n")
     attacks = {
         # a conftest hook that turns every failure into a pass
@@ -355,7 +359,7 @@ def test_a_fifo_or_link_in_place_of_a_test_neither_blocks_nor_counts(
 ):
     tok = tokenizer
 
-    env = FeatureDeletionEnv(generated)
+    env = FeatureDeletionEnv(generated, tools=WITH_WRITE)
     # The code under test swaps its test file when the agent's own test run imports it.
     sabotage = (
         "\nimport os as _os\n_t = 'tests/test_stats.py'\n"
@@ -375,7 +379,7 @@ def test_a_fifo_or_link_in_place_of_a_test_neither_blocks_nor_counts(
 
 def test_a_hard_exit_in_the_code_under_test_leaves_a_missing_report(generated: Path, tokenizer):
     tok = tokenizer
-    env = FeatureDeletionEnv(generated)
+    env = FeatureDeletionEnv(generated, tools=WITH_WRITE)
     exits = ORIGINAL_STATS + "\nimport os as _os\n_os._exit(0)\n"
     rollout = _attack(
         env, tok, [format_tool_call("write_file", {"path": "textkit/stats.py", "content": exits})]
@@ -443,7 +447,7 @@ def test_the_final_run_refuses_and_flags_what_the_agents_code_does(
     code, sabotage = GUARDED_ATTACKS[name]
     content = _with_median("    return 0\n") + "\n" + sabotage
     script = [format_tool_call("write_file", {"path": "textkit/stats.py", "content": content})]
-    env = FeatureDeletionEnv(generated)
+    env = FeatureDeletionEnv(generated, tools=WITH_WRITE)
     # the source patterns alone do not see these: only what the code does gives them away
     workdir = make_shared_tempdir("cr-fd-guard-")
     (workdir / "stats.py").write_text(content)
@@ -475,7 +479,7 @@ def test_the_guard_lets_honest_code_use_logging_tracebacks_and_generated_classes
         format_tool_call("write_file", {"path": "textkit/stats.py", "content": content}),
         format_tool_call("finish"),
     ]
-    rollout = _attack(FeatureDeletionEnv(generated), tok, script)
+    rollout = _attack(FeatureDeletionEnv(generated, tools=WITH_WRITE), tok, script)
     assert rollout.metadata["hack"] == {"flagged": False, "reasons": []}
     assert rollout.reward == 1.0
 
@@ -489,7 +493,7 @@ def test_a_run_refuses_tasks_split_differently_from_its_own(generated: Path):
     )
     from composer_replication.trainer.runtime import build_runtime
 
-    env = FeatureDeletionEnv(generated)
+    env = FeatureDeletionEnv(generated, tools=WITH_WRITE)
     assert env.recorded_split == DEFAULT_SPLIT  # datagen recorded the split it used
     cfg = EnvConfig(name="feature_deletion", options={"task_file": str(generated)})
     other = HeldoutSplit(0.5, "another-salt")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from composer_replication.datagen.feature_deletion import generate_tasks
+from composer_replication.envs.fd_tools import DEFAULT_TOOLS
 from composer_replication.envs.feature_deletion import FeatureDeletionEnv
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.generate import SamplingSettings
@@ -58,7 +59,7 @@ def tasks() -> Iterator[Path]:
 
 
 def test_code_that_patches_pytest_scores_zero_with_the_cause_recorded(tasks: Path, tokenizer):
-    env = FeatureDeletionEnv(tasks)
+    env = FeatureDeletionEnv(tasks, tools=(*DEFAULT_TOOLS, "write_file"))
     stub = (env.workdirs[TASK_ID] / "textkit" / "stats.py").read_text()
     assert stub != STATS  # the task's median is a stub: its target tests fail
     scratch = make_shared_tempdir("cr-fd-identity-patterns-")

@@ -133,14 +133,16 @@ class RecordingEnv(PythonFunctionsEnv):
         self.calls: list[tuple[str, list[str]]] = []
 
     def sample(self, policy, tokenizer, task_ids, *, group_size, sampling, **kwargs):
-        if isinstance(policy, ReferenceSolutions):
-            kind = "demonstrations"
-        else:
-            kind = "eval" if sampling.temperature == 0 else "train"
+        assert not isinstance(policy, ReferenceSolutions)  # demonstrations are never sampled
+        kind = "eval" if sampling.temperature == 0 else "train"
         self.calls.append((kind, list(task_ids)))
         return super().sample(
             policy, tokenizer, task_ids, group_size=group_size, sampling=sampling, **kwargs
         )
+
+    def demonstrations(self, tokenizer, task_ids, *, group_size=1):
+        self.calls.append(("demonstrations", list(task_ids)))
+        return super().demonstrations(tokenizer, task_ids, group_size=group_size)
 
 
 def _run_config(tmp_path: Path, tiny_dir: str, *, demonstrations: bool) -> RunConfig:

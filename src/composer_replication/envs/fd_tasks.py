@@ -75,6 +75,17 @@ class FDTask:
         workdir: Absolute path of the materialised task workdir.
         test_command: How to run the suite inside the sandbox.
         split: "train" or "heldout".
+        test_files: The repository's test modules as discovered (protected from the agent
+            beside the usual test and configuration files).
+        python: The interpreter of the repository's own virtualenv (its declared
+            dependencies), or None for the sandbox's default; ``python_root`` is that
+            virtualenv's folder (made visible, read-only, inside the sandbox).
+        image: The container image the task's tests run in (``sandbox = "docker"``), or
+            None for the environment's configured one.
+        reference_cost: What the scripted reference agent needed when the task was
+            accepted (``turns``, ``max_reply_tokens``, ``total_tokens``) and with what
+            (``tool_format``, ``tokenizer``, ``tools``); a run checks its budgets against it.
+        kind: "feature_deletion" (a deleted body) or "swe" (an imported issue).
     """
 
     task_id: str
@@ -88,25 +99,42 @@ class FDTask:
     workdir: str
     test_command: str
     split: str = "train"
+    test_files: tuple[str, ...] = ()
+    python: str | None = None
+    python_root: str | None = None
+    image: str | None = None
+    reference_cost: dict[str, Any] | None = None
+    kind: str = "feature_deletion"
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {
-            "target_tests": list(self.target_tests),
-            "passing_tests": list(self.passing_tests),
-            "files": list(self.files),
-        }
+        return asdict(self) | {key: list(getattr(self, key)) for key in _TUPLE_FIELDS}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FDTask:
         fields = dict(data)
-        for key in ("target_tests", "passing_tests", "files"):
-            fields[key] = tuple(fields[key])
+        for key in _TUPLE_FIELDS:
+            if key in fields:
+                fields[key] = tuple(fields[key])
         return cls(**fields)
+
+    def sandbox_options(self) -> dict[str, Any]:
+        """Keyword arguments a sandbox factory takes for this task's own environment (its
+        interpreter, or its image); empty when it has none."""
+        if self.image:
+            return {"image": self.image}
+        if self.python:
+            return {"python": self.python, "ro_binds": [self.python_root or self.python]}
+        return {}
+
+
+_TUPLE_FIELDS = ("target_tests", "passing_tests", "files", "test_files")
 
 
 @dataclass(frozen=True)
 class TaskReference:
-    """The hidden solution of a task: `body` replaces the stub line(s) `start..end` of `file`."""
+    """The hidden solution of a task: `body` replaces the stub line(s) `start..end` of `file`
+    (a FeatureDeletion task), or `files` gives the text of every file the gold patch changes
+    (an imported task; ``None`` for a file it deletes)."""
 
     task_id: str
     file: str
@@ -115,6 +143,7 @@ class TaskReference:
     stub: str
     body: str
     hidden: bool = True
+    files: dict[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +151,22 @@ class TaskReference:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TaskReference:
         return cls(**data)
+
+    def solved_files(self, workdir: str | os.PathLike[str]) -> dict[str, str | None]:
+        """Each file the solution changes -> its solved text (None: the file goes), read
+        against the task's untouched ``workdir``."""
+        if self.files is not None:
+            return dict(self.files)
+        path = Path(workdir) / self.file
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        current = "".join(lines[self.start_line - 1 : self.end_line])
+        if current != self.stub:
+            raise ValueError(
+                f"{self.file} lines {self.start_line}-{self.end_line} are {current!r}, not the "
+                f"task stub {self.stub!r}; restore onto an untouched task workdir"
+            )
+        lines[self.start_line - 1 : self.end_line] = [self.body]
+        return {self.file: "".join(lines)}
 
 
 def make_task_id(repo: str, file: str, qualname: str) -> str:
@@ -233,18 +278,14 @@ def make_stub(root: Path, candidate: Candidate) -> TaskReference:
 
 
 def apply_reference(workdir: str | os.PathLike[str], reference: TaskReference) -> None:
-    """Put the reference body back in place of the stub (the solution a perfect agent writes)."""
-    path = Path(workdir) / reference.file
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    current = "".join(lines[reference.start_line - 1 : reference.end_line])
-    if current != reference.stub:
-        raise ValueError(
-            f"{reference.file} lines {reference.start_line}-{reference.end_line} are "
-            f"{current!r}, not the task stub {reference.stub!r}; restore onto an untouched "
-            "task workdir"
-        )
-    lines[reference.start_line - 1 : reference.end_line] = [reference.body]
-    path.write_text("".join(lines), encoding="utf-8")
+    """Write the reference solution into ``workdir`` (the solution a perfect agent writes)."""
+    for rel, text in reference.solved_files(workdir).items():
+        path = Path(workdir) / rel
+        if text is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]], mode: int | None) -> None:

@@ -1,38 +1,44 @@
-"""``feature_deletion``: restore a deleted function body with tools; the repo's tests grade it.
+"""``feature_deletion``: repository tasks attempted with editing tools; the repo's tests grade.
 
-Tasks are the files ``composer-replication datagen`` writes (``datagen.feature_deletion``):
-the task file (``tasks.jsonl``), its ``.heldout.jsonl`` sibling when a split was used (both
-are loaded: ``task_ids()`` lists every task and the training loop's ``HeldoutSplit``
-decides which ones it may train on), the stubbed task workdirs (``<stem>.workdirs/``) and
-the hidden references (``<stem>.reference.jsonl``). Each attempt:
+Tasks are the files ``composer-replication datagen`` writes (``datagen.feature_deletion``;
+SWE-style instances imported by ``datagen.swe``): the task file (``tasks.jsonl``), its
+``.heldout.jsonl`` sibling when a split was used (both are loaded: ``task_ids()`` lists
+every task and the training loop's ``HeldoutSplit`` decides which ones it may train on),
+the task workdirs (``<stem>.workdirs/``) and the hidden references
+(``<stem>.reference.jsonl``). Each attempt:
 
-1. materialise: copy the task's stubbed workdir into a fresh directory the sandbox uid can
-   reach, ``scrub_tree`` it, and snapshot it with ``HackMonitor``;
-2. act: ``run_agent_rollouts`` with the tools ``read_file(path)``,
-   ``write_file(path, content)``, ``run_tests(tests?)`` and ``finish()``;
-3. score: run the whole suite once more in the sandbox. reward = the fraction of the
-   task's target tests that pass, or 0.0 when any other originally passing test no longer
-   passes; then ``HackMonitor.check`` (workdir diff + the tool log): a flagged attempt
-   scores 0.0 and its verdict is kept in ``metadata["hack"]``. Failing test output becomes
-   ``feedback`` (the SDPO error site).
+1. materialise: copy the task's workdir into a fresh directory the sandbox uid can reach,
+   ``scrub_tree`` it, and snapshot it with ``HackMonitor``;
+2. act: ``run_agent_rollouts`` with the editing tools (``envs.fd_tools``: ``read_file``,
+   ``search``, ``replace``, ``create_file``, ``run_tests`` and ``finish`` by default;
+   ``write_file`` and ``shell`` on request), calls written in the model's own tool syntax
+   where its chat template has one (``tool_format``);
+3. score, as soon as the episode ends (while the others still run): run the whole suite
+   once more in the sandbox. reward = the fraction of the task's target tests that pass,
+   or 0.0 when any other originally passing test no longer passes; then
+   ``HackMonitor.check`` (workdir diff + the tool log): a flagged attempt scores 0.0 and its
+   verdict is kept in ``metadata["hack"]``. Failing test output becomes ``feedback``.
 
-What the tools (``envs.fd_tools``, re-exported here) guarantee: every path is resolved (symlinks followed) and must stay inside
-the attempt's workdir, so ``..``, absolute paths and links pointing outside come back as an
-``Error:`` observation; only regular files with a single hard link are read (at most
-``MAX_READ_BYTES``) or replaced; ``run_tests`` accepts test ids, never pytest options. Reads and writes run on the
-host (as our uid); everything the agent's code does runs inside the sandbox
-(``LocalSubprocessSandbox`` by default). Writing tests is not blocked: the monitor sees it.
+A task may carry its own environment: the interpreter of a virtualenv holding the
+repository's declared dependencies (``FDTask.python``), or a container image
+(``FDTask.image``); the sandbox factory is called with them (``FDTask.sandbox_options``).
 
-The references are read only by ``solve_with_reference`` (the task's gold answer through
-the same tools and scorer); they never enter a workdir or a prompt.
+The references are read only by the scripted reference agent (``envs.reference_agent``):
+``solve_with_reference`` runs a task's gold answer through the same tools, loop, budgets
+and scorer, and ``demonstrations`` gives those episodes as the warm start of
+``sampling.source = "reference"``; they never enter a workdir or a prompt. A task records
+what its reference needed when it was accepted (``FDTask.reference_cost``); sampling with
+budgets smaller than that is refused, naming the setting.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +50,7 @@ from composer_replication.envs.fd_tasks import (
     read_split_record,
 )
 from composer_replication.envs.fd_tools import (
+    DEFAULT_TOOLS,
     FD_TOOLS,
     TOOLS,
     FDAttempt,
@@ -51,10 +58,20 @@ from composer_replication.envs.fd_tools import (
     read_file,
     resolve_in_workdir,
     run_tests,
+    search,
+    tool_specs,
     write_file,
+)
+from composer_replication.envs.reference_agent import (
+    ReferenceCost,
+    edits_between,
+    reference_calls,
+    reference_cost,
+    reply_budget_problem,
 )
 from composer_replication.envs.repository_grading import guard_spec, restore_protected
 from composer_replication.rollout.agent import (
+    SCHEDULING,
     Episode,
     SampleFn,
     ScriptedSampler,
@@ -62,13 +79,10 @@ from composer_replication.rollout.agent import (
     sampler_step,
 )
 from composer_replication.rollout.generate import SamplingSettings
-from composer_replication.rollout.tool_calls import (
-    STOP_STRINGS,
-    format_tool_call,
-    tool_instructions,
-)
-from composer_replication.rollout.types import Rollout
+from composer_replication.rollout.tool_formats import TextToolFormat, ToolFormat, tool_format_for
+from composer_replication.rollout.types import DEMONSTRATION_KEY, Rollout
 from composer_replication.safety.hack_monitor import (
+    PROTECTED_PATTERNS,
     HackLog,
     HackMonitor,
     HackVerdict,
@@ -90,6 +104,7 @@ __all__ = [
     "read_file",
     "resolve_in_workdir",
     "run_tests",
+    "search",
     "write_file",
 ]
 
@@ -100,20 +115,32 @@ PREAMBLE = (
     "to the repository root. Read the code, restore what is missing, run the tests, and call "
     "finish when they pass."
 )
+#: the turn budget a reference run gets when none is given (sampling.max_new_tokens' default)
+DEFAULT_REPLY_TOKENS = 256
 
 
-def default_sandbox_factory(workdir: Path) -> Any:
+def default_sandbox_factory(
+    workdir: Path, *, python: str | None = None, ro_binds: Sequence[str] = ()
+) -> Any:
+    """A ``LocalSubprocessSandbox`` for an attempt: 60 s per command, 1 GB, a quota that fits
+    the repository; ``python`` / ``ro_binds``: a task's own interpreter and its folder."""
     from composer_replication.sandbox.local import LocalSubprocessSandbox
     from composer_replication.sandbox.workdir import quota_fitting
 
     # the quota fits the repository however large, with 512 MB for what the agent writes
     return LocalSubprocessSandbox(
-        workdir, exec_timeout_s=60, mem_limit_mb=1024, workdir_quota_mb=quota_fitting(workdir)
+        workdir,
+        exec_timeout_s=60,
+        mem_limit_mb=1024,
+        workdir_quota_mb=quota_fitting(workdir),
+        python=python,
+        ro_binds=ro_binds,
     )
 
 
-def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[[Path], Any]:
-    """The factory of ``sandbox = "docker"``: one container per attempt (closed after scoring).
+def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[..., Any]:
+    """The factory of ``sandbox = "docker"``: one container per attempt (closed after scoring),
+    from the task's own image when it names one.
 
     ``settings`` are the ``[envs.docker]`` table; unset, the command limit is 60 s as locally.
     """
@@ -124,7 +151,7 @@ def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[[Path], Any]:
 
 
 class FeatureDeletionEnv:
-    """FD tasks from a datagen task file, attempted with tools in a sandbox.
+    """Repository tasks from a datagen task file, attempted with tools in a sandbox.
 
     Args:
         task_file: The training task file ``composer-replication datagen`` wrote; its
@@ -132,11 +159,19 @@ class FeatureDeletionEnv:
         repo_root: Directory holding the task workdirs (default: each task's recorded
             ``workdir``, else the ``<stem>.workdirs`` sibling of the task file).
         references_file: The hidden references (default ``<stem>.reference.jsonl``), read
-            only by ``solve_with_reference``.
-        sandbox_factory: ``workdir -> sandbox`` (``run_tests``, ``trajectory``).
+            only by the reference agent.
+        sandbox_factory: ``workdir -> sandbox`` (``run_tests``, ``exec``, ``trajectory``);
+            called with a task's ``sandbox_options()`` as keywords when it has any.
+        tools: The tools an attempt may call (``envs.fd_tools``; ``finish`` required).
+        tool_format: "auto" (the model's own tool-call syntax where its chat template has
+            one, else the project's text format), "native" or "text".
         max_turns, max_total_tokens, max_observation_chars: Agent-loop limits
-            (``run_agent_rollouts``).
-        grading_workers: Attempts scored in parallel.
+            (``run_agent_rollouts``); a turn's tokens are ``sampling.max_new_tokens``.
+        page_lines: The most lines ``read_file`` and ``search`` show at once.
+        scheduling: "async" (each episode samples again as soon as its own call returns)
+            or "barrier" (turn by turn).
+        tool_workers: Tool calls running at once.
+        grading_workers: Attempts scored in parallel (each as soon as its episode ends).
         hack_log: Optional JSONL file recording every monitor verdict.
     """
 
@@ -148,16 +183,44 @@ class FeatureDeletionEnv:
         *,
         repo_root: str | os.PathLike[str] | None = None,
         references_file: str | os.PathLike[str] | None = None,
-        sandbox_factory: Callable[[Path], Any] = default_sandbox_factory,
-        max_turns: int = 6,
+        sandbox_factory: Callable[..., Any] = default_sandbox_factory,
+        tools: Sequence[str] = DEFAULT_TOOLS,
+        tool_format: str = "auto",
+        max_turns: int = 8,
         max_total_tokens: int = 4096,
         max_observation_chars: int = 4000,
+        page_lines: int = 100,
+        scheduling: str = "async",
+        tool_workers: int = 4,
         grading_workers: int = 2,
         hack_log: str | os.PathLike[str] | None = None,
     ) -> None:
         task_file = Path(task_file)
         if not task_file.is_file():
             raise FileNotFoundError(f"FD task file {str(task_file)!r} does not exist")
+        for name, value in (
+            ("max_turns", max_turns),
+            ("max_total_tokens", max_total_tokens),
+            ("max_observation_chars", max_observation_chars),
+            ("page_lines", page_lines),
+            ("tool_workers", tool_workers),
+            ("grading_workers", grading_workers),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"feature_deletion option {name} = {value!r}: give an integer >= 1"
+                )
+        if scheduling not in SCHEDULING:
+            raise ValueError(
+                f"feature_deletion option scheduling = {scheduling!r}: use {' or '.join(SCHEDULING)}"
+            )
+        self.specs = tool_specs(list(tools))
+        self.tools = {spec.name: TOOLS[spec.name] for spec in self.specs}
+        if tool_format not in ("auto", "native", "text"):
+            raise ValueError(
+                f"feature_deletion option tool_format = {tool_format!r}: use auto, native or text"
+            )
+        self.tool_format = tool_format
         heldout_file, default_refs, workdirs = output_paths(task_file)
         records = read_jsonl_records(task_file)
         if heldout_file.is_file():
@@ -181,16 +244,21 @@ class FeatureDeletionEnv:
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.max_observation_chars = max_observation_chars
-        self.grading_workers = max(1, grading_workers)
+        self.page_lines = page_lines
+        self.scheduling = scheduling
+        self.tool_workers = tool_workers
+        self.grading_workers = grading_workers
         self.hack_log = HackLog(hack_log) if hack_log else None
-        self.monitor = HackMonitor(
-            forbidden_globs=(
-                str(self.references_file.resolve()),
-                str(heldout_file.resolve()),
-                "*.reference.jsonl",
-                "*.heldout.jsonl",
-            )
+        self._forbidden = (
+            str(self.references_file.resolve()),
+            str(heldout_file.resolve()),
+            "*.reference.jsonl",
+            "*.heldout.jsonl",
         )
+        self.monitor = HackMonitor(forbidden_globs=self._forbidden)
+        self._formats: dict[int, ToolFormat] = {}
+        self._demonstrations: dict[tuple[str, int], Rollout] = {}
+        self._lock = threading.Lock()
 
     @staticmethod
     def _find_workdir(task: FDTask, repo_root: Any, workdirs: Path) -> Path:
@@ -211,14 +279,35 @@ class FeatureDeletionEnv:
     def task_ids(self) -> list[str]:
         return list(self.tasks)
 
-    def messages(self, task: FDTask) -> list[dict[str, str]]:
+    def monitor_for(self, task: FDTask) -> HackMonitor:
+        """The hack monitor of ``task``: its discovered test modules are protected too."""
+        if not task.test_files:
+            return self.monitor
+        return HackMonitor(
+            forbidden_globs=self._forbidden,
+            protected_patterns=(*PROTECTED_PATTERNS, *task.test_files),
+        )
+
+    def format_for(self, tokenizer: Any) -> ToolFormat:
+        """The tool format of ``tokenizer``'s model (``tool_format``), made once."""
+        key = id(tokenizer)
+        if key not in self._formats:
+            self._formats[key] = tool_format_for(tokenizer, self.specs, self.tool_format)
+        return self._formats[key]
+
+    def messages(self, task: FDTask, tool_format: ToolFormat | None = None) -> list[dict[str, str]]:
+        """The prompt of an attempt: the system message (the preamble; the tools too in the
+        text format) and the task with the repository's files."""
+        tool_format = tool_format or TextToolFormat(self.specs)
         files = "\n".join(task.files[:MAX_LISTED_FILES])
         if len(task.files) > MAX_LISTED_FILES:
             files += f"\n... and {len(task.files) - MAX_LISTED_FILES} more"
         return [
-            {"role": "system", "content": tool_instructions(FD_TOOLS, PREAMBLE)},
+            {"role": "system", "content": tool_format.system_prompt(PREAMBLE)},
             {"role": "user", "content": f"{task.prompt.rstrip()}\n\nRepository files:\n{files}"},
         ]
+
+    # ------------------------------------------------------------------ attempts
 
     def rollouts(
         self,
@@ -232,7 +321,11 @@ class FeatureDeletionEnv:
     ) -> list[list[Rollout]]:
         """``group_size`` scored attempts per task, each turn sampled by ``sampler``;
         ``sample_fn`` replaces that sampling step (``rollout.agent``; ``sampler`` may then
-        be None)."""
+        be None).
+
+        Raises:
+            ValueError: an unknown task id; budgets smaller than a task's reference needed.
+        """
         unknown = [t for t in task_ids if t not in self.tasks]
         if unknown:
             raise ValueError(f"unknown feature_deletion task ids {unknown[:5]}")
@@ -240,7 +333,38 @@ class FeatureDeletionEnv:
             if sampler is None:
                 raise ValueError("feature_deletion rollouts need a sampler or a sample_fn")
             sample_fn = sampler_step(sampler, tokenizer)
-        return self._run(tokenizer, task_ids, group_size, sampling, sample_fn)
+        tool_format = self.format_for(tokenizer)
+        self.check_budgets(task_ids, sampling.max_new_tokens, tool_format, tokenizer)
+        return self._run(tokenizer, task_ids, group_size, sampling, sample_fn, tool_format)
+
+    def check_budgets(
+        self, task_ids: Sequence[str], max_new_tokens: int, tool_format: ToolFormat, tokenizer: Any
+    ) -> None:
+        """Refuse budgets smaller than what a task's reference needed when it was accepted
+        (with the same tool format and tokenizer; other ones were not measured).
+
+        Raises:
+            ValueError: one line naming the task, what it needs and the setting.
+        """
+        name = getattr(tokenizer, "name_or_path", None)
+        for tid in task_ids:
+            cost = self.tasks[tid].reference_cost
+            if not cost or cost.get("tool_format") != tool_format.name:
+                continue
+            if cost.get("tokenizer") not in (None, name):
+                continue
+            problem = ReferenceCost(
+                int(cost["turns"]), int(cost["max_reply_tokens"]), int(cost["total_tokens"])
+            ).problem(
+                max_turns=self.max_turns,
+                max_new_tokens=max_new_tokens,
+                max_total_tokens=self.max_total_tokens,
+            )
+            if problem:
+                raise ValueError(
+                    f"feature_deletion task {tid!r} cannot be solved within this run's budgets: "
+                    f"{problem}; raise it, or regenerate the tasks with these budgets"
+                )
 
     def _run(
         self,
@@ -249,28 +373,43 @@ class FeatureDeletionEnv:
         group_size: int,
         sampling: SamplingSettings,
         sample_fn: SampleFn,
-        min_turns: int = 1,
-        max_total_tokens: int | None = None,
+        tool_format: ToolFormat,
+        *,
+        scored: bool = True,
     ) -> list[list[Rollout]]:
         scratch = make_shared_tempdir("composer-replication-fd-env-")
         attempts: list[FDAttempt] = []
+        graded: dict[int, Future[None]] = {}
         try:
             for tid in task_ids:
                 for _ in range(group_size):
                     attempts.append(self._materialise(tid, scratch / f"{len(attempts):04d}"))
-            rollouts = run_agent_rollouts(
-                None,
-                tokenizer,
-                [Episode(a.task.task_id, self.messages(a.task), a) for a in attempts],
-                sampling=sampling,
-                max_turns=max(self.max_turns, min_turns),
-                tools=TOOLS,
-                max_total_tokens=max_total_tokens or self.max_total_tokens,
-                max_observation_chars=self.max_observation_chars,
-                sample_fn=sample_fn,
-            )
-            with ThreadPoolExecutor(self.grading_workers) as pool:
-                list(pool.map(self.score, attempts, rollouts))
+            with ThreadPoolExecutor(self.grading_workers) as graders:
+
+                def grade(index: int, rollout: Rollout) -> None:
+                    if scored:  # as soon as the episode ends, while the others run
+                        graded[index] = graders.submit(self.score, attempts[index], rollout)
+
+                rollouts = run_agent_rollouts(
+                    None,
+                    tokenizer,
+                    [
+                        Episode(a.task.task_id, self.messages(a.task, tool_format), a)
+                        for a in attempts
+                    ],
+                    sampling=sampling,
+                    max_turns=self.max_turns,
+                    tools=self.tools,
+                    max_total_tokens=self.max_total_tokens,
+                    max_observation_chars=self.max_observation_chars,
+                    sample_fn=sample_fn,
+                    tool_workers=self.tool_workers,
+                    tool_format=tool_format,
+                    scheduling=self.scheduling,
+                    on_done=grade,
+                )
+                for future in graded.values():
+                    future.result()
         finally:
             for attempt in attempts:
                 close = getattr(attempt.sandbox, "close", None)
@@ -282,14 +421,23 @@ class FeatureDeletionEnv:
             groups[rollout.task_id].append(rollout)
         return [groups[tid] for tid in task_ids]
 
+    def _sandbox(self, task: FDTask, workdir: Path) -> Any:
+        options = task.sandbox_options()
+        return (
+            self.sandbox_factory(workdir, **options) if options else self.sandbox_factory(workdir)
+        )
+
     def _materialise(self, task_id: str, dest: Path) -> FDAttempt:
         shutil.copytree(self.workdirs[task_id], dest, symlinks=True)
         scrub_tree(dest)
+        task = self.tasks[task_id]
         return FDAttempt(
-            task=self.tasks[task_id],
+            task=task,
             workdir=dest,
-            sandbox=self.sandbox_factory(dest),
-            manifest=self.monitor.snapshot(dest),
+            sandbox=self._sandbox(task, dest),
+            manifest=self.monitor_for(task).snapshot(dest),
+            page_lines=self.page_lines,
+            page_chars=self.max_observation_chars,
         )
 
     def score(self, attempt: FDAttempt, rollout: Rollout) -> None:
@@ -300,21 +448,23 @@ class FeatureDeletionEnv:
         pristine task copy (what the agent added there is removed) and the suite runs in a
         fresh sandbox process under the behaviour guard (backends that support it): what
         the agent's changed files do to the report, the tests or the runtime while tested is
-        refused and flags the attempt. Every expected test id must be in the report and the runner's
-        exit code must agree with it; a timeout, a missing report or a disagreement is 0
-        with an error. A sandbox that never started is an infrastructure error. Never raises.
+        refused and flags the attempt. Every expected test id must be in the report and the
+        runner's exit code must agree with it; a timeout, a missing report or a
+        disagreement is 0 with an error. A sandbox that never started is an infrastructure
+        error. Never raises.
         """
         task = attempt.task
+        monitor = self.monitor_for(task)
         trajectory = [*attempt.sandbox.trajectory(), *attempt.actions]
-        verdict = self.monitor.check(attempt.manifest, attempt.workdir, trajectory)
+        verdict = monitor.check(attempt.manifest, attempt.workdir, trajectory)
         reward = 0.0
         if rollout.error is None:
             try:
                 pristine = self.workdirs[task.task_id]
-                restore_protected(pristine, attempt.workdir, self.monitor)
+                restore_protected(pristine, attempt.workdir, monitor)
                 guard = {}
                 if getattr(attempt.sandbox, "supports_behaviour_guard", False):
-                    guard["guard"] = guard_spec(pristine, attempt.workdir, self.monitor)
+                    guard["guard"] = guard_spec(pristine, attempt.workdir, monitor)
                 result = attempt.sandbox.run_tests(task.test_command, (), **guard)
             except Exception as err:  # a failing sandbox is data, not a crash
                 rollout.error = f"sandbox_error: final test run: {type(err).__name__}: {err}"
@@ -379,30 +529,104 @@ class FeatureDeletionEnv:
             rollout.feedback = result.output[-FEEDBACK_CHARS:]
         return reward
 
-    def solve_with_reference(self, tokenizer: Any, task_id: str) -> Rollout:
-        """The task's gold answer (read the file, write the reference body in, run the tests,
-        finish) through the same tools, sandbox and scorer; reward 1.0 for a sound task."""
+    # ------------------------------------------------------------------ the reference agent
+
+    def reference(self, task_id: str) -> TaskReference:
+        """The hidden reference of ``task_id`` (read from the owner-only references file)."""
         refs = [TaskReference.from_json(r) for r in read_jsonl_records(self.references_file)]
         ref = next((r for r in refs if r.task_id == task_id), None)
         if ref is None:
             raise ValueError(f"no reference for {task_id!r} in {self.references_file}")
-        lines = (self.workdirs[task_id] / ref.file).read_text(encoding="utf-8").splitlines(True)
-        if "".join(lines[ref.start_line - 1 : ref.end_line]) != ref.stub:
-            raise ValueError(f"the stub of {task_id!r} is not where its reference says")
-        lines[ref.start_line - 1 : ref.end_line] = [ref.body]
-        script = [
-            format_tool_call("read_file", {"path": ref.file}),
-            format_tool_call("write_file", {"path": ref.file, "content": "".join(lines)}),
-            format_tool_call("run_tests"),
-            format_tool_call("finish"),
+        return ref
+
+    def reference_replies(self, tokenizer: Any, task_id: str) -> list[str]:
+        """The reference agent's replies for ``task_id``, written in this model's tool format:
+        read around each change, ``replace`` each one, run the target tests, finish."""
+        task, workdir = self.tasks[task_id], self.workdirs[task_id]
+        edits = []
+        for rel, solved in self.reference(task_id).solved_files(workdir).items():
+            path = workdir / rel
+            before = path.read_text(encoding="utf-8") if path.is_file() else ""
+            if solved is None:
+                raise ValueError(
+                    f"task {task_id!r}: its reference deletes {rel}, which the editing tools "
+                    "cannot do"
+                )
+            edits += edits_between(rel, before, solved)
+
+        def line_count(rel: str) -> int:
+            path = workdir / rel
+            return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
+
+        tool_format = self.format_for(tokenizer)
+        missing = {name for name, _ in reference_calls(edits, ())} - set(self.tools)
+        if missing:
+            raise ValueError(
+                f"the reference agent needs the tools {sorted(missing)}, which this "
+                f"environment does not offer (tools = {sorted(self.tools)})"
+            )
+        return [
+            tool_format.format_call(name, arguments)
+            for name, arguments in reference_calls(edits, task.target_tests, line_counts=line_count)
         ]
-        longest = max(len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in script)
-        sampling = SamplingSettings(
-            max_new_tokens=longest + 1, temperature=0, stop_strings=STOP_STRINGS
+
+    def solve_with_reference(
+        self, tokenizer: Any, task_id: str, *, max_new_tokens: int = DEFAULT_REPLY_TOKENS
+    ) -> Rollout:
+        """The task's gold answer through the same tools, loop and scorer, within this
+        environment's budgets and a turn budget of ``max_new_tokens``: reward 1.0 for a
+        task an agent restricted to them can solve. When it cannot, the rollout's
+        ``metadata["reference_problem"]`` says why (the budget it exceeds, or how the
+        episode ended) and its cost is in ``metadata["reference_cost"]``."""
+        replies = self.reference_replies(tokenizer, task_id)
+        problem = reply_budget_problem(
+            replies, tokenizer, max_turns=self.max_turns, max_new_tokens=max_new_tokens
         )
-        sampler = ScriptedSampler(tokenizer, [script])
-        # scripted: no model context to protect, so the token cap is lifted
-        groups = self._run(
-            tokenizer, [task_id], 1, sampling, sampler, len(script), max_total_tokens=1 << 30
+        sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0)
+        ((rollout,),) = self._run(
+            tokenizer,
+            [task_id],
+            1,
+            sampling,
+            ScriptedSampler(tokenizer, [replies]),
+            self.format_for(tokenizer),
         )
-        return groups[0][0]
+        cost = reference_cost(rollout)
+        rollout.metadata["reference_cost"] = {
+            "turns": cost.turns,
+            "max_reply_tokens": cost.max_reply_tokens,
+            "total_tokens": cost.total_tokens,
+            "tool_format": self.format_for(tokenizer).name,
+            "tokenizer": getattr(tokenizer, "name_or_path", None),
+        }
+        end = rollout.metadata.get("end_reason")
+        if problem is None and end != "finish":
+            problem = f"the reference episode ended with {end!r} ({rollout.error or 'no error'})"
+        if problem is None and rollout.reward < 1.0:
+            problem = (
+                f"the reference scored {rollout.reward:.2f}: "
+                f"{(rollout.error or rollout.feedback or '').strip()[-300:]}"
+            )
+        if problem is not None:
+            rollout.metadata["reference_problem"] = problem
+        return rollout
+
+    def demonstrations(
+        self, tokenizer: Any, task_ids: Sequence[str], *, group_size: int = 1
+    ) -> list[list[Rollout]]:
+        """Each task answered by the reference agent (its episode through the real tools and
+        grader, made once per task and kept): the demonstrations of ``sampling.source =
+        "reference"``. A task whose reference fails (a budget, a changed repository) gives
+        no demonstration (its group is empty)."""
+        groups = []
+        for tid in task_ids:
+            key = (tid, id(tokenizer))
+            with self._lock:
+                if key not in self._demonstrations:
+                    rollout = self.solve_with_reference(tokenizer, tid)
+                    rollout.metadata[DEMONSTRATION_KEY] = True
+                    self._demonstrations[key] = rollout
+            demo = self._demonstrations[key]
+            ok = "reference_problem" not in demo.metadata and demo.reward >= 1.0
+            groups.append([replace(demo, metadata=dict(demo.metadata))] * group_size if ok else [])
+        return groups

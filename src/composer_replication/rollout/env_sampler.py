@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.envs.base import SplitEnvironment
+from composer_replication.envs.base import DemonstratingEnvironment, SplitEnvironment
 from composer_replication.rollout.demonstrations import ReferenceSolutions
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.types import Rollout, mark_frozen_source
@@ -97,6 +97,14 @@ class EnvSampler:
         by :meth:`pool` with :meth:`sampling_args`; a frozen source's are marked
         (:func:`~composer_replication.rollout.types.mark_frozen_source`). ``graded=False``:
         the sampling half only (``env`` a ``SplitEnvironment``, graded elsewhere)."""
+        if isinstance(self.source, ReferenceSolutions):  # demonstrations: nothing sampled
+            if not isinstance(env, DemonstratingEnvironment):
+                raise ValueError(f"environment {env.name!r} gives no reference solutions")
+            groups = env.demonstrations(tokenizer, task_ids, group_size=self.group_size)
+            for group in groups:
+                for rollout in group:
+                    mark_frozen_source(rollout)
+            return groups
         run = env.rollouts
         if not graded:
             if not isinstance(env, SplitEnvironment):

@@ -498,10 +498,14 @@ class DockerSandboxFactory:
         self.client = client
         self.settings: dict[str, Any] = dict(settings)
 
-    def __call__(self, workdir: str | os.PathLike[str]) -> DockerSandbox:
+    def __call__(
+        self, workdir: str | os.PathLike[str], *, image: str | None = None
+    ) -> DockerSandbox:
+        """A booted sandbox for ``workdir``, from ``image`` when given (a task's own
+        image), else the factory's."""
         sandbox = DockerSandbox(workdir, client=self.client, **self.settings)
         try:
-            sandbox.boot(self.image)
+            sandbox.boot(image or self.image)
         except BaseException:
             sandbox.close()
             raise

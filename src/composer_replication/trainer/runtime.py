@@ -91,7 +91,7 @@ def build_runtime(
         raise ValueError(
             f"environment {env.name!r} gives no reference solutions (it has no "
             "demonstrations method), so sampling.source = 'reference' has nothing to train "
-            "on: use an environment that does (python_functions), or a frozen model as source"
+            "on: use an environment that does (python_functions, feature_deletion), or a frozen model as source"
         )
     algorithm = build_algorithm(
         algo_cfg, tokenizer=tokenizer, policy=policy, rng=random.Random(seed)

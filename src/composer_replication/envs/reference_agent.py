@@ -1,0 +1,219 @@
+"""The scripted reference agent: a task's gold answer as tool calls, through the real loop.
+
+A repository task's reference is an edit of some files (a deleted body put back, a gold
+patch applied). :func:`edits_between` turns the files before and after into ``replace``
+edits whose ``old`` text occurs exactly once (grown by neighbouring lines until it does);
+:func:`reference_calls` makes the episode a careful agent would run with the editing tools:
+read the lines around each change, replace, run the target tests, finish.
+
+Run through the same agent loop, tools, sandbox and grader as the policy, within the
+configured turn and token budgets, the script is the solvability gate (every accepted task
+is proven solvable by an agent restricted to those tools and budgets; verifiers' "each task
+validates its own gold answer") and its episode is the task's demonstration (the warm
+start of ``sampling.source = "reference"``). :func:`reply_budget_problem` says why a script
+cannot fit before anything runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from composer_replication.envs.fd_tools import occurrences
+
+__all__ = [
+    "MAX_LISTED_TESTS",
+    "Edit",
+    "ReferenceCost",
+    "edits_between",
+    "reference_calls",
+    "reference_cost",
+    "reply_budget_problem",
+]
+
+#: a reference run names at most this many test ids (else their files)
+MAX_LISTED_TESTS = 6
+#: lines shown around a change when the reference agent reads it first
+READ_CONTEXT = 3
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace the one occurrence of ``old`` in ``path`` by ``new``; ``first_line`` and
+    ``last_line`` are where ``old`` sits in the file before (1-based)."""
+
+    path: str
+    old: str
+    new: str
+    first_line: int
+    last_line: int
+
+
+def _unique_span(lines: Sequence[str], lo: int, hi: int, text: str) -> tuple[int, int]:
+    """Grow the line span [lo, hi) until its text occurs once in ``text``."""
+    while True:
+        old = "".join(lines[lo:hi])
+        if old.strip() and len(occurrences(text, old)) == 1:
+            return lo, hi
+        if lo == 0 and hi == len(lines):
+            return lo, hi
+        lo, hi = max(0, lo - 1), min(len(lines), hi + 1)
+
+
+def edits_between(path: str, before: str, after: str) -> list[Edit]:
+    """The ``replace`` edits that turn ``before`` into ``after``, in file order: one per
+    changed region, each ``old`` occurring exactly once in the file as the edits before it
+    left it (a pure insertion takes a neighbouring line as its anchor; regions whose spans
+    meet, or whose ``old`` an earlier edit made ambiguous, become one edit). Applied in
+    order, they give ``after`` exactly."""
+    if not before:  # nothing to anchor a replacement on: the file is written whole
+        return [Edit(path, "", after, 0, 0)] if after else []
+    a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    opcodes = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
+    spans: list[tuple[int, int, set[int]]] = []  # (lo, hi, indices of the changed blocks)
+    for k, (tag, i1, i2, _j1, _j2) in enumerate(opcodes):
+        if tag == "equal":
+            continue
+        lo, hi = i1, i2
+        if lo == hi:  # an insertion: anchor it on a neighbouring line
+            lo, hi = (lo - 1, hi) if lo > 0 else (lo, min(len(a), hi + 1))
+        lo, hi = _unique_span(a, lo, hi, before)
+        spans.append((lo, hi, {k}))
+        while len(spans) > 1 and spans[-1][0] <= spans[-2][1]:  # spans meet: one edit
+            (plo, phi, pb), (lo, hi, blocks) = spans[-2], spans.pop()
+            spans[-1] = (min(lo, plo), max(hi, phi), pb | blocks)
+    while True:
+        edits = [_edit(path, a, b, opcodes, span) for span in spans]
+        ambiguous = _first_ambiguous(before, edits)
+        if ambiguous is None:
+            return edits
+        if ambiguous == 0:  # (cannot happen: the first edit's old is unique in before)
+            return [Edit(path, before, after, 1, len(a))]
+        (plo, phi, pb), (lo, hi, blocks) = spans[ambiguous - 1], spans.pop(ambiguous)
+        spans[ambiguous - 1] = (min(lo, plo), max(hi, phi), pb | blocks)
+
+
+def _edit(
+    path: str, a: list[str], b: list[str], opcodes: list[Any], span: tuple[int, int, set[int]]
+) -> Edit:
+    lo, hi, blocks = span
+    new = []
+    for k, (tag, i1, i2, j1, j2) in enumerate(opcodes):
+        if tag == "equal":
+            new += a[max(i1, lo) : min(i2, hi)]
+        elif k in blocks:
+            new += b[j1:j2]
+    return Edit(path, "".join(a[lo:hi]), "".join(new), lo + 1, max(lo + 1, hi))
+
+
+def _first_ambiguous(text: str, edits: Sequence[Edit]) -> int | None:
+    """The first edit whose ``old`` does not occur exactly once when its turn comes."""
+    for k, edit in enumerate(edits):
+        found = occurrences(text, edit.old)
+        if len(found) != 1:
+            return k
+        text = text[: found[0]] + edit.new + text[found[0] + len(edit.old) :]
+    return None
+
+
+def _strip_line_end(edit: Edit) -> tuple[str, str]:
+    """``old`` / ``new`` without the line end they share (what a person would copy)."""
+    old, new = edit.old, edit.new
+    if old.endswith("\n") and new.endswith("\n"):
+        return old[:-1], new[:-1]
+    return old, new
+
+
+def reference_calls(
+    edits: Sequence[Edit],
+    target_tests: Sequence[str],
+    *,
+    line_counts: Callable[[str], int] | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """The reference agent's episode as ``(tool, arguments)`` calls: per edited file, read
+    the lines around its changes; each ``replace``; ``run_tests`` on the target tests (their
+    files when there are more than ``MAX_LISTED_TESTS``); ``finish``."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for path in dict.fromkeys(e.path for e in edits if e.old):
+        spans = [e for e in edits if e.path == path]
+        start = max(1, spans[0].first_line - READ_CONTEXT)
+        end = spans[-1].last_line + READ_CONTEXT
+        if line_counts is not None:
+            end = min(end, max(1, line_counts(path)))
+        calls.append(("read_file", {"path": path, "start_line": start, "end_line": end}))
+    for edit in edits:
+        if not edit.old:  # a new file
+            calls.append(("create_file", {"path": edit.path, "content": edit.new}))
+            continue
+        old, new = _strip_line_end(edit)
+        calls.append(("replace", {"path": edit.path, "old": old, "new": new}))
+    tests = list(target_tests)
+    if len(tests) > MAX_LISTED_TESTS:
+        tests = list(dict.fromkeys(t.split("::", 1)[0] for t in tests))
+    calls.append(("run_tests", {"tests": tests} if tests else {}))
+    calls.append(("finish", {}))
+    return calls
+
+
+@dataclass(frozen=True)
+class ReferenceCost:
+    """What a reference episode needed: its turns, its longest reply (tokens) and its
+    whole length (prompt and completion tokens)."""
+
+    turns: int
+    max_reply_tokens: int
+    total_tokens: int
+
+    def problem(self, *, max_turns: int, max_new_tokens: int, max_total_tokens: int) -> str | None:
+        """Why these budgets are too small for it, or None."""
+        if self.turns > max_turns:
+            return f"the reference needs {self.turns} turns; max_turns is {max_turns}"
+        if self.max_reply_tokens > max_new_tokens:
+            return (
+                f"the reference's longest reply has {self.max_reply_tokens} tokens; the turn "
+                f"budget (sampling.max_new_tokens) is {max_new_tokens}"
+            )
+        if self.total_tokens > max_total_tokens:
+            return (
+                f"the reference episode has {self.total_tokens} tokens; max_total_tokens is "
+                f"{max_total_tokens}"
+            )
+        return None
+
+
+def reply_budget_problem(
+    replies: Sequence[str], tokenizer: Any, *, max_turns: int, max_new_tokens: int
+) -> str | None:
+    """Why the scripted ``replies`` cannot fit the budgets (too many turns, a reply longer
+    than a turn's token budget), or None."""
+    if len(replies) > max_turns:
+        return f"the reference needs {len(replies)} turns; max_turns is {max_turns}"
+    for reply in replies:
+        n = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+        if n > max_new_tokens:
+            name = reply.split('"name": "', 1)[-1].split('"', 1)[0]
+            return (
+                f"the reference's {name} call has {n} tokens; the turn budget "
+                f"(sampling.max_new_tokens) is {max_new_tokens}"
+            )
+    return None
+
+
+def reference_cost(rollout: Any) -> ReferenceCost:
+    """The :class:`ReferenceCost` of a finished reference episode (a ``Rollout``)."""
+    runs, current = [], 0
+    for m in rollout.completion_mask or ():
+        if m:
+            current += 1
+        elif current:
+            runs.append(current)
+            current = 0
+    if current:
+        runs.append(current)
+    return ReferenceCost(
+        turns=int(rollout.metadata.get("turns", len(runs))),
+        max_reply_tokens=max(runs, default=0),
+        total_tokens=len(rollout.prompt_ids) + len(rollout.completion_ids),
+    )

@@ -1,0 +1,192 @@
+"""The scripted reference agent: edits that apply exactly, the episode it runs, the budgets it
+fits, and its episodes as demonstrations."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from composer_replication.datagen.feature_deletion import generate_tasks
+from composer_replication.envs.fd_tasks import read_jsonl_records
+from composer_replication.envs.fd_tools import occurrences
+from composer_replication.envs.feature_deletion import FeatureDeletionEnv
+from composer_replication.envs.reference_agent import (
+    Edit,
+    ReferenceCost,
+    edits_between,
+    reference_calls,
+    reply_budget_problem,
+)
+from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.workdir import make_shared_tempdir
+
+FD_REPO = Path(__file__).resolve().parents[1] / "fixtures" / "fd_repo"
+TASK_ID = "fd:fd_repo:textkit/stats.py:median"
+
+
+def apply(text: str, edits: list[Edit]) -> str:
+    for edit in edits:
+        (at,) = occurrences(text, edit.old)  # exactly once, when its turn comes
+        text = text[:at] + edit.new + text[at + len(edit.old) :]
+    return text
+
+
+_lines = st.lists(st.sampled_from(["a\n", "b\n", "\n", "x = 1\n", "    return y\n"]), max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(before=_lines, after=_lines)
+def test_edits_turn_before_into_after_each_old_unique_in_its_turn(before, after):
+    before, after = "".join(before), "".join(after)
+    if not before:
+        assert edits_between("f.py", before, after) == (
+            [Edit("f.py", "", after, 0, 0)] if after else []
+        )
+        return
+    edits = edits_between("f.py", before, after)
+    assert apply(before, edits) == after
+    assert all(e.old for e in edits)
+    assert [e.first_line for e in edits] == sorted(e.first_line for e in edits)
+
+
+def test_a_restored_body_is_one_replace_of_the_stub():
+    before = (
+        'def f(x):\n    """Doc."""\n    raise NotImplementedError("f")\n\n\ndef g():\n    pass\n'
+    )
+    after = 'def f(x):\n    """Doc."""\n    y = x + 1\n    return y\n\n\ndef g():\n    pass\n'
+    (edit,) = edits_between("m.py", before, after)
+    assert edit == Edit(
+        "m.py", '    raise NotImplementedError("f")\n', "    y = x + 1\n    return y\n", 3, 3
+    )
+    calls = reference_calls([edit], ["t.py::a", "t.py::b"], line_counts=lambda _: 7)
+    assert calls == [
+        ("read_file", {"path": "m.py", "start_line": 1, "end_line": 6}),
+        (
+            "replace",
+            {
+                "path": "m.py",
+                "old": '    raise NotImplementedError("f")',
+                "new": "    y = x + 1\n    return y",
+            },
+        ),
+        ("run_tests", {"tests": ["t.py::a", "t.py::b"]}),
+        ("finish", {}),
+    ]
+    many = [f"tests/test_{i % 2}.py::t{i}" for i in range(9)]
+    assert reference_calls([edit], many)[2] == (
+        "run_tests",
+        {"tests": ["tests/test_0.py", "tests/test_1.py"]},
+    )
+    new_file = Edit("pkg/new.py", "", "X = 1\n", 0, 0)
+    assert reference_calls([new_file], [])[:2] == [
+        ("create_file", {"path": "pkg/new.py", "content": "X = 1\n"}),
+        ("run_tests", {}),
+    ]
+
+
+def test_budget_problems_name_the_setting(tokenizer):
+    replies = ["a " * 50, "b"]
+    assert reply_budget_problem(replies, tokenizer, max_turns=1, max_new_tokens=100) == (
+        "the reference needs 2 turns; max_turns is 1"
+    )
+    problem = reply_budget_problem(replies, tokenizer, max_turns=4, max_new_tokens=10)
+    assert problem.endswith("tokens; the turn budget (sampling.max_new_tokens) is 10")
+    assert reply_budget_problem(replies, tokenizer, max_turns=4, max_new_tokens=100) is None
+    cost = ReferenceCost(turns=4, max_reply_tokens=90, total_tokens=1500)
+    assert cost.problem(max_turns=8, max_new_tokens=256, max_total_tokens=4096) is None
+    assert cost.problem(max_turns=8, max_new_tokens=256, max_total_tokens=1000) == (
+        "the reference episode has 1500 tokens; max_total_tokens is 1000"
+    )
+
+
+@pytest.fixture(scope="module")
+def generated() -> Iterator[Path]:
+    root = make_shared_tempdir("cr-reference-agent-test-")
+    repo = root / "fd_repo"
+    shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    report = generate_tasks(
+        repo,
+        root / "out" / "tasks.jsonl",
+        max_tasks=1,
+        sandbox_factory=lambda path: LocalSubprocessSandbox(path, exec_timeout_s=60),
+        only=["median"],
+    )
+    assert report.accepted == 1
+    yield Path(report.output)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_the_reference_agent_solves_within_budgets_and_says_why_not_beyond(generated, tokenizer):
+    env = FeatureDeletionEnv(generated)
+    replies = env.reference_replies(tokenizer, TASK_ID)
+    assert [json.loads(r[len("<tool_call>") : -len("</tool_call>")])["name"] for r in replies] == [
+        "read_file", "replace", "run_tests", "finish",
+    ]  # fmt: skip
+    solved = env.solve_with_reference(tokenizer, TASK_ID)
+    assert solved.reward == 1.0 and "reference_problem" not in solved.metadata
+    assert solved.metadata["end_reason"] == "finish" and solved.metadata["turns"] == 4
+    cost = solved.metadata["reference_cost"]
+    assert cost["turns"] == 4 and 0 < cost["max_reply_tokens"] <= 256
+    assert cost["tool_format"] == "text" and cost["total_tokens"] == len(solved.input_ids)
+    # the read showed the stub's line in full, numbered
+    read = solved.metadata["conversation"][3]["content"]
+    assert "median was removed; restore it" in read and read.startswith("textkit/stats.py (lines")
+    # a turn budget below the replace call: unsolvable, and the reason names the setting
+    short = env.solve_with_reference(tokenizer, TASK_ID, max_new_tokens=60)
+    assert short.reward == 0.0
+    assert short.metadata["reference_problem"].startswith("the reference's replace call has")
+    assert short.metadata["end_reason"] == "truncated"
+    few_turns = FeatureDeletionEnv(generated, max_turns=2).solve_with_reference(tokenizer, TASK_ID)
+    assert few_turns.metadata["reference_problem"] == "the reference needs 4 turns; max_turns is 2"
+
+
+@pytest.mark.integration
+def test_demonstrations_are_the_reference_episodes_made_once(generated, tokenizer):
+    env = FeatureDeletionEnv(generated)
+    (group,) = env.demonstrations(tokenizer, [TASK_ID])
+    (demo,) = group
+    assert demo.is_demonstration and demo.reward == 1.0
+    assert demo.metadata["end_reason"] == "finish"
+    sampled = [t for t, m in zip(demo.completion_ids, demo.completion_mask) if m]
+    assert "ordered = sorted(values)" in tokenizer.decode(sampled)  # the replies are trained
+    again = env.demonstrations(tokenizer, [TASK_ID])[0][0]
+    assert again.completion_ids == demo.completion_ids and again is not demo
+    assert env._demonstrations[(TASK_ID, id(tokenizer))] is not again  # kept, handed out as copies
+
+
+@pytest.mark.integration
+def test_a_run_with_budgets_below_a_tasks_recorded_reference_is_refused(generated, tokenizer):
+    records = read_jsonl_records(generated)
+    heldout = generated.with_name("tasks.heldout.jsonl")
+    records += read_jsonl_records(heldout) if heldout.is_file() else []
+    cost = {"turns": 4, "max_reply_tokens": 120, "total_tokens": 900, "tool_format": "text",
+            "tokenizer": tokenizer.name_or_path}  # fmt: skip
+    copy = generated.with_name("costed.jsonl")
+    copy.write_text(
+        "".join(json.dumps(dict(r, reference_cost=cost, split="train")) + "\n" for r in records)
+    )
+    env = FeatureDeletionEnv(copy, repo_root=Path(records[0]["workdir"]).parent)
+    with pytest.raises(
+        ValueError, match=r"the turn budget \(sampling.max_new_tokens\) is 64; raise it"
+    ):
+        env.rollouts(
+            None,
+            tokenizer,
+            [TASK_ID],
+            group_size=1,
+            sampling=SamplingSettings(max_new_tokens=64),
+            sample_fn=lambda p, s: [],
+        )
+    # another tool format or tokenizer was not measured: no refusal
+    other = dataclasses.replace(env.tasks[TASK_ID], reference_cost=dict(cost, tokenizer="other"))
+    env.tasks[TASK_ID] = other
+    env.check_budgets([TASK_ID], 64, env.format_for(tokenizer), tokenizer)
