@@ -1,0 +1,379 @@
+"""build_repo_environment: a venv of a repository's declared dependencies, built offline from
+a wheelhouse, reused through its marker, never holding the repository itself, failing in
+one line; and (integration) the repository's tests passing in the real sandbox with it."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from composer_replication.pids import pid_alive
+from composer_replication.sandbox import virtualenv
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.virtualenv import (
+    MARKER,
+    RepoEnvironment,
+    build_repo_environment,
+)
+from composer_replication.sandbox.workdir import make_shared_tempdir
+
+TEST_MODULE = """\
+import tinydep
+import tinyextra
+
+import tinyrepo
+
+
+def test_uses_its_dependencies():
+    assert tinyrepo.double_answer() == 2 * tinydep.ANSWER + tinyextra.BONUS
+"""
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def _wheel(house: Path, name: str, version: str, module: str) -> Path:
+    """A pure-Python wheel of one module, written directly (PEP 427), so no build backend
+    is needed to make it."""
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": module,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    wheel = house / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in files.items():
+            zf.writestr(path, text)
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wheels of tinydep 1.0 and tinyextra 2.0."""
+    house = tmp_path_factory.mktemp("wheelhouse")
+    _wheel(house, "tinydep", "1.0", "ANSWER = 21\n")
+    _wheel(house, "tinyextra", "2.0", "BONUS = 100\n")
+    return house
+
+
+def _tiny_repo(root: Path) -> Path:
+    """A repository needing tinydep, and tinyextra through its `tests` extra, which names
+    the project's own `speedups` extra (PEP 621 self-reference)."""
+    pyproject = """\
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "tinyrepo"
+        version = "0.1"
+        dependencies = ["tinydep"]
+
+        [project.optional-dependencies]
+        speedups = ["tinyextra>=2"]
+        tests = ["tinyrepo[speedups]"]
+
+        [tool.setuptools]
+        py-modules = ["tinyrepo"]
+        """
+    module = """\
+        import tinydep
+        import tinyextra
+
+
+        def double_answer():
+            return 2 * tinydep.ANSWER + tinyextra.BONUS
+        """
+    return _write(
+        root / "tinyrepo",
+        {"pyproject.toml": pyproject, "tinyrepo.py": module, "tests/test_tiny.py": TEST_MODULE},
+    )
+
+
+@pytest.fixture(scope="module")
+def env_root() -> Iterator[Path]:
+    """A world-traversable dest_root (the sandbox uid must reach the venv)."""
+    path = make_shared_tempdir("cr-envs-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_repo(tmp_path_factory.mktemp("repos"))
+
+
+@pytest.fixture(scope="module")
+def env(tiny_repo: Path, env_root: Path, wheelhouse: Path) -> RepoEnvironment:
+    return build_repo_environment(
+        tiny_repo, env_root / "shared", wheelhouse=wheelhouse, offline=True
+    )
+
+
+def _python(env: RepoEnvironment, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(env.python), "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_environment_holds_the_declared_dependencies_and_not_the_repository(
+    env: RepoEnvironment, env_root: Path, tmp_path: Path
+) -> None:
+    assert env.requirements == ("tinydep==1.0", "tinyextra==2.0")
+    assert env.extra == "tests"
+    assert env.group is None
+    assert env.root.parent == env_root / "shared"
+    assert env.python == env.root / "bin" / "python"
+    found = _python(
+        env, "import tinydep, tinyextra; print(tinydep.ANSWER, tinyextra.BONUS)", tmp_path
+    )
+    assert found.stdout.strip() == "21 100"
+    # the repository itself is not installed: neither importable nor a distribution
+    own = _python(env, "import importlib.metadata as m; m.version('tinyrepo')", tmp_path)
+    assert "PackageNotFoundError" in own.stderr
+    assert "ModuleNotFoundError" in _python(env, "import tinyrepo", tmp_path).stderr
+    record = json.loads((env.root / MARKER).read_text())
+    assert record == {
+        "requirements": ["tinydep==1.0", "tinyextra==2.0"],
+        "extra": "tests",
+        "group": None,
+    }
+
+
+def test_environment_is_world_readable(env: RepoEnvironment) -> None:
+    for dirpath, _dirnames, filenames in os.walk(env.root):
+        assert os.stat(dirpath).st_mode & 0o777 == 0o755, dirpath
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                assert path.stat().st_mode & 0o444 == 0o444, path
+
+
+def test_second_call_reuses_the_complete_environment(
+    env: RepoEnvironment, tiny_repo: Path, env_root: Path, wheelhouse: Path
+) -> None:
+    lines: list[str] = []
+    again = build_repo_environment(
+        tiny_repo, env_root / "shared", wheelhouse=wheelhouse, offline=True, progress=lines.append
+    )
+    assert again == env
+    assert lines == [f"reusing {env.root}"]
+    assert [p.name for p in env.root.parent.iterdir()] == [env.root.name]  # no sibling built
+
+
+def test_sandbox_kwargs_run_the_venv_interpreter_with_its_root_bound(env: RepoEnvironment) -> None:
+    assert env.sandbox_kwargs() == {"python": str(env.python), "ro_binds": [str(env.root)]}
+
+
+def test_without_a_pip_here_the_venv_bootstraps_its_own(
+    tiny_repo: Path, env_root: Path, wheelhouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(virtualenv, "_host_pip", lambda: False)
+    env = build_repo_environment(tiny_repo, env_root / "ensurepip", wheelhouse=wheelhouse)
+    assert env.requirements == ("tinydep==1.0", "tinyextra==2.0")
+    # built in a temporary sibling, its scripts still name the final interpreter
+    shebang = (env.root / "bin" / "pip").read_text().splitlines()[0]
+    assert shebang == f"#!{env.root}/bin/python3"
+
+
+def test_missing_dependency_fails_in_one_line_and_leaves_nothing(
+    tmp_path: Path, env_root: Path, wheelhouse: Path
+) -> None:
+    repo = _write(
+        tmp_path / "needy",
+        {
+            "pyproject.toml": '[project]\nname = "needy"\nversion = "1"\ndependencies = ["nosuchdep>=1"]\n'
+        },
+    )
+    dest = env_root / "failures"
+    with pytest.raises(RuntimeError) as info:
+        build_repo_environment(repo, dest, wheelhouse=wheelhouse)
+    message = str(info.value)
+    assert "\n" not in message
+    assert str(repo) in message
+    assert "No matching distribution found for nosuchdep>=1" in message
+    assert (
+        f"put the missing distributions in the wheelhouse (pip download -d {wheelhouse}" in message
+    )
+    assert list(dest.iterdir()) == []  # the half-built venv is gone
+
+
+def test_offline_needs_a_wheelhouse(tmp_path: Path, env_root: Path) -> None:
+    with pytest.raises(ValueError, match=r"offline=True needs wheelhouse=DIR \(--wheelhouse DIR\)"):
+        build_repo_environment(tmp_path, env_root, offline=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands runs to another uid")
+def test_dest_root_the_sandbox_uid_cannot_reach_is_refused(tmp_path: Path) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with pytest.raises(ValueError, match=r"is not reachable by the sandbox uid: .* drwx------"):
+        build_repo_environment(tmp_path, private / "envs")
+    assert not (private / "envs").exists()
+
+
+BACKEND = """\
+    import os
+    import time
+
+
+    def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+        if os.environ.get("SLOW_BACKEND_PIDFILE"):
+            with open(os.environ["SLOW_BACKEND_PIDFILE"], "w") as fh:
+                fh.write(str(os.getpid()))
+            time.sleep(60)
+        info = os.path.join(metadata_directory, "dynrepo-0.1.dist-info")
+        os.makedirs(info)
+        with open(os.path.join(info, "METADATA"), "w") as fh:
+            fh.write(
+                "Metadata-Version: 2.1\\nName: dynrepo\\nVersion: 0.1\\n"
+                "Requires-Dist: tinydep\\nProvides-Extra: test\\n"
+                "Requires-Dist: tinyextra; extra == 'test'\\n"
+            )
+        return "dynrepo-0.1.dist-info"
+
+
+    def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+        raise RuntimeError("the environment builder must never build the repository")
+    """
+
+
+def _dynamic_repo(root: Path) -> Path:
+    """A repository whose dependencies only its (in-tree) build backend knows."""
+    pyproject = """\
+        [build-system]
+        requires = []
+        build-backend = "backend"
+        backend-path = ["."]
+
+        [project]
+        name = "dynrepo"
+        version = "0.1"
+        dynamic = ["dependencies", "optional-dependencies"]
+        """
+    return _write(root / "dynrepo", {"pyproject.toml": pyproject, "backend.py": BACKEND})
+
+
+def test_dependencies_only_the_build_backend_knows_are_resolved_by_pip(
+    tmp_path: Path, env_root: Path, wheelhouse: Path
+) -> None:
+    repo = _dynamic_repo(tmp_path)
+    env = build_repo_environment(repo, env_root / "dynamic", wheelhouse=wheelhouse)
+    assert env.requirements == ("tinydep==1.0", "tinyextra==2.0")
+    assert env.extra == "test"
+    own = _python(env, "import importlib.metadata as m; m.version('dynrepo')", tmp_path)
+    assert "PackageNotFoundError" in own.stderr
+
+
+def test_timeout_kills_pip_and_its_backend(
+    tmp_path: Path, env_root: Path, wheelhouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = _dynamic_repo(tmp_path)
+    pidfile = tmp_path / "backend.pid"
+    monkeypatch.setenv("SLOW_BACKEND_PIDFILE", str(pidfile))  # offline drops PIP_* only
+    dest = env_root / "timeouts"
+    with pytest.raises(RuntimeError, match=r"pip: timed out after \d+ s; pass a larger timeout_s"):
+        build_repo_environment(repo, dest, wheelhouse=wheelhouse, timeout_s=6)
+    backend = int(pidfile.read_text())
+    deadline = time.monotonic() + 5  # SIGKILL went to the whole process group
+    while pid_alive(backend) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(backend)
+    assert list(dest.iterdir()) == []
+
+
+def test_failing_build_backend_is_named_with_what_it_said(
+    tmp_path: Path, env_root: Path, wheelhouse: Path
+) -> None:
+    repo = _dynamic_repo(tmp_path)
+    backend = repo / "backend.py"
+    backend.write_text(backend.read_text().replace("    info = ", "    1 / 0\n    info = ", 1))
+    with pytest.raises(RuntimeError) as info:
+        build_repo_environment(repo, env_root / "broken", wheelhouse=wheelhouse)
+    message = str(info.value)
+    assert "\n" not in message
+    # pip names the failed step in its own words (they vary by pip version), then the
+    # backend's last line, then our fix
+    assert message.startswith(f"cannot install the test dependencies of {repo}: pip: ")
+    assert message.endswith(
+        ": ZeroDivisionError: division by zero; the repository's build backend could not "
+        "report its metadata: fix its packaging files, or declare the dependencies "
+        "statically in pyproject.toml [project]"
+    )
+
+
+@pytest.mark.integration
+def test_repository_tests_pass_in_the_sandbox_only_with_the_environment(
+    env: RepoEnvironment, tiny_repo: Path, shared_dir: Path
+) -> None:
+    workdir = shared_dir / "tinyrepo"
+    shutil.copytree(tiny_repo, workdir)
+    node = "tests/test_tiny.py::test_uses_its_dependencies"
+
+    with_env = LocalSubprocessSandbox(workdir, exec_timeout_s=120, **env.sandbox_kwargs())
+    try:
+        result = with_env.run_tests("python -m pytest -q", ())
+    finally:
+        with_env.close()
+    assert result.infrastructure_error is None
+    assert result.outcomes == {node: "passed"}, result.output[-2000:]
+
+    default = LocalSubprocessSandbox(workdir, exec_timeout_s=120)
+    try:
+        result = default.run_tests("python -m pytest -q", ())
+    finally:
+        default.close()
+    assert result.outcomes == {"tests/test_tiny.py": "error"}  # collection: no tinydep
+    assert "ModuleNotFoundError: No module named 'tinydep'" in result.output
+
+
+@pytest.mark.integration
+def test_repository_without_dependencies_gets_a_bare_venv_that_runs_its_tests(
+    env_root: Path, shared_dir: Path
+) -> None:
+    # tool settings only (no package declared): nothing to resolve, no pip run
+    repo = _write(
+        shared_dir / "plain",
+        {
+            "pyproject.toml": "[tool.ruff]\nline-length = 100\n",
+            "plain.py": "def one():\n    return 1\n",
+            "test_plain.py": "import plain\n\n\ndef test_one():\n    assert plain.one() == 1\n",
+        },
+    )
+    lines: list[str] = []
+    env = build_repo_environment(repo, env_root / "bare", progress=lines.append)
+    assert env.requirements == ()
+    assert lines == [
+        f"creating virtualenv {env.root}",
+        "plain declares no dependencies",
+        f"environment ready: {env.root}",
+    ]
+    sandbox = LocalSubprocessSandbox(repo, exec_timeout_s=120, **env.sandbox_kwargs())
+    try:
+        result = sandbox.run_tests("python -m pytest -q", ())
+    finally:
+        sandbox.close()
+    assert result.outcomes == {"test_plain.py::test_one": "passed"}, result.output[-2000:]
