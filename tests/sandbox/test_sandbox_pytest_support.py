@@ -119,3 +119,19 @@ def test_bundle_imports_under_the_system_interpreter_as_nobody() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("pytest ")
+
+
+def test_the_python_shim_starts_a_virtualenv_as_itself(tmp_path: Path) -> None:
+    # a link to a venv's interpreter would start the base Python; the shim keeps the venv
+    venv = tmp_path / "venv"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+    bin_dir = interpreter_bin_dir(str(venv / "bin" / "python"))
+    for command in ("python", "python3"):
+        assert not (bin_dir / command).is_symlink()
+        out = subprocess.run(
+            [str(bin_dir / command), "-c", "import sys; print(sys.prefix)"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip() == str(venv)

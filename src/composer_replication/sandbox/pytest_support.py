@@ -205,20 +205,28 @@ def guarded_command(argv: Sequence[str], guard_dir: str) -> list[str]:
 
 
 def interpreter_bin_dir(python: str) -> Path:
-    """A directory with `python`, `python3` and `pytest` commands that run `python`."""
+    """A directory with `python`, `python3` and `pytest` commands that run `python`.
+
+    They are scripts that exec `python` by its own path (not links to it): a virtualenv's
+    interpreter finds its environment only when started by that path.
+    """
     name = "bin-" + hashlib.sha256(python.encode()).hexdigest()[:12]
     bin_dir = support_root() / name
     with _LOCK:
         if not (bin_dir / "pytest").is_file():
             bin_dir.mkdir(mode=0o755, exist_ok=True)
             os.chmod(bin_dir, 0o755)
-            for link in ("python", "python3"):
-                target = bin_dir / link
-                if not target.is_symlink():
-                    target.symlink_to(python)
-            script = bin_dir / "pytest"
-            script.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -m pytest "$@"\n')
-            os.chmod(script, 0o755)
+            scripts = {
+                "python": f'exec {shlex.quote(python)} "$@"',
+                "python3": f'exec {shlex.quote(python)} "$@"',
+                "pytest": f'exec {shlex.quote(python)} -m pytest "$@"',
+            }
+            for command, line in scripts.items():  # pytest last: it marks the folder done
+                script = bin_dir / command
+                partial = bin_dir / f".{command}.partial"
+                partial.write_text(f"#!/bin/sh\n{line}\n")
+                os.chmod(partial, 0o755)
+                os.replace(partial, script)
     return bin_dir
 
 
