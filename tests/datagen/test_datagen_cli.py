@@ -62,13 +62,22 @@ def test_datagen_twice_inside_the_repo_never_reads_its_own_outputs(fd_repo_copy:
         on_disk = [p.relative_to(workdir).as_posix() for p in workdir.rglob("*")]
         for listing in (row["files"], on_disk):
             assert not [f for f in listing if "generated" in f or ".reference." in f], listing
-    # a run that accepts nothing leaves every earlier file as it was
-    before = {p: p.read_bytes() for p in out.parent.iterdir() if p.is_file()}
+    # a run that accepts nothing leaves every earlier task file as it was; its candidates
+    # report says why nothing was accepted
+    report = out.with_name("tasks.candidates.jsonl")
+
+    def task_files():
+        return {p: p.read_bytes() for p in out.parent.iterdir() if p.is_file() and p != report}
+
+    before = task_files()
     with open(fd_repo_copy / "tests" / "test_stats.py", "a") as fh:
         fh.write("\n\ndef test_broken_on_purpose():\n    assert 0 == 1\n")
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1 and "nothing written" in result.output
-    assert {p: p.read_bytes() for p in out.parent.iterdir() if p.is_file()} == before
+    assert task_files() == before
+    rows = read_jsonl_records(report)
+    assert rows and {r["gate"] for r in rows} == {"gate1_original_green"}
+    assert all("test_broken_on_purpose" in r["reason"] for r in rows)
 
 
 def test_datagen_refuses_unusable_outputs_before_any_work(shared_dir: Path) -> None:

@@ -4,15 +4,12 @@ one line; and (integration) the repository's tests passing in the real sandbox w
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import textwrap
 import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from composer_replication.sandbox.virtualenv import (
     build_repo_environment,
 )
 from composer_replication.sandbox.workdir import make_shared_tempdir
+from composer_replication.testing.wheels import pure_wheel
 
 TEST_MODULE = """\
 import tinydep
@@ -48,34 +46,12 @@ def _write(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def _wheel(house: Path, name: str, version: str, module: str) -> Path:
-    """A pure-Python wheel of one module, written directly (PEP 427), so no build backend
-    is needed to make it."""
-    info = f"{name}-{version}.dist-info"
-    files = {
-        f"{name}.py": module,
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
-    }
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
-        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
-    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
-    wheel = house / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for path, text in files.items():
-            zf.writestr(path, text)
-    return wheel
-
-
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wheels of tinydep 1.0 and tinyextra 2.0."""
     house = tmp_path_factory.mktemp("wheelhouse")
-    _wheel(house, "tinydep", "1.0", "ANSWER = 21\n")
-    _wheel(house, "tinyextra", "2.0", "BONUS = 100\n")
+    pure_wheel(house, "tinydep", "1.0", "ANSWER = 21\n")
+    pure_wheel(house, "tinyextra", "2.0", "BONUS = 100\n")
     return house
 
 

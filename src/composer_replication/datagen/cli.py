@@ -35,23 +35,34 @@ def datagen_main(
     exec_timeout_s: float = 300.0,
     console: Any = None,
     follow_symlinks: bool = False,
+    test_command: str | None = None,
+    environment: str = "auto",
+    wheelhouse: Path | None = None,
+    docker_image: str | None = None,
+    model: str = "embedded",
+    budgets: Any = None,
 ) -> int:
-    """Generate FD tasks with a progress bar and print the rejection summary.
+    """Generate FD tasks with a progress bar and print the outcome of every candidate.
 
     Held-out tasks (the project's default `HeldoutSplit` unless `split` says otherwise) go to
-    the `.heldout.jsonl` sibling of `output`, never into it. Returns the process exit code:
-    0 when at least one task was accepted, 1 when none was (nothing written: earlier task
-    files stay as they were), 2 for unusable input or an output path the output policy
-    refuses (checked before any work).
+    the `.heldout.jsonl` sibling of `output`, never into it. The table counts each outcome
+    with an example reason; ``<stem>.candidates.jsonl`` has every candidate's. Returns the
+    process exit code: 0 when at least one task was accepted, 1 when none was (no task
+    file written: earlier task files stay as they were; the candidates report is written),
+    2 for unusable input or an output path the output policy refuses (checked before any
+    work).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    from composer_replication.datagen.feature_deletion import check_outputs, generate_tasks
+    from composer_replication.datagen.feature_deletion import (
+        ENVIRONMENTS,
+        AgentBudgets,
+        check_outputs,
+        generate_tasks,
+    )
     from composer_replication.outputs import OutputError, check_output
-    from composer_replication.sandbox.local import LocalSubprocessSandbox
-    from composer_replication.sandbox.workdir import quota_fitting
 
     console = console or Console(stderr=True)
     if not Path(repo).is_dir():
@@ -60,18 +71,19 @@ def datagen_main(
     if max_tasks < 1:
         _error(console, f"--max-tasks must be >= 1, got {max_tasks}")
         return 2
+    if environment not in ENVIRONMENTS:
+        _error(console, f"--environment {environment!r}: use {', '.join(ENVIRONMENTS)}")
+        return 2
+    if wheelhouse is not None and not Path(wheelhouse).is_dir():
+        _error(console, f"--wheelhouse {str(wheelhouse)!r} is not a directory of wheels")
+        return 2
     try:
         output = check_outputs(check_output(output, follow_symlinks=follow_symlinks))
-    except OutputError as exc:
+        tokenizer = _tokenizer(model)
+        factory = _sandbox_factory(repo, exec_timeout_s, docker_image)
+    except (OutputError, ValueError) as exc:
         _error(console, str(exc))
         return 2
-
-    quota_mb = quota_fitting(repo)  # a large repository fits; its tests cannot fill the disk
-
-    def factory(workdir: Path) -> LocalSubprocessSandbox:
-        return LocalSubprocessSandbox(
-            workdir, exec_timeout_s=exec_timeout_s, workdir_quota_mb=quota_mb
-        )
 
     with Progress(
         TextColumn("[bold]datagen[/bold]"),
@@ -86,26 +98,31 @@ def datagen_main(
         def progress(done: int, total: int, message: str) -> None:
             bar.update(job, completed=done, total=total, description=message)
 
-        report = generate_tasks(
-            repo,
-            output,
-            max_tasks=max_tasks,
-            sandbox_factory=factory,
-            split=split,
-            progress=progress,
-        )
-    table = Table(title=f"FeatureDeletion on {report.repo}: {report.candidates} candidates")
-    table.add_column("outcome")
-    table.add_column("count", justify="right")
-    table.add_row("accepted (train)", str(report.train))
-    table.add_row("accepted (held-out)", str(report.heldout))
-    for gate, count in report.rejected.items():
-        table.add_row(f"rejected: {gate}", str(count))
-    console.print(table)
+        try:
+            report = generate_tasks(
+                repo,
+                output,
+                max_tasks=max_tasks,
+                sandbox_factory=factory,
+                split=split,
+                progress=progress,
+                test_command=test_command,
+                budgets=budgets or AgentBudgets(),
+                tokenizer=tokenizer,
+                environment=environment,
+                wheelhouse=wheelhouse,
+                image=docker_image,
+                say=lambda line: bar.console.print(line, soft_wrap=True, highlight=False),
+            )
+        except (ValueError, RuntimeError) as exc:  # no tests found, a virtualenv that failed
+            _error(console, str(exc))
+            return 2
+    console.print(_outcome_table(report, Table), soft_wrap=True)
+    console.print(f"every candidate and its outcome: {report.candidates_output}")
     if not report.accepted:
         _error(
             console,
-            f"no task passed the gates: nothing written ({report.output} and its sibling "
+            f"no task passed the gates: no task file written ({report.output} and its sibling "
             "files left as they were)",
         )
         return 1
@@ -117,19 +134,148 @@ def datagen_main(
     return 0
 
 
+def _tokenizer(model: str) -> Any:
+    """The tokenizer the solvability gate counts tokens with (the agent model's)."""
+    from composer_replication.models import load_tokenizer
+    from composer_replication.preflight import check_model_source
+
+    check_model_source(model, "--model")
+    return load_tokenizer(None if model == "embedded" else model)
+
+
+def _sandbox_factory(repo: Path, exec_timeout_s: float, image: str | None) -> Any:
+    """The gates' sandbox factory: local (bubblewrap), or one container per run."""
+    from composer_replication.sandbox.workdir import quota_fitting
+
+    if image:
+        from composer_replication.sandbox.docker import DockerSandboxFactory
+
+        return DockerSandboxFactory(image, exec_timeout_s=exec_timeout_s)
+    from composer_replication.sandbox.local import LocalSubprocessSandbox
+
+    quota_mb = quota_fitting(repo)  # a large repository fits; its tests cannot fill the disk
+
+    def factory(workdir: Path, **options: Any) -> LocalSubprocessSandbox:
+        return LocalSubprocessSandbox(
+            workdir, exec_timeout_s=exec_timeout_s, workdir_quota_mb=quota_mb, **options
+        )
+
+    return factory
+
+
+def _outcome_table(report: Any, table_type: Any) -> Any:
+    """Outcome, count and the first reason of each (reasons cut to one short line)."""
+    table = table_type(
+        title=f"FeatureDeletion on {report.repo}: {report.candidates} candidates; tests: "
+        f"{report.test_command}"
+    )
+    table.add_column("outcome")
+    table.add_column("count", justify="right")
+    table.add_column("example reason")
+    table.add_row("accepted (train)", str(report.train), "")
+    table.add_row("accepted (held-out)", str(report.heldout), "")
+    first = {}
+    for qualname, gate, reason in report.rejections:
+        first.setdefault(gate, f"{qualname}: {' '.join(reason.split())}")
+    for gate, count in report.rejected.items():
+        example = first.get(gate, "")
+        table.add_row(
+            f"rejected: {gate}", str(count), example[:110] + ("..." if len(example) > 110 else "")
+        )
+    return table
+
+
 def datagen_command(
-    repo: Annotated[Path, typer.Argument(help="Repository whose pytest suite passes.")],
+    repo: Annotated[Path, typer.Argument(help="Repository whose test suite passes.")],
     output: Annotated[
         Path, typer.Option("-o", "--output", help="Training task file (JSONL).")
     ] = Path("tasks.jsonl"),
     max_tasks: Annotated[int, typer.Option("--max-tasks", min=1, help="Stop after N tasks.")] = 10,
+    test_command: Annotated[
+        str | None,
+        typer.Option(
+            "--test-command",
+            help="How to run the suite (default: as the repository configures it).",
+        ),
+    ] = None,
+    environment: Annotated[
+        str,
+        typer.Option(
+            "--environment",
+            help="auto: a virtualenv of the repository's declared dependencies when it declares "
+            "any; venv: always; system: the sandbox's interpreter.",
+        ),
+    ] = "auto",
+    wheelhouse: Annotated[
+        Path | None,
+        typer.Option("--wheelhouse", help="Build the virtualenv offline from these wheels."),
+    ] = None,
+    docker_image: Annotated[
+        str | None,
+        typer.Option(
+            "--docker-image",
+            help="Run the tests in containers of this image (DockerSandbox); recorded on each task.",
+        ),
+    ] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model", help="The agent model whose tokens the budgets count ('embedded', a dir)."
+        ),
+    ] = "embedded",
+    max_turns: Annotated[
+        int, typer.Option("--max-turns", min=1, help="Turns an episode may take.")
+    ] = 8,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", min=1, help="Tokens one turn may take.")
+    ] = 256,
+    max_total_tokens: Annotated[
+        int, typer.Option("--max-total-tokens", min=1, help="Tokens an episode may take in all.")
+    ] = 4096,
+    tools: Annotated[
+        str | None,
+        typer.Option(
+            "--tools", help="Comma-separated tools the agent has (default: the editing set)."
+        ),
+    ] = None,
+    tool_format: Annotated[
+        str, typer.Option("--tool-format", help="auto, native or text.")
+    ] = "auto",
+    exec_timeout: Annotated[
+        float, typer.Option("--exec-timeout", min=1, help="Seconds one test run may take.")
+    ] = 300.0,
     follow_symlinks: Annotated[
         bool,
         typer.Option("--follow-symlinks", help="Write through an output that is a symbolic link."),
     ] = False,
 ) -> None:
-    """FeatureDeletion: delete covered function bodies, keep tasks that pass all 4 gates."""
-    raise typer.Exit(datagen_main(repo, output, max_tasks, follow_symlinks=follow_symlinks))
+    """FeatureDeletion: delete covered function bodies, keep tasks that pass every gate
+    (the last: the reference agent solves them within the agent's budgets)."""
+    from composer_replication.datagen.feature_deletion import AgentBudgets
+    from composer_replication.envs.fd_tools import DEFAULT_TOOLS
+
+    budgets = AgentBudgets(
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_total_tokens=max_total_tokens,
+        tools=tuple(t.strip() for t in tools.split(",") if t.strip()) if tools else DEFAULT_TOOLS,
+        tool_format=tool_format,
+    )
+    raise typer.Exit(
+        datagen_main(
+            repo,
+            output,
+            max_tasks,
+            follow_symlinks=follow_symlinks,
+            test_command=test_command,
+            environment=environment,
+            wheelhouse=wheelhouse,
+            docker_image=docker_image,
+            model=model,
+            budgets=budgets,
+            exec_timeout_s=exec_timeout,
+        )
+    )
 
 
 app = command_group("datagen", "Make FeatureDeletion tasks from a repository.")

@@ -1,12 +1,20 @@
-"""FeatureDeletion (FD): turn a Python repository with a green pytest suite into tasks.
+"""FeatureDeletion (FD): turn a Python repository with a green test suite into tasks.
 
-For each candidate function or method (found with `ast`, see `fd_tasks`), the body is cut
-out of a scrubbed copy of the repository and replaced by a raising stub; the tests it
-covers are found by running the suite (the tests that pass before and fail after), and the
-task is accepted only through the 4-gate solvability validator (`gates`). Accepted tasks are
-written as JSONL: the training file (never a held-out id: the writer calls
+The repository is taken as it is: its tests run the way it configures them
+(``test_discovery.discover_tests``: pytest configuration, or unittest modules, or a src
+layout), with its declared dependencies installed in a virtualenv of its own
+(``sandbox.virtualenv``, ``environment``) or inside a container image named per task
+(``image``). For each candidate function or method (found with `ast`, see `fd_tasks`; the
+test modules are never candidates), the body is cut out of a scrubbed copy of the repository
+and replaced by a raising stub; the tests it covers are found by running the suite (the
+tests that pass before and fail after), and the task is accepted only through the
+solvability gates (`gates`): the last one runs the scripted reference agent through the
+editing tools within the agent's budgets (``AgentBudgets``). Accepted tasks are written as
+JSONL: the training file (never a held-out id: the writer calls
 `HeldoutSplit.check_trainable`), a held-out file for evaluation, and the hidden references
 (owner-only file mode, never inside a workdir). Each task's workdir sits next to the output.
+Every candidate, accepted or not, is a row of ``<stem>.candidates.jsonl`` with the gate
+that decided it and why.
 
 Cheap preselection: a candidate whose name never occurs in a test file is skipped without a
 run (`static_preselect=False` sends every candidate to the gates).
@@ -14,22 +22,25 @@ run (`static_preselect=False` sends every candidate to the gates).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from composer_replication.datagen.gates import (
-    DEFAULT_TEST_COMMAND,
     GATE_ORIGINAL,
+    GATE_SOLVABLE,
     GATES,
     GateOutcome,
     SandboxFactory,
     SolvabilityValidator,
 )
+from composer_replication.datagen.test_discovery import DiscoveredTests, discover_tests
 from composer_replication.envs.fd_tasks import (
     STUB_EXCEPTION,
     Candidate,
@@ -47,13 +58,16 @@ from composer_replication.envs.fd_tasks import (
     write_split_record,
     write_tasks,
 )
+from composer_replication.envs.fd_tools import DEFAULT_TOOLS
 from composer_replication.safety.hack_monitor import is_protected
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import hand_over, make_shared_tempdir
 
 __all__ = [
+    "ENVIRONMENTS",
     "NOT_REFERENCED",
+    "AgentBudgets",
     "Candidate",
     "FDTask",
     "GateOutcome",
@@ -67,7 +81,32 @@ __all__ = [
 ]
 
 NOT_REFERENCED = "not_referenced"
+#: how a repository's tests get their dependencies: a virtualenv when it declares any
+#: ("auto"), always ("venv"), or the sandbox's own interpreter ("system")
+ENVIRONMENTS = ("auto", "venv", "system")
 ProgressCallback = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class AgentBudgets:
+    """What every accepted task must be solvable within, by the scripted reference agent:
+    the environment's ``max_turns`` and ``max_total_tokens``, the turn budget
+    (``sampling.max_new_tokens``), its ``tools`` and ``tool_format``."""
+
+    max_turns: int = 8
+    max_new_tokens: int = 256
+    max_total_tokens: int = 4096
+    tools: tuple[str, ...] = DEFAULT_TOOLS
+    tool_format: str = "auto"
+
+    def environment_options(self) -> dict[str, Any]:
+        """The ``feature_deletion`` options these budgets are (all but the turn budget)."""
+        return {
+            "tools": list(self.tools),
+            "tool_format": self.tool_format,
+            "max_turns": self.max_turns,
+            "max_total_tokens": self.max_total_tokens,
+        }
 
 
 @dataclass(frozen=True)
@@ -82,8 +121,11 @@ class GenerationReport:
         rejected: Rejection counts per reason key: `not_referenced` and each of `GATES`.
         rejections: (qualname, gate, reason) per rejected candidate, in order.
         output, heldout_output, reference_output, workdirs: Where things were written
-            (`heldout_output` is None without a split); with no accepted task nothing is
-            written and earlier files there are left as they were.
+            (`heldout_output` is None without a split); with no accepted task no task file
+            is written and earlier ones there are left as they were.
+        candidates_output: The JSONL of every candidate and its outcome (always written).
+        test_command, test_source: How the repository's tests ran, and how that was found.
+        python: The interpreter of the repository's virtualenv (None: the sandbox's own).
         duration_s: Wall-clock seconds.
     """
 
@@ -98,16 +140,22 @@ class GenerationReport:
     heldout_output: str | None = None
     reference_output: str = ""
     workdirs: str = ""
+    candidates_output: str = ""
+    test_command: str = ""
+    test_source: str = ""
+    python: str | None = None
     duration_s: float = 0.0
 
 
-def _referenced_names(root: Path) -> set[str]:
+def _referenced_names(root: Path, test_files: Collection[str] = ()) -> set[str]:
+    """Every identifier of the repository's test files (the usual test-file names, and the
+    test modules its configuration collects)."""
     words: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if name.endswith(".py") and is_protected(rel):
+            if name.endswith(".py") and (is_protected(rel) or rel in test_files):
                 text = (Path(dirpath) / name).read_text(encoding="utf-8", errors="replace")
                 words.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
     return words
@@ -170,10 +218,30 @@ def _copy_repo(src: Path, dst: Path, *, skip: Collection[Path] = ()) -> None:
     scrub_tree(dst)
 
 
+def candidates_path(out: Path) -> Path:
+    """Where a generation lists its candidates: ``<stem>.candidates.jsonl``."""
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(f"{stem}.candidates.jsonl")
+
+
+def environments_path(out: Path) -> Path:
+    """Where a generation keeps the repositories' virtualenvs: ``<stem>.envs``."""
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(f"{stem}.envs")
+
+
 def _output_tree(out: Path) -> list[Path]:
     """Every path a generation writes for the training file ``out`` (its own output tree)."""
     heldout, reference, workdirs = output_paths(out)
-    return [out, heldout, reference, workdirs, split_record_path(out)]
+    return [
+        out,
+        heldout,
+        reference,
+        workdirs,
+        split_record_path(out),
+        candidates_path(out),
+        environments_path(out),
+    ]
 
 
 def check_outputs(output: str | os.PathLike[str]) -> Path:
@@ -185,8 +253,8 @@ def check_outputs(output: str | os.PathLike[str]) -> Path:
     given = Path(output)
     out = check_output(given).resolve()
     for path in _output_tree(out)[1:]:
-        if path.name.endswith(".workdirs"):
-            check_output_dir(path, option="workdirs folder")
+        if path.name.endswith((".workdirs", ".envs")):
+            check_output_dir(path, option=f"{path.suffix[1:]} folder")
         else:
             check_output(path, option="-o")
     return out
@@ -202,23 +270,42 @@ def generate_tasks(
     progress: ProgressCallback | None = None,
     only: Collection[str] | None = None,
     static_preselect: bool = True,
-    test_command: str = DEFAULT_TEST_COMMAND,
+    test_command: str | None = None,
+    budgets: AgentBudgets | None = None,
+    tokenizer: Any = None,
+    environment: str = "auto",
+    wheelhouse: str | os.PathLike[str] | None = None,
+    image: str | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> GenerationReport:
     """Propose, validate and write up to `max_tasks` FD tasks from `repo`.
 
     Args:
-        repo: Repository root (its pytest suite must pass).
-        output: Training task file (JSONL); siblings hold held-out tasks, hidden references
-            and the task workdirs (see `output_paths`).
+        repo: Repository root (its test suite must pass).
+        output: Training task file (JSONL); siblings hold held-out tasks, hidden references,
+            the candidates' outcomes and the task workdirs (see `output_paths`).
         max_tasks: Stop after this many accepted tasks (train and held-out together).
-        sandbox_factory: Builds a ready sandbox for a workdir; every gate runs in one.
+        sandbox_factory: Builds a ready sandbox for a workdir; every gate runs in one. It
+            is called with ``python=`` / ``ro_binds=`` (a virtualenv) or ``image=`` (a
+            container image) as keywords when the repository's tests need them.
         split: Held-out tasks go to the held-out file only, and the split is recorded
             beside the tasks (``<stem>.split.json``) so a run can check it splits the same
             way. Default: the project's split; None: every task is a training task.
         progress: Called as `progress(done, total, message)` after each candidate.
         only: Restrict candidates to these qualified names (or `file::qualname`).
         static_preselect: Skip candidates never named in a test file without running them.
-        test_command: The suite command inside the sandbox.
+        test_command: The suite command inside the sandbox (default: as the repository
+            configures its tests, ``discover_tests``).
+        budgets: What the reference agent must solve each task within (gate 5).
+        tokenizer: The agent model's tokenizer, which counts the budgets' tokens and picks
+            the tool format (default: the embedded model's).
+        environment: "auto" (a virtualenv of the repository's declared dependencies when
+            it declares any; the sandbox's own interpreter when building it fails, said
+            through ``say``), "venv" (always; a failure is an error) or "system".
+        wheelhouse: Build the virtualenv offline from this directory of wheels.
+        image: A container image the tasks' tests run in (``sandbox_factory`` takes
+            ``image=``); recorded on every task.
+        say: Called with one line per set-up step (test discovery, the virtualenv).
     """
     started = time.monotonic()
     repo_path = Path(repo).resolve()
@@ -226,12 +313,16 @@ def generate_tasks(
         raise ValueError(f"repo {str(repo)!r} is not a directory")
     if isinstance(max_tasks, bool) or not isinstance(max_tasks, int) or max_tasks < 1:
         raise ValueError(f"max_tasks must be an int >= 1, got {max_tasks!r}")
+    if environment not in ENVIRONMENTS:
+        raise ValueError(f"environment = {environment!r}; use one of {', '.join(ENVIRONMENTS)}")
+    say = say or (lambda _line: None)
+    budgets = budgets or AgentBudgets()
     out = check_outputs(output)
     heldout_path, reference_path, workdirs = output_paths(out)
     own_outputs = _output_tree(out)  # never read back, even when -o is inside the repo
-    validator = SolvabilityValidator(sandbox_factory, test_command=test_command)
     rejected = dict.fromkeys((NOT_REFERENCED, *GATES), 0)
     rejections: list[tuple[str, str, str]] = []
+    rows: list[dict[str, Any]] = []
     train: list[FDTask] = []
     held: list[FDTask] = []
     refs: list[TaskReference] = []
@@ -239,12 +330,24 @@ def generate_tasks(
     def reject(cand: Candidate, gate: str, reason: str) -> None:
         rejected[gate] += 1
         rejections.append((cand.qualname, gate, reason))
+        rows.append(_row(cand, "rejected", gate, reason))
 
     scratch = make_shared_tempdir("composer-replication-fd-")
     try:
         base = scratch / "base"
         _copy_repo(repo_path, base, skip=own_outputs)
-        candidates = find_candidates(base)
+        discovered = _discover(base, test_command)
+        say(f"tests: {discovered.command}  ({discovered.source})")
+        options = _environment_options(
+            repo_path, out, environment, wheelhouse, image, discovered, say
+        )
+
+        def factory(workdir: Path) -> Any:
+            return sandbox_factory(workdir, **options) if options else sandbox_factory(workdir)
+
+        validator = SolvabilityValidator(factory, test_command=discovered.command)
+        protected = (*discovered.test_files, *discovered.conftest_files)
+        candidates = find_candidates(base, exclude=protected)
         if only is not None:
             wanted = set(only)
             candidates = [
@@ -257,14 +360,22 @@ def generate_tasks(
                 reject(cand, GATE_ORIGINAL, gate1.reason)
             candidates = []
         passing = frozenset(gate1.tests)
-        names = _referenced_names(base) if static_preselect else set()
+        names = _referenced_names(base, protected) if static_preselect else set()
+        solver = _ReferenceSolver(sandbox_factory, budgets, tokenizer, scratch)
         for done, cand in enumerate(candidates, start=1):
             if len(train) + len(held) >= max_tasks:
+                rows += [
+                    _row(c, "not_tried", None, "max_tasks reached") for c in candidates[done - 1 :]
+                ]
                 break
             if static_preselect and cand.name not in names:
                 reject(cand, NOT_REFERENCED, "no test file mentions this name")
             else:
-                task = _try_candidate(repo_path.name, cand, base, scratch, validator, passing)
+                task = _try_candidate(
+                    repo_path.name, cand, base, scratch, validator, passing, discovered, options
+                )
+                if not isinstance(task, GateOutcome):
+                    task = solver.check(*task)
                 if isinstance(task, GateOutcome):
                     reject(cand, task.gate, task.reason)
                 else:
@@ -280,10 +391,12 @@ def generate_tasks(
                     )
                     (held if is_held else train).append(fd_task)
                     refs.append(ref)
+                    rows.append(_row(cand, "accepted", None, "", fd_task))
             if progress is not None:
                 progress(done, total, f"{cand.file}::{cand.qualname}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    _write_candidates(candidates_path(out), rows)
     if train or held:  # no task: the files of an earlier generation stay as they were
         write_tasks(out, train, split=split)
         if split is not None:
@@ -304,8 +417,83 @@ def generate_tasks(
         heldout_output=str(heldout_path) if split is not None else None,
         reference_output=str(reference_path),
         workdirs=str(workdirs),
+        candidates_output=str(candidates_path(out)),
+        test_command=discovered.command,
+        test_source=discovered.source,
+        python=options.get("python"),
         duration_s=time.monotonic() - started,
     )
+
+
+def _discover(base: Path, test_command: str | None) -> DiscoveredTests:
+    """How the repository's tests run: as given, else as it configures them."""
+    try:
+        discovered = discover_tests(base)
+    except ValueError:
+        if test_command is None:
+            raise
+        discovered = DiscoveredTests(test_command, "pytest", (), "the given test command")
+    if test_command is not None:
+        discovered = replace(discovered, command=test_command, source="the given test command")
+    return discovered
+
+
+def _environment_options(
+    repo: Path,
+    out: Path,
+    environment: str,
+    wheelhouse: str | os.PathLike[str] | None,
+    image: str | None,
+    discovered: DiscoveredTests,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The sandbox keywords the repository's tests need: its image, or its virtualenv's
+    interpreter (built here, or reused), or none."""
+    if image:
+        say(f"environment: the container image {image}")
+        return {"image": image}
+    if environment == "system":
+        return {}
+    from composer_replication.sandbox.virtualenv import (
+        build_repo_environment,
+        declares_dependencies,
+    )
+
+    if environment == "auto" and not declares_dependencies(repo):
+        say("environment: the sandbox's interpreter (the repository declares no dependencies)")
+        return {}
+    try:
+        built = build_repo_environment(
+            repo, environments_path(out), wheelhouse=wheelhouse, progress=say
+        )
+    except RuntimeError as err:
+        if environment == "venv":
+            raise
+        say(f"environment: no virtualenv ({err}); the sandbox's interpreter runs the tests")
+        return {}
+    say(f"environment: {built.root} ({', '.join(built.requirements) or 'nothing to install'})")
+    return built.sandbox_kwargs()
+
+
+def _row(
+    cand: Candidate, outcome: str, gate: str | None, reason: str, task: FDTask | None = None
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "file": cand.file,
+        "qualname": cand.qualname,
+        "outcome": outcome,
+        "gate": gate,
+        "reason": reason,
+    }
+    if task is not None:
+        row.update(task_id=task.task_id, split=task.split, n_targets=len(task.target_tests))
+    return row
+
+
+def _write_candidates(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    from composer_replication.atomic_io import write_lines_atomic
+
+    write_lines_atomic(path, (json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
 
 def _try_candidate(
@@ -315,6 +503,8 @@ def _try_candidate(
     scratch: Path,
     validator: SolvabilityValidator,
     passing: frozenset[str],
+    discovered: DiscoveredTests,
+    options: dict[str, Any],
 ) -> tuple[FDTask, TaskReference, Path] | GateOutcome:
     task_id = make_task_id(repo_name, cand.file, cand.qualname)
     task_dir = scratch / "tasks" / slug(task_id)
@@ -338,5 +528,60 @@ def _try_candidate(
         files=_files(task_dir),
         workdir=str(task_dir),
         test_command=validator.test_command,
+        test_files=tuple(
+            f
+            for f in (*discovered.test_files, *discovered.conftest_files)
+            if not is_protected(f)  # the usual names are protected anyway
+        ),
+        python=options.get("python"),
+        python_root=(options.get("ro_binds") or [None])[0],
+        image=options.get("image"),
     )
     return task, ref, task_dir
+
+
+class _ReferenceSolver:
+    """Gate 5: the reference agent on a candidate task, held exactly as the environment
+    will hold it (a one-task file, its reference, its workdir), within the budgets."""
+
+    def __init__(
+        self, sandbox_factory: SandboxFactory, budgets: AgentBudgets, tokenizer: Any, scratch: Path
+    ) -> None:
+        self.sandbox_factory = sandbox_factory
+        self.budgets = budgets
+        self._tokenizer = tokenizer
+        self.scratch = scratch
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from composer_replication.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer()
+        return self._tokenizer
+
+    def check(
+        self, task: FDTask, ref: TaskReference, task_dir: Path
+    ) -> tuple[FDTask, TaskReference, Path] | GateOutcome:
+        from composer_replication.envs.feature_deletion import FeatureDeletionEnv
+
+        held = self.scratch / "gate5" / slug(task.task_id)
+        shutil.rmtree(held, ignore_errors=True)
+        held.mkdir(parents=True)
+        write_tasks(held / "tasks.jsonl", [task], split=None)
+        write_references(held / "tasks.reference.jsonl", [ref])
+        env = FeatureDeletionEnv(
+            held / "tasks.jsonl",
+            sandbox_factory=self.sandbox_factory,
+            **self.budgets.environment_options(),
+        )
+        rollout = env.solve_with_reference(
+            self.tokenizer, task.task_id, max_new_tokens=self.budgets.max_new_tokens
+        )
+        shutil.rmtree(held, ignore_errors=True)
+        problem = rollout.metadata.get("reference_problem")
+        if problem:
+            shutil.rmtree(task_dir, ignore_errors=True)
+            return GateOutcome(GATE_SOLVABLE, False, problem)
+        cost = dict(rollout.metadata["reference_cost"], tools=list(self.budgets.tools))
+        return replace(task, reference_cost=cost), ref, task_dir

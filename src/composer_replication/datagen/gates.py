@@ -7,7 +7,10 @@ A task is accepted only if:
 3. collection still succeeds after the deletion (the failure is the missing feature, not an
    import error that hides every test);
 4. putting the reference body back makes every originally passing test pass again (the task
-   is solvable, and the stub and reference line up).
+   is solvable, and the stub and reference line up);
+5. the scripted reference agent solves it through the editing tools within the agent's
+   turn and token budgets (``envs.reference_agent``; run by ``datagen.feature_deletion``,
+   which holds the task as the environment will).
 Every gate runs the real test suite inside a sandbox from `sandbox_factory`.
 """
 
@@ -27,6 +30,7 @@ __all__ = [
     "DEFAULT_COLLECT_COMMAND",
     "DEFAULT_TEST_COMMAND",
     "GATES",
+    "GATE_SOLVABLE",
     "GateOutcome",
     "SandboxFactory",
     "SolvabilityValidator",
@@ -36,7 +40,8 @@ GATE_ORIGINAL = "gate1_original_green"
 GATE_TARGETS = "gate2_targets_red"
 GATE_COLLECT = "gate3_collection_ok"
 GATE_RESTORE = "gate4_reference_restores"
-GATES: tuple[str, ...] = (GATE_ORIGINAL, GATE_TARGETS, GATE_COLLECT, GATE_RESTORE)
+GATE_SOLVABLE = "gate5_solvable_within_budgets"
+GATES: tuple[str, ...] = (GATE_ORIGINAL, GATE_TARGETS, GATE_COLLECT, GATE_RESTORE, GATE_SOLVABLE)
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
 DEFAULT_COLLECT_COMMAND = "python -m pytest -q --collect-only"
 
@@ -55,7 +60,14 @@ class GateOutcome:
 
 
 def _tail(result: TestRunResult, lines: int = 6) -> str:
-    return " | ".join(result.output.strip().splitlines()[-lines:])
+    """The first error pytest printed (``E   ...``: the cause, e.g. a missing module) and
+    the last lines of the output."""
+    output = result.output.strip().splitlines()
+    first_error = next((line.strip() for line in output if line.startswith("E  ")), None)
+    tail = output[-lines:]
+    if first_error is not None and first_error not in (t.strip() for t in tail):
+        tail = [first_error, *tail]
+    return " | ".join(tail)
 
 
 class SolvabilityValidator:
@@ -66,11 +78,12 @@ class SolvabilityValidator:
         sandbox_factory: SandboxFactory,
         *,
         test_command: str = DEFAULT_TEST_COMMAND,
-        collect_command: str = DEFAULT_COLLECT_COMMAND,
+        collect_command: str | None = None,
     ) -> None:
         self.sandbox_factory = sandbox_factory
         self.test_command = test_command
-        self.collect_command = collect_command
+        # collection is the test command asked only to collect
+        self.collect_command = collect_command or f"{test_command} --collect-only"
 
     def _run(self, workdir: Path, command: str) -> TestRunResult:
         sandbox = self.sandbox_factory(workdir)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -225,17 +225,22 @@ def _body_span(
     return start, node.end_lineno, indent
 
 
-def find_candidates(root: str | os.PathLike[str]) -> list[Candidate]:
+def find_candidates(
+    root: str | os.PathLike[str], *, exclude: Collection[str] = ()
+) -> list[Candidate]:
     """Module-level functions and methods of module-level classes outside test files.
 
-    Skipped: dunder methods, bodies that already are stubs (pass, ..., a raise of the stub
-    exception), one-line definitions, files that do not parse.
+    Skipped: test and configuration files (``is_protected``) and the files ``exclude`` names
+    (root-relative: a repository's own test modules), dunder methods, bodies that already
+    are stubs (pass, ..., a raise of the stub exception), one-line definitions, files that
+    do not parse.
     """
     root = Path(root)
+    excluded = set(exclude)
     found: list[Candidate] = []
     for path in _python_files(root):
         rel = path.relative_to(root).as_posix()
-        if is_protected(rel):
+        if is_protected(rel) or rel in excluded:
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         try:

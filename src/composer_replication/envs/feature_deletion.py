@@ -283,9 +283,9 @@ class FeatureDeletionEnv:
         """The hack monitor of ``task``: its discovered test modules are protected too."""
         if not task.test_files:
             return self.monitor
+        names = tuple(dict.fromkeys(Path(f).name for f in task.test_files))  # by file name
         return HackMonitor(
-            forbidden_globs=self._forbidden,
-            protected_patterns=(*PROTECTED_PATTERNS, *task.test_files),
+            forbidden_globs=self._forbidden, protected_patterns=(*PROTECTED_PATTERNS, *names)
         )
 
     def format_for(self, tokenizer: Any) -> ToolFormat:

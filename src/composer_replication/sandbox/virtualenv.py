@@ -71,7 +71,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 needs the tomli backport
     import tomli as tomllib
 
-__all__ = ["DEFAULT_PYTHON", "MARKER", "RepoEnvironment", "build_repo_environment"]
+__all__ = [
+    "DEFAULT_PYTHON",
+    "MARKER",
+    "RepoEnvironment",
+    "build_repo_environment",
+    "declares_dependencies",
+]
 
 DEFAULT_PYTHON = "/usr/bin/python3"
 #: Written last into a complete environment; its JSON records what was installed.
@@ -390,6 +396,14 @@ def _retarget(tmp: Path, final: Path) -> None:
         data = path.read_bytes()
         if old in data:
             path.write_bytes(data.replace(old, new))
+
+
+def declares_dependencies(repo: str | os.PathLike[str]) -> bool:
+    """Whether ``repo`` declares anything its tests may need installed: static requirements,
+    test requirement files or dependency groups, or packaging metadata that only its build
+    backend can read (setup.py, dynamic dependencies)."""
+    plan = _plan(Path(repo), ("test", "tests", "testing"))
+    return bool(plan.requirements or plan.files or plan.via_backend)
 
 
 def build_repo_environment(
