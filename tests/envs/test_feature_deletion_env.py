@@ -271,7 +271,7 @@ def test_reference_solution_scores_one_through_the_same_path(generated: Path, to
 @pytest.mark.slow
 def test_tiny_policy_attempts_are_scored_zero_as_data(generated: Path):
     model, tok = tiny_policy(seed=1)
-    env = FeatureDeletionEnv(generated, max_turns=2)
+    env = FeatureDeletionEnv(generated, max_turns=4)
     (group,) = env.rollouts(
         InProcessSampler(model),
         tok,
