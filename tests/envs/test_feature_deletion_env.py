@@ -272,12 +272,18 @@ def test_reference_solution_scores_one_through_the_same_path(generated: Path, to
 def test_tiny_policy_attempts_are_scored_zero_as_data(generated: Path):
     model, tok = tiny_policy(seed=1)
     env = FeatureDeletionEnv(generated, max_turns=4)
+    # budgets below what the task's reference needed are refused, naming the setting
+    with pytest.raises(ValueError, match=r"the turn budget \(sampling.max_new_tokens\) is 8"):
+        env.rollouts(
+            InProcessSampler(model), tok, [TASK_ID], group_size=2,
+            sampling=SamplingSettings(max_new_tokens=8),
+        )  # fmt: skip
     (group,) = env.rollouts(
         InProcessSampler(model),
         tok,
         [TASK_ID],
         group_size=2,
-        sampling=SamplingSettings(max_new_tokens=8),
+        sampling=SamplingSettings(max_new_tokens=160),
     )
     assert len(group) == 2
     for r in group:
