@@ -495,7 +495,11 @@ def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(ws, tmp_path):
         preexec_fn=_sigint_default,
     )
     deadline = time.monotonic() + 120
-    while not list(run.glob("checkpoints/step_*")) and time.monotonic() < deadline:
+    # a finished checkpoint (one being written is a step_*.tmp-* sibling until renamed)
+    while (
+        not [p for p in run.glob("checkpoints/step_*") if ".tmp-" not in p.name]
+        and time.monotonic() < deadline
+    ):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)

@@ -359,7 +359,22 @@ def evaluate(
         True, "--greedy/--no-greedy", help="Also report greedy (temperature 0) pass@1."
     ),
     max_new_tokens: int | None = typer.Option(
-        None, min=1, help="Completion budget (default: heldout 80, humaneval 512)."
+        None,
+        min=1,
+        help="Completion budget (default: heldout 80, a turn of feature_deletion 256, "
+        "humaneval 512).",
+    ),
+    task_file: Path | None = typer.Option(
+        None, "--task-file", help="--env feature_deletion: the task file datagen wrote."
+    ),
+    repo: str | None = typer.Option(
+        None,
+        "--repo",
+        help="--env feature_deletion: a repository (folder, or 'smallkit') whose tasks are "
+        "made on first use and kept.",
+    ),
+    rollouts: Path | None = typer.Option(
+        None, "--rollouts", help="Write every evaluated rollout here as JSONL (atomically)."
     ),
     seed: int = typer.Option(0, help="Seed of the evaluation sampling."),
     limit: int | None = typer.Option(None, min=1, help="Only the first N tasks / problems."),
@@ -403,10 +418,18 @@ def evaluate(
             raise UsageError(f"--temperature {temperature}: give a finite number >= 0")
         if suite == "heldout":
             check_env_name(env, "--env")
-            if env == "feature_deletion":
+            if env == "feature_deletion" and (task_file is None) == (repo is None):
                 raise UsageError(
-                    "--env feature_deletion needs its task file, which eval cannot pass; "
-                    "evaluate on python_functions or a 'pkg.module:factory' environment"
+                    "--env feature_deletion needs its tasks: pass --task-file (what datagen "
+                    "wrote) or --repo (a repository folder, or 'smallkit'), one of them"
+                )
+            if env != "feature_deletion" and (task_file is not None or repo is not None):
+                raise UsageError(
+                    "--task-file and --repo choose feature_deletion tasks; add --env feature_deletion"
+                )
+            if task_file is not None and not task_file.is_file():
+                raise UsageError(
+                    f"--task-file {str(task_file)!r} does not exist; pass the file datagen wrote"
                 )
             if split not in ("heldout", "train", "all"):
                 raise UsageError(f"--split {split!r}: use heldout, train or all")
@@ -415,14 +438,17 @@ def evaluate(
                     f"--heldout-fraction {heldout_fraction}: give a number between 0 and 1 "
                     "(the training run's heldout_fraction, default 0.25)"
                 )
-        if output is not None:  # a refused -o must not cost the evaluation
-            source = Path(model).expanduser()  # a model directory is read whole
-            output = check_output(
-                output,
-                inputs=[] if source.is_dir() else [source],
-                input_dirs=[source] if source.is_dir() else [],
-                follow_symlinks=follow_symlinks,
-            )
+        source = Path(model).expanduser()  # a model directory is read whole
+        for name, path in (("output", output), ("rollouts", rollouts)):
+            if path is not None:  # a refused -o must not cost the evaluation
+                checked = check_output(
+                    path,
+                    inputs=([] if source.is_dir() else [source])
+                    + ([task_file] if task_file is not None else []),
+                    input_dirs=[source] if source.is_dir() else [],
+                    follow_symlinks=follow_symlinks,
+                )
+                output, rollouts = (checked, rollouts) if name == "output" else (output, checked)
     from composer_replication.trainer.setup import quiet_library_progress_bars
 
     quiet_library_progress_bars()  # in a log file, the weight-loading bar is noise
@@ -432,17 +458,24 @@ def evaluate(
                 model, samples, temperature, greedy, max_new_tokens, seed, limit, timeout
             )
         else:
+            options: dict[str, Any] = {}
+            if task_file is not None:
+                options["task_file"] = str(task_file)
+            if repo is not None:
+                options["repo"] = repo
             result = _eval_heldout(
                 model,
                 env,
                 samples or 4,
                 temperature,
                 greedy,
-                max_new_tokens or 80,
+                max_new_tokens or (256 if env == "feature_deletion" else 80),
                 seed,
                 limit,
                 heldout_fraction,
                 split,
+                options,
+                rollouts,
             )
     if output:
         write_text_atomic(output, json.dumps(result, indent=2) + "\n")
@@ -475,6 +508,8 @@ def _eval_heldout(
     limit: int | None,
     heldout_fraction: float,
     split: str,
+    options: dict[str, Any],
+    rollouts: Path | None,
 ) -> dict[str, Any]:
     from composer_replication.evaluate import evaluate_model
 
@@ -486,9 +521,12 @@ def _eval_heldout(
         max_new_tokens=max_new_tokens,
         heldout_fraction=heldout_fraction,
         split=split,
+        env_options=options,
         seed=seed,
         greedy=greedy,
         limit=limit,
+        rollouts_path=rollouts,
+        say=lambda line: typer.echo(line, err=True),
     )
     typer.echo(
         f"{env} {split}: pass@1 {result['pass@1']:.3f} over {result['n_tasks']} tasks "
@@ -503,7 +541,22 @@ def _eval_heldout(
         (key, result[key], sampled) for key in result if key.startswith("pass@") and key != "pass@1"
     ]
     rows.append(("mean reward", result["mean_reward"], sampled))
+    agent = result.get("agent", {})
+    if agent:
+        rows += [
+            ("turns per episode", agent["agent/turns_mean"], sampled),
+            ("tool calls per episode", agent["agent/tool_calls_mean"], sampled),
+            ("parse failure rate", agent["agent/parse_failure_rate"], sampled),
+        ]
+        ends = ", ".join(
+            f"{k.removeprefix('agent/end/')} {v:.2f}"
+            for k, v in agent.items()
+            if k.startswith("agent/end/") and v
+        )
+        rows.append(("episodes ended by", None, ends))
     _print_scores(f"{env} {split} ({result['n_tasks']} tasks): {model}", rows)
+    if rollouts is not None:
+        typer.echo(f"rollouts: {rollouts}")
     return result
 
 

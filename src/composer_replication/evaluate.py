@@ -12,7 +12,9 @@ numbers. HumanEval is in :mod:`composer_replication.evals.humaneval`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.envs import build_environment, pass_at_1
@@ -159,6 +161,8 @@ def evaluate_model(
     greedy: bool = True,
     limit: int | None = None,
     device: str = "auto",
+    rollouts_path: str | os.PathLike[str] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Sampled pass@1 and pass@k, greedy pass@1 and mean reward of a model on one split.
 
@@ -169,11 +173,18 @@ def evaluate_model(
     adds one temperature-0 answer per task (reused from the samples when ``temperature``
     is 0); ``limit`` keeps the split's first ``limit`` tasks.
 
+    Repository tasks (``env_name="feature_deletion"``) come from ``env_options``: a
+    ``task_file``, or a ``repo`` whose tasks are made on first use
+    (``datagen.repository_tasks``; ``say`` hears its progress); ``max_new_tokens`` is then
+    the budget of one turn. ``rollouts_path``: every evaluated rollout written there as
+    JSONL.
+
     Keys: ``suite`` ("heldout"), ``model``, ``env``, ``split``, ``n_tasks``,
     ``samples_per_task``, ``temperature``, ``seed``, ``pass@1`` (share of solved samples),
     ``pass@k`` for the other k of ``reported_ks(samples_per_task)``, ``greedy_pass@1``
-    (None without ``greedy``), ``mean_reward``, ``per_task`` (task id -> sampled rewards)
-    and ``greedy_per_task`` (task id -> greedy reward, with ``greedy``).
+    (None without ``greedy``), ``mean_reward``, ``per_task`` (task id -> sampled rewards),
+    ``greedy_per_task`` (task id -> greedy reward, with ``greedy``) and, for agent
+    episodes, ``agent`` (``episode_metrics`` of the sampled episodes).
     """
     from types import SimpleNamespace
 
@@ -190,8 +201,19 @@ def evaluate_model(
     policy, tokenizer = load_policy(
         None if model_source == "embedded" else model_source, device=resolve_device(device)
     )
-    env = build_environment(SimpleNamespace(name=env_name, options=env_options or {}))
-    train_ids, heldout_ids = HeldoutSplit(heldout_fraction, heldout_salt).split(env.task_ids())
+    from composer_replication.datagen.repository_tasks import resolve_repository_options
+
+    splitter = HeldoutSplit(heldout_fraction, heldout_salt)
+    options = resolve_repository_options(
+        env_name,
+        env_options or {},
+        max_new_tokens=max_new_tokens,
+        split=splitter,
+        tokenizer=tokenizer,
+        say=say,
+    )
+    env = build_environment(SimpleNamespace(name=env_name, options=options))
+    train_ids, heldout_ids = splitter.split(env.task_ids())
     ids = {"heldout": heldout_ids, "train": train_ids, "all": env.task_ids()}[split]
     ids = ids[:limit] if limit is not None else ids
     groups, greedy_groups = evaluation_rollouts(
@@ -224,4 +246,14 @@ def evaluate_model(
     }
     if greedy_groups is not None:
         result["greedy_per_task"] = {tid: g[0].reward for tid, g in zip(ids, greedy_groups)}
+    from composer_replication.rollout.agent import episode_metrics
+
+    agent = episode_metrics([r for g in groups for r in g])
+    if agent:
+        result["agent"] = agent
+    if rollouts_path is not None:
+        from composer_replication.trainer.rollout_log import write_rollouts
+
+        every = [*groups, *(greedy_groups or [])]
+        write_rollouts(Path(rollouts_path), [r for g in every for r in g], tokenizer)
     return result

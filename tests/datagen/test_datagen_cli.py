@@ -73,7 +73,7 @@ def test_datagen_twice_inside_the_repo_never_reads_its_own_outputs(fd_repo_copy:
     with open(fd_repo_copy / "tests" / "test_stats.py", "a") as fh:
         fh.write("\n\ndef test_broken_on_purpose():\n    assert 0 == 1\n")
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 1 and "nothing written" in result.output
+    assert result.exit_code == 1 and "no task file written" in result.output
     assert task_files() == before
     rows = read_jsonl_records(report)
     assert rows and {r["gate"] for r in rows} == {"gate1_original_green"}

@@ -152,7 +152,7 @@ def test_generators_sample_their_share_with_the_share_seed(monarch_run):
     from composer_replication.rollout.generate import InProcessSampler
 
     mon = monarch_run
-    tasks = mon.pick_tasks()
+    tasks = mon.pick_tasks(1)
     groups = mon.run_rollouts(tasks)[0]
     rt = mon.runtimes[0]
     local = []
@@ -194,7 +194,7 @@ def test_weights_reach_the_generators(monarch_run):
     assert mon.learner.sync_weights() == version
     after = mesh.get(gen.completion_logprobs.call_one(prompt, completion), "generator 1")
     assert after == pytest.approx(trainer_lp, abs=1e-5)
-    groups = mon.run_rollouts(mon.pick_tasks())[0]
+    groups = mon.run_rollouts(mon.pick_tasks(1))[0]
     assert {r.metadata["policy_version"] for g in groups for r in g} == {version}
 
 

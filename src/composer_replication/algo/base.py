@@ -309,16 +309,21 @@ def rollout_to_sample(rollout: Rollout, *, source: str) -> TrainingSample:
     """The plain sample of a rollout: prompt + completion, trainable on sampled tokens.
 
     ``loss_mask`` is 0 on the prompt and the completion mask on the completion;
-    ``inference_logprobs`` is 0.0 on the prompt. No component stream is set.
+    ``inference_logprobs`` is 0.0 on the prompt. No component stream is set. An agent
+    episode cut short by a budget is marked (``metadata["truncated"]``) for the truncation
+    filter.
     """
     n_prompt = len(rollout.prompt_ids)
+    metadata: dict[str, Any] = {"reward": float(rollout.reward)}
+    if rollout.truncated:
+        metadata["truncated"] = True
     return TrainingSample(
         input_ids=rollout.input_ids,
         loss_mask=[0] * n_prompt + [int(m) for m in rollout.completion_mask or ()],
         inference_logprobs=[0.0] * n_prompt + [float(x) for x in rollout.inference_logprobs],
         task_id=rollout.task_id,
         source=source,
-        metadata={"reward": float(rollout.reward)},
+        metadata=metadata,
     )
 
 

@@ -1,5 +1,10 @@
 """Filters over one group's training samples, between ``process_group`` and scoring/packing.
 
+The truncation filter (``TruncationFilter``): agent episodes cut short by a budget are
+trained as the failures they scored (``keep``), left out of the rl loss while still in
+their group's baseline (``mask``, DAPO's overlong filtering, arXiv 2503.14476), or
+penalised before the group is processed (``penalize``).
+
 The zero-advantage filter: a group whose advantage streams are all zero (every rollout of
 a group-relative algorithm earned the same reward) gives the ``rl`` component no policy
 gradient, yet its tokens would still cost a forward pass and count in the rl mean's token
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from composer_replication.wire import TrainingSample
 
@@ -90,4 +96,52 @@ class ZeroAdvantageFilter:
         return {
             "rollouts/zero_advantage": float(self.detected),
             "rollouts/zero_advantage_dropped": float(self.dropped),
+        }
+
+
+class TruncationFilter:
+    """What a step does with agent episodes cut short by a budget (``[filters.truncated]``).
+
+    :meth:`penalize` runs on a group's rollouts before ``process_group`` (``penalize``:
+    their reward drops by ``penalty``, the original kept in
+    ``metadata["reward_before_truncation"]``); :meth:`__call__` on its samples after it
+    (``mask``: the rl part of samples marked ``metadata["truncated"]`` leaves the batch, the
+    rest as the zero-advantage filter does). :meth:`metrics`: ``rollouts/truncated`` (cut
+    short episodes seen) and ``rollouts/truncated_masked`` (samples whose rl left).
+    """
+
+    def __init__(self, *, mode: str = "keep", penalty: float = 0.5) -> None:
+        if mode not in ("keep", "mask", "penalize"):
+            raise ValueError(f"truncated filter mode {mode!r}: use keep, mask or penalize")
+        self.mode = mode
+        self.penalty = float(penalty)
+        self.seen = 0
+        self.masked = 0
+
+    def penalize(self, group: Sequence[Any]) -> None:
+        for rollout in group:
+            if not rollout.truncated:
+                continue
+            self.seen += 1
+            if self.mode == "penalize":
+                rollout.metadata["reward_before_truncation"] = rollout.reward
+                rollout.reward = rollout.reward - self.penalty
+
+    def __call__(self, group_samples: Sequence[TrainingSample]) -> list[TrainingSample]:
+        if self.mode != "mask":
+            return list(group_samples)
+        kept = []
+        for sample in group_samples:
+            if not sample.metadata.get("truncated") or not has_rl_credit(sample):
+                kept.append(sample)
+                continue
+            self.masked += 1
+            if carries_other_signal(sample):
+                kept.append(without_rl(sample))
+        return kept
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollouts/truncated": float(self.seen),
+            "rollouts/truncated_masked": float(self.masked),
         }

@@ -7,6 +7,8 @@ and only counts them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -27,6 +29,28 @@ class ZeroAdvantageFilterConfig(BaseModel):
     )
 
 
+class TruncatedFilterConfig(BaseModel):
+    """Agent episodes cut short by a budget (the reply budget cut a call off, the turn
+    limit, the token cap) scored as failures though the policy never finished. ``mode``:
+
+    - ``keep``: trained as the failures they scored (the default);
+    - ``mask``: their rl part leaves the loss, while they still count in their group's
+      baseline (as TRL's ``mask_truncated_completions`` and DAPO's overlong filtering,
+      arXiv 2503.14476); a sample that also trains another component stays without rl;
+    - ``penalize``: their reward is lowered by ``penalty`` before the group is processed
+      (a soft overlong punishment, after DAPO), so cutting off scores below finishing wrong.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    mode: Literal["keep", "mask", "penalize"] = Field(
+        "keep", description="keep, mask or penalize episodes cut short by a budget."
+    )
+    penalty: float = Field(
+        0.5, ge=0, description="What penalize subtracts from a cut-short episode's reward."
+    )
+
+
 class FiltersConfig(BaseModel):
     """The ``[filters]`` table: one sub-table per filter."""
 
@@ -35,4 +59,8 @@ class FiltersConfig(BaseModel):
     zero_advantage: ZeroAdvantageFilterConfig = Field(
         default_factory=ZeroAdvantageFilterConfig,
         description="Zero-advantage groups (on by default).",
+    )
+    truncated: TruncatedFilterConfig = Field(
+        default_factory=TruncatedFilterConfig,
+        description="Agent episodes cut short by a budget (kept as failures by default).",
     )

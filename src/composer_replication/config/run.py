@@ -169,6 +169,19 @@ class EnvConfig(_Strict):
     docker: DockerSandboxConfig | None = Field(
         None, description="Docker backend settings: required with sandbox = 'docker', only then."
     )
+    first_step: int = Field(
+        1,
+        ge=1,
+        description="The first step (1-based) this entry samples on; with last_step, an entry "
+        "can imitate demonstrations first and hand over to rl (a warm start in one run).",
+    )
+    last_step: int | None = Field(
+        None, ge=1, description="The last step this entry samples on (null: to the end)."
+    )
+
+    def active_at(self, step: int) -> bool:
+        """Whether this entry samples on step ``step`` (1-based)."""
+        return self.first_step <= step and (self.last_step is None or step <= self.last_step)
 
     @model_validator(mode="before")
     @classmethod
@@ -200,6 +213,15 @@ class EnvConfig(_Strict):
             raise ValueError(
                 f"environment {self.name!r}: an [envs.docker] table is set but sandbox = "
                 f"{self.sandbox!r}; set sandbox = 'docker' to use it, or remove the table"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _steps(self) -> EnvConfig:
+        if self.last_step is not None and self.last_step < self.first_step:
+            raise ValueError(
+                f"environment {self.name!r}: last_step = {self.last_step} is before "
+                f"first_step = {self.first_step}; the entry would never sample"
             )
         return self
 
@@ -398,6 +420,12 @@ class RunConfig(_Strict):
     trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         default_factory=list, description="Optional experiment trackers."
     )
+    save_rollouts: Literal["none", "eval", "all"] = Field(
+        "eval",
+        description="Rollouts written as JSONL under <run>/rollouts/: none, the held-out "
+        "evaluations' (eval_step_<step>.jsonl), or those and every training step's "
+        "(train_step_<step>.jsonl).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -419,6 +447,17 @@ class RunConfig(_Strict):
             )
         if not self.envs:
             raise ValueError("envs is empty: configure at least one environment")
+        idle = [
+            step
+            for step in range(1, self.steps + 1)
+            if not any(e.active_at(step) for e in self.envs)
+        ]
+        if idle:
+            shown = ", ".join(map(str, idle[:5])) + (", ..." if len(idle) > 5 else "")
+            raise ValueError(
+                f"no environment entry samples on step {shown} of {self.steps}: change the "
+                "entries' first_step / last_step so that every step has one"
+            )
         fold_run_level_spellings(self)
         self._resolve_loss()
         self._one_weight_per_channel()
@@ -533,15 +572,16 @@ class RunConfig(_Strict):
 
 # Input files a config names: relative to the config file, so it runs from any directory.
 _FILE_KEYS = frozenset({"pairs_path", "pairs_file", "task_file"})
-# Model locations: relative to the config file when that path exists (else a hub id).
-_MODEL_KEYS = frozenset({"source", "local_path"})
+# Locations that may also be names: relative to the config file when that path exists
+# (else a hub id, or a shipped repository's name).
+_LOCATION_KEYS = frozenset({"source", "local_path", "repo"})
 
 
 def _resolve_paths(node: Any, base: Path, key: str = "") -> Any:
     """Rewrite, in place, the relative input paths of a config file's data as paths
     relative to ``base`` (the config's folder): ``pairs_path``, ``pairs_file``,
     ``task_file`` and options ending in ``_file`` / ``_path``; a model ``source`` or
-    ``local_path`` when such a file or folder exists. ``output_dir`` is left as written
+    ``local_path``, or a repository (``repo``), when such a file or folder exists. ``output_dir`` is left as written
     (where a run writes is the caller's working directory)."""
     if isinstance(node, dict):
         for k, v in node.items():
@@ -554,7 +594,7 @@ def _resolve_paths(node: Any, base: Path, key: str = "") -> Any:
     if node.startswith("~"):
         return node
     candidate = Path(os.path.normpath(base / node))
-    if key in _MODEL_KEYS:
+    if key in _LOCATION_KEYS:
         return str(candidate) if node != "embedded" and candidate.exists() else node
     if key in _FILE_KEYS or (key.endswith(("_file", "_path")) and key != "import_path"):
         return str(candidate)

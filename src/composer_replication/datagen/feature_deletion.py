@@ -123,7 +123,8 @@ class GenerationReport:
         output, heldout_output, reference_output, workdirs: Where things were written
             (`heldout_output` is None without a split); with no accepted task no task file
             is written and earlier ones there are left as they were.
-        candidates_output: The JSONL of every candidate and its outcome (always written).
+        candidates_output: The JSONL of every candidate and its outcome (written whenever
+            the repository has tests and a candidate, accepted or not).
         test_command, test_source: How the repository's tests ran, and how that was found.
         python: The interpreter of the repository's virtualenv (None: the sandbox's own).
         duration_s: Wall-clock seconds.
@@ -336,8 +337,8 @@ def generate_tasks(
     try:
         base = scratch / "base"
         _copy_repo(repo_path, base, skip=own_outputs)
-        discovered = _discover(base, test_command)
-        say(f"tests: {discovered.command}  ({discovered.source})")
+        discovered, no_tests = _discover(base, test_command, repo_path)
+        say(f"tests: {discovered.command}  ({discovered.source})" if no_tests is None else no_tests)
         options = _environment_options(
             repo_path, out, environment, wheelhouse, image, discovered, say
         )
@@ -354,7 +355,11 @@ def generate_tasks(
                 c for c in candidates if c.qualname in wanted or f"{c.file}::{c.qualname}" in wanted
             ]
         total = len(candidates)
-        gate1 = validator.original_suite(base)
+        gate1 = (
+            validator.original_suite(base)
+            if no_tests is None
+            else GateOutcome(GATE_ORIGINAL, False, no_tests)
+        )
         if not gate1.passed:
             for cand in candidates:
                 reject(cand, GATE_ORIGINAL, gate1.reason)
@@ -396,7 +401,8 @@ def generate_tasks(
                 progress(done, total, f"{cand.file}::{cand.qualname}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    _write_candidates(candidates_path(out), rows)
+    if rows and no_tests is None:  # (without tests, the one reason says it all)
+        _write_candidates(candidates_path(out), rows)
     if train or held:  # no task: the files of an earlier generation stay as they were
         write_tasks(out, train, split=split)
         if split is not None:
@@ -425,17 +431,21 @@ def generate_tasks(
     )
 
 
-def _discover(base: Path, test_command: str | None) -> DiscoveredTests:
-    """How the repository's tests run: as given, else as it configures them."""
+def _discover(
+    base: Path, test_command: str | None, repo: Path
+) -> tuple[DiscoveredTests, str | None]:
+    """How the repository's tests run (as given, else as it configures them), and why there
+    are none to run (None: there are)."""
+    given = DiscoveredTests(test_command or "", "pytest", (), "the given test command")
     try:
         discovered = discover_tests(base)
     except ValueError:
         if test_command is None:
-            raise
-        discovered = DiscoveredTests(test_command, "pytest", (), "the given test command")
+            return given, f"no test modules found in {repo}: nothing can cover a deletion"
+        return given, None
     if test_command is not None:
-        discovered = replace(discovered, command=test_command, source="the given test command")
-    return discovered
+        discovered = replace(discovered, command=test_command, source=given.source)
+    return discovered, None
 
 
 def _environment_options(

@@ -59,7 +59,7 @@ from composer_replication.rollout.tool_calls import (
     ToolResult,
 )
 from composer_replication.rollout.tool_formats import TextToolFormat, ToolFormat
-from composer_replication.rollout.types import Rollout
+from composer_replication.rollout.types import TRUNCATED_END_REASONS, Rollout
 
 if TYPE_CHECKING:
     from composer_replication.roles import Sampler
@@ -68,11 +68,13 @@ __all__ = [
     "END_REASONS",
     "SCHEDULING",
     "TOOL_RESULT_PREFIX",
+    "TRUNCATED_END_REASONS",
     "ChatRenderer",
     "Episode",
     "SampleFn",
     "ScriptedSampler",
     "Tool",
+    "episode_metrics",
     "policy_sampler",
     "run_agent_rollouts",
     "sampler_step",
@@ -91,8 +93,6 @@ END_REASONS = (
 )
 #: episode scheduling: each episode on its own ("async") or turn by turn ("barrier")
 SCHEDULING = ("async", "barrier")
-#: end reasons of an episode cut short by a budget rather than ended by the policy
-TRUNCATED_END_REASONS = frozenset({"truncated", "turn_limit", "token_limit"})
 
 
 @dataclass
@@ -517,3 +517,46 @@ def run_agent_rollouts(
                 if run.done:
                     settle(run)
     return [r for r in rollouts if r is not None]
+
+
+def episode_metrics(rollouts: Sequence[Rollout], prefix: str = "agent/") -> dict[str, float]:
+    """What a set of agent episodes did, as metrics (empty when none is an agent episode).
+
+    ``turns_mean``, ``tool_calls_mean`` and ``episode_tokens_mean`` (prompt + completion)
+    per episode; ``calls/<tool>`` (calls that ran, failed ones included) and ``tool_errors``
+    (calls that failed) in all; ``parse_failures`` (replies that tried to call a tool and
+    could not be read) and ``parse_failure_rate`` (their share of the replies that tried to
+    call one); ``end/<reason>``: the share of episodes that ended so (``END_REASONS``);
+    ``episode_s_mean`` and ``tool_s_mean``: wall seconds per episode, and of its tools.
+    """
+    episodes = [r for r in rollouts if r.metadata.get("end_reason") is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    calls: dict[str, int] = {}
+    tool_errors = parse_failures = 0
+    for r in episodes:
+        for event in r.metadata.get("events", ()):
+            kind = event.get("type")
+            if kind in ("tool_call", "tool_error") or (
+                kind == "sandbox_error" and event.get("name")
+            ):
+                calls[event["name"]] = calls.get(event["name"], 0) + 1
+            tool_errors += kind in ("tool_error", "sandbox_error")
+            parse_failures += kind == "parse_error"
+    attempted = sum(calls.values()) + parse_failures
+    out = {
+        "turns_mean": sum(int(r.metadata.get("turns", 0)) for r in episodes) / n,
+        "tool_calls_mean": sum(int(r.metadata.get("tool_calls", 0)) for r in episodes) / n,
+        "episode_tokens_mean": sum(len(r.prompt_ids) + len(r.completion_ids) for r in episodes) / n,
+        "tool_errors": float(tool_errors),
+        "parse_failures": float(parse_failures),
+        "parse_failure_rate": parse_failures / attempted if attempted else 0.0,
+        "episode_s_mean": sum(float(r.metadata.get("episode_s", 0.0)) for r in episodes) / n,
+        "tool_s_mean": sum(float(r.metadata.get("tool_s", 0.0)) for r in episodes) / n,
+    }
+    for reason in END_REASONS:
+        out[f"end/{reason}"] = sum(r.metadata["end_reason"] == reason for r in episodes) / n
+    for name, count in sorted(calls.items()):
+        out[f"calls/{name}"] = float(count)
+    return {f"{prefix}{key}": value for key, value in out.items()}

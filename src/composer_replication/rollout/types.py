@@ -24,6 +24,9 @@ POLICY_VERSION_KEY = "policy_version"
 #: reference solutions): no policy sampled it, so it has no policy version and never goes
 #: stale.
 FROZEN_SOURCE_KEY = "frozen_source"
+#: ``metadata["end_reason"]`` values of an agent episode cut short by a budget (the reply
+#: budget, the turn limit, the token cap) rather than ended by the policy
+TRUNCATED_END_REASONS = frozenset({"truncated", "turn_limit", "token_limit"})
 
 
 @dataclass
@@ -106,6 +109,11 @@ class Rollout:
     def hack_flags(self) -> list[str]:
         """What the attempt did outside its answer (empty when nothing was seen)."""
         return list(self.metadata.get("hack_flags") or ())
+
+    @property
+    def truncated(self) -> bool:
+        """An agent episode cut short by a budget (``TRUNCATED_END_REASONS``)."""
+        return self.metadata.get("end_reason") in TRUNCATED_END_REASONS
 
     @property
     def is_demonstration(self) -> bool:

@@ -118,13 +118,23 @@ class RunLifecycle:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, sampler: Sampler, tokenizer: Any, tasks: Sequence[HeldoutTasks]) -> float:
+    def evaluate(
+        self,
+        sampler: Sampler,
+        tokenizer: Any,
+        tasks: Sequence[HeldoutTasks],
+        *,
+        step: int | None = None,
+    ) -> float:
         """Held-out pass@1 of ``sampler`` over every environment's held-out tasks, as
         ``eval`` asks (the :class:`~composer_replication.roles.Evaluator` role).
 
         The sampled pass@1 is returned (the kill switch's signal); pass@k for the other k
-        of ``reported_ks(eval.samples_per_task)`` and, with ``eval.greedy``, greedy pass@1
-        are kept in ``heldout_scores`` under their metric names.
+        of ``reported_ks(eval.samples_per_task)``, with ``eval.greedy`` greedy pass@1, and
+        for agent episodes what they did (``heldout/agent/...``: turns, tool calls, parse
+        failures, end reasons) are kept in ``heldout_scores`` under their metric names.
+        With ``save_rollouts`` "eval" or "all", the rollouts of evaluation ``step`` are
+        written to ``rollouts/eval_step_<step>.jsonl``.
         """
         from composer_replication.envs import pass_at_1
         from composer_replication.evals.pass_at_k import reported_ks
@@ -158,7 +168,27 @@ class RunLifecycle:
         }
         if ev.greedy:
             self.heldout_scores["heldout/greedy_pass@1"] = pass_at_1(greedy_groups)
+        from composer_replication.rollout.agent import episode_metrics
+
+        self.heldout_scores.update(
+            episode_metrics([r for g in groups for r in g], prefix="heldout/agent/")
+        )
+        if step is not None:
+            self.save_rollouts("eval", step, [*groups, *greedy_groups], tokenizer)
         return pass_at_1(groups)
+
+    def save_rollouts(
+        self, kind: str, step: int, groups: Sequence[Sequence[Any]], tokenizer: Any
+    ) -> Path | None:
+        """Write ``groups`` to ``rollouts/<kind>_step_<step>.jsonl`` when ``save_rollouts``
+        asks for ``kind`` ("eval" or "train"), rank 0 only; the path written, or None."""
+        wanted = {"none": (), "eval": ("eval",), "all": ("eval", "train")}
+        if kind not in wanted[self.config.save_rollouts] or not self.ranks.is_writer:
+            return None
+        from composer_replication.trainer.rollout_log import write_rollouts
+
+        path = self.run_dir / "rollouts" / f"{kind}_step_{step:04d}.jsonl"
+        return write_rollouts(path, [r for group in groups for r in group], tokenizer)
 
     def begin(self, *, resumed: bool) -> Path | None:
         """Start the run's record: a new run first moves a previous run's record found in
@@ -187,7 +217,7 @@ class RunLifecycle:
         """The initial policy's held-out pass@1 (when ``eval.at_start``), as step 0."""
         if not self.config.eval.at_start:
             return
-        self.heldout_before = self.evaluate(sampler, tokenizer, tasks)
+        self.heldout_before = self.evaluate(sampler, tokenizer, tasks, step=0)
         self.metrics.append(
             {
                 "step": 0,

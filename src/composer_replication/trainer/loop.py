@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication import roles
-from composer_replication.algo.filters import ZeroAdvantageFilter
+from composer_replication.algo.filters import TruncationFilter, ZeroAdvantageFilter
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.distributed.data_parallel import (
     autocast_for,
@@ -31,6 +31,7 @@ from composer_replication.distributed.data_parallel import (
 )
 from composer_replication.inference.engine import build_policy_engine
 from composer_replication.inference.frozen import FrozenEngines
+from composer_replication.rollout.agent import episode_metrics
 from composer_replication.rollout.generate import (
     DecodeOptions,
     InProcessSampler,
@@ -147,9 +148,16 @@ class Trainer:
                 split=self.split,
                 seed=self.config.seed,
                 env=(environments or {}).get(env_cfg.name),
+                say=self._say,
             )
             for env_cfg in env_configs
         ]
+
+    def _say(self, line: str) -> None:
+        """A progress line of set-up work (tasks made from a repository): on the console,
+        rank 0 only."""
+        if self.console is not None and self.ranks.is_writer:
+            self.console.print(line, soft_wrap=True, highlight=False)
 
     def _stop_frozen_engines(self) -> None:
         if self.frozen_engines is not None:
@@ -243,12 +251,18 @@ class Trainer:
         """Held-out pass@1 over every environment's held-out tasks (sampled by the engine
         when there is one: it holds the current weights)."""
         # the sampling is seeded by eval.seed inside (the same numbers at every evaluation)
-        return self.life.evaluate(self.live_sampler, self.tokenizer, self.heldout_tasks)
+        return self.life.evaluate(
+            self.live_sampler, self.tokenizer, self.heldout_tasks, step=self.step
+        )
 
-    def pick_tasks(self) -> list[list[str]]:
-        """This step's train task ids of every environment (curriculum, held-out refused)."""
-        picked = []
+    def pick_tasks(self, step: int) -> list[list[str]]:
+        """Step ``step``'s train task ids of every environment (curriculum, held-out
+        refused; none for an entry whose steps, ``first_step``..``last_step``, exclude it)."""
+        picked: list[list[str]] = []
         for rt in self.runtimes:
+            if not rt.config.active_at(step):
+                picked.append([])
+                continue
             n_tasks = min(rt.config.tasks_per_step, len(rt.train_ids))
             task_ids = rt.curriculum.sample(n_tasks, rng=self.task_rng)
             self.split.check_trainable(task_ids)
@@ -269,28 +283,30 @@ class Trainer:
         with seeded_rows(derived_seed(self.config.seed, "rollouts", index)):
             return [
                 rt.sampler.rollouts(rt.env, self.live_sampler, self.tokenizer, task_ids)
+                if task_ids
+                else []
                 for rt, task_ids in zip(self.runtimes, tasks)
             ]
 
-    def next_tasks(self) -> list[list[str]]:
-        """The next step's tasks of this rank: a resumed run's pending ones first, then the
-        curriculum's (every rank picks the same tasks and samples its own share)."""
+    def next_tasks(self, step: int) -> list[list[str]]:
+        """The tasks of this rank for step ``step``: a resumed run's pending ones first, then
+        the curriculum's (every rank picks the same tasks and samples its own share)."""
         if self._pending_tasks:
             return self._pending_tasks.popleft()
-        return [self.ranks.share(task_ids) for task_ids in self.pick_tasks()]
+        return [self.ranks.share(task_ids) for task_ids in self.pick_tasks(step)]
 
     def collect(self) -> tuple[list[Any], dict[str, float]]:
         if self.rollout_queue is not None:
             return self.collect_ahead(self.rollout_queue)
         t0 = time.perf_counter()
-        tasks = self.next_tasks()
+        tasks = self.next_tasks(self.step + 1)
         return self.assign(tasks, self.run_rollouts(tasks), t0)
 
     def collect_ahead(self, queue: RolloutQueue) -> tuple[list[Any], dict[str, float]]:
         """This step's rollouts from the queue (sampled while earlier steps trained), too old
         groups dropped; then the queue is topped up to ``async_level`` steps ahead."""
         if not len(queue):
-            queue.submit(self.next_tasks(), self.step)
+            queue.submit(self.next_tasks(self.step + 1), self.step)
         tasks, groups, submitted, waited = queue.pop()
         tasks, groups, off_policy = drop_stale(
             tasks,
@@ -300,7 +316,7 @@ class Trainer:
         )
         samples, row = self.assign(tasks, groups, submitted)
         while len(queue) < queue.depth:  # the batch trained at step self.step + 1 + len
-            queue.submit(self.next_tasks(), self.step + 1 + len(queue))
+            queue.submit(self.next_tasks(self.step + 2 + len(queue)), self.step + 1 + len(queue))
         return samples, {**row, **off_policy, "time/wait_rollouts_s": waited}
 
     def assign(
@@ -312,6 +328,9 @@ class Trainer:
         samples, rewards, errors, n_rollouts = [], [], 0, 0
         infrastructure, flagged = 0, 0
         zero_advantage = ZeroAdvantageFilter(enforce=self.config.filters.zero_advantage.enforce)
+        cut_short = self.config.filters.truncated
+        truncation = TruncationFilter(mode=cut_short.mode, penalty=cut_short.penalty)
+        sampled_rollouts: list[Rollout] = []  # the live policy's (or a frozen model's)
         scoring_s = 0.0  # the algorithms' process_group + score: time/scoring_s
         sampled_tokens, generation_s, demonstrations, grading_max_s = 0, 0.0, 0, 0.0
         for rt, task_ids, groups in zip(self.runtimes, tasks, env_groups):
@@ -331,17 +350,19 @@ class Trainer:
                 errors += sum(1 for r in sampled_group if r.error)
                 n_rollouts += len(sampled_group)
                 stamp_policy_version(sampled_group, self.step)
+                sampled_rollouts += sampled_group
                 for r in sampled_group:
                     sampled_tokens += sum(r.completion_mask or ())
                     generation_s += float(r.metadata.get("generation_s", 0.0))
                     grading_max_s = max(grading_max_s, float(r.metadata.get("grading_s", 0.0)))
                 if not group:
                     continue
-                t_scoring = time.perf_counter()
-                env_samples += zero_advantage(rt.algorithm.process_group(group))
-                scoring_s += time.perf_counter() - t_scoring
                 results[task_id] = sum(r.reward for r in group) / len(group)
                 rewards += [r.reward for r in group]
+                truncation.penalize(group)  # after the reward metrics: they report scores
+                t_scoring = time.perf_counter()
+                env_samples += truncation(zero_advantage(rt.algorithm.process_group(group)))
+                scoring_s += time.perf_counter() - t_scoring
             t_scoring = time.perf_counter()
             asyncio.run(rt.algorithm.score(env_samples))
             scoring_s += time.perf_counter() - t_scoring
@@ -359,7 +380,10 @@ class Trainer:
             "time/scoring_s": scoring_s,
             "tokens/sampled": float(sampled_tokens),
             **zero_advantage.metrics(),
+            **truncation.metrics(),
+            **episode_metrics(sampled_rollouts),
         }
+        self.life.save_rollouts("train", self.step + 1, [sampled_rollouts], self.tokenizer)
         if demonstrations:
             stats["rollouts/demonstrations"] = float(demonstrations)
         if grading_max_s > 0:  # environments that time their grading (python_functions)

@@ -9,6 +9,7 @@ algorithm needs (pairs, scorers, the live policy as its own reference) it takes 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,14 +73,27 @@ def build_runtime(
     split: HeldoutSplit,
     seed: int,
     env: Environment | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> EnvRuntime:
-    """The runtime of one ``[[envs]]`` entry (``env`` overrides building it by name)."""
+    """The runtime of one ``[[envs]]`` entry (``env`` overrides building it by name). An
+    entry naming a repository (``options.repo``) gets that repository's tasks, generated on
+    first use (``datagen.repository_tasks``; ``say`` hears its progress)."""
     from composer_replication.algo import build_algorithm
     from composer_replication.config.references import REFERENCE_SOLUTIONS
     from composer_replication.datagen.curriculum import DifficultyCurriculum
+    from composer_replication.datagen.repository_tasks import resolve_repository_options
     from composer_replication.envs import DemonstratingEnvironment, build_environment
 
-    env = env or build_environment(env_config)
+    if env is None:
+        options = resolve_repository_options(
+            env_config.name,
+            env_config.options,
+            max_new_tokens=env_config.algorithm.sampling.max_new_tokens,
+            split=split,
+            tokenizer=tokenizer,
+            say=say,
+        )
+        env = build_environment(env_config.model_copy(update={"options": options}))
     recorded = getattr(env, "recorded_split", None)
     if recorded is not None:  # tasks made with a split of their own: it must be ours
         from composer_replication.safety.holdout import check_same_split

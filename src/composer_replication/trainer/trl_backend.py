@@ -453,7 +453,7 @@ class _LifecycleCallback:
         if self.life.hack_round(step, row):
             control.should_training_stop = True
         if self.life.is_eval_step(step):
-            heldout = self.life.evaluate(self.sampler, self.tokenizer, self.heldout)
+            heldout = self.life.evaluate(self.sampler, self.tokenizer, self.heldout, step=step)
             kl = self.kl_to_initial()
             if self.life.guard_round(step, row, heldout, kl_to_init=kl):
                 control.should_training_stop = True

@@ -285,7 +285,7 @@ class MonarchTrainer(Trainer):
     ) -> list[list[list[Rollout]]]:
         # each generator seeds its share (shard_seed); batch_index is the native loop's
         return [
-            self.mesh.rollouts(i, task_ids, self.step, self.split_envs[i])
+            self.mesh.rollouts(i, task_ids, self.step, self.split_envs[i]) if task_ids else []
             for i, task_ids in enumerate(tasks)
         ]
 
