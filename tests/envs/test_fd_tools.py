@@ -101,7 +101,7 @@ def test_replace_needs_exactly_one_occurrence_and_says_why_not(repo: Path):
             "new": "def f3(x):\n    return 3 + x",
         },
     )
-    assert out.splitlines()[0] == "replaced in pkg/mod.py; lines 11-16 now read:"
+    assert out.splitlines()[0] == "replaced in pkg/mod.py; lines 12-15 now read:"
     assert "  14|     return 3 + x" in out.splitlines()
     assert "return 3 + x" in (repo / "pkg" / "mod.py").read_text()
     with pytest.raises(ToolError) as info:

@@ -22,12 +22,17 @@ run (`static_preselect=False` sends every candidate to the gates).
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import os
 import re
 import shutil
+import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -72,6 +77,7 @@ __all__ = [
     "FDTask",
     "GateOutcome",
     "GenerationReport",
+    "ReferenceSolver",
     "SolvabilityValidator",
     "TaskReference",
     "apply_reference",
@@ -175,8 +181,12 @@ def _files(root: Path) -> tuple[str, ...]:
 def _prompt(candidate: Candidate, workdir: Path, targets: tuple[str, ...]) -> str:
     lines = (workdir / candidate.file).read_text(encoding="utf-8").splitlines()
     shown = "\n".join(lines[candidate.header_start - 1 : candidate.body_start])
-    examples = ", ".join(targets[:5]) + (
-        f" and {len(targets) - 5} more" if len(targets) > 5 else ""
+    files = list(dict.fromkeys(t.split("::", 1)[0] for t in targets))
+    examples = (
+        ", ".join(targets)
+        if len(targets) <= 3
+        else f"{len(targets)} tests in {', '.join(files[:5])}"
+        + (f" and {len(files) - 5} more files" if len(files) > 5 else "")
     )
     return (
         f"The body of `{candidate.qualname}` in `{candidate.file}` was deleted; it now raises "
@@ -278,6 +288,7 @@ def generate_tasks(
     wheelhouse: str | os.PathLike[str] | None = None,
     image: str | None = None,
     say: Callable[[str], None] | None = None,
+    workers: int = 2,
 ) -> GenerationReport:
     """Propose, validate and write up to `max_tasks` FD tasks from `repo`.
 
@@ -307,6 +318,8 @@ def generate_tasks(
         image: A container image the tasks' tests run in (``sandbox_factory`` takes
             ``image=``); recorded on every task.
         say: Called with one line per set-up step (test discovery, the virtualenv).
+        workers: Candidates validated at once (their gates mostly wait on sandboxed test
+            runs); the outcome is the same for any number.
     """
     started = time.monotonic()
     repo_path = Path(repo).resolve()
@@ -366,37 +379,38 @@ def generate_tasks(
             candidates = []
         passing = frozenset(gate1.tests)
         names = _referenced_names(base, protected) if static_preselect else set()
-        solver = _ReferenceSolver(sandbox_factory, budgets, tokenizer, scratch)
-        for done, cand in enumerate(candidates, start=1):
-            if len(train) + len(held) >= max_tasks:
-                rows += [
-                    _row(c, "not_tried", None, "max_tasks reached") for c in candidates[done - 1 :]
-                ]
-                break
+        solvers = _Solvers(sandbox_factory, budgets, tokenizer, scratch)
+
+        def validate(cand: Candidate) -> tuple[FDTask, TaskReference, Path] | GateOutcome:
             if static_preselect and cand.name not in names:
-                reject(cand, NOT_REFERENCED, "no test file mentions this name")
+                return GateOutcome(NOT_REFERENCED, False, "no test file mentions this name")
+            task = _try_candidate(
+                repo_path.name, cand, base, scratch, validator, passing, discovered, options
+            )
+            return task if isinstance(task, GateOutcome) else solvers.mine().check(*task)
+
+        for done, (cand, task) in enumerate(_in_order(validate, candidates, workers), start=1):
+            if len(train) + len(held) >= max_tasks:
+                if not isinstance(task, GateOutcome):  # validated in flight: not needed
+                    shutil.rmtree(task[2], ignore_errors=True)
+                rows.append(_row(cand, "not_tried", None, "max_tasks reached"))
+                continue
+            if isinstance(task, GateOutcome):
+                reject(cand, task.gate, task.reason)
             else:
-                task = _try_candidate(
-                    repo_path.name, cand, base, scratch, validator, passing, discovered, options
+                fd_task, ref, task_dir = task
+                is_held = split is not None and split.is_heldout(fd_task.task_id)
+                workdirs.mkdir(parents=True, exist_ok=True)
+                final = workdirs / slug(fd_task.task_id)
+                shutil.rmtree(final, ignore_errors=True)
+                shutil.move(str(task_dir), final)
+                hand_over(final, os.geteuid(), os.getegid())  # back from the sandbox uid
+                fd_task = replace(
+                    fd_task, workdir=str(final), split="heldout" if is_held else "train"
                 )
-                if not isinstance(task, GateOutcome):
-                    task = solver.check(*task)
-                if isinstance(task, GateOutcome):
-                    reject(cand, task.gate, task.reason)
-                else:
-                    fd_task, ref, task_dir = task
-                    is_held = split is not None and split.is_heldout(fd_task.task_id)
-                    workdirs.mkdir(parents=True, exist_ok=True)
-                    final = workdirs / slug(fd_task.task_id)
-                    shutil.rmtree(final, ignore_errors=True)
-                    shutil.move(str(task_dir), final)
-                    hand_over(final, os.geteuid(), os.getegid())  # back from the sandbox uid
-                    fd_task = replace(
-                        fd_task, workdir=str(final), split="heldout" if is_held else "train"
-                    )
-                    (held if is_held else train).append(fd_task)
-                    refs.append(ref)
-                    rows.append(_row(cand, "accepted", None, "", fd_task))
+                (held if is_held else train).append(fd_task)
+                refs.append(ref)
+                rows.append(_row(cand, "accepted", None, "", fd_task))
             if progress is not None:
                 progress(done, total, f"{cand.file}::{cand.qualname}")
     finally:
@@ -550,25 +564,66 @@ def _try_candidate(
     return task, ref, task_dir
 
 
-class _ReferenceSolver:
+def _in_order(
+    validate: Callable[[Candidate], Any], candidates: Sequence[Candidate], workers: int
+) -> Iterator[tuple[Candidate, Any]]:
+    """``(candidate, validate(candidate))`` in candidate order, ``workers`` validating at
+    once (the gates wait on sandboxed test runs, not on this process)."""
+    if workers <= 1:
+        for cand in candidates:
+            yield cand, validate(cand)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque[tuple[Candidate, Future[Any]]] = deque()
+        todo = iter(candidates)
+        for cand in itertools.islice(todo, 2 * workers):
+            pending.append((cand, pool.submit(validate, cand)))
+        while pending:
+            cand, future = pending.popleft()
+            yield cand, future.result()
+            for more in itertools.islice(todo, 1):
+                pending.append((more, pool.submit(validate, more)))
+
+
+class _Solvers:
+    """One reference solver per validating thread, each with a tokenizer of its own (a
+    tokenizer is not safe to share between threads)."""
+
+    def __init__(
+        self, sandbox_factory: SandboxFactory, budgets: AgentBudgets, tokenizer: Any, scratch: Path
+    ) -> None:
+        if tokenizer is None:
+            from composer_replication.models import load_tokenizer
+
+            tokenizer = load_tokenizer()
+        self._args = (sandbox_factory, budgets, scratch)
+        self._tokenizer = tokenizer
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def mine(self) -> ReferenceSolver:
+        solver = getattr(self._local, "solver", None)
+        if solver is None:
+            with self._lock:
+                tokenizer = copy.deepcopy(self._tokenizer)
+            factory, budgets, scratch = self._args
+            solver = self._local.solver = ReferenceSolver(factory, budgets, tokenizer, scratch)
+        return solver
+
+
+class ReferenceSolver:
     """Gate 5: the reference agent on a candidate task, held exactly as the environment
-    will hold it (a one-task file, its reference, its workdir), within the budgets."""
+    will hold it (a one-task file, its reference, its workdir), within the budgets.
+    ``check(task, reference, task_dir)`` gives the task with its ``reference_cost``, or the
+    failed gate (the task dir is then removed)."""
 
     def __init__(
         self, sandbox_factory: SandboxFactory, budgets: AgentBudgets, tokenizer: Any, scratch: Path
     ) -> None:
         self.sandbox_factory = sandbox_factory
         self.budgets = budgets
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self.scratch = scratch
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from composer_replication.models import load_tokenizer
-
-            self._tokenizer = load_tokenizer()
-        return self._tokenizer
 
     def check(
         self, task: FDTask, ref: TaskReference, task_dir: Path

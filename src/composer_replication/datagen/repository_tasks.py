@@ -44,7 +44,7 @@ SHIPPED_REPOSITORIES = ("smallkit",)
 GENERATION_OPTIONS = ("repo", "max_tasks", "environment", "wheelhouse")
 _MARKER = ".complete.json"
 # bump when generation changes what a task holds: older caches are then made again
-_GENERATION_VERSION = 1
+_GENERATION_VERSION = 2
 _SKIP = frozenset({".git", "__pycache__", ".pytest_cache", ".venv", ".tox"})
 
 

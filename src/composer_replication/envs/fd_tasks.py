@@ -86,6 +86,8 @@ class FDTask:
             accepted (``turns``, ``max_reply_tokens``, ``total_tokens``) and with what
             (``tool_format``, ``tokenizer``, ``tools``); a run checks its budgets against it.
         kind: "feature_deletion" (a deleted body) or "swe" (an imported issue).
+        graded_tests: The tests the final grading runs (empty: the whole suite); every
+            target and passing test must be among them.
     """
 
     task_id: str
@@ -105,6 +107,7 @@ class FDTask:
     image: str | None = None
     reference_cost: dict[str, Any] | None = None
     kind: str = "feature_deletion"
+    graded_tests: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {key: list(getattr(self, key)) for key in _TUPLE_FIELDS}
@@ -127,7 +130,7 @@ class FDTask:
         return {}
 
 
-_TUPLE_FIELDS = ("target_tests", "passing_tests", "files", "test_files")
+_TUPLE_FIELDS = ("target_tests", "passing_tests", "files", "test_files", "graded_tests")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,27 +71,27 @@ MAX_WRITE_CHARS = 200_000
 MAX_SEARCH_FILES = 2000
 MAX_SEARCH_BYTES = 1_000_000
 _SKIP_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".tox", ".venv"})
+# pytest's progress lines ("....F.   [ 50%]"): the counts say the same in fewer tokens
+_PROGRESS_LINE = re.compile(r"[.FEsxX]+\s*(\[\s*\d+%\])?")
 
 TOOL_SPECS: dict[str, ToolSpec] = {
     spec.name: spec
     for spec in (
         ToolSpec(
             "read_file",
-            "Show a file's numbered lines (a page at a time), or a directory's entries.",
+            "Show a file's numbered lines, a page at a time, or a folder's entries.",
             (
-                ToolParameter("path", "file or directory, relative to the repository root"),
-                ToolParameter("start_line", "first line to show", "integer", required=False),
-                ToolParameter("end_line", "last line to show", "integer", required=False),
+                ToolParameter("path", "relative to the repository root"),
+                ToolParameter("start_line", "the first line", "integer", required=False),
+                ToolParameter("end_line", "the last line", "integer", required=False),
             ),
         ),
         ToolSpec(
             "search",
             "Find the lines that contain a text.",
             (
-                ToolParameter("pattern", "the exact text to look for"),
-                ToolParameter(
-                    "path", "a file or directory to search (default: all)", required=False
-                ),
+                ToolParameter("pattern", "the exact text"),
+                ToolParameter("path", "a file or folder (default: all)", required=False),
             ),
         ),
         ToolSpec(
@@ -98,8 +99,8 @@ TOOL_SPECS: dict[str, ToolSpec] = {
             "Replace the one occurrence of old in a file by new.",
             (
                 ToolParameter("path", "the file"),
-                ToolParameter("old", "the exact text to replace; it must occur exactly once"),
-                ToolParameter("new", "the text to put in its place"),
+                ToolParameter("old", "the exact text, occurring once"),
+                ToolParameter("new", "its replacement"),
             ),
         ),
         ToolSpec(
@@ -109,21 +110,15 @@ TOOL_SPECS: dict[str, ToolSpec] = {
         ),
         ToolSpec(
             "write_file",
-            "Replace a file's whole content (the file is created if it does not exist).",
-            (
-                ToolParameter("path", "the file"),
-                ToolParameter("content", "the complete new text of the file"),
-            ),
+            "Replace a file's whole text (or create it).",
+            (ToolParameter("path", "the file"), ToolParameter("content", "its new text")),
         ),
         ToolSpec(
             "run_tests",
-            "Run the test suite, or some tests, and show the result.",
+            "Run the tests: all, or the given ones.",
             (
                 ToolParameter(
-                    "tests",
-                    'test ids or files, e.g. ["tests/test_x.py::test_y"] (default: all)',
-                    "array",
-                    required=False,
+                    "tests", 'test ids or files, e.g. ["tests/test_x.py"]', "array", required=False
                 ),
             ),
         ),
@@ -404,7 +399,7 @@ def replace(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     first = text.count("\n", 0, at) + 1
     last = first + new.count("\n")
     lines = updated.splitlines()
-    lo, hi = max(1, first - 2), min(len(lines), last + 2)
+    lo, hi = max(1, first - 1), min(len(lines), last + 1)
     return f"replaced in {path}; lines {lo}-{hi} now read:\n{numbered(lines[lo - 1 : hi], lo)}"
 
 
@@ -486,6 +481,9 @@ def run_tests(attempt: FDAttempt, arguments: dict[str, Any]) -> ToolResult:
             f"the test run timed out ({summary})\n{_tail(result.output, 1000)}", "timeout", info
         )
     failing = [t for t, outcome in result.outcomes.items() if outcome in ("failed", "error")]
+    output = "\n".join(
+        line for line in result.output.splitlines() if not _PROGRESS_LINE.fullmatch(line)
+    )
     lines = [summary]
     if failing:
         listed = ", ".join(failing[:10]) + (
@@ -493,7 +491,7 @@ def run_tests(attempt: FDAttempt, arguments: dict[str, Any]) -> ToolResult:
         )
         lines.append(f"failing: {listed}")
     room = max(200, attempt.page_chars - sum(len(x) + 1 for x in lines))
-    lines.append(_tail(result.output, room))
+    lines.append(_tail(output, room))
     return ToolResult("\n".join(lines), info)
 
 

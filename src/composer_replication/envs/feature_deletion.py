@@ -465,7 +465,7 @@ class FeatureDeletionEnv:
                 guard = {}
                 if getattr(attempt.sandbox, "supports_behaviour_guard", False):
                     guard["guard"] = guard_spec(pristine, attempt.workdir, monitor)
-                result = attempt.sandbox.run_tests(task.test_command, (), **guard)
+                result = attempt.sandbox.run_tests(task.test_command, task.graded_tests, **guard)
             except Exception as err:  # a failing sandbox is data, not a crash
                 rollout.error = f"sandbox_error: final test run: {type(err).__name__}: {err}"
             else:

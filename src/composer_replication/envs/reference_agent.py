@@ -24,7 +24,6 @@ from typing import Any
 from composer_replication.envs.fd_tools import occurrences
 
 __all__ = [
-    "MAX_LISTED_TESTS",
     "Edit",
     "ReferenceCost",
     "edits_between",
@@ -33,8 +32,6 @@ __all__ = [
     "reply_budget_problem",
 ]
 
-#: a reference run names at most this many test ids (else their files)
-MAX_LISTED_TESTS = 6
 #: lines shown around a change when the reference agent reads it first
 READ_CONTEXT = 3
 
@@ -133,8 +130,8 @@ def reference_calls(
     line_counts: Callable[[str], int] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """The reference agent's episode as ``(tool, arguments)`` calls: per edited file, read
-    the lines around its changes; each ``replace``; ``run_tests`` on the target tests (their
-    files when there are more than ``MAX_LISTED_TESTS``); ``finish``."""
+    the lines around its changes; each ``replace``; ``run_tests`` on the target tests'
+    files; ``finish``."""
     calls: list[tuple[str, dict[str, Any]]] = []
     for path in dict.fromkeys(e.path for e in edits if e.old):
         spans = [e for e in edits if e.path == path]
@@ -149,9 +146,7 @@ def reference_calls(
             continue
         old, new = _strip_line_end(edit)
         calls.append(("replace", {"path": edit.path, "old": old, "new": new}))
-    tests = list(target_tests)
-    if len(tests) > MAX_LISTED_TESTS:
-        tests = list(dict.fromkeys(t.split("::", 1)[0] for t in tests))
+    tests = list(dict.fromkeys(t.split("::", 1)[0] for t in target_tests))  # their files
     calls.append(("run_tests", {"tests": tests} if tests else {}))
     calls.append(("finish", {}))
     return calls
