@@ -19,6 +19,7 @@ Error sites and their notes:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from composer_replication.hint_generator import classify_error, dispatch
@@ -27,9 +28,17 @@ from composer_replication.rollout.types import Rollout
 _QUOTE_LINES, _QUOTE_CHARS = 8, 800
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """Chat-template token ids of ``messages`` followed by the assistant generation prompt."""
-    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+def render_prompt(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Chat-template token ids of ``messages`` followed by the assistant generation prompt
+    (``tools``: the JSON schemas a template with tool calls of its own was given)."""
+    extra = {"tools": list(tools)} if tools else {}
+    ids = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, add_generation_prompt=True, **extra
+    )
     if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -63,9 +72,14 @@ def hint_text(rollout: Rollout, source: str) -> str | None:
     ``feedback``: the feedback itself. Both fall back to a generic hint that quotes the
     tail of the feedback (or says only that the attempt failed, when there is none).
     """
+    return hint_for((rollout.feedback or rollout.error or ""), source)
+
+
+def hint_for(error: str, source: str) -> str | None:
+    """The hint for an error text, as :func:`hint_text` words it (None for 'none')."""
     if source == "none":
         return None
-    text = (rollout.feedback or rollout.error or "").strip()
+    text = error.strip()
     if source == "generator" and text:
         kind = classify_error(text)
         hint = dispatch(kind, {"error_message": text}) if kind else None
@@ -102,6 +116,120 @@ def is_error_site(group: Sequence[Rollout], i: int) -> bool:
     return rollout.reward < max(r.reward for r in group)
 
 
+#: tools whose call changes the repository (a failing test run after one blames it)
+EDIT_TOOLS = frozenset({"replace", "create_file", "write_file", "shell"})
+
+
+@dataclass(frozen=True)
+class TurnSite:
+    """An error site at one turn of a multi-turn rollout: the turn (0-based trajectory
+    step) whose reply a hint is about, and the error text the hint is made from."""
+
+    step: int
+    error: str
+
+
+def turn_sites(rollout: Rollout) -> list[TurnSite]:
+    """The turns of an agent episode where a call failed, one site per turn, in order:
+
+    - a reply that was no readable call (``parse_error``) or a call that failed
+      (``tool_error``, ``sandbox_error``): that turn, with the error it got back;
+    - a test run that failed (``run_tests`` whose ``info`` counts failures or errors): the
+      last turn before it that changed the repository (``EDIT_TOOLS``; the run's own turn
+      when none did), with the run's output.
+
+    Events carry their 1-based turn (``rollout.agent``); the output of a test run is the
+    observation that followed it in ``metadata["conversation"]``.
+    """
+    events = rollout.metadata.get("events") or ()
+    conversation = rollout.metadata.get("conversation") or ()
+    observations = _observations(conversation)
+    sites: dict[int, str] = {}
+    last_edit: int | None = None
+    for event in events:
+        turn, kind = int(event.get("turn", 0)), event.get("type")
+        if turn < 1:
+            continue
+        if kind in ("parse_error", "tool_error", "sandbox_error"):
+            sites.setdefault(turn, str(event.get("message") or ""))
+        elif kind == "tool_call" and event.get("name") in EDIT_TOOLS:
+            last_edit = turn
+        elif kind == "tool_call" and event.get("name") == "run_tests":
+            info = event.get("info") or {}
+            if int(info.get("failed", 0)) + int(info.get("errors", 0)) > 0:
+                sites.setdefault(last_edit or turn, observations.get(turn, ""))
+    return [TurnSite(turn - 1, text) for turn, text in sorted(sites.items())]
+
+
+def _observations(conversation: Sequence[dict[str, Any]]) -> dict[int, str]:
+    """Turn (1-based) -> the text of the observation that answered it."""
+    out, turn = {}, 0
+    for message in conversation:
+        if message.get("role") == "assistant":
+            turn += 1
+        elif turn:
+            out.setdefault(turn, str(message.get("content") or ""))
+    return out
+
+
+def last_edit_step(rollout: Rollout) -> int:
+    """The 0-based step of the last turn that changed the repository (the last turn when
+    none did)."""
+    edits = [
+        int(e["turn"]) - 1
+        for e in rollout.metadata.get("events") or ()
+        if e.get("type") == "tool_call" and e.get("name") in EDIT_TOOLS
+    ]
+    return edits[-1] if edits else max(0, int(rollout.metadata.get("turns", 1)) - 1)
+
+
+def augment_last(
+    messages: Sequence[dict[str, Any]], template: str, **fields: str
+) -> list[dict[str, Any]]:
+    """A copy of ``messages`` whose last message that is not the assistant's is rewritten
+    by ``template`` (an observation, or the user's prompt)."""
+    out = [dict(m) for m in messages]
+    for message in reversed(out):
+        if message.get("role") != "assistant":
+            message["content"] = template.format(content=message.get("content") or "", **fields)
+            return out
+    out.append({"role": "user", "content": template.format(content="", **fields).lstrip()})
+    return out
+
+
+def turn_teacher_context(
+    tokenizer: Any, rollout: Rollout, step: int, template: str, **fields: str
+) -> tuple[list[int], list[int], int]:
+    """(teacher_input_ids, teacher_index, sample_length) for the sampled tokens of turn
+    ``step`` (0-based) of a multi-turn rollout: the conversation before that turn, its last
+    observation rewritten by ``template`` (the hint about that turn's error), rendered with
+    the generation prompt, then the SAME sampled ids of the turn. ``teacher_index`` maps
+    the positions of the sample (the rollout cut after that turn's sampled tokens,
+    ``sample_length`` long) to the teacher's, -1 elsewhere."""
+    steps = rollout.trajectory
+    if not 0 <= step < len(steps):
+        raise ValueError(f"rollout {rollout.task_id!r} has {len(steps)} turns, not {step + 1}")
+    conversation = rollout.metadata.get("conversation")
+    if not conversation:
+        raise ValueError(
+            f"rollout {rollout.task_id!r} has no conversation: a turn's teacher context needs "
+            "the messages before that turn (metadata['conversation'], as the agent loop keeps)"
+        )
+    assistant = [i for i, m in enumerate(conversation) if m.get("role") == "assistant"]
+    before = list(conversation[: assistant[step]]) if step < len(assistant) else list(conversation)
+    prefix = render_prompt(
+        tokenizer, augment_last(before, template, **fields), rollout.prompt_tools
+    )
+    turn = steps[step]
+    n_sampled = next(
+        (j for j, m in enumerate(turn.completion_mask) if not m), len(turn.completion_mask)
+    )
+    start = len(rollout.prompt_ids) + turn.start
+    ids = [*prefix, *turn.completion_ids[:n_sampled]]
+    index = [-1] * start + [len(prefix) + j for j in range(n_sampled)]
+    return ids, index, start + n_sampled
+
+
 def teacher_context(
     tokenizer: Any, rollout: Rollout, template: str, **fields: str
 ) -> tuple[list[int], list[int]]:
@@ -117,7 +245,11 @@ def teacher_context(
             "chat messages behind prompt_ids to re-render them with a hint or demonstration; "
             "have the environment record them on the Rollout"
         )
-    prefix = render_prompt(tokenizer, augment_messages(rollout.prompt_messages, template, **fields))
+    prefix = render_prompt(
+        tokenizer,
+        augment_messages(rollout.prompt_messages, template, **fields),
+        rollout.prompt_tools,
+    )
     ids = [*prefix, *rollout.completion_ids]
     index = [-1] * len(rollout.prompt_ids) + [
         len(prefix) + j for j in range(len(rollout.completion_ids))

@@ -105,6 +105,11 @@ _SUMMED = (
     "hack/flagged",
     "rollouts/zero_advantage",
     "rollouts/zero_advantage_dropped",
+    "rollouts/truncated",
+    "rollouts/truncated_masked",
+    "rollouts/demonstrations",
+    "agent/tool_errors",
+    "agent/parse_failures",
     "tokens/sampled",
     "tokens_per_s/generate",  # ranks sample at the same time: their rates add
 )
@@ -112,16 +117,20 @@ _SUMMED = (
 
 def merge_rollout_stats(rows: list[dict[str, float]]) -> dict[str, float]:
     """One step's rollout statistics of every rank as one process would report them:
-    counts summed, ``reward/*`` means weighted by each rank's rollouts, the flagged share
-    recomputed, times the slowest rank's."""
+    counts summed, ``reward/*`` and per-episode ``agent/*`` means and shares weighted by each
+    rank's rollouts, the flagged share recomputed, times the slowest rank's."""
     if len(rows) == 1:
         return dict(rows[0])
     merged = {key: max(row.get(key, 0.0) for row in rows) for row in rows for key in row}
-    for key in _SUMMED:
+    for key in [*_SUMMED, *(k for k in merged if k.startswith("agent/calls/"))]:
         if any(key in row for row in rows):
             merged[key] = sum(row.get(key, 0.0) for row in rows)
     total = merged.get("rollouts/count", 0.0)
-    for key in ("reward/mean", "reward/solved"):
+    per_rollout = [  # per-episode means and shares
+        k for k in merged if k.startswith("agent/end/") or k.endswith(("_mean", "_rate"))
+    ]
+    per_rollout = [k for k in per_rollout if k.startswith("agent/")]
+    for key in ("reward/mean", "reward/solved", *per_rollout):
         if total and any(key in row for row in rows):
             weighted = sum(row.get(key, 0.0) * row.get("rollouts/count", 0.0) for row in rows)
             merged[key] = weighted / total
