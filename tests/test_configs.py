@@ -23,8 +23,9 @@ def test_a_run_config_for_every_algorithm():
 def test_run_config_loads(path):
     cfg = RunConfig.from_toml(path)
     assert cfg.envs and cfg.steps >= 1
-    # <type>.toml or <type>_<variant>.toml, except the jobs sized for a machine
-    if path.stem not in ("default", "embedded_long", "gpu"):
+    # <type>.toml or <type>_<variant>.toml, except the jobs sized for a machine and the
+    # agentic recipes (a warm start, then composer)
+    if path.stem not in ("default", "embedded_long", "gpu", "agent", "agent_gpu"):
         algo = cfg.envs[0].algorithm.type
         assert path.stem == algo or path.stem.startswith(f"{algo}_")
 

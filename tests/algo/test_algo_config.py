@@ -46,7 +46,8 @@ def test_class_defaults_are_the_vetted_settings():
     sdpo = AlgorithmConfig(advantage={"type": "sdpo"}).advantage
     assert (sdpo.alpha_sdpo, sdpo.teacher, sdpo.use_sibling_demos) == (1.0, "policy", True)
     echo = AlgorithmConfig(advantage={"type": "echo"}).advantage
-    assert {k: v.alpha for k, v in echo.roles.items()} == {"tool": 0.1}
+    # tool outputs, under a tool role or (templates without one) a user role
+    assert {k: v.alpha for k, v in echo.roles.items()} == {"tool": 0.1, "user": 0.1}
     dpo = AlgorithmConfig(advantage={"type": "replay_dpo"}).advantage
     assert (dpo.beta_replay, dpo.dpo_variant, dpo.pairs_path) == (1.0, None, None)
     assert AlgorithmConfig(advantage={"type": "max_rl"}).advantage.eps == 1e-6

@@ -337,6 +337,24 @@ def sampled(rollout: Rollout, value: float) -> list[float]:
     return on_completion(rollout, [value if m else 0.0 for m in rollout.completion_mask or ()])
 
 
+def credited(rollout: Rollout, advantage: float, turn_weight: float = 0.0) -> list[float]:
+    """``advantage`` on the rollout's sampled tokens (over the whole sample), plus, for an
+    agent episode, ``turn_weight`` times each turn's reward (``context.turn_rewards``) on
+    that turn's sampled tokens."""
+    values = sampled(rollout, advantage)
+    if not turn_weight:
+        return values
+    from composer_replication.algo.context import turn_rewards
+
+    start = len(rollout.prompt_ids)
+    for step, reward in zip(rollout.trajectory, turn_rewards(rollout)):
+        if reward:
+            for j, m in enumerate(step.completion_mask):
+                if m:
+                    values[start + step.start + j] += turn_weight * reward
+    return values
+
+
 def zeros(sample: TrainingSample) -> list[float]:
     return [0.0] * sample.n_tokens
 

@@ -161,6 +161,31 @@ def turn_sites(rollout: Rollout) -> list[TurnSite]:
     return [TurnSite(turn - 1, text) for turn, text in sorted(sites.items())]
 
 
+def turn_rewards(rollout: Rollout) -> list[float]:
+    """Per trajectory step of an agent episode, its share of the test progress: a test run
+    (``run_tests`` with ``info`` counting ``target_passed`` of ``n_targets``) measures the
+    share of target tests passing; its change since the previous run (0 before the first)
+    is split over the turns that changed the repository in between (``EDIT_TOOLS``). Zero
+    for every other turn, and for an episode with no such runs."""
+    n_steps = len(rollout.trajectory)
+    rewards = [0.0] * n_steps
+    previous, edits = 0.0, []
+    for event in rollout.metadata.get("events") or ():
+        kind, name, turn = event.get("type"), event.get("name"), int(event.get("turn", 0))
+        if kind == "tool_call" and name in EDIT_TOOLS:
+            edits.append(turn - 1)
+        elif kind in ("tool_call", "tool_error") and name == "run_tests":
+            info = event.get("info") or {}
+            if not info.get("n_targets"):
+                continue
+            share = float(info.get("target_passed", 0)) / float(info["n_targets"])
+            for step in edits:
+                if 0 <= step < n_steps:
+                    rewards[step] += (share - previous) / len(edits)
+            previous, edits = share, []
+    return rewards
+
+
 def _observations(conversation: Sequence[dict[str, Any]]) -> dict[int, str]:
     """Turn (1-based) -> the text of the observation that answered it."""
     out, turn = {}, 0

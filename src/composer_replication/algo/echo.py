@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from composer_replication.algo.advantage import grpo_advantages
-from composer_replication.algo.base import Algorithm, one_per_rollout, sampled
+from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.callables import load_callable
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
@@ -117,9 +117,10 @@ class EchoAlgorithm(Algorithm):
         self, group: list[Rollout], samples: list[TrainingSample]
     ) -> list[TrainingSample]:
         """Dr.GRPO advantages on the sampled tokens (the ce weights came with the samples)."""
+        cfg = self.advantage_config
         advantages = grpo_advantages([r.reward for r in group]).tolist()
         for (rollout, sample), advantage in zip(one_per_rollout(group, samples), advantages):
-            sample.advantages = sampled(rollout, advantage)
+            sample.advantages = credited(rollout, advantage, cfg.turn_reward_weight)
         return samples
 
     def _filter_name(self) -> str:

@@ -8,7 +8,7 @@ Per group: rewards, optionally minus a length penalty, become group-relative adv
 from __future__ import annotations
 
 from composer_replication.algo.advantage import grpo_advantages, length_penalty
-from composer_replication.algo.base import Algorithm, one_per_rollout, sampled
+from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -35,7 +35,8 @@ class GRPOAlgorithm(Algorithm):
     def finalize_group(
         self, group: list[Rollout], samples: list[TrainingSample]
     ) -> list[TrainingSample]:
+        cfg = self.advantage_config
         pairs = one_per_rollout(group, samples)
         for (rollout, sample), advantage in zip(pairs, self.group_advantages(group)):
-            sample.advantages = sampled(rollout, advantage)
+            sample.advantages = credited(rollout, advantage, cfg.turn_reward_weight)
         return samples

@@ -7,7 +7,7 @@ Component: ``rl``.
 from __future__ import annotations
 
 from composer_replication.algo.advantage import max_rl_advantages
-from composer_replication.algo.base import Algorithm, one_per_rollout, sampled
+from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -21,9 +21,10 @@ class MaxRLAlgorithm(Algorithm):
     def finalize_group(
         self, group: list[Rollout], samples: list[TrainingSample]
     ) -> list[TrainingSample]:
-        advantages = max_rl_advantages([r.reward for r in group], eps=self.advantage_config.eps)
+        cfg = self.advantage_config
+        advantages = max_rl_advantages([r.reward for r in group], eps=cfg.eps)
         for (rollout, sample), advantage in zip(
             one_per_rollout(group, samples), advantages.tolist()
         ):
-            sample.advantages = sampled(rollout, advantage)
+            sample.advantages = credited(rollout, advantage, cfg.turn_reward_weight)
         return samples

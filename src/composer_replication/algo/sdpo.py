@@ -29,6 +29,7 @@ from composer_replication.algo.advantage import grpo_advantages
 from composer_replication.algo.base import (
     Algorithm,
     AlgorithmResources,
+    credited,
     one_per_rollout,
     rollout_to_sample,
     sampled,
@@ -174,7 +175,7 @@ def grpo_with_self_distillation(
     for i, ((rollout, sample), advantage) in enumerate(
         zip(one_per_rollout(group, samples), advantages)
     ):
-        sample.advantages = sampled(rollout, advantage)
+        sample.advantages = credited(rollout, advantage, cfg.turn_reward_weight)
         turns += attach_self_distillation(
             sample,
             group,

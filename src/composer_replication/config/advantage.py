@@ -73,7 +73,20 @@ class _Advantage(BaseModel):
         """Raise ``ValueError`` if environment ``env_name`` cannot feed this algorithm."""
 
 
-class GRPOAdvantage(_Advantage):
+class _TurnShaping(_Advantage):
+    """Per-turn reward shaping of agent episodes, for the group-relative algorithms."""
+
+    turn_reward_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Per-turn rewards of agent episodes: each turn that changed the repository "
+        "and was followed by a test run adds this weight times the change in the share of the "
+        "task's target tests that run saw passing (against the run before; 0 at the start) to "
+        "the advantage of its tokens. 0: the episode's reward alone.",
+    )
+
+
+class GRPOAdvantage(_TurnShaping):
     """Dr.GRPO (arXiv 2503.20783): ``A = r - mean(r)`` over the group, on sampled tokens."""
 
     type: Literal["grpo"] = Field("grpo", description="Algorithm name.")
@@ -101,7 +114,7 @@ class GRPOAdvantage(_Advantage):
         return self
 
 
-class MaxRLAdvantage(_Advantage):
+class MaxRLAdvantage(_TurnShaping):
     """MaxRL (arXiv 2602.02710): ``A = (r - mean) / (mean + eps)``, 0 when mean <= 0."""
 
     type: Literal["max_rl"] = Field("max_rl", description="Algorithm name.")
@@ -172,7 +185,7 @@ class OPSDAdvantage(_Advantage):
         return value
 
 
-class _SelfDistillation(_Advantage):
+class _SelfDistillation(_TurnShaping):
     """Fields shared by the algorithms with an SDPO ``jsd`` channel."""
 
     teacher: Literal["policy", "initial", "ema"] = Field(
@@ -259,7 +272,7 @@ class EchoFilter(BaseModel):
     )
 
 
-class EchoAdvantage(_Advantage):
+class EchoAdvantage(_TurnShaping):
     """Dr.GRPO on actions + weighted CE on environment-observation tokens, per role.
 
     The observation tokens are found by role (``Rollout.token_roles``, the environment's
@@ -271,8 +284,10 @@ class EchoAdvantage(_Advantage):
 
     type: Literal["echo"] = Field("echo", description="Algorithm name.")
     roles: dict[str, RoleWeight] = Field(
-        default_factory=lambda: {"tool": RoleWeight(alpha=0.1)},
-        description="Observation roles trained with ce, and their weights (at least one > 0).",
+        default_factory=lambda: {"tool": RoleWeight(alpha=0.1), "user": RoleWeight(alpha=0.1)},
+        description="Observation roles trained with ce, and their weights (at least one > 0): "
+        "tool (a tool's output), user (a user turn, or a tool's output under a chat template "
+        "without a tool role).",
     )
     filter: EchoFilter | None = Field(
         None,
