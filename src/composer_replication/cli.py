@@ -625,12 +625,13 @@ def version() -> None:
 
 
 def _register_subcommands() -> None:
-    from composer_replication.datagen.cli import datagen_command
+    from composer_replication.datagen.cli import datagen_command, import_tasks_command
     from composer_replication.diloco.cli import diloco_app
     from composer_replication.recipes.prime_rl.cli import export_app
     from composer_replication.traces import cli as trace_cli
 
     app.command("datagen")(datagen_command)
+    app.command("import-tasks")(import_tasks_command)
     trace_cli.register(app)
     app.add_typer(diloco_app, name="diloco")
     app.add_typer(export_app, name="export")

@@ -4,6 +4,10 @@
 `datagen_command` is the typer command around it and `app` a one-command typer app, so the
 top-level CLI can mount it with `app.command("datagen")(datagen_command)`. rich and the
 generator load inside the call, keeping `--help` fast.
+
+`composer-replication import-tasks INSTANCES.jsonl -o tasks.jsonl`: SWE-style instances
+(SWE-bench / SWE-Gym JSONL) validated and written as the same task files
+(`datagen.swe`); `import_tasks_main` / `import_tasks_command` as above.
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ import typer
 from composer_replication.errors import command_group
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
-__all__ = ["app", "datagen_command", "datagen_main"]
+__all__ = [
+    "app",
+    "datagen_command",
+    "datagen_main",
+    "import_tasks_command",
+    "import_tasks_main",
+]
 
 
 def _error(console: Any, message: str) -> None:
@@ -274,6 +284,228 @@ def datagen_command(
             model=model,
             budgets=budgets,
             exec_timeout_s=exec_timeout,
+        )
+    )
+
+
+def import_tasks_main(
+    instances: Path,
+    output: Path,
+    *,
+    repos: Path | None = None,
+    max_tasks: int | None = None,
+    split: HeldoutSplit | None = DEFAULT_SPLIT,
+    exec_timeout_s: float = 300.0,
+    console: Any = None,
+    follow_symlinks: bool = False,
+    test_command: str | None = None,
+    environment: str = "auto",
+    wheelhouse: Path | None = None,
+    docker_image: str | None = None,
+    model: str = "embedded",
+    budgets: Any = None,
+) -> int:
+    """Import SWE-style instances with a progress bar and print the outcome per gate.
+
+    Held-out tasks go to the `.heldout.jsonl` sibling of `output`; ``<stem>.candidates.jsonl``
+    has every instance's outcome and reason. Returns the process exit code: 0 when at least
+    one task was accepted, 1 when none was (no task file written; the candidates report is),
+    2 for unusable input (no instances file, none in it, a bad option, an output the output
+    policy refuses), checked before any work.
+    """
+    from types import SimpleNamespace
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.table import Table
+
+    from composer_replication.datagen.feature_deletion import (
+        ENVIRONMENTS,
+        AgentBudgets,
+        check_outputs,
+    )
+    from composer_replication.datagen.swe import import_instances
+    from composer_replication.outputs import OutputError, check_output
+
+    console = console or Console(stderr=True)
+    problem = None
+    if not Path(instances).is_file():
+        problem = f"instances file {str(instances)!r} does not exist; pass a JSONL file"
+    elif repos is not None and not Path(repos).is_dir():
+        problem = f"--repos {str(repos)!r} is not a directory of repositories"
+    elif max_tasks is not None and max_tasks < 1:
+        problem = f"--max-tasks must be >= 1, got {max_tasks}"
+    elif environment not in ENVIRONMENTS:
+        problem = f"--environment {environment!r}: use {', '.join(ENVIRONMENTS)}"
+    elif wheelhouse is not None and not Path(wheelhouse).is_dir():
+        problem = f"--wheelhouse {str(wheelhouse)!r} is not a directory of wheels"
+    if problem is not None:
+        _error(console, problem)
+        return 2
+    try:
+        output = check_outputs(check_output(output, follow_symlinks=follow_symlinks))
+        tokenizer = _tokenizer(model)
+    except (OutputError, ValueError) as exc:
+        _error(console, str(exc))
+        return 2
+    if docker_image:
+        factory = _sandbox_factory(Path(instances), exec_timeout_s, docker_image)
+    else:
+
+        def factory(workdir: Path, **options: Any) -> Any:  # a quota fitting each workdir
+            return _sandbox_factory(workdir, exec_timeout_s, None)(workdir, **options)
+
+    with Progress(
+        TextColumn("[bold]import-tasks[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=False,
+    ) as bar:
+        job = bar.add_task("reading instances", total=None)
+
+        def progress(done: int, total: int, message: str) -> None:
+            bar.update(job, completed=done, total=total, description=message)
+
+        try:
+            report = import_instances(
+                instances,
+                output,
+                sandbox_factory=factory,
+                split=split,
+                repos=repos,
+                budgets=budgets or AgentBudgets(),
+                tokenizer=tokenizer,
+                environment=environment,
+                wheelhouse=wheelhouse,
+                image=docker_image,
+                test_command=test_command,
+                say=lambda line: bar.console.print(line, soft_wrap=True, highlight=False),
+                progress=progress,
+                max_tasks=max_tasks,
+            )
+        except ValueError as exc:  # no instance in the file, an output the policy refuses
+            _error(console, str(exc))
+            return 2
+    counts = SimpleNamespace(  # what the table's rows read (its title is our own)
+        repo="",
+        candidates=0,
+        test_command="",
+        **{k: getattr(report, k) for k in ("train", "heldout", "rejected", "rejections")},
+    )
+    table = _outcome_table(counts, Table)
+    table.title = f"SWE import of {Path(instances).name}: {report.instances} instances"
+    if report.not_tried:
+        table.add_row("not tried (--max-tasks reached)", str(report.not_tried), "")
+    console.print(table, soft_wrap=True)
+    console.print(f"every instance and its outcome: {report.candidates_output}")
+    if not report.accepted:
+        _error(
+            console,
+            f"no instance passed the gates: no task file written ({report.output} and its "
+            "sibling files left as they were)",
+        )
+        return 1
+    console.print(f"tasks: {report.output}")
+    if report.heldout_output:
+        console.print(f"held-out tasks: {report.heldout_output}")
+    console.print(f"hidden references (owner-only): {report.reference_output}")
+    console.print(f"workdirs: {report.workdirs}  ({report.duration_s:.1f} s)")
+    return 0
+
+
+def import_tasks_command(
+    instances: Annotated[
+        Path, typer.Argument(help="SWE-style instances, one JSON object a line (SWE-bench fields).")
+    ],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Training task file (JSONL).")
+    ] = Path("tasks.jsonl"),
+    repos: Annotated[
+        Path | None,
+        typer.Option(
+            "--repos",
+            help="Folder of git repositories, as <owner>__<name> or <name>, for instances "
+            "without repo_path.",
+        ),
+    ] = None,
+    max_tasks: Annotated[
+        int | None, typer.Option("--max-tasks", min=1, help="Stop after N accepted tasks.")
+    ] = None,
+    environment: Annotated[
+        str,
+        typer.Option(
+            "--environment",
+            help="auto: a virtualenv of the repository's declared dependencies when it declares "
+            "any; venv: always; system: the sandbox's interpreter.",
+        ),
+    ] = "auto",
+    wheelhouse: Annotated[
+        Path | None,
+        typer.Option("--wheelhouse", help="Build the virtualenvs offline from these wheels."),
+    ] = None,
+    docker_image: Annotated[
+        str | None,
+        typer.Option(
+            "--docker-image",
+            help="Run the tests in containers of this image (DockerSandbox); recorded on each task.",
+        ),
+    ] = None,
+    test_command: Annotated[
+        str | None,
+        typer.Option(
+            "--test-command",
+            help="How to run the tests (default: as each repository configures them).",
+        ),
+    ] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model", help="The agent model whose tokens the budgets count ('embedded', a dir)."
+        ),
+    ] = "embedded",
+    max_turns: Annotated[
+        int, typer.Option("--max-turns", min=1, help="Turns an episode may take.")
+    ] = 8,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", min=1, help="Tokens one turn may take.")
+    ] = 256,
+    max_total_tokens: Annotated[
+        int, typer.Option("--max-total-tokens", min=1, help="Tokens an episode may take in all.")
+    ] = 4096,
+    exec_timeout: Annotated[
+        float, typer.Option("--exec-timeout", min=1, help="Seconds one test run may take.")
+    ] = 300.0,
+    follow_symlinks: Annotated[
+        bool,
+        typer.Option("--follow-symlinks", help="Write through an output that is a symbolic link."),
+    ] = False,
+) -> None:
+    """Import SWE-style instances (SWE-bench / SWE-Gym JSONL) as repository tasks.
+
+    Each is validated in the sandbox: its FAIL_TO_PASS tests fail, its PASS_TO_PASS tests
+    pass, with the gold patch both pass, and the reference agent solves it within the
+    agent's budgets."""
+    from composer_replication.datagen.feature_deletion import AgentBudgets
+
+    budgets = AgentBudgets(
+        max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens
+    )
+    raise typer.Exit(
+        import_tasks_main(
+            instances,
+            output,
+            repos=repos,
+            max_tasks=max_tasks,
+            exec_timeout_s=exec_timeout,
+            follow_symlinks=follow_symlinks,
+            test_command=test_command,
+            environment=environment,
+            wheelhouse=wheelhouse,
+            docker_image=docker_image,
+            model=model,
+            budgets=budgets,
         )
     )
 
