@@ -126,3 +126,11 @@ def test_hack_log_appends_one_json_line_per_verdict(tmp_path: Path) -> None:
 def test_snapshot_of_missing_dir_raises(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="existing directory"):
         HackMonitor().snapshot(tmp_path / "nope")
+
+
+def test_path_patterns_protect_that_file_only():
+    # a repository's own test modules are protected by their path from the root
+    assert is_protected("tests.py", ("./tests.py",))
+    assert not is_protected("pkg/tests.py", ("./tests.py",))
+    assert is_protected("testing/helpers.py", ("testing/helpers.py",))
+    assert not is_protected("pkg/helpers.py", ("testing/helpers.py",))

@@ -115,13 +115,22 @@ _QUOTED = re.compile(r"""['"]([^'"\s]+)['"]""")
 
 
 def is_protected(relpath: str, patterns: Sequence[str] = PROTECTED_PATTERNS) -> bool:
-    """True for test files and pytest/interpreter configuration (workdir-relative path)."""
+    """True for test files and pytest/interpreter configuration (workdir-relative path).
+
+    A pattern ``dir/**`` matches everything under a folder named ``dir``; a pattern holding
+    another ``/`` matches the path from the root (``./name``: the file ``name`` at the root
+    only); any other pattern matches the file name wherever it is.
+    """
     parts = PurePosixPath(relpath).parts
     if not parts:
         return False
+    path = PurePosixPath(relpath).as_posix()
     for pattern in patterns:
         if pattern.endswith("/**"):
             if pattern[:-3] in parts[:-1]:
+                return True
+        elif "/" in pattern:  # a path from the workdir's root (./name: a root file)
+            if fnmatch.fnmatchcase(path, pattern.removeprefix("./")):
                 return True
         elif fnmatch.fnmatchcase(parts[-1], pattern):
             return True
