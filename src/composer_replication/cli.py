@@ -427,6 +427,13 @@ def evaluate(
                 raise UsageError(
                     "--task-file and --repo choose feature_deletion tasks; add --env feature_deletion"
                 )
+            if repo is not None:
+                from composer_replication.datagen.repository_tasks import repository_path
+
+                try:
+                    repository_path(repo)
+                except ValueError as exc:
+                    raise UsageError(f"--repo: {exc}") from None
             if task_file is not None and not task_file.is_file():
                 raise UsageError(
                     f"--task-file {str(task_file)!r} does not exist; pass the file datagen wrote"

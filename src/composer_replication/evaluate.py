@@ -126,6 +126,20 @@ def configured_evaluation_rollouts(
     )
 
 
+def evaluated(
+    groups: Sequence[Sequence[Any]], greedy_groups: Sequence[Sequence[Any]] | None
+) -> list[list[Any]]:
+    """Every rollout an evaluation sampled, once each: the sampled groups, then the greedy
+    answers that are not among them (at temperature 0 they are the samples' first), marked
+    ``metadata["greedy"]``."""
+    seen = {id(r) for group in groups for r in group}
+    greedy = [[r for r in group if id(r) not in seen] for group in greedy_groups or ()]
+    for group in greedy:
+        for rollout in group:
+            rollout.metadata["greedy"] = True
+    return [list(g) for g in groups] + [g for g in greedy if g]
+
+
 def success_counts(groups: Sequence[Sequence[Any]]) -> list[tuple[int, int]]:
     """``(attempts, solved)`` per group: reward 1.0 is solved, attempts whose sandbox never
     ran are not counted."""
@@ -254,6 +268,6 @@ def evaluate_model(
     if rollouts_path is not None:
         from composer_replication.trainer.rollout_log import write_rollouts
 
-        every = [*groups, *(greedy_groups or [])]
+        every = evaluated(groups, greedy_groups)
         write_rollouts(Path(rollouts_path), [r for g in every for r in g], tokenizer)
     return result

@@ -227,3 +227,22 @@ def test_the_config_defaults_to_keep_and_validates():
         TruncatedFilterConfig.model_validate({"penalty": float("inf")})
     with pytest.raises(ValueError, match="truncated filter mode 'drop': use keep, mask or"):
         TruncationFilter(mode="drop")
+
+
+# ------------------------------------------------------------------ several ranks
+
+
+def test_two_ranks_counts_add_up_as_one_process_reports_them(tokenizer):
+    from composer_replication.distributed.data_parallel import merge_rollout_stats
+
+    algorithm = _algorithm(tokenizer)
+    one_process = TruncationFilter(mode="mask")
+    ranks = [TruncationFilter(mode="mask"), TruncationFilter(mode="mask")]
+    for filt, end_reasons in zip(ranks, (END_REASONS, ["token_limit"] * 4)):
+        _step(filt, algorithm, _group(tokenizer, end_reasons=end_reasons))
+        _step(one_process, algorithm, _group(tokenizer, end_reasons=end_reasons))
+    assert one_process.metrics() == {
+        "rollouts/truncated": 6.0,
+        "rollouts/truncated_masked": 6.0,
+    }
+    assert merge_rollout_stats([f.metrics() for f in ranks]) == one_process.metrics()

@@ -110,6 +110,7 @@ def test_every_metric_has_its_exact_value(episodes):
         # the failing ToolError call and the broken tool's call
         "agent/tool_errors": 2.0,
         "agent/parse_failures": 1.0,
+        "agent/call_attempts": 10.0,  # 9 calls that ran + 1 malformed reply
         # 1 malformed reply / (9 calls that ran + 1 malformed reply)
         "agent/parse_failure_rate": 0.1,
         "agent/episode_s_mean": episode_s,
@@ -177,3 +178,30 @@ def test_a_subset_counts_only_its_own_episodes(episodes):
     alone = episode_metrics([episodes["malformed_then_call"]], prefix="")
     assert alone["parse_failure_rate"] == 0.5
     assert episode_metrics([episodes["answer"]], prefix="")["parse_failure_rate"] == 0.0
+
+
+def _merged_over_two_ranks(episodes) -> tuple[dict, dict]:
+    """A data-parallel step's agent metrics (two ranks' rows merged) and one process's."""
+    from composer_replication.distributed.data_parallel import merge_rollout_stats
+
+    rollouts = list(episodes.values())
+    rank0, rank1 = rollouts[:4], rollouts[4:]
+    rows = [
+        {"rollouts/count": float(len(share)), **episode_metrics(share)} for share in (rank0, rank1)
+    ]
+    return merge_rollout_stats(rows), episode_metrics(rollouts)
+
+
+def test_two_ranks_episode_metrics_merge_as_one_process_reports_them(episodes):
+    merged, whole = _merged_over_two_ranks(episodes)
+    assert set(whole) <= set(merged)
+    rate = "agent/parse_failure_rate"
+    assert {k: merged[k] for k in whole if k != rate} == pytest.approx(
+        {k: v for k, v in whole.items() if k != rate}, rel=1e-12, abs=0
+    )
+
+
+def test_two_ranks_parse_failure_rate_is_over_all_attempts(episodes):
+    merged, whole = _merged_over_two_ranks(episodes)
+    assert whole["agent/parse_failure_rate"] == 0.1
+    assert merged["agent/parse_failure_rate"] == pytest.approx(0.1, rel=1e-12)

@@ -200,12 +200,6 @@ def test_evaluate_saves_only_with_a_step(tmp_path, tiny, tokenizer):
     assert [row["task_id"] for row in rows] == env.task_ids()[:2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RunLifecycle.evaluate writes [*groups, *greedy_groups]; with eval.temperature = 0 "
-    "the greedy groups ARE the samples' first answers (evaluation_rollouts returns "
-    "g[:1]), so every rollout is written twice",
-)
 def test_a_greedy_evaluation_writes_each_rollout_once(tmp_path, tiny, tokenizer):
     model, _ = tiny
     env = PythonFunctionsEnv()
@@ -293,11 +287,6 @@ def test_write_rollouts_writes_sorted_json_lines(tmp_path, tokenizer):
     assert [json.loads(line)["completion"] for line in path.read_text().splitlines()] == [None]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="write_rollouts is annotated -> Path and RunLifecycle.save_rollouts documents 'the "
-    "path written', but it returns write_lines_atomic's line count (an int)",
-)
 def test_write_rollouts_returns_the_path_it_wrote(tmp_path, tokenizer):
     path = tmp_path / "r.jsonl"
     assert write_rollouts(path, [_hand_made(tokenizer)], tokenizer) == path

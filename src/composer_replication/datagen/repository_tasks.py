@@ -13,7 +13,8 @@ the package (``SHIPPED_REPOSITORIES``: ``smallkit``). The first run generates it
 ``sampling.max_new_tokens``), split as the run splits, and keeps them under
 ``<cache>/tasks/<name>-<key>/`` (the key hashes the repository's files, the budgets, the
 tokenizer and the split), so later runs, and entries with the same budgets, reuse them. The
-entry then reads them as its ``task_file``. A generation that fails leaves nothing behind.
+entry then reads them as its ``task_file``. A generation that fails leaves nothing behind
+but its candidates report (why each candidate was refused), and is made again next time.
 """
 
 from __future__ import annotations

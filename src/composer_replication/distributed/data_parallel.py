@@ -110,6 +110,7 @@ _SUMMED = (
     "rollouts/demonstrations",
     "agent/tool_errors",
     "agent/parse_failures",
+    "agent/call_attempts",
     "tokens/sampled",
     "tokens_per_s/generate",  # ranks sample at the same time: their rates add
 )
@@ -129,7 +130,13 @@ def merge_rollout_stats(rows: list[dict[str, float]]) -> dict[str, float]:
     per_rollout = [  # per-episode means and shares
         k for k in merged if k.startswith("agent/end/") or k.endswith(("_mean", "_rate"))
     ]
-    per_rollout = [k for k in per_rollout if k.startswith("agent/")]
+    per_rollout = [
+        k for k in per_rollout if k.startswith("agent/") and k != "agent/parse_failure_rate"
+    ]
+    if "agent/parse_failure_rate" in merged:  # a share of the attempts, not of the rollouts
+        attempts = merged.get("agent/call_attempts", 0.0)
+        failures = merged.get("agent/parse_failures", 0.0)
+        merged["agent/parse_failure_rate"] = failures / attempts if attempts else 0.0
     for key in ("reward/mean", "reward/solved", *per_rollout):
         if total and any(key in row for row in rows):
             weighted = sum(row.get(key, 0.0) * row.get("rollouts/count", 0.0) for row in rows)

@@ -525,8 +525,8 @@ def episode_metrics(rollouts: Sequence[Rollout], prefix: str = "agent/") -> dict
     ``turns_mean``, ``tool_calls_mean`` and ``episode_tokens_mean`` (prompt + completion)
     per episode; ``calls/<tool>`` (calls that ran, failed ones included) and ``tool_errors``
     (calls that failed) in all; ``parse_failures`` (replies that tried to call a tool and
-    could not be read) and ``parse_failure_rate`` (their share of the replies that tried to
-    call one); ``end/<reason>``: the share of episodes that ended so (``END_REASONS``);
+    could not be read), ``call_attempts`` (replies that tried to call one: calls that ran
+    and parse failures) and ``parse_failure_rate`` (the failures' share of the attempts); ``end/<reason>``: the share of episodes that ended so (``END_REASONS``);
     ``episode_s_mean`` and ``tool_s_mean``: wall seconds per episode, and of its tools.
     """
     episodes = [r for r in rollouts if r.metadata.get("end_reason") is not None]
@@ -551,6 +551,7 @@ def episode_metrics(rollouts: Sequence[Rollout], prefix: str = "agent/") -> dict
         "episode_tokens_mean": sum(len(r.prompt_ids) + len(r.completion_ids) for r in episodes) / n,
         "tool_errors": float(tool_errors),
         "parse_failures": float(parse_failures),
+        "call_attempts": float(attempted),
         "parse_failure_rate": parse_failures / attempted if attempted else 0.0,
         "episode_s_mean": sum(float(r.metadata.get("episode_s", 0.0)) for r in episodes) / n,
         "tool_s_mean": sum(float(r.metadata.get("tool_s", 0.0)) for r in episodes) / n,

@@ -138,7 +138,11 @@ class RunLifecycle:
         """
         from composer_replication.envs import pass_at_1
         from composer_replication.evals.pass_at_k import reported_ks
-        from composer_replication.evaluate import configured_evaluation_rollouts, groups_pass_at_k
+        from composer_replication.evaluate import (
+            configured_evaluation_rollouts,
+            evaluated,
+            groups_pass_at_k,
+        )
 
         ev = self.config.eval
         groups: list[Any] = []
@@ -174,7 +178,7 @@ class RunLifecycle:
             episode_metrics([r for g in groups for r in g], prefix="heldout/agent/")
         )
         if step is not None:
-            self.save_rollouts("eval", step, [*groups, *greedy_groups], tokenizer)
+            self.save_rollouts("eval", step, evaluated(groups, greedy_groups), tokenizer)
         return pass_at_1(groups)
 
     def save_rollouts(

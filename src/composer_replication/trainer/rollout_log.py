@@ -51,4 +51,5 @@ def write_rollouts(path: Path, rollouts: Iterable[Any], tokenizer: Any) -> Path:
         json.dumps(row, sort_keys=True, default=str) + "\n"
         for row in rollout_rows(rollouts, tokenizer)
     )
-    return write_lines_atomic(path, lines)
+    write_lines_atomic(path, lines)
+    return path
