@@ -9,8 +9,9 @@ Channel 1, next-token CE on responses:
 - ``response_mask`` (B, T): 1 on response tokens (the tokens the loss predicts).
 
 Channel 2, SDPO self-distillation (present when at least one example has a hint):
-- ``ctx_teacher_input_ids`` (B, T'): the same conversation with the hint added to the user
-  turn, followed by the SAME response token ids (so positions align one to one).
+- ``ctx_teacher_input_ids`` (B, T'): the same conversation with each site's hint written in
+  (the user turn, or the failing tool result before a site turn), followed by the SAME
+  response token ids (so positions align one to one).
 - ``ctx_teacher_attention_mask`` (B, T').
 - ``ctx_teacher_response_mask`` (B, T'): 1 on the response tokens of the teacher context;
   row b has exactly as many ones as ``response_mask[b]``.

@@ -155,3 +155,24 @@ def test_tool_instructions_document_the_format_and_each_tool():
         "- read_file(path): Return a file. Arguments: path: the file's path.",
         "- finish(): Stop. Arguments: none.",
     ]
+
+
+def test_one_format_for_traces_and_agents():
+    from composer_replication.traces.ingestion.render import render_tool_call
+
+    # an ingested trace's call (what replay teachers answer in, what DPO pairs hold) is
+    # a call to the agent's parser, arguments' keys sorted and text kept as it is
+    text = render_tool_call("Edit", {"new": "é</x>", "file_path": "a.py"})
+    assert text == (
+        '<tool_call>{"name": "Edit", "arguments": {"file_path": "a.py", "new": "é<\\/x>"}}'
+        "</tool_call>"
+    )
+    assert parse_tool_call(f"Renaming.\n\n{text}") == ToolCall(
+        "Edit", {"file_path": "a.py", "new": "é</x>"}, raw=text[11:-12]
+    )
+    # older trace files wrote <tool_call name="X">{arguments}</tool_call>: read the same
+    legacy = '<tool_call name="Edit">\n{"file_path": "a.py"}\n</tool_call>'
+    assert parse_tool_call(legacy, {"Edit"}) == ToolCall(
+        "Edit", {"file_path": "a.py"}, raw='{"file_path": "a.py"}'
+    )
+    assert parse_tool_call('<tool_call name="Edit">{"x": </tool_call>').kind == "json_decode"

@@ -24,7 +24,10 @@ REWIND = CALC / "4d1a8f63-8e40-4f61-ad02-305170e9bd43.jsonl"
 SIDECHAIN = CALC / "5e2b9a74-9f51-4072-be13-4162810fce54.jsonl"
 AGENT = CALC / "agent-7a4d1c96.jsonl"
 
-READ_CALL = '<tool_call name="Read">\n{"file_path": "/home/dev/calc/calc.py"}\n</tool_call>'
+# the project's one tool-call format (the agent loop parses these as calls)
+READ_CALL = (
+    '<tool_call>{"name": "Read", "arguments": {"file_path": "/home/dev/calc/calc.py"}}</tool_call>'
+)
 
 
 def ingest(path: Path, **kw) -> tuple[list[dict], IngestionStats]:
@@ -74,7 +77,7 @@ def test_parallel_tool_calls_written_between_blocks_stay_one_turn():
     states, _ = ingest(MAIN_SESSION)
     # msg_04 = Read + Grep, each result written before the next block of the same message
     assert states[3]["student_action"] == (
-        f'{READ_CALL}\n\n<tool_call name="Grep">\n{{"path": ".", "pattern": "divide"}}\n</tool_call>'
+        f'{READ_CALL}\n\n<tool_call>{{"name": "Grep", "arguments": {{"path": ".", "pattern": "divide"}}}}</tool_call>'
     )
     after = states[4]["messages"]
     assert after[-2]["content"] == states[3]["student_action"]
@@ -141,8 +144,8 @@ def test_broken_file_is_counted_never_raised():
 def test_rewind_keeps_only_the_branch_of_each_state():
     states, stats = ingest(REWIND)
     assert [s["student_action"] for s in states] == [
-        'Renaming.\n\n<tool_call name="Edit">\n{"file_path": "utils.py", "new_string": "def bar", '
-        '"old_string": "def foo"}\n</tool_call>',
+        'Renaming.\n\n<tool_call>{"name": "Edit", "arguments": {"file_path": "utils.py", '
+        '"new_string": "def bar", "old_string": "def foo"}}</tool_call>',
         "Renamed foo to bar.",
         "Updated the README.",
         "Updated the CHANGELOG.",

@@ -236,7 +236,7 @@ def test_trace_dicts_become_examples_with_state_response_error_and_pairs():
     assert [t.role for t in ex.turns] == ["user", "assistant", "tool"]
     assert (
         ex.turns[1].content
-        == 'running tests\n\n<tool_call name="bash">\n{"cmd": "pytest"}\n</tool_call>'
+        == 'running tests\n\n<tool_call>{"name": "bash", "arguments": {"cmd": "pytest"}}</tool_call>'
     )
     assert ex.turns[2].error == "E   assert 1 == 2" and ex.turns[2].tool_name == "bash"
     assert ex.rewards == {"final_reward": 0.5} and ex.available_tools == ("bash",)
@@ -326,7 +326,9 @@ def test_trace_turn_and_trace_example_take_the_typeddict_keywords():
         TraceTurn(role="assistant", content="ok"),
     ]
     assert turns[2].error == turns[2].tool_error == "unknown tool 'Bsh'"
-    assert turns[1].message()["content"] == 'calling\n\n<tool_call name="Bash">\n{}\n</tool_call>'
+    assert turns[1].message()["content"] == (
+        'calling\n\n<tool_call>{"name": "Bash", "arguments": {}}</tool_call>'
+    )
     ex = TraceExample(
         trace_id="t1",
         turns=turns,
@@ -356,7 +358,7 @@ def test_trace_turn_and_trace_example_take_the_typeddict_keywords():
 def test_an_error_reported_after_the_response_is_the_failure_it_led_to():
     turns = SEED_TURNS[:3]  # the response is the tool call; the tool turn reports its failure
     ex = TraceExample.from_dict({"trace_id": "y", "turns": turns, "final_reward": 0.0})
-    assert ex.response == '<tool_call name="Bash">\n{"c": 1}\n</tool_call>'
+    assert ex.response == '<tool_call>{"name": "Bash", "arguments": {"c": 1}}</tool_call>'
     assert [t.role for t in ex.turns] == ["user"]
     assert ex.error == "E   assert add(1, 2) == 3" and ex.error_meta["intent"] == "test"
     assert ex.error_site()["tool_name"] == "Bash"

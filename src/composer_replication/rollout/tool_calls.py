@@ -188,9 +188,18 @@ class ToolSpec:
         }
 
 
-def format_tool_call(name: str, arguments: Mapping[str, Any] | None = None) -> str:
-    """The canonical text of a call, exactly as the model is asked to write it."""
-    body = json.dumps({"name": name, "arguments": dict(arguments or {})})
+def format_tool_call(
+    name: str, arguments: Mapping[str, Any] | None = None, *, sort_keys: bool = False
+) -> str:
+    """The canonical text of a call, exactly as the model is asked to write it (non-ASCII
+    text as it is; ``sort_keys``: the arguments' keys sorted, as trace renderings want)."""
+    body = json.dumps(
+        {"name": name, "arguments": dict(arguments or {})}, ensure_ascii=False, sort_keys=False
+    )
+    if sort_keys:
+        inner = json.dumps(dict(arguments or {}), ensure_ascii=False, sort_keys=True)
+        body = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {inner}}}'
+
     body = body.replace("</", "<\\/")  # JSON's "\/" escape: a closing tag in a string stays data
     return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
 

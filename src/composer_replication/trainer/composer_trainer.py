@@ -44,8 +44,10 @@ own ``GRPOTrainer`` takes no collator), ``train_dataset`` may hold agent traces 
 ``prompt`` column is added from each trace's state when missing) and the collator feeds the
 two extra channels: for every generation batch, the batch's distinct traces are collated;
 
-- their SDPO rows (the trace's response after the plain state, student, and after the state
-  with the error-site hint, teacher) ride along as ``trace_*`` fields (B, W) on the first
+- their SDPO rows (the trace's trained assistant turns after the plain state, student, and
+  after the same conversation with each error site's hint written in, teacher; every turn
+  after a failing tool result, and the response when it led to an error, is a site) ride
+  along as ``trace_*`` fields (B, W) on the first
   row of each trace (``trace_input_ids``, ``trace_attention_mask``, ``trace_response_mask``,
   ``trace_ctx_teacher_{input_ids,attention_mask,response_mask}``, ``trace_sdpo_loss_mask``)
   and are distilled like ``loss.compose_loss``'s channel; the SDPO channel is the token

@@ -107,7 +107,7 @@ class TraceTurn:
 
     The fields of the documented ``TraceTurn`` TypedDict are accepted as keywords:
     ``tool_call`` (an assistant turn's call, ``{"name", "arguments"}`` or OpenAI's
-    ``{"function": {...}}``, rendered after the text as a ``<tool_call name="...">`` block),
+    ``{"function": {...}}``, rendered after the text in the project's tool-call format),
     ``tool_error`` (the same as ``error``: the failure this observation reports, e.g. a tool
     error or failing tests) and ``error_meta`` (what is known about that error, as
     ``hint_generator.HintContext`` keys: ``error_kind``, ``tool_name``, ``available_tools``,
@@ -287,7 +287,7 @@ class TraceExample:
 
         Assistant ``tool_calls`` (a list) or ``tool_call`` (one; ``{"name", "arguments"}``
         or OpenAI's ``{"function": {...}}``) are rendered after the text as
-        ``<tool_call name="...">`` blocks; a turn's ``tool_error`` / ``error`` (text) or
+        calls in the project's tool-call format; a turn's ``tool_error`` / ``error`` (text) or
         ``is_error`` (its content is the error) marks an error site, with ``error_meta``
         for the hint generator. Raises ``ValueError`` naming the trace when it has no
         assistant turn.

@@ -69,12 +69,10 @@ You are a senior software engineer working as a coding agent in a terminal envir
 inside a user's code repository, with tools (for example Bash, Read, Edit, Write, Glob, \
 Grep). The conversation so far is a real coding session. In it, a tool call is written as
 
-<tool_call name="TOOL_NAME">
-{"argument": "value"}
-</tool_call>
+<tool_call>{"name": "TOOL_NAME", "arguments": {"argument": "value"}}</tool_call>
 
-(the arguments are one JSON object) and the tool's output comes back in the next user \
-message as
+(one JSON object: the tool's name and an object of arguments) and the tool's output comes \
+back in the next user message as
 
 <tool_result name="TOOL_NAME">
 output

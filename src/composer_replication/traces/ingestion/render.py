@@ -12,9 +12,11 @@ Assistant turn, blocks in their original order, separated by one blank line:
 
     {text block, verbatim}
 
-    <tool_call name="{tool name}">
-    {input as JSON: keys sorted, non-ASCII kept, no indentation}
-    </tool_call>
+    <tool_call>{"name": "{tool name}", "arguments": {input as JSON: keys sorted,
+    non-ASCII kept, no indentation}}</tool_call>
+
+    (the project's one tool-call format, ``rollout.tool_calls``: the agent loop writes and
+    parses calls the same way, so a replayed action or a DPO pair's side reads as a call)
 
 Tool results, in a user message, one per result in the order they arrived:
 
@@ -68,8 +70,12 @@ def _block_placeholder(block: Any) -> str:
 
 
 def render_tool_call(name: str, tool_input: Any) -> str:
-    args = json.dumps(tool_input, ensure_ascii=False, sort_keys=True)
-    return f'<tool_call name="{name}">\n{args}\n</tool_call>'
+    """A call in the project's tool-call format (``rollout.tool_calls``), arguments' keys
+    sorted; input that is not an object is kept under ``"input"``."""
+    from composer_replication.rollout.tool_calls import format_tool_call
+
+    arguments = tool_input if isinstance(tool_input, dict) else {"input": tool_input}
+    return format_tool_call(name, arguments, sort_keys=True)
 
 
 def render_assistant_blocks(blocks: list[dict[str, Any]], *, keep_thinking: bool) -> str:
