@@ -190,3 +190,25 @@ def test_a_run_with_budgets_below_a_tasks_recorded_reference_is_refused(generate
     other = dataclasses.replace(env.tasks[TASK_ID], reference_cost=dict(cost, tokenizer="other"))
     env.tasks[TASK_ID] = other
     env.check_budgets([TASK_ID], 64, env.format_for(tokenizer), tokenizer)
+
+
+@pytest.mark.integration
+def test_many_reference_episodes_run_at_once_each_with_its_own_script(tokenizer, shared_dir):
+    repo = shared_dir / "fd_repo"
+    shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    report = generate_tasks(
+        repo,
+        shared_dir / "out" / "tasks.jsonl",
+        max_tasks=3,
+        sandbox_factory=lambda path: LocalSubprocessSandbox(path, exec_timeout_s=60),
+        split=None,
+        only=["median", "mean", "shout"],
+    )
+    env = FeatureDeletionEnv(report.output)
+    ids = list(reversed(env.task_ids()))  # any order: each episode plays its own task's script
+    solved = env.solve_many_with_reference(tokenizer, ids)
+    assert [r.task_id for r in solved] == ids
+    assert [r.reward for r in solved] == [1.0, 1.0, 1.0]
+    for rollout in solved:
+        replace = rollout.metadata["conversation"][4]["content"]
+        assert env.tasks[rollout.task_id].qualname.rsplit(".", 1)[-1] in replace

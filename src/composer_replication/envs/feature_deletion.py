@@ -72,6 +72,7 @@ from composer_replication.envs.reference_agent import (
 from composer_replication.envs.repository_grading import guard_spec, restore_protected
 from composer_replication.rollout.agent import (
     SCHEDULING,
+    ChatRenderer,
     Episode,
     SampleFn,
     ScriptedSampler,
@@ -579,38 +580,59 @@ class FeatureDeletionEnv:
         task an agent restricted to them can solve. When it cannot, the rollout's
         ``metadata["reference_problem"]`` says why (the budget it exceeds, or how the
         episode ended) and its cost is in ``metadata["reference_cost"]``."""
-        replies = self.reference_replies(tokenizer, task_id)
-        problem = reply_budget_problem(
-            replies, tokenizer, max_turns=self.max_turns, max_new_tokens=max_new_tokens
-        )
+        return self.solve_many_with_reference(tokenizer, [task_id], max_new_tokens=max_new_tokens)[
+            0
+        ]
+
+    def solve_many_with_reference(
+        self, tokenizer: Any, task_ids: Sequence[str], *, max_new_tokens: int = DEFAULT_REPLY_TOKENS
+    ) -> list[Rollout]:
+        """:meth:`solve_with_reference` of each task, all episodes run at once (their tool
+        calls and grading in parallel)."""
+        tool_format = self.format_for(tokenizer)
+        replies = [self.reference_replies(tokenizer, tid) for tid in task_ids]
+        prompts = [
+            ChatRenderer(tokenizer, tool_format.chat_tools).prompt_ids(
+                self.messages(self.tasks[tid], tool_format)
+            )
+            for tid in task_ids
+        ]
         sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0)
-        ((rollout,),) = self._run(
+        groups = self._run(
             tokenizer,
-            [task_id],
+            task_ids,
             1,
             sampling,
-            ScriptedSampler(tokenizer, [replies]),
-            self.format_for(tokenizer),
+            ScriptedSampler(tokenizer, replies, prompts=prompts),
+            tool_format,
         )
-        cost = reference_cost(rollout)
-        rollout.metadata["reference_cost"] = {
-            "turns": cost.turns,
-            "max_reply_tokens": cost.max_reply_tokens,
-            "total_tokens": cost.total_tokens,
-            "tool_format": self.format_for(tokenizer).name,
-            "tokenizer": getattr(tokenizer, "name_or_path", None),
-        }
-        end = rollout.metadata.get("end_reason")
-        if problem is None and end != "finish":
-            problem = f"the reference episode ended with {end!r} ({rollout.error or 'no error'})"
-        if problem is None and rollout.reward < 1.0:
-            problem = (
-                f"the reference scored {rollout.reward:.2f}: "
-                f"{(rollout.error or rollout.feedback or '').strip()[-300:]}"
+        rollouts = []
+        for (rollout,), script in zip(groups, replies):
+            cost = reference_cost(rollout)
+            rollout.metadata["reference_cost"] = {
+                "turns": cost.turns,
+                "max_reply_tokens": cost.max_reply_tokens,
+                "total_tokens": cost.total_tokens,
+                "tool_format": tool_format.name,
+                "tokenizer": getattr(tokenizer, "name_or_path", None),
+            }
+            problem = reply_budget_problem(
+                script, tokenizer, max_turns=self.max_turns, max_new_tokens=max_new_tokens
             )
-        if problem is not None:
-            rollout.metadata["reference_problem"] = problem
-        return rollout
+            end = rollout.metadata.get("end_reason")
+            if problem is None and end != "finish":
+                problem = (
+                    f"the reference episode ended with {end!r} ({rollout.error or 'no error'})"
+                )
+            if problem is None and rollout.reward < 1.0:
+                problem = (
+                    f"the reference scored {rollout.reward:.2f}: "
+                    f"{(rollout.error or rollout.feedback or '').strip()[-300:]}"
+                )
+            if problem is not None:
+                rollout.metadata["reference_problem"] = problem
+            rollouts.append(rollout)
+        return rollouts
 
     def demonstrations(
         self, tokenizer: Any, task_ids: Sequence[str], *, group_size: int = 1
@@ -619,15 +641,19 @@ class FeatureDeletionEnv:
         grader, made once per task and kept): the demonstrations of ``sampling.source =
         "reference"``. A task whose reference fails (a budget, a changed repository) gives
         no demonstration (its group is empty)."""
+        with self._lock:
+            missing = list(
+                dict.fromkeys(t for t in task_ids if (t, id(tokenizer)) not in self._demonstrations)
+            )
+            if missing:  # made together: their tools and grading run in parallel
+                for tid, rollout in zip(
+                    missing, self.solve_many_with_reference(tokenizer, missing)
+                ):
+                    rollout.metadata[DEMONSTRATION_KEY] = True
+                    self._demonstrations[(tid, id(tokenizer))] = rollout
         groups = []
         for tid in task_ids:
-            key = (tid, id(tokenizer))
-            with self._lock:
-                if key not in self._demonstrations:
-                    rollout = self.solve_with_reference(tokenizer, tid)
-                    rollout.metadata[DEMONSTRATION_KEY] = True
-                    self._demonstrations[key] = rollout
-            demo = self._demonstrations[key]
+            demo = self._demonstrations[(tid, id(tokenizer))]
             ok = "reference_problem" not in demo.metadata and demo.reward >= 1.0
             groups.append([replace(demo, metadata=dict(demo.metadata))] * group_size if ok else [])
         return groups

@@ -22,7 +22,9 @@ class ScriptedSampler:
     For validating a task's gold solution through the real environment and for tests; it
     replaces the policy, nothing else. ``scripts[i]`` is the list of replies of the i-th
     episode to start (episodes are matched to scripts in the order their first prompt
-    arrives, cycling); a later prompt continues the script whose earlier output it extends.
+    arrives, cycling; with ``prompts``, the episode whose first prompt is ``prompts[i]``
+    plays ``scripts[i]``); a later prompt continues the script whose earlier output it
+    extends.
     When a script runs out, the prompt goes to ``then`` (e.g. ``policy_sampler(...)``) or,
     without one, gets an empty final answer (eos). Replies ending in a stop string finish
     with "stop", others get eos appended; every token's log-prob is ``logprob``. Episodes
@@ -36,11 +38,16 @@ class ScriptedSampler:
         *,
         then: SampleFn | None = None,
         logprob: float = 0.0,
+        prompts: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if not scripts:
             raise ValueError("ScriptedSampler needs at least one script (a list of replies)")
+        if prompts is not None and len(prompts) != len(scripts):
+            raise ValueError(f"{len(prompts)} prompts for {len(scripts)} scripts; give one each")
         self.tokenizer = tokenizer
         self.scripts = [list(s) for s in scripts]
+        # an episode whose first prompt is prompts[i] plays scripts[i], in whatever order
+        self._by_prompt = {tuple(p): i for i, p in enumerate(prompts or ())}
         self.then = then
         self.logprob = float(logprob)
         self.calls: list[int] = []  # batch size of every call, for inspection
@@ -55,6 +62,8 @@ class ScriptedSampler:
                 best = (n, script, turns)
         if best is not None:
             return best[1], best[2]
+        if tuple(prompt) in self._by_prompt:
+            return self._by_prompt[tuple(prompt)], 0
         script = self._started % len(self.scripts)
         self._started += 1
         return script, 0
