@@ -3,7 +3,9 @@
 Reads ``metrics.jsonl`` (one row per step; evaluation rows carry ``heldout/pass@1``) and
 writes ``report/`` next to it: ``rewards.png`` (in-loop reward and held-out pass@1),
 ``kl.png`` (KL to the initial policy and to the sampler), ``losses.png`` (per-component
-losses) and ``summary.md``.
+losses) and ``summary.md``; a run with agent episodes also gets ``agent.png`` (turns and
+tool calls per episode, parse failure rate, tool errors) and ``agent_ends.png`` (how the
+episodes ended), each for training and held-out episodes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,30 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ),
     ("losses.png", "component mean", tuple((k, k.split("/")[1]) for k in _LOSS_KEYS)),
 )
+#: Plots of agent episodes, written only when a run has them.
+AGENT_PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "agent.png",
+        "per episode / rate",
+        (
+            ("agent/turns_mean", "turns"),
+            ("agent/tool_calls_mean", "tool calls"),
+            ("agent/parse_failure_rate", "parse failure rate"),
+            ("heldout/agent/turns_mean", "held-out turns"),
+            ("heldout/agent/tool_calls_mean", "held-out tool calls"),
+            ("heldout/agent/parse_failure_rate", "held-out parse failure rate"),
+        ),
+    ),
+    (
+        "agent_ends.png",
+        "share of episodes",
+        tuple(
+            (f"{prefix}agent/end/{reason}", f"{where}{reason}")
+            for prefix, where in (("", ""), ("heldout/", "held-out "))
+            for reason in ("finish", "answer", "truncated", "turn_limit", "token_limit")
+        ),
+    ),
+)
 
 
 def plotted_series(rows: list[dict[str, Any]], keys: Any) -> list[str]:
@@ -62,7 +88,8 @@ def write_report(run_dir: str | Path) -> Path:
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
 
-    for filename, ylabel, keys in PANELS:
+    agent = [panel for panel in AGENT_PANELS if plotted_series(rows, panel[2])]
+    for filename, ylabel, keys in (*PANELS, *agent):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         drawn = plotted_series(rows, keys)
         for key, label in keys:
@@ -88,6 +115,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     for key, better in (
         ("reward/mean", max),
         ("heldout/pass@1", max),
+        ("heldout/agent/parse_failure_rate", min),
         ("kl/to_init", min),
         ("loss", min),
     ):
