@@ -25,6 +25,7 @@ from composer_replication.envs.reference_agent import (
     reply_budget_problem,
 )
 from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.rollout.tool_calls import parse_tool_call
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
@@ -80,6 +81,10 @@ def test_a_restored_body_is_one_replace_of_the_stub():
         ("run_tests", {"tests": ["t.py"]}),  # the target tests' files
         ("finish", {}),
     ]
+    # without reading first (the prompt shows the code): edit, test, finish
+    assert [name for name, _ in reference_calls([edit], ["t.py::a"], read=False)] == [
+        "replace", "run_tests", "finish",
+    ]  # fmt: skip
     many = [f"tests/test_{i % 2}.py::t{i}" for i in range(9)]
     assert reference_calls([edit], many)[2] == (
         "run_tests",
@@ -128,9 +133,12 @@ def generated() -> Iterator[Path]:
 def test_the_reference_agent_solves_within_budgets_and_says_why_not_beyond(generated, tokenizer):
     env = FeatureDeletionEnv(generated)
     replies = env.reference_replies(tokenizer, TASK_ID)
-    assert [json.loads(r[len("<tool_call>") : -len("</tool_call>")])["name"] for r in replies] == [
-        "read_file", "replace", "run_tests", "finish",
-    ]  # fmt: skip
+    calls = [parse_tool_call(r) for r in replies]
+    assert [c.name for c in calls] == ["read_file", "replace", "run_tests", "finish"]
+    # code goes in blocks of its own lines, exactly as it is (no JSON escapes)
+    assert "\n<new>\n    if not values:\n" in replies[1] and calls[1].arguments["new"].startswith(
+        "    if not values:\n        raise ValueError("
+    )
     solved = env.solve_with_reference(tokenizer, TASK_ID)
     assert solved.reward == 1.0 and "reference_problem" not in solved.metadata
     assert solved.metadata["end_reason"] == "finish" and solved.metadata["turns"] == 4

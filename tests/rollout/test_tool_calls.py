@@ -15,6 +15,7 @@ from composer_replication.rollout.tool_calls import (
     STOP_STRINGS,
     ToolCall,
     ToolCallError,
+    ToolParameter,
     ToolSpec,
     format_tool_call,
     parse_tool_call,
@@ -176,3 +177,57 @@ def test_one_format_for_traces_and_agents():
         "Edit", {"file_path": "a.py"}, raw='{"file_path": "a.py"}'
     )
     assert parse_tool_call('<tool_call name="Edit">{"x": </tool_call>').kind == "json_decode"
+
+
+@settings(max_examples=80, deadline=None)
+@example(text='x = "1"\n  \\n</new>')  # a value that cannot end its block goes inline
+@example(text="")
+@given(text=st.text(alphabet=st.sampled_from('ab "\\\n</>tolcan_ew'), max_size=40))
+def test_text_arguments_in_blocks_round_trip(text):
+    call = format_tool_call(
+        "replace", {"path": "a.py", "old": "x", "new": text}, raw=["old", "new"]
+    )
+    parsed = parse_tool_call(f"I'll fix it.\n{call}", {"replace"})
+    assert isinstance(parsed, ToolCall)
+    assert parsed.arguments == {"path": "a.py", "old": "x", "new": text}
+
+
+def test_blocks_follow_the_object_exactly_as_written():
+    text = (
+        '<tool_call>{"name": "replace", "arguments": {"path": "m.py"}}\n'
+        '<old>\n    return 1\n</old>\n<new>\n    s = "it\'s\\n"\n    return s\n</new>\n'
+        "</tool_call>"
+    )
+    call = parse_tool_call(text, {"replace"})
+    assert call.arguments == {
+        "path": "m.py",
+        "old": "    return 1",
+        "new": '    s = "it\'s\\n"\n    return s',
+    }
+    stray = parse_tool_call('<tool_call>{"name": "replace"} junk</tool_call>', {"replace"})
+    assert stray.kind == "json_decode" and "not an argument block" in stray.message
+    unclosed = parse_tool_call('<tool_call>{"name": "replace"}\n<new>\nx\n</tool_call>')
+    assert unclosed.kind == "json_decode"
+
+
+def test_instructions_show_text_arguments_as_blocks():
+    spec = ToolSpec(
+        "replace",
+        "Replace old by new.",
+        (
+            ToolParameter("path", "the file"),
+            ToolParameter("old", "the text", raw=True),
+            ToolParameter("new", "its replacement", raw=True),
+        ),
+    )
+    lines = tool_instructions([spec]).splitlines()
+    start = lines.index(
+        '<tool_call>{"name": "replace", "arguments": {"path": "package/module.py"}}'
+    )
+    assert lines[start + 1 : start + 8] == [
+        "<old>", '    return "a"', "</old>", "<new>", '    return "b"', "</new>", "</tool_call>",
+    ]  # fmt: skip
+    assert lines[-1] == (
+        "- replace(path, old, new): Replace old by new. Arguments: path: the file; old (text): "
+        "the text; new (text): its replacement."
+    )

@@ -99,19 +99,25 @@ TOOL_SPECS: dict[str, ToolSpec] = {
             "Replace the one occurrence of old in a file by new.",
             (
                 ToolParameter("path", "the file"),
-                ToolParameter("old", "the exact text, occurring once"),
-                ToolParameter("new", "its replacement"),
+                ToolParameter("old", "the exact text, occurring once", raw=True),
+                ToolParameter("new", "its replacement", raw=True),
             ),
         ),
         ToolSpec(
             "create_file",
             "Create a new file.",
-            (ToolParameter("path", "the new file"), ToolParameter("content", "its text")),
+            (
+                ToolParameter("path", "the new file"),
+                ToolParameter("content", "its text", raw=True),
+            ),
         ),
         ToolSpec(
             "write_file",
             "Replace a file's whole text (or create it).",
-            (ToolParameter("path", "the file"), ToolParameter("content", "its new text")),
+            (
+                ToolParameter("path", "the file"),
+                ToolParameter("content", "its new text", raw=True),
+            ),
         ),
         ToolSpec(
             "run_tests",

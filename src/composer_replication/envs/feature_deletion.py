@@ -171,6 +171,9 @@ class FeatureDeletionEnv:
         page_lines: The most lines ``read_file`` and ``search`` show at once.
         scheduling: "async" (each episode samples again as soon as its own call returns)
             or "barrier" (turn by turn).
+        reference_reads: The reference agent reads the lines around a change before editing
+            (False: it edits at once, as a task whose prompt shows the code can; shorter
+            demonstrations to imitate).
         tool_workers: Tool calls running at once.
         grading_workers: Attempts scored in parallel (each as soon as its episode ends).
         hack_log: Optional JSONL file recording every monitor verdict.
@@ -192,6 +195,7 @@ class FeatureDeletionEnv:
         max_observation_chars: int = 4000,
         page_lines: int = 100,
         scheduling: str = "async",
+        reference_reads: bool = True,
         tool_workers: int = 4,
         grading_workers: int = 2,
         hack_log: str | os.PathLike[str] | None = None,
@@ -247,6 +251,7 @@ class FeatureDeletionEnv:
         self.max_observation_chars = max_observation_chars
         self.page_lines = page_lines
         self.scheduling = scheduling
+        self.reference_reads = bool(reference_reads)
         self.tool_workers = tool_workers
         self.grading_workers = grading_workers
         self.hack_log = HackLog(hack_log) if hack_log else None
@@ -569,7 +574,9 @@ class FeatureDeletionEnv:
             )
         return [
             tool_format.format_call(name, arguments)
-            for name, arguments in reference_calls(edits, task.target_tests, line_counts=line_count)
+            for name, arguments in reference_calls(
+                edits, task.target_tests, line_counts=line_count, read=self.reference_reads
+            )
         ]
 
     def solve_with_reference(

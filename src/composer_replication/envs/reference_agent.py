@@ -128,12 +128,13 @@ def reference_calls(
     target_tests: Sequence[str],
     *,
     line_counts: Callable[[str], int] | None = None,
+    read: bool = True,
 ) -> list[tuple[str, dict[str, Any]]]:
     """The reference agent's episode as ``(tool, arguments)`` calls: per edited file, read
-    the lines around its changes; each ``replace``; ``run_tests`` on the target tests'
-    files; ``finish``."""
+    the lines around its changes (unless ``read`` is False: the task's prompt shows them);
+    each ``replace``; ``run_tests`` on the target tests' files; ``finish``."""
     calls: list[tuple[str, dict[str, Any]]] = []
-    for path in dict.fromkeys(e.path for e in edits if e.old):
+    for path in dict.fromkeys(e.path for e in edits if e.old and read):
         spans = [e for e in edits if e.path == path]
         start = max(1, spans[0].first_line - READ_CONTEXT)
         end = spans[-1].last_line + READ_CONTEXT

@@ -9,6 +9,19 @@ this):
   takes none). Sampling stops at ``</tool_call>`` (:data:`STOP_STRINGS`), so a message holds
   at most one call and nothing after it; a string that must contain the closing tag writes
   it with JSON's ``\\/`` escape (``<\\/tool_call>``), as :func:`format_tool_call` does.
+- A text argument (code: an edit's ``old`` and ``new``, a file's ``content``; a
+  :class:`ToolParameter` with ``raw``) may instead follow the object as a block of its own
+  lines, ``<name>`` / the text exactly as it is / ``</name>``, with no quoting or escaping
+  (code in a JSON string is where small models slip), e.g.::
+
+      <tool_call>{"name": "replace", "arguments": {"path": "pkg/mod.py"}}
+      <old>
+          return "a"
+      </old>
+      <new>
+          return "b"
+      </new>
+      </tool_call>
 - The environment answers with one message holding the tool's output (or an error that
   starts with ``Error:``), rendered through the tokenizer's chat template with the ``tool``
   role; a template without a tool role gets a ``user`` message whose text starts with
@@ -125,13 +138,15 @@ PARAMETER_TYPES = ("string", "integer", "number", "boolean", "array", "object")
 @dataclass(frozen=True)
 class ToolParameter:
     """One argument of a tool: its JSON-schema ``type`` (``items``: the element type of an
-    ``array``), whether it is ``required``, and what it means."""
+    ``array``), whether it is ``required``, and what it means. ``raw``: a text argument
+    (code) that the project's text format writes as a block after the call's object."""
 
     name: str
     description: str
     type: str = "string"
     required: bool = True
     items: str | None = None
+    raw: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in PARAMETER_TYPES:
@@ -189,19 +204,41 @@ class ToolSpec:
 
 
 def format_tool_call(
-    name: str, arguments: Mapping[str, Any] | None = None, *, sort_keys: bool = False
+    name: str,
+    arguments: Mapping[str, Any] | None = None,
+    *,
+    sort_keys: bool = False,
+    raw: Collection[str] = (),
 ) -> str:
     """The canonical text of a call, exactly as the model is asked to write it (non-ASCII
-    text as it is; ``sort_keys``: the arguments' keys sorted, as trace renderings want)."""
-    body = json.dumps(
-        {"name": name, "arguments": dict(arguments or {})}, ensure_ascii=False, sort_keys=False
-    )
+    text as it is; ``sort_keys``: the arguments' keys sorted, as trace renderings want).
+    String arguments named in ``raw`` follow the object as blocks (see the module
+    docstring), unless their text could not end its block."""
+    arguments = dict(arguments or {})
+    blocks = {
+        key: value
+        for key, value in arguments.items()
+        if key in raw and isinstance(value, str) and _fits_block(key, value)
+    }
+    inline = {k: v for k, v in arguments.items() if k not in blocks}
     if sort_keys:
-        inner = json.dumps(dict(arguments or {}), ensure_ascii=False, sort_keys=True)
+        inline = dict(sorted(inline.items()))
+    body = json.dumps({"name": name, "arguments": inline}, ensure_ascii=False)
+    if sort_keys:  # nested objects sorted too
+        inner = json.dumps(inline, ensure_ascii=False, sort_keys=True)
         body = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {inner}}}'
-
     body = body.replace("</", "<\\/")  # JSON's "\/" escape: a closing tag in a string stays data
-    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+    if not blocks:
+        return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+    text = "".join(f"\n<{key}>\n{value}\n</{key}>" for key, value in blocks.items())
+    return f"{TOOL_CALL_OPEN}{body}{text}\n{TOOL_CALL_CLOSE}"
+
+
+def _fits_block(key: str, value: str) -> bool:
+    return f"\n</{key}>" not in f"\n{value}" and TOOL_CALL_CLOSE not in value
+
+
+_BLOCK = re.compile(r"\s*<([A-Za-z_][A-Za-z0-9_]*)>\n(.*?)\n</\1>", re.DOTALL)
 
 
 def tool_instructions(tools: Sequence[ToolSpec], preamble: str = "") -> str:
@@ -212,6 +249,22 @@ def tool_instructions(tools: Sequence[ToolSpec], preamble: str = "") -> str:
         f"{TOOL_CALL_OPEN} and {TOOL_CALL_CLOSE}, with the tool's name and an object of "
         "arguments, and stop; for example:",
         format_tool_call("read_file", {"path": "package/module.py"}),
+    ]
+    with_text = next((spec for spec in tools if any(p.raw for p in spec.params)), None)
+    if with_text is not None:
+        raw = [p.name for p in with_text.params if p.raw]
+        texts = iter(_EXAMPLE_TEXT * len(raw))
+        example = {
+            p.name: next(texts) if p.raw else "package/module.py"
+            for p in with_text.params
+            if p.required
+        }
+        lines += [
+            "A (text) argument, such as code, goes after the object instead, between <name> "
+            "and </name> lines, written exactly as it is (no quotes, no escapes); for example:",
+            format_tool_call(with_text.name, example, raw=raw),
+        ]
+    lines += [
         "The tool's output comes back in the next message (errors start with 'Error:'). "
         "Call one tool per message. When you are done, call finish.",
         "",
@@ -219,9 +272,15 @@ def tool_instructions(tools: Sequence[ToolSpec], preamble: str = "") -> str:
     ]
     for spec in tools:
         signature = ", ".join(p.name if p.required else f"{p.name}?" for p in spec.params)
-        params = "; ".join(f"{p.name}: {p.description}" for p in spec.params) or "none"
+        params = (
+            "; ".join(f"{p.name}{' (text)' if p.raw else ''}: {p.description}" for p in spec.params)
+            or "none"
+        )
         lines.append(f"- {spec.name}({signature}): {spec.description} Arguments: {params}.")
     return "\n".join(lines)
+
+
+_EXAMPLE_TEXT = ('    return "a"', '    return "b"')
 
 
 def _available(tool_names: Collection[str]) -> str:
@@ -254,10 +313,32 @@ def parse_tool_call(
     if end < 0:
         return unclosed_call(text[body_start:])
     raw = text[body_start:end]
+    return _parse_body(raw, tool_names)
+
+
+def _parse_body(raw: str, tool_names: Collection[str] | None) -> ToolCall | ToolCallError:
+    """The call between the tags: a JSON object, then any argument blocks."""
+    body = raw.lstrip()
     try:
-        data = json.loads(raw)
+        data, end = json.JSONDecoder().raw_decode(body)
     except json.JSONDecodeError as err:
         return invalid_json(raw, err)
+    rest, blocks = body[end:], {}
+    while rest.strip():
+        match = _BLOCK.match(rest)
+        if match is None:
+            return ToolCallError(
+                "json_decode",
+                "Error: the tool call is not valid JSON: after its object comes text that is not "
+                "an argument block (<name>, the text on lines of its own, </name>)",
+                raw=raw,
+            )
+        blocks[match.group(1)] = match.group(2)
+        rest = rest[match.end() :]
+    if blocks and isinstance(data, dict):
+        arguments = data.get("arguments")
+        arguments = dict(arguments) if isinstance(arguments, dict) else {}
+        data = {**data, "arguments": {**arguments, **blocks}}
     return call_from_object(data, raw, tool_names)
 
 

@@ -96,7 +96,8 @@ class TextToolFormat:
         return tool_instructions(self.specs, preamble)
 
     def format_call(self, name: str, arguments: Mapping[str, Any] | None = None) -> str:
-        return format_tool_call(name, arguments)
+        raw = [p.name for spec in self.specs if spec.name == name for p in spec.params if p.raw]
+        return format_tool_call(name, arguments, raw=raw)
 
     def parse(
         self, text: str, tool_names: Collection[str] | None = None
