@@ -4,8 +4,8 @@ Reads ``metrics.jsonl`` (one row per step; evaluation rows carry ``heldout/pass@
 writes ``report/`` next to it: ``rewards.png`` (in-loop reward and held-out pass@1),
 ``kl.png`` (KL to the initial policy and to the sampler), ``losses.png`` (per-component
 losses) and ``summary.md``; a run with agent episodes also gets ``agent.png`` (turns and
-tool calls per episode, parse failure rate, tool errors) and ``agent_ends.png`` (how the
-episodes ended), each for training and held-out episodes.
+tool calls per episode, parse failure rate) and ``agent_ends.png`` (how the episodes
+ended), each for training and held-out episodes.
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ def test_the_environment_solves_the_task_with_its_reference_and_grades_no_change
         tokenizer,
         ["swe:acme__calc-1"],
         group_size=1,
-        sampling=SamplingSettings(max_new_tokens=64, temperature=0),
+        sampling=SamplingSettings(max_new_tokens=128, temperature=0),
         sample_fn=ScriptedSampler(tokenizer, [[finish]]),
     )
     assert idle.reward == 0.0 and idle.error is None

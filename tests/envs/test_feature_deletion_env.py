@@ -505,3 +505,16 @@ def test_a_run_refuses_tasks_split_differently_from_its_own(generated: Path):
     other = HeldoutSplit(0.5, "another-salt")
     with pytest.raises(HeldoutSplitMismatch, match=r"heldout_fraction = 0\.25 and heldout_salt"):
         build_runtime(cfg, policy=None, tokenizer=None, split=other, seed=0, env=env)
+
+
+def test_built_in_factories_refuse_a_task_environment_they_cannot_give(tmp_path: Path):
+    from composer_replication.envs.feature_deletion import (
+        default_sandbox_factory,
+        docker_sandbox_factory,
+    )
+
+    with pytest.raises(ValueError, match="set sandbox = 'docker'"):
+        default_sandbox_factory(tmp_path, image="python:3.11-slim")
+    docker = docker_sandbox_factory({"image": "python:3.11-slim"})
+    with pytest.raises(ValueError, match="run it with sandbox = 'local'"):
+        docker(tmp_path, python="/srv/envs/abc/bin/python")

@@ -1,4 +1,4 @@
-"""Task generation: FeatureDeletion with its 4 solvability gates, leak scrubbing, the hack
+"""Task generation: FeatureDeletion with its five solvability gates, leak scrubbing, the hack
 monitor and the difficulty curriculum.
 
 Modules: `feature_deletion` (+ `gates`), `curriculum`, `cli`. What the environments

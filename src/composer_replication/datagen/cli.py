@@ -124,11 +124,15 @@ def datagen_main(
                 image=docker_image,
                 say=lambda line: bar.console.print(line, soft_wrap=True, highlight=False),
             )
-        except (ValueError, RuntimeError) as exc:  # no tests found, a virtualenv that failed
+        except (
+            ValueError,
+            RuntimeError,
+        ) as exc:  # a virtualenv that failed, an unusable test command
             _error(console, str(exc))
             return 2
     console.print(_outcome_table(report, Table), soft_wrap=True)
-    console.print(f"every candidate and its outcome: {report.candidates_output}")
+    if Path(report.candidates_output).is_file():
+        console.print(f"every candidate and its outcome: {report.candidates_output}")
     if not report.accepted:
         _error(
             console,
@@ -142,6 +146,33 @@ def datagen_main(
     console.print(f"hidden references (owner-only): {report.reference_output}")
     console.print(f"workdirs: {report.workdirs}  ({report.duration_s:.1f} s)")
     return 0
+
+
+def _budgets(
+    max_turns: int, max_new_tokens: int, max_total_tokens: int, tools: str | None, tool_format: str
+) -> Any:
+    """The ``AgentBudgets`` the command's options give (``tools``: comma-separated);
+    unknown tools or formats are usage errors."""
+    from composer_replication.datagen.feature_deletion import AgentBudgets
+    from composer_replication.envs.fd_tools import DEFAULT_TOOLS, tool_specs
+    from composer_replication.rollout.tool_formats import TOOL_FORMAT_MODES
+
+    if tools:
+        try:
+            tool_specs([t.strip() for t in tools.split(",") if t.strip()])
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--tools") from None
+    if tool_format not in TOOL_FORMAT_MODES:
+        raise typer.BadParameter(
+            f"{tool_format!r}; use {', '.join(TOOL_FORMAT_MODES)}", param_hint="--tool-format"
+        )
+    return AgentBudgets(
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_total_tokens=max_total_tokens,
+        tools=tuple(t.strip() for t in tools.split(",") if t.strip()) if tools else DEFAULT_TOOLS,
+        tool_format=tool_format,
+    )
 
 
 def _tokenizer(model: str) -> Any:
@@ -261,16 +292,7 @@ def datagen_command(
 ) -> None:
     """FeatureDeletion: delete covered function bodies, keep tasks that pass every gate
     (the last: the reference agent solves them within the agent's budgets)."""
-    from composer_replication.datagen.feature_deletion import AgentBudgets
-    from composer_replication.envs.fd_tools import DEFAULT_TOOLS
-
-    budgets = AgentBudgets(
-        max_turns=max_turns,
-        max_new_tokens=max_new_tokens,
-        max_total_tokens=max_total_tokens,
-        tools=tuple(t.strip() for t in tools.split(",") if t.strip()) if tools else DEFAULT_TOOLS,
-        tool_format=tool_format,
-    )
+    budgets = _budgets(max_turns, max_new_tokens, max_total_tokens, tools, tool_format)
     raise typer.Exit(
         datagen_main(
             repo,
@@ -474,6 +496,15 @@ def import_tasks_command(
     max_total_tokens: Annotated[
         int, typer.Option("--max-total-tokens", min=1, help="Tokens an episode may take in all.")
     ] = 4096,
+    tools: Annotated[
+        str | None,
+        typer.Option(
+            "--tools", help="Comma-separated tools the agent has (default: the editing set)."
+        ),
+    ] = None,
+    tool_format: Annotated[
+        str, typer.Option("--tool-format", help="auto, native or text.")
+    ] = "auto",
     exec_timeout: Annotated[
         float, typer.Option("--exec-timeout", min=1, help="Seconds one test run may take.")
     ] = 300.0,
@@ -487,11 +518,7 @@ def import_tasks_command(
     Each is validated in the sandbox: its FAIL_TO_PASS tests fail, its PASS_TO_PASS tests
     pass, with the gold patch both pass, and the reference agent solves it within the
     agent's budgets."""
-    from composer_replication.datagen.feature_deletion import AgentBudgets
-
-    budgets = AgentBudgets(
-        max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens
-    )
+    budgets = _budgets(max_turns, max_new_tokens, max_total_tokens, tools, tool_format)
     raise typer.Exit(
         import_tasks_main(
             instances,

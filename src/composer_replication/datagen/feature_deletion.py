@@ -389,10 +389,15 @@ def generate_tasks(
             )
             return task if isinstance(task, GateOutcome) else solvers.mine().check(*task)
 
-        for done, (cand, task) in enumerate(_in_order(validate, candidates, workers), start=1):
-            if len(train) + len(held) >= max_tasks:
-                if not isinstance(task, GateOutcome):  # validated in flight: not needed
-                    shutil.rmtree(task[2], ignore_errors=True)
+        def enough() -> bool:
+            return len(train) + len(held) >= max_tasks
+
+        for done, (cand, task) in enumerate(
+            _in_order(validate, candidates, workers, enough), start=1
+        ):
+            if enough():
+                if task is not None and not isinstance(task, GateOutcome):
+                    shutil.rmtree(task[2], ignore_errors=True)  # validated in flight
                 rows.append(_row(cand, "not_tried", None, "max_tasks reached"))
                 continue
             if isinstance(task, GateOutcome):
@@ -565,24 +570,28 @@ def _try_candidate(
 
 
 def _in_order(
-    validate: Callable[[Candidate], Any], candidates: Sequence[Candidate], workers: int
+    validate: Callable[[Candidate], Any],
+    candidates: Sequence[Candidate],
+    workers: int,
+    enough: Callable[[], bool],
 ) -> Iterator[tuple[Candidate, Any]]:
     """``(candidate, validate(candidate))`` in candidate order, ``workers`` validating at
-    once (the gates wait on sandboxed test runs, not on this process)."""
+    once (the gates wait on sandboxed test runs, not on this process); once ``enough()``,
+    the candidates not started yet come back unvalidated (``None``)."""
     if workers <= 1:
         for cand in candidates:
-            yield cand, validate(cand)
+            yield cand, None if enough() else validate(cand)
         return
     with ThreadPoolExecutor(workers) as pool:
-        pending: deque[tuple[Candidate, Future[Any]]] = deque()
+        pending: deque[tuple[Candidate, Future[Any] | None]] = deque()
         todo = iter(candidates)
         for cand in itertools.islice(todo, 2 * workers):
             pending.append((cand, pool.submit(validate, cand)))
         while pending:
             cand, future = pending.popleft()
-            yield cand, future.result()
+            yield cand, None if future is None else future.result()
             for more in itertools.islice(todo, 1):
-                pending.append((more, pool.submit(validate, more)))
+                pending.append((more, None if enough() else pool.submit(validate, more)))
 
 
 class _Solvers:
@@ -638,12 +647,18 @@ class ReferenceSolver:
         env = FeatureDeletionEnv(
             held / "tasks.jsonl",
             sandbox_factory=self.sandbox_factory,
+            reference_reads="read_file" in self.budgets.tools,
             **self.budgets.environment_options(),
         )
-        rollout = env.solve_with_reference(
-            self.tokenizer, task.task_id, max_new_tokens=self.budgets.max_new_tokens
-        )
-        shutil.rmtree(held, ignore_errors=True)
+        try:
+            rollout = env.solve_with_reference(
+                self.tokenizer, task.task_id, max_new_tokens=self.budgets.max_new_tokens
+            )
+        except ValueError as exc:  # the editing tools cannot express this reference
+            shutil.rmtree(task_dir, ignore_errors=True)
+            return GateOutcome(GATE_SOLVABLE, False, str(exc))
+        finally:
+            shutil.rmtree(held, ignore_errors=True)
         problem = rollout.metadata.get("reference_problem")
         if problem:
             shutil.rmtree(task_dir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The 4-gate solvability validator for FeatureDeletion tasks.
+"""The five-gate solvability validator for FeatureDeletion tasks.
 
 A task is accepted only if:
 1. the original suite passes (otherwise no failure can be blamed on the deletion);
@@ -71,7 +71,8 @@ def _tail(result: TestRunResult, lines: int = 6) -> str:
 
 
 class SolvabilityValidator:
-    """Run the four gates with sandboxes from `sandbox_factory`."""
+    """Run gates 1-4 with sandboxes from `sandbox_factory` (gate 5, the reference agent,
+    runs where the task is held as the environment holds it: ``datagen.feature_deletion``)."""
 
     def __init__(
         self,

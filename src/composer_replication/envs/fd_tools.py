@@ -434,7 +434,9 @@ def write_file(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     if not isinstance(content, str):
         raise ToolError(f"content must be a string, got {type(content).__name__}", "bad_arguments")
     if len(content) > MAX_WRITE_CHARS:
-        raise ToolError(f"content has {len(content)} characters; at most {MAX_WRITE_CHARS}")
+        raise ToolError(
+            f"content has {len(content)} characters; at most {MAX_WRITE_CHARS}", "bad_arguments"
+        )
     target = resolve_in_workdir(attempt.workdir, path)
     if target.exists():
         _check_regular(target, path)

@@ -13,11 +13,13 @@ the task workdirs (``<stem>.workdirs/``) and the hidden references
    ``search``, ``replace``, ``create_file``, ``run_tests`` and ``finish`` by default;
    ``write_file`` and ``shell`` on request), calls written in the model's own tool syntax
    where its chat template has one (``tool_format``);
-3. score, as soon as the episode ends (while the others still run): run the whole suite
-   once more in the sandbox. reward = the fraction of the task's target tests that pass,
-   or 0.0 when any other originally passing test no longer passes; then
-   ``HackMonitor.check`` (workdir diff + the tool log): a flagged attempt scores 0.0 and its
-   verdict is kept in ``metadata["hack"]``. Failing test output becomes ``feedback``.
+3. score, as soon as the episode ends (while the others still run): ``HackMonitor.check``
+   judges the workdir as the agent left it (workdir diff + the tool log), the test and
+   configuration files are put back, and the task's tests (``graded_tests``; the whole
+   suite when it names none) run once more in the sandbox. reward = the fraction of the
+   task's target tests that pass, or 0.0 when any other originally passing test no longer
+   passes; a flagged attempt scores 0.0 and its verdict is kept in ``metadata["hack"]``.
+   Failing test output becomes ``feedback``.
 
 A task may carry its own environment: the interpreter of a virtualenv holding the
 repository's declared dependencies (``FDTask.python``), or a container image
@@ -79,7 +81,7 @@ from composer_replication.rollout.agent import (
     run_agent_rollouts,
     sampler_step,
 )
-from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.rollout.generate import SamplingSettings, reuse_prompt_states
 from composer_replication.rollout.tool_formats import TextToolFormat, ToolFormat, tool_format_for
 from composer_replication.rollout.types import DEMONSTRATION_KEY, Rollout
 from composer_replication.safety.hack_monitor import (
@@ -121,12 +123,27 @@ DEFAULT_REPLY_TOKENS = 256
 
 
 def default_sandbox_factory(
-    workdir: Path, *, python: str | None = None, ro_binds: Sequence[str] = ()
+    workdir: Path,
+    *,
+    python: str | None = None,
+    ro_binds: Sequence[str] = (),
+    image: str | None = None,
 ) -> Any:
     """A ``LocalSubprocessSandbox`` for an attempt: 60 s per command, 1 GB, a quota that fits
-    the repository; ``python`` / ``ro_binds``: a task's own interpreter and its folder."""
+    the repository; ``python`` / ``ro_binds``: a task's own interpreter and its folder.
+
+    Raises:
+        ValueError: the task names a container ``image`` (its tests need it: run the
+            environment with ``sandbox = "docker"``).
+    """
     from composer_replication.sandbox.local import LocalSubprocessSandbox
     from composer_replication.sandbox.workdir import quota_fitting
+
+    if image:
+        raise ValueError(
+            f"this task's tests run in the container image {image!r}; set sandbox = 'docker' "
+            "(with [envs.docker]) for its environment"
+        )
 
     # the quota fits the repository however large, with 512 MB for what the agent writes
     return LocalSubprocessSandbox(
@@ -141,14 +158,28 @@ def default_sandbox_factory(
 
 def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[..., Any]:
     """The factory of ``sandbox = "docker"``: one container per attempt (closed after scoring),
-    from the task's own image when it names one.
+    from the task's own image when it names one (a task prepared with a host virtualenv is
+    refused: its interpreter is not in any image).
 
     ``settings`` are the ``[envs.docker]`` table; unset, the command limit is 60 s as locally.
     """
     from composer_replication.sandbox.docker import DockerSandboxFactory
 
     options = {"exec_timeout_s": 60, **settings}
-    return DockerSandboxFactory(options.pop("image"), **options)
+    factory = DockerSandboxFactory(options.pop("image"), **options)
+
+    def make(
+        workdir: Path, *, image: str | None = None, python: str | None = None, **_: Any
+    ) -> Any:
+        if python:
+            raise ValueError(
+                "this task's tests were prepared with a virtualenv on this host "
+                f"({python}); run it with sandbox = 'local', or make its tasks again with "
+                "--docker-image so that they name an image"
+            )
+        return factory(workdir, image=image)
+
+    return make
 
 
 class FeatureDeletionEnv:
@@ -397,24 +428,27 @@ class FeatureDeletionEnv:
                     if scored:  # as soon as the episode ends, while the others run
                         graded[index] = graders.submit(self.score, attempts[index], rollout)
 
-                rollouts = run_agent_rollouts(
-                    None,
-                    tokenizer,
-                    [
-                        Episode(a.task.task_id, self.messages(a.task, tool_format), a)
-                        for a in attempts
-                    ],
-                    sampling=sampling,
-                    max_turns=self.max_turns,
-                    tools=self.tools,
-                    max_total_tokens=self.max_total_tokens,
-                    max_observation_chars=self.max_observation_chars,
-                    sample_fn=sample_fn,
-                    tool_workers=self.tool_workers,
-                    tool_format=tool_format,
-                    scheduling=self.scheduling,
-                    on_done=grade,
-                )
+                # the weights hold still through the collection: each turn prefills only
+                # what its episode's last prompt did not have (a sampler in this process)
+                with reuse_prompt_states(outer=True):
+                    rollouts = run_agent_rollouts(
+                        None,
+                        tokenizer,
+                        [
+                            Episode(a.task.task_id, self.messages(a.task, tool_format), a)
+                            for a in attempts
+                        ],
+                        sampling=sampling,
+                        max_turns=self.max_turns,
+                        tools=self.tools,
+                        max_total_tokens=self.max_total_tokens,
+                        max_observation_chars=self.max_observation_chars,
+                        sample_fn=sample_fn,
+                        tool_workers=self.tool_workers,
+                        tool_format=tool_format,
+                        scheduling=self.scheduling,
+                        on_done=grade,
+                    )
                 for future in graded.values():
                     future.result()
         finally:
@@ -566,7 +600,8 @@ class FeatureDeletionEnv:
             return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
         tool_format = self.format_for(tokenizer)
-        missing = {name for name, _ in reference_calls(edits, ())} - set(self.tools)
+        needed = reference_calls(edits, (), read=self.reference_reads)
+        missing = {name for name, _ in needed} - set(self.tools)
         if missing:
             raise ValueError(
                 f"the reference agent needs the tools {sorted(missing)}, which this "
@@ -662,5 +697,9 @@ class FeatureDeletionEnv:
         for tid in task_ids:
             demo = self._demonstrations[(tid, id(tokenizer))]
             ok = "reference_problem" not in demo.metadata and demo.reward >= 1.0
-            groups.append([replace(demo, metadata=dict(demo.metadata))] * group_size if ok else [])
+            groups.append(
+                [replace(demo, metadata=dict(demo.metadata)) for _ in range(group_size)]
+                if ok
+                else []
+            )
         return groups

@@ -104,12 +104,19 @@ def static_loop_applies(model: Any, options: DecodeOptions) -> bool:
 
 
 @contextlib.contextmanager
-def reuse_prompt_states() -> Iterator[Any]:
+def reuse_prompt_states(*, outer: bool = False) -> Iterator[Any]:
     """In-process sampling in the block prefills each distinct prompt once: its state is
-    kept and later calls start from it. Only while the policy's weights stay as they are
-    (an evaluation); yields the :class:`~composer_replication.rollout.decode.PromptStates`."""
+    kept and later calls start from it, and a prompt that extends a kept one (an agent's
+    next turn) prefills only its new tokens. Only while the policy's weights stay as they
+    are (an evaluation, one collection of episodes); yields the
+    :class:`~composer_replication.rollout.kv_cache.PromptStates`. ``outer``: inside another
+    such block, keep using its store."""
     from composer_replication.rollout.kv_cache import PromptStates
 
+    current = _PROMPT_STATES.get()
+    if outer and current is not None:
+        yield current
+        return
     states = PromptStates()
     token = _PROMPT_STATES.set(states)
     try:

@@ -9,7 +9,10 @@ rejected drafts leave behind (compaction) and lets waiting prompts join a runnin
 
 A :class:`PromptState` is the model's state after a prompt (per-layer keys and values and
 the last position's logits): a prompt is prefilled once per call, or once across calls
-inside a :class:`PromptStates` store.
+inside a :class:`PromptStates` store. A prompt that extends a stored one (an agent's next
+turn: its last prompt, the reply, the observation) is prefilled from that state on, only
+its new tokens forwarded (:func:`extend_state`); the store then drops the state it
+extended, and keeps at most ``max_bytes`` of states (the oldest go first).
 
 A forward writes into a cache passed with :func:`~composer_replication.compat.cache_kwargs`
 (the keyword differs across the supported transformers releases).
@@ -32,6 +35,7 @@ __all__ = [
     "PromptStates",
     "cache_capacity",
     "can_relayout",
+    "extend_state",
     "new_cache",
     "prompt_states",
     "relayout",
@@ -57,39 +61,121 @@ class PromptState:
 
 class PromptStates:
     """Prompt states kept across decode calls of one model whose weights do not change
-    meanwhile (an evaluation samples greedy and sampled answers of the same prompts)."""
+    meanwhile (an evaluation samples greedy and sampled answers of the same prompts; an
+    agent's turns extend their earlier prompts).
 
-    def __init__(self) -> None:
-        self._states: dict[tuple[int, tuple[int, ...]], PromptState] = {}
+    ``max_bytes`` bounds what it holds: a new state makes room by dropping the states used
+    least recently.
+    """
+
+    def __init__(self, max_bytes: int = 4 << 30) -> None:
+        self.max_bytes = int(max_bytes)
+        self._states: dict[tuple[int, tuple[int, ...]], PromptState] = {}  # oldest first
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._states)
 
+    @property
+    def bytes(self) -> int:
+        """What the kept states occupy."""
+        return self._bytes
+
     def get(self, model: Any, prompt: tuple[int, ...]) -> PromptState | None:
-        return self._states.get((id(model), prompt))
+        key = (id(model), prompt)
+        state = self._states.pop(key, None)
+        if state is not None:
+            self._states[key] = state  # used: now the newest
+        return state
+
+    def longest_prefix(
+        self, model: Any, prompt: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], PromptState] | None:
+        """The longest kept prompt that ``prompt`` extends (strictly), with its state."""
+        best: tuple[tuple[int, ...], PromptState] | None = None
+        for (owner, kept), state in self._states.items():
+            if owner != id(model) or len(kept) >= len(prompt):
+                continue
+            if (best is None or len(kept) > len(best[0])) and prompt[: len(kept)] == kept:
+                best = (kept, state)
+        return best
 
     def put(self, model: Any, prompt: tuple[int, ...], state: PromptState) -> None:
+        self.drop(model, prompt)
+        size = _state_bytes(state)
+        while self._states and self._bytes + size > self.max_bytes:
+            oldest = next(iter(self._states))
+            self._bytes -= _state_bytes(self._states.pop(oldest))
         self._states[(id(model), prompt)] = state
+        self._bytes += size
+
+    def drop(self, model: Any, prompt: tuple[int, ...]) -> None:
+        state = self._states.pop((id(model), prompt), None)
+        if state is not None:
+            self._bytes -= _state_bytes(state)
+
+
+def _state_bytes(state: PromptState) -> int:
+    return sum(t.numel() * t.element_size() for t in (*state.keys, *state.values))
+
+
+def extend_state(model: Any, state: PromptState, tokens: Sequence[int]) -> PromptState:
+    """The state after ``tokens`` following the prompt ``state`` is the state of: one
+    forward of the new tokens over the kept keys and values (the same numbers as a
+    prefill of the whole prompt, up to float rounding)."""
+    from transformers import DynamicCache
+
+    device = state.keys[0].device
+    cache = DynamicCache()
+    for layer, (keys, values) in enumerate(zip(state.keys, state.values)):
+        cache.update(keys[None], values[None], layer)
+    start = state.length
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    out = model(
+        input_ids=ids,
+        position_ids=torch.arange(start, start + len(tokens), device=device)[None],
+        use_cache=True,
+        logits_to_keep=1,
+        **cache_kwargs(cache),
+    )
+    return PromptState(
+        keys=[layer.keys[0].clone() for layer in cache.layers],
+        values=[layer.values[0].clone() for layer in cache.layers],
+        logits=out.logits[0, -1, :].float().clone(),
+    )
 
 
 def prompt_states(
     model: Any, prompts: Sequence[tuple[int, ...]], pad_id: int, store: PromptStates
 ) -> tuple[dict[tuple[int, ...], PromptState], int]:
-    """Each distinct prompt's state, from ``store`` or prefilled (length-sorted chunks of
-    :data:`PREFILL_ROWS`, left-padded) and added to it; and the prompt tokens prefilled."""
+    """Each distinct prompt's state, from ``store``, extended from the longest kept prompt
+    it extends (that one is then dropped: the turn it served is over), or prefilled
+    (length-sorted chunks of :data:`PREFILL_ROWS`, left-padded); each is added to the
+    store. Also the prompt tokens forwarded."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
     states: dict[tuple[int, ...], PromptState] = {}
     missing = []
+    extended: list[tuple[int, ...]] = []
+    prefilled = 0
     for prompt in dict.fromkeys(prompts):
         found = store.get(model, prompt)
-        if found is None:
-            missing.append(prompt)
-        else:
+        if found is not None:
             states[prompt] = found
+            continue
+        base = store.longest_prefix(model, prompt)
+        if base is None:
+            missing.append(prompt)
+            continue
+        kept, state = base
+        states[prompt] = extend_state(model, state, prompt[len(kept) :])
+        prefilled += len(prompt) - len(kept)
+        store.put(model, prompt, states[prompt])
+        extended.append(kept)
+    for kept in extended:  # after the call: several prompts may extend the same one
+        store.drop(model, kept)
     missing.sort(key=len)
-    prefilled = 0
     for start in range(0, len(missing), PREFILL_ROWS):
         chunk = missing[start : start + PREFILL_ROWS]
         ids, mask = left_pad(chunk, pad_id, device=device)

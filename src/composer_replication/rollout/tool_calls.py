@@ -110,8 +110,8 @@ class ToolError(Exception):
     """Raised by a tool for a failure the model should see and can recover from.
 
     ``kind`` classifies it for the rollout's event log: ``bad_arguments``, ``path_error``,
-    ``timeout``, ``tests_failed``, ``no_match`` / ``ambiguous_match`` (an edit), or the
-    generic ``tool_error``; ``info`` is logged with it (e.g. a test run's counts).
+    ``timeout``, ``no_match`` / ``ambiguous_match`` (an edit), or the generic
+    ``tool_error``; ``info`` is logged with it (e.g. a timed-out test run's counts).
     """
 
     def __init__(

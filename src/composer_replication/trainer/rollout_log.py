@@ -1,8 +1,9 @@
 """Rollouts saved as JSONL: what the policy did, turn by turn, for a person to read.
 
 ``RunConfig.save_rollouts`` ("none", "eval", "all") decides which: evaluation rollouts go to
-``<run>/rollouts/eval_step_<step>.jsonl`` (step 0 is the initial policy), training rollouts
-to ``<run>/rollouts/train_step_<step>.jsonl``. One row per rollout: the task, its reward,
+``<run>/rollouts/eval_step_<step>.jsonl`` (the step in four digits: ``eval_step_0000`` is
+the initial policy), training rollouts to ``<run>/rollouts/train_step_<step>.jsonl`` (under
+data parallelism, rank 0's share of the step). One row per rollout: the task, its reward,
 error and feedback, its token counts, the decoded completion, and the environment's
 metadata (an agent episode's conversation, its events with their turns, its end reason, the
 hack monitor's verdict). Each file is written atomically.

@@ -24,6 +24,7 @@ RUN_RECORD = (
     "report",
     "final_model",
     "checkpoints",
+    "rollouts",
 )
 #: Where previous runs' records go, inside the run directory.
 PREVIOUS_DIR = "previous"

@@ -1,0 +1,48 @@
+"""Prompt states reused across an agent's turns: a prompt that extends a kept one forwards
+only its new tokens, with the state a whole prefill gives; the store keeps a byte budget."""
+
+from __future__ import annotations
+
+import torch
+
+from composer_replication.rollout.kv_cache import PromptStates, extend_state, prompt_states
+
+
+def test_extending_a_state_equals_prefilling_the_whole_prompt(tiny):
+    model, _ = tiny
+    first = tuple(range(5, 40))
+    longer = (*first, 101, 102, 103, 7)
+    store = PromptStates()
+    states, forwarded = prompt_states(model, [first], 0, store)
+    assert forwarded == len(first)
+    extended, forwarded = prompt_states(model, [longer], 0, store)
+    assert forwarded == 4  # only the new tokens
+    whole, _ = prompt_states(model, [longer], 0, PromptStates())
+    got, want = extended[longer], whole[longer]
+    assert got.length == want.length == len(longer)
+    for a, b in zip([*got.keys, *got.values], [*want.keys, *want.values]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    # the turn the shorter prompt served is over: only the newest state is kept
+    assert store.get(model, first) is None and store.get(model, longer) is not None
+    direct = extend_state(model, states[first], [101, 102, 103, 7])
+    torch.testing.assert_close(direct.logits, want.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_store_keeps_its_byte_budget_dropping_the_least_recent(tiny):
+    model, _ = tiny
+    prompts = [tuple(range(k, k + 20)) for k in (1, 100, 200)]
+    probe = PromptStates()
+    prompt_states(model, prompts[:1], 0, probe)
+    one = probe.bytes
+    store = PromptStates(max_bytes=2 * one)
+    prompt_states(model, prompts[:2], 0, store)
+    assert store.get(model, prompts[0]) is not None  # used: now the newest
+    prompt_states(model, prompts[2:], 0, store)
+    assert len(store) == 2 and store.bytes == 2 * one
+    assert store.get(model, prompts[1]) is None  # the least recently used went
+    assert store.longest_prefix(model, (*prompts[0], 9)) == (
+        prompts[0],
+        store.get(model, prompts[0]),
+    )
+    assert store.longest_prefix(model, prompts[0]) is None  # strictly longer prompts only
