@@ -171,3 +171,28 @@ def test_an_unknown_repository_is_refused_in_one_line(tiny_dir):
     assert result.exit_code == 2
     (line,) = _error_lines(result)
     assert line.startswith("Error: ") and "'no-such-repo'" in line
+
+
+def test_eval_takes_the_environment_from_a_run_config(task_file, tiny_dir, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f"""heldout_fraction = 0.5
+heldout_salt = "eval-config-test"
+
+[[envs]]
+name = "feature_deletion"
+options = {{ task_file = "{task_file}", tools = ["read_file", "replace", "finish"], max_turns = 4 }}
+
+[envs.algorithm.sampling]
+max_new_tokens = 160
+"""
+    )
+    out = tmp_path / "result.json"
+    args = ["eval", tiny_dir, "--config", str(config), "--split", "all", "--samples", "1",
+            "--no-greedy", "-o", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args, env=WIDE)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert (data["env"], data["n_tasks"]) == ("feature_deletion", 2)
+    both = CliRunner().invoke(app, [*args[:4], "--env", "feature_deletion"])
+    assert both.exit_code == 2 and "--config takes the environment" in both.stderr

@@ -376,6 +376,12 @@ def evaluate(
     rollouts: Path | None = typer.Option(
         None, "--rollouts", help="Write every evaluated rollout here as JSONL (atomically)."
     ),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help="A run config: evaluate on its environment as the run trained (the first entry "
+        "the policy samples: its options and turn budget, the run's held-out split).",
+    ),
     seed: int = typer.Option(0, help="Seed of the evaluation sampling."),
     limit: int | None = typer.Option(None, min=1, help="Only the first N tasks / problems."),
     timeout: float = typer.Option(
@@ -414,11 +420,25 @@ def evaluate(
         )
     with _one_line_errors(debug):  # everything checked before the model loads
         check_model_source(model, "MODEL")
+        if config is not None:
+            if suite != "heldout" or env != "python_functions" or task_file or repo:
+                raise UsageError(
+                    "--config takes the environment from the run config; leave out --suite, "
+                    "--env, --task-file and --repo"
+                )
+            env, config_options, config_tokens, heldout_fraction, config_salt = _config_entry(
+                config
+            )
+            max_new_tokens = max_new_tokens or config_tokens
         if not math.isfinite(temperature):
             raise UsageError(f"--temperature {temperature}: give a finite number >= 0")
         if suite == "heldout":
             check_env_name(env, "--env")
-            if env == "feature_deletion" and (task_file is None) == (repo is None):
+            if (
+                env == "feature_deletion"
+                and config is None
+                and (task_file is None) == (repo is None)
+            ):
                 raise UsageError(
                     "--env feature_deletion needs its tasks: pass --task-file (what datagen "
                     "wrote) or --repo (a repository folder, or 'smallkit'), one of them"
@@ -465,7 +485,7 @@ def evaluate(
                 model, samples, temperature, greedy, max_new_tokens, seed, limit, timeout
             )
         else:
-            options: dict[str, Any] = {}
+            options: dict[str, Any] = dict(config_options) if config is not None else {}
             if task_file is not None:
                 options["task_file"] = str(task_file)
             if repo is not None:
@@ -483,6 +503,7 @@ def evaluate(
                 split,
                 options,
                 rollouts,
+                config_salt if config is not None else None,
             )
     if output:
         write_text_atomic(output, json.dumps(result, indent=2) + "\n")
@@ -517,11 +538,14 @@ def _eval_heldout(
     split: str,
     options: dict[str, Any],
     rollouts: Path | None,
+    heldout_salt: str | None = None,
 ) -> dict[str, Any]:
     from composer_replication.evaluate import evaluate_model
 
+    salt = {} if heldout_salt is None else {"heldout_salt": heldout_salt}
     result = evaluate_model(
         model,
+        **salt,
         env_name=env,
         samples_per_task=samples,
         temperature=temperature,
@@ -565,6 +589,26 @@ def _eval_heldout(
     if rollouts is not None:
         typer.echo(f"rollouts: {rollouts}")
     return result
+
+
+def _config_entry(path: Path) -> tuple[str, dict[str, Any], int, float, str]:
+    """(environment, options, turn budget, held-out fraction, salt) of the run config's
+    first entry that samples the policy (else its first entry)."""
+    from composer_replication.config import RunConfig
+    from composer_replication.errors import UsageError
+
+    try:
+        cfg = RunConfig.from_toml(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--config {str(path)!r}: {user_error(exc)}") from None
+    entry = next((e for e in cfg.envs if e.algorithm.sampling.source == "policy"), cfg.envs[0])
+    return (
+        entry.name,
+        dict(entry.options),
+        entry.algorithm.sampling.max_new_tokens,
+        cfg.heldout_fraction,
+        cfg.heldout_salt,
+    )
 
 
 def _eval_humaneval(
