@@ -220,3 +220,24 @@ def test_many_reference_episodes_run_at_once_each_with_its_own_script(tokenizer,
     for rollout in solved:
         replace = rollout.metadata["conversation"][4]["content"]
         assert env.tasks[rollout.task_id].qualname.rsplit(".", 1)[-1] in replace
+
+
+def test_whole_function_edits_rewrite_the_definition_holding_the_change():
+    before = (
+        "import os\n\n\nclass Box:\n    @property\n    def size(self):\n"
+        '        """How big."""\n        raise NotImplementedError("size")\n\n'
+        "    def other(self):\n        return 2\n"
+    )
+    after = before.replace('        raise NotImplementedError("size")\n', "        return 1\n")
+    (edit,) = edits_between("box.py", before, after, whole_functions=True)
+    assert edit.old == (
+        '    @property\n    def size(self):\n        """How big."""\n'
+        '        raise NotImplementedError("size")\n'
+    )
+    assert edit.new == '    @property\n    def size(self):\n        """How big."""\n        return 1\n'
+    assert apply(before, [edit]) == after
+    # a change outside any function, or source that does not parse, stays a line edit
+    (top,) = edits_between("m.py", "x = 1\ny = 2\n", "x = 1\ny = 3\n", whole_functions=True)
+    assert (top.old, top.new) == ("y = 2\n", "y = 3\n")
+    (broken,) = edits_between("m.py", "def (:\nx = 1\n", "def (:\nx = 2\n", whole_functions=True)
+    assert (broken.old, broken.new) == ("x = 1\n", "x = 2\n")

@@ -205,7 +205,12 @@ class FeatureDeletionEnv:
         reference_reads: The reference agent reads the lines around a change before editing
             (False: it edits at once, as a task whose prompt shows the code can; shorter
             demonstrations to imitate).
+        reference_edits: "lines" (the reference replaces only the changed lines) or
+            "functions" (a change inside a function rewrites the whole definition: the
+            demonstration writes a body after its signature and docstring, as code is
+            written).
         tool_workers: Tool calls running at once.
+        generation_batch: Episodes sampled in one call at most (each turn of those ready).
         grading_workers: Attempts scored in parallel (each as soon as its episode ends).
         hack_log: Optional JSONL file recording every monitor verdict.
     """
@@ -227,7 +232,9 @@ class FeatureDeletionEnv:
         page_lines: int = 100,
         scheduling: str = "async",
         reference_reads: bool = True,
+        reference_edits: str = "lines",
         tool_workers: int = 4,
+        generation_batch: int = 16,
         grading_workers: int = 2,
         hack_log: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -240,6 +247,7 @@ class FeatureDeletionEnv:
             ("max_observation_chars", max_observation_chars),
             ("page_lines", page_lines),
             ("tool_workers", tool_workers),
+            ("generation_batch", generation_batch),
             ("grading_workers", grading_workers),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -283,7 +291,14 @@ class FeatureDeletionEnv:
         self.page_lines = page_lines
         self.scheduling = scheduling
         self.reference_reads = bool(reference_reads)
+        if reference_edits not in ("lines", "functions"):
+            raise ValueError(
+                f"feature_deletion option reference_edits = {reference_edits!r}: use lines or "
+                "functions"
+            )
+        self.reference_edits = reference_edits
         self.tool_workers = tool_workers
+        self.generation_batch = generation_batch
         self.grading_workers = grading_workers
         self.hack_log = HackLog(hack_log) if hack_log else None
         self._forbidden = (
@@ -445,6 +460,7 @@ class FeatureDeletionEnv:
                         max_observation_chars=self.max_observation_chars,
                         sample_fn=sample_fn,
                         tool_workers=self.tool_workers,
+                        generation_batch=self.generation_batch,
                         tool_format=tool_format,
                         scheduling=self.scheduling,
                         on_done=grade,
@@ -593,7 +609,9 @@ class FeatureDeletionEnv:
                     f"task {task_id!r}: its reference deletes {rel}, which the editing tools "
                     "cannot do"
                 )
-            edits += edits_between(rel, before, solved)
+            edits += edits_between(
+                rel, before, solved, whole_functions=self.reference_edits == "functions"
+            )
 
         def line_count(rel: str) -> int:
             path = workdir / rel

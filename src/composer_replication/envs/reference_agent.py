@@ -59,15 +59,22 @@ def _unique_span(lines: Sequence[str], lo: int, hi: int, text: str) -> tuple[int
         lo, hi = max(0, lo - 1), min(len(lines), hi + 1)
 
 
-def edits_between(path: str, before: str, after: str) -> list[Edit]:
+def edits_between(
+    path: str, before: str, after: str, *, whole_functions: bool = False
+) -> list[Edit]:
     """The ``replace`` edits that turn ``before`` into ``after``, in file order: one per
     changed region, each ``old`` occurring exactly once in the file as the edits before it
     left it (a pure insertion takes a neighbouring line as its anchor; regions whose spans
     meet, or whose ``old`` an earlier edit made ambiguous, become one edit). Applied in
-    order, they give ``after`` exactly."""
+    order, they give ``after`` exactly.
+
+    ``whole_functions``: a change inside a function (of Python source that parses) takes
+    the whole definition as its span, decorators and signature included, so the edit
+    writes the function as a whole (the way code is written, and read, top to bottom)."""
     if not before:  # nothing to anchor a replacement on: the file is written whole
         return [Edit(path, "", after, 0, 0)] if after else []
     a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    functions = _function_spans(before) if whole_functions else []
     opcodes = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
     spans: list[tuple[int, int, set[int]]] = []  # (lo, hi, indices of the changed blocks)
     for k, (tag, i1, i2, _j1, _j2) in enumerate(opcodes):
@@ -76,6 +83,9 @@ def edits_between(path: str, before: str, after: str) -> list[Edit]:
         lo, hi = i1, i2
         if lo == hi:  # an insertion: anchor it on a neighbouring line
             lo, hi = (lo - 1, hi) if lo > 0 else (lo, min(len(a), hi + 1))
+        inside = [(f_lo, f_hi) for f_lo, f_hi in functions if f_lo <= lo and hi <= f_hi]
+        if inside:  # the innermost definition holding the change
+            lo, hi = max(inside, key=lambda span: span[0])
         lo, hi = _unique_span(a, lo, hi, before)
         spans.append((lo, hi, {k}))
         while len(spans) > 1 and spans[-1][0] <= spans[-2][1]:  # spans meet: one edit
@@ -90,6 +100,25 @@ def edits_between(path: str, before: str, after: str) -> list[Edit]:
             return [Edit(path, before, after, 1, len(a))]
         (plo, phi, pb), (lo, hi, blocks) = spans[ambiguous - 1], spans.pop(ambiguous)
         spans[ambiguous - 1] = (min(lo, plo), max(hi, phi), pb | blocks)
+
+
+def _function_spans(source: str) -> list[tuple[int, int]]:
+    """0-based [first, end) line spans of every function definition (decorators in), or
+    none for source that does not parse."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [
+        (
+            min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1,
+            node.end_lineno or node.lineno,
+        )
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def _edit(
