@@ -96,6 +96,7 @@ tasks_per_step = 2
         "eps": 1e-6,
         "length_penalty": 0.5,
         "length_target": 40,
+        "turn_reward_weight": 0.0,
     }
     assert RunConfig.model_validate(dumped) == cfg
 

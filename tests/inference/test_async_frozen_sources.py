@@ -61,18 +61,15 @@ class RecordingEnv(ScriptedEnv):
 
 
 class RecordingReferences(PythonFunctionsEnv):
-    """python_functions that keeps the groups of every call for its reference solutions."""
+    """python_functions that keeps the groups of every call for its demonstrations."""
 
     def __init__(self):
         super().__init__()
         self.train_calls: list[list[list]] = []
 
-    def rollouts(self, sampler, tokenizer, task_ids, *, group_size, sampling):
-        groups = super().rollouts(
-            sampler, tokenizer, task_ids, group_size=group_size, sampling=sampling
-        )
-        if isinstance(sampler, ReferenceSolutions):
-            self.train_calls.append(groups)
+    def demonstrations(self, tokenizer, task_ids, *, group_size):
+        groups = super().demonstrations(tokenizer, task_ids, group_size=group_size)
+        self.train_calls.append(groups)
         return groups
 
 

@@ -477,6 +477,9 @@ def test_feature_deletion_env_gets_the_factory_the_config_selects(tmp_path: Path
     assert isinstance(factory, DockerSandboxFactory) and factory.image == "repo-image:1"
     assert factory.settings["exec_timeout_s"] == 90
     assert (factory.settings["mem_limit"], factory.settings["memswap_limit"]) == ("2g", "2g")
+    # a task made with a virtualenv on this host names an interpreter no image holds
+    with pytest.raises(ValueError, match="virtualenv on this host"):
+        factory(tmp_path, python="/opt/venv/bin/python")
 
 
 def test_a_toml_run_config_selects_docker_per_environment(tmp_path: Path) -> None:

@@ -156,7 +156,7 @@ def default_sandbox_factory(
     )
 
 
-def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[..., Any]:
+def docker_sandbox_factory(settings: dict[str, Any]) -> Any:
     """The factory of ``sandbox = "docker"``: one container per attempt (closed after scoring),
     from the task's own image when it names one (a task prepared with a host virtualenv is
     refused: its interpreter is not in any image).
@@ -166,20 +166,7 @@ def docker_sandbox_factory(settings: dict[str, Any]) -> Callable[..., Any]:
     from composer_replication.sandbox.docker import DockerSandboxFactory
 
     options = {"exec_timeout_s": 60, **settings}
-    factory = DockerSandboxFactory(options.pop("image"), **options)
-
-    def make(
-        workdir: Path, *, image: str | None = None, python: str | None = None, **_: Any
-    ) -> Any:
-        if python:
-            raise ValueError(
-                "this task's tests were prepared with a virtualenv on this host "
-                f"({python}); run it with sandbox = 'local', or make its tasks again with "
-                "--docker-image so that they name an image"
-            )
-        return factory(workdir, image=image)
-
-    return make
+    return DockerSandboxFactory(options.pop("image"), **options)
 
 
 class FeatureDeletionEnv:

@@ -499,10 +499,27 @@ class DockerSandboxFactory:
         self.settings: dict[str, Any] = dict(settings)
 
     def __call__(
-        self, workdir: str | os.PathLike[str], *, image: str | None = None
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        image: str | None = None,
+        python: str | None = None,
+        ro_binds: Sequence[str] = (),
     ) -> DockerSandbox:
         """A booted sandbox for ``workdir``, from ``image`` when given (a task's own
-        image), else the factory's."""
+        image), else the factory's.
+
+        Raises:
+            ValueError: ``python`` names an interpreter on this host (a task prepared with
+                a host virtualenv): no image holds it.
+        """
+        if python:
+            raise ValueError(
+                "this task's tests were prepared with a virtualenv on this host "
+                f"({python}); run it with sandbox = 'local', or make its tasks again with "
+                "--docker-image so that they name an image"
+            )
+        del ro_binds  # the host folders a local sandbox would bind: the image has its own
         sandbox = DockerSandbox(workdir, client=self.client, **self.settings)
         try:
             sandbox.boot(image or self.image)
