@@ -21,8 +21,12 @@ from composer_replication.envs.reference_agent import (
     Edit,
     ReferenceCost,
     edits_between,
+    near_miss,
     reference_calls,
     reply_budget_problem,
+    stable_share,
+    with_recovery,
+    without_reply,
 )
 from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import parse_tool_call
@@ -234,10 +238,83 @@ def test_whole_function_edits_rewrite_the_definition_holding_the_change():
         '    @property\n    def size(self):\n        """How big."""\n'
         '        raise NotImplementedError("size")\n'
     )
-    assert edit.new == '    @property\n    def size(self):\n        """How big."""\n        return 1\n'
+    assert (
+        edit.new == '    @property\n    def size(self):\n        """How big."""\n        return 1\n'
+    )
     assert apply(before, [edit]) == after
     # a change outside any function, or source that does not parse, stays a line edit
     (top,) = edits_between("m.py", "x = 1\ny = 2\n", "x = 1\ny = 3\n", whole_functions=True)
     assert (top.old, top.new) == ("y = 2\n", "y = 3\n")
     (broken,) = edits_between("m.py", "def (:\nx = 1\n", "def (:\nx = 2\n", whole_functions=True)
     assert (broken.old, broken.new) == ("x = 1\n", "x = 2\n")
+
+
+def test_a_near_miss_is_one_small_mistake_on_the_first_code_line_that_has_one():
+    assert near_miss('    return text.strip() == ""') == '    return text.strip() != ""'
+    assert near_miss("    if not items:\n        return default\n    return items[0]") == (
+        "    if items:\n        return default\n    return items[0]"
+    )
+    assert near_miss("    # keep\n    return n + 1") == "    # keep\n    return n - 1"
+    assert near_miss("    return sum(values) / len(values)") == "    return None"
+    assert near_miss("        return None") == "        pass"
+
+
+def test_a_recovery_episode_misses_runs_the_tests_fixes_and_finishes():
+    before = "def f(n):\n    raise NotImplementedError('f was removed')\n\n\ndef g():\n    pass\n"
+    (edit,) = edits_between("m.py", before, before.replace(
+        "    raise NotImplementedError('f was removed')", "    if n > 0:\n        return 1\n    return 0"
+    ))  # fmt: skip
+    calls = reference_calls([edit], ["tests/test_m.py::test_f"], read=False)
+    episode, shown = with_recovery(calls, {"m.py": before}.__getitem__, max_turns=8)
+    assert [name for name, _ in episode] == [
+        "replace", "run_tests", "replace", "run_tests", "finish"
+    ]  # fmt: skip
+    assert shown == 0 and episode[0][1]["new"] == "    if n >= 0:\n        return 1\n    return 0"
+    # the fix replaces the near miss's line by the right one, and applied in turn they give
+    # the reference's file
+    text = before.replace(episode[0][1]["old"], episode[0][1]["new"], 1)
+    text = text.replace(episode[2][1]["old"], episode[2][1]["new"], 1)
+    assert episode[2][1]["old"] == "    if n >= 0:" and text == before.replace(edit.old, edit.new)
+    # no room for a second test run: fix, then finish
+    short, _ = with_recovery(calls, {"m.py": before}.__getitem__, max_turns=4)
+    assert [name for name, _ in short] == ["replace", "run_tests", "replace", "finish"]
+    assert with_recovery(calls, {"m.py": before}.__getitem__, max_turns=3) is None
+    two = reference_calls([edit, edit], [], read=False)
+    assert with_recovery(two, {"m.py": before}.__getitem__, max_turns=8) is None
+
+
+def test_a_reply_left_out_of_training_is_the_one_named():
+    mask = [0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
+    assert without_reply(mask, 0) == [0, 0, 0, 0, 0, 1, 0, 1, 1, 1]
+    assert without_reply(mask, 2) == [0, 1, 1, 0, 0, 1, 0, 0, 0, 0]
+    assert without_reply(mask, 5) == mask
+    shares = [stable_share(f"task-{k}") for k in range(400)]
+    assert all(0 <= s < 1 for s in shares) and shares == [
+        stable_share(f"task-{k}") for k in range(400)
+    ]
+    assert 0.4 < sum(s < 0.5 for s in shares) / len(shares) < 0.6  # a share of them, roughly
+
+
+@pytest.mark.integration
+def test_recovery_demonstrations_show_the_near_miss_and_train_the_fix(generated, tokenizer):
+    with pytest.raises(ValueError, match=r"reference_recovery = 1\.5"):
+        FeatureDeletionEnv(generated, reference_recovery=1.5)
+    env = FeatureDeletionEnv(generated, reference_recovery=1.0)
+    ((demo,),) = env.demonstrations(tokenizer, [TASK_ID])
+    assert demo.metadata["recovery"] and demo.reward == 1.0
+    names = [e["name"] for e in demo.metadata["events"] if e["type"] == "tool_call"]
+    assert names == ["read_file", "replace", "run_tests", "replace", "run_tests", "finish"]
+    first_run, second_run = (
+        e["info"] for e in demo.metadata["events"] if e.get("name") == "run_tests"
+    )
+    assert first_run["target_passed"] < first_run["n_targets"] == second_run["target_passed"]
+    trained = tokenizer.decode([t for t, m in zip(demo.completion_ids, demo.completion_mask) if m])
+    everything = tokenizer.decode(demo.completion_ids)
+    # the near miss is written twice (its replace, then the fix's old) and trained once:
+    # the fix copies it, the miss itself is shown only
+    assert everything.count("<new>\n    if values:") == 1 and "<new>\n    if values:" not in trained
+    assert "<old>\n    if values:" in trained
+    assert "    if not values:" in trained  # the fix is imitated
+    assert trained.count('"name": "replace"') == 1
+    plain = FeatureDeletionEnv(generated).demonstrations(tokenizer, [TASK_ID])[0][0]
+    assert "recovery" not in plain.metadata

@@ -70,6 +70,9 @@ from composer_replication.envs.reference_agent import (
     reference_calls,
     reference_cost,
     reply_budget_problem,
+    stable_share,
+    with_recovery,
+    without_reply,
 )
 from composer_replication.envs.repository_grading import guard_spec, restore_protected
 from composer_replication.rollout.agent import (
@@ -196,6 +199,10 @@ class FeatureDeletionEnv:
             "functions" (a change inside a function rewrites the whole definition: the
             demonstration writes a body after its signature and docstring, as code is
             written).
+        reference_recovery: The share of demonstrations (a fixed subset of the tasks) that
+            first make a near miss, see the target tests fail and fix it (the near-miss
+            turn is not trained on; ``reference_agent.with_recovery``): a warm start that
+            has seen what to do after a failing test run. 0 by default.
         tool_workers: Tool calls running at once.
         generation_batch: Episodes sampled in one call at most (each turn of those ready).
         grading_workers: Attempts scored in parallel (each as soon as its episode ends).
@@ -220,6 +227,7 @@ class FeatureDeletionEnv:
         scheduling: str = "async",
         reference_reads: bool = True,
         reference_edits: str = "lines",
+        reference_recovery: float = 0.0,
         tool_workers: int = 4,
         generation_batch: int = 16,
         grading_workers: int = 2,
@@ -284,6 +292,12 @@ class FeatureDeletionEnv:
                 "functions"
             )
         self.reference_edits = reference_edits
+        if isinstance(reference_recovery, bool) or not 0.0 <= float(reference_recovery) <= 1.0:
+            raise ValueError(
+                f"feature_deletion option reference_recovery = {reference_recovery!r}: give a "
+                "share between 0 and 1"
+            )
+        self.reference_recovery = float(reference_recovery)
         self.tool_workers = tool_workers
         self.generation_batch = generation_batch
         self.grading_workers = grading_workers
@@ -586,6 +600,15 @@ class FeatureDeletionEnv:
     def reference_replies(self, tokenizer: Any, task_id: str) -> list[str]:
         """The reference agent's replies for ``task_id``, written in this model's tool format:
         read around each change, ``replace`` each one, run the target tests, finish."""
+        tool_format = self.format_for(tokenizer)
+        return [tool_format.format_call(n, a) for n, a in self.reference_episode(task_id)]
+
+    def reference_episode(self, task_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """The reference agent's calls for ``task_id`` as ``(tool, arguments)``.
+
+        Raises:
+            ValueError: the reference needs a tool this environment does not offer.
+        """
         task, workdir = self.tasks[task_id], self.workdirs[task_id]
         edits = []
         for rel, solved in self.reference(task_id).solved_files(workdir).items():
@@ -604,7 +627,6 @@ class FeatureDeletionEnv:
             path = workdir / rel
             return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
-        tool_format = self.format_for(tokenizer)
         needed = reference_calls(edits, (), read=self.reference_reads)
         missing = {name for name, _ in needed} - set(self.tools)
         if missing:
@@ -612,12 +634,9 @@ class FeatureDeletionEnv:
                 f"the reference agent needs the tools {sorted(missing)}, which this "
                 f"environment does not offer (tools = {sorted(self.tools)})"
             )
-        return [
-            tool_format.format_call(name, arguments)
-            for name, arguments in reference_calls(
-                edits, task.target_tests, line_counts=line_count, read=self.reference_reads
-            )
-        ]
+        return reference_calls(
+            edits, task.target_tests, line_counts=line_count, read=self.reference_reads
+        )
 
     def solve_with_reference(
         self, tokenizer: Any, task_id: str, *, max_new_tokens: int = DEFAULT_REPLY_TOKENS
@@ -632,12 +651,22 @@ class FeatureDeletionEnv:
         ]
 
     def solve_many_with_reference(
-        self, tokenizer: Any, task_ids: Sequence[str], *, max_new_tokens: int = DEFAULT_REPLY_TOKENS
+        self,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        max_new_tokens: int = DEFAULT_REPLY_TOKENS,
+        scripts: Sequence[Sequence[str]] | None = None,
     ) -> list[Rollout]:
         """:meth:`solve_with_reference` of each task, all episodes run at once (their tool
-        calls and grading in parallel)."""
+        calls and grading in parallel); ``scripts``: other replies to run, one list per
+        task (default: :meth:`reference_replies`)."""
         tool_format = self.format_for(tokenizer)
-        replies = [self.reference_replies(tokenizer, tid) for tid in task_ids]
+        replies = (
+            [list(script) for script in scripts]
+            if scripts is not None
+            else [self.reference_replies(tokenizer, tid) for tid in task_ids]
+        )
         prompts = [
             ChatRenderer(tokenizer, tool_format.chat_tools).prompt_ids(
                 self.messages(self.tasks[tid], tool_format)
@@ -693,9 +722,9 @@ class FeatureDeletionEnv:
                 dict.fromkeys(t for t in task_ids if (t, id(tokenizer)) not in self._demonstrations)
             )
             if missing:  # made together: their tools and grading run in parallel
-                for tid, rollout in zip(
-                    missing, self.solve_many_with_reference(tokenizer, missing)
-                ):
+                made = dict(zip(missing, self.solve_many_with_reference(tokenizer, missing)))
+                made.update(self._recovery_demonstrations(tokenizer, missing))
+                for tid, rollout in made.items():
                     rollout.metadata[DEMONSTRATION_KEY] = True
                     self._demonstrations[(tid, id(tokenizer))] = rollout
         groups = []
@@ -708,3 +737,44 @@ class FeatureDeletionEnv:
                 else []
             )
         return groups
+
+    def _recovery_demonstrations(
+        self, tokenizer: Any, task_ids: Sequence[str]
+    ) -> dict[str, Rollout]:
+        """The demonstrations that recover from a near miss (``reference_recovery``), by
+        task: those whose near miss failed a target test and whose fix passed (the others
+        keep the plain demonstration)."""
+        chosen = [t for t in task_ids if stable_share(t) < self.reference_recovery]
+        tool_format, plans = self.format_for(tokenizer), {}
+        for tid in chosen:
+            workdir = self.workdirs[tid]
+            plan = with_recovery(
+                self.reference_episode(tid),
+                lambda rel, root=workdir: (root / rel).read_text(encoding="utf-8"),
+                max_turns=self.max_turns,
+            )
+            if plan is not None:
+                plans[tid] = plan
+        if not plans:
+            return {}
+        rollouts = self.solve_many_with_reference(
+            tokenizer,
+            list(plans),
+            scripts=[
+                [tool_format.format_call(n, a) for n, a in calls] for calls, _ in plans.values()
+            ],
+        )
+        made = {}
+        for (tid, (_, near_miss_turn)), rollout in zip(plans.items(), rollouts):
+            runs = [
+                e.get("info", {})
+                for e in rollout.metadata.get("events", ())
+                if e.get("type") == "tool_call" and e.get("name") == "run_tests"
+            ]
+            missed = bool(runs) and runs[0].get("target_passed", 0) < runs[0].get("n_targets", 0)
+            if "reference_problem" in rollout.metadata or not missed:
+                continue
+            rollout.completion_mask = without_reply(rollout.completion_mask, near_miss_turn)
+            rollout.metadata["recovery"] = True
+            made[tid] = rollout
+        return made

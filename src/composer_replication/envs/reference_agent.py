@@ -12,11 +12,19 @@ is proven solvable by an agent restricted to those tools and budgets; verifiers'
 validates its own gold answer") and its episode is the task's demonstration (the warm
 start of ``sampling.source = "reference"``). :func:`reply_budget_problem` says why a script
 cannot fit before anything runs.
+
+A demonstration that only ever succeeds never shows what to do after a failing test run, so
+a warm-started policy that misses once repeats itself. :func:`with_recovery` makes the
+episode of a first attempt with a near miss (:func:`near_miss`: a flipped comparison, a
+swapped boolean, an off-by-one, as a model errs), the failing test run, and the fix that
+replaces the near miss by the right code; the near-miss turn is shown, never imitated
+(error-correction demonstrations, in the spirit of DAgger, arXiv:1011.0686).
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +35,13 @@ __all__ = [
     "Edit",
     "ReferenceCost",
     "edits_between",
+    "near_miss",
     "reference_calls",
     "reference_cost",
     "reply_budget_problem",
+    "stable_share",
+    "with_recovery",
+    "without_reply",
 ]
 
 #: lines shown around a change when the reference agent reads it first
@@ -180,6 +192,106 @@ def reference_calls(
     calls.append(("run_tests", {"tests": tests} if tests else {}))
     calls.append(("finish", {}))
     return calls
+
+
+#: small mistakes of the kind a model makes, tried in order on each code line
+_NEAR_MISSES = (
+    (" == ", " != "),
+    (" != ", " == "),
+    (" <= ", " < "),
+    (" >= ", " > "),
+    (" < ", " <= "),
+    (" > ", " >= "),
+    (" and ", " or "),
+    (" or ", " and "),
+    (" is not ", " is "),
+    ("not ", ""),
+    ("True", "False"),
+    ("False", "True"),
+    (" + 1", " - 1"),
+    (" - 1", " + 1"),
+    ("[0]", "[-1]"),
+    ("[-1]", "[0]"),
+)
+
+
+def near_miss(code: str) -> str:
+    """``code`` with one small mistake: on the first code line where one applies, the first
+    of a few near misses (a comparison flipped, a boolean swapped, an off-by-one, the wrong
+    end of a list); code with none becomes ``return None`` at its indentation (``pass``
+    when it is that already)."""
+    lines = code.split("\n")
+    for k, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", '"', "'")):
+            continue
+        for right, wrong in _NEAR_MISSES:
+            if right in line:
+                lines[k] = line.replace(right, wrong, 1)
+                return "\n".join(lines)
+    first = next((line for line in lines if line.strip()), "")
+    indent = first[: len(first) - len(first.lstrip())]
+    return f"{indent}pass" if code.strip() == "return None" else f"{indent}return None"
+
+
+def with_recovery(
+    calls: Sequence[tuple[str, dict[str, Any]]],
+    files: Callable[[str], str],
+    *,
+    max_turns: int,
+) -> tuple[list[tuple[str, dict[str, Any]]], int] | None:
+    """:func:`reference_calls`' episode with a failed first attempt: its ``replace`` is made
+    with a :func:`near_miss`, the tests run (and fail), the near miss is replaced by the
+    right code, the tests run again when ``max_turns`` leaves room, then ``finish``.
+
+    Returns the calls and the index of the near-miss call (a turn to show, never to
+    imitate), or None for an episode without exactly one ``replace`` and one ``run_tests``,
+    or one whose recovery does not fit ``max_turns``. ``files(path)``: the file's text
+    before the episode.
+    """
+    replaces = [k for k, (name, _) in enumerate(calls) if name == "replace"]
+    tests = [(name, args) for name, args in calls if name == "run_tests"]
+    if len(replaces) != 1 or len(tests) != 1:
+        return None
+    k = replaces[0]
+    arguments = calls[k][1]
+    path, old, new = arguments["path"], arguments["old"], arguments["new"]
+    wrong = near_miss(new)
+    before = files(path)
+    if len(occurrences(before, old)) != 1:
+        return None
+    fixes = [
+        ("replace", {"path": path, "old": o, "new": n})
+        for o, n in map(
+            _strip_line_end,
+            edits_between(path, before.replace(old, wrong, 1), before.replace(old, new, 1)),
+        )
+    ]
+    episode = [*calls[:k], ("replace", {**arguments, "new": wrong}), tests[0], *fixes]
+    rest = [c for c in calls[k + 1 :] if c[0] != "run_tests"]
+    if len(episode) + len(rest) + 1 <= max_turns:  # room to see the fix pass
+        episode.append(tests[0])
+    episode += rest
+    return (episode, k) if len(episode) <= max_turns else None
+
+
+def stable_share(task_id: str) -> float:
+    """Where ``task_id`` falls in [0, 1), the same in every run and process: tasks below a
+    share ``f`` are a fixed ``f`` of them."""
+    return int(hashlib.sha256(task_id.encode("utf-8")).hexdigest()[:8], 16) / 2**32
+
+
+def without_reply(mask: Sequence[int], index: int) -> list[int]:
+    """``mask`` (a multi-turn completion's: 1 on the model's replies) with reply ``index``
+    (0-based) set to 0: shown in the context, not trained on."""
+    out, reply, inside = list(mask), -1, False
+    for k, m in enumerate(out):
+        if m and not inside:
+            reply += 1
+        inside = bool(m)
+        if m and reply == index:
+            out[k] = 0
+    return out
 
 
 @dataclass(frozen=True)
