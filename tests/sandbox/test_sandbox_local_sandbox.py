@@ -158,6 +158,14 @@ def test_run_tests_parses_per_test_outcomes(workdir: Path) -> None:
     assert not (workdir / ".pytest_cache").exists()
 
 
+def test_a_repository_asking_pytest_for_colour_gets_plain_output(workdir: Path) -> None:
+    _write_suite(workdir)
+    (workdir / "pytest.ini").write_text("[pytest]\naddopts = --color=yes\n")
+    result = LocalSubprocessSandbox(workdir, exec_timeout_s=60).run_tests("python -m pytest", [])
+    assert result.failed == 2 and "FAILED tests/test_suite.py::test_bad" in result.output
+    assert "\x1b[" not in result.output  # no terminal escapes for a model (or a report) to read
+
+
 def test_run_tests_selects_node_ids_and_reports_ok(workdir: Path) -> None:
     _write_suite(workdir)
     sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=60)

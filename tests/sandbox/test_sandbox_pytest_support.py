@@ -16,7 +16,9 @@ from composer_replication.sandbox.pytest_support import (
     pytest_bundle_dir,
 )
 
-REPORT = ["-p", "no:cacheprovider", "--junitxml=/w/j.xml", "-o", "junit_family=xunit1"]
+REPORT = [
+    "-p", "no:cacheprovider", "--color=no", "--junitxml=/w/j.xml", "-o", "junit_family=xunit1"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -276,7 +276,12 @@ JUNIT_PREFIX = ".cr-junit-"
 
 
 def _report_options(junit_path: str) -> list[str]:
-    return ["-p", "no:cacheprovider", f"--junitxml={junit_path}", "-o", "junit_family=xunit1"]
+    # --color=no: a repository's addopts may ask for colour, whose escapes would reach the
+    # agent's observations and datagen's reasons (the command line wins over addopts)
+    return [
+        "-p", "no:cacheprovider", "--color=no",
+        f"--junitxml={junit_path}", "-o", "junit_family=xunit1",
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
