@@ -299,7 +299,7 @@ def test_the_environment_solves_the_task_with_its_reference_and_grades_no_change
 
 
 def test_every_kind_of_repository_materialises_the_base_tree(shared_dir: Path) -> None:
-    from composer_replication.datagen.swe import _is_git_repository, _materialise
+    from composer_replication.datagen.repository_checkout import is_git_repository, materialise
 
     fx = _make_repository(shared_dir)
     repo = shared_dir / "repos" / "acme__calc"
@@ -308,7 +308,7 @@ def test_every_kind_of_repository_materialises_the_base_tree(shared_dir: Path) -
     plain = shared_dir / "plain"
     # a plain folder (no history) is taken as it is: here at HEAD, the fix
     shutil.copytree(shared_dir / "repos" / "calc", plain, ignore=shutil.ignore_patterns(".git"))
-    assert not _is_git_repository(repo / "calc")  # inside a repository, not one
+    assert not is_git_repository(repo / "calc")  # inside a repository, not one
     sources = {
         "worktree": (repo, OPS),
         "bare": (shared_dir / "bare.git", OPS),
@@ -318,7 +318,7 @@ def test_every_kind_of_repository_materialises_the_base_tree(shared_dir: Path) -
     }
     for kind, (source, ops) in sources.items():
         dest = shared_dir / "out" / kind
-        _materialise(source, fx.base, dest, shared_dir)
+        materialise(source, fx.base, dest, shared_dir)
         tree = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
         assert tree == ["calc/__init__.py", "calc/ops.py", "tests/test_ops.py"], kind
         assert (dest / "calc" / "ops.py").read_text() == ops, kind

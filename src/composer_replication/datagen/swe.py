@@ -39,11 +39,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import tarfile
 import time
-import zipfile
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +50,6 @@ from composer_replication.datagen.feature_deletion import (
     AgentBudgets,
     ProgressCallback,
     ReferenceSolver,
-    _copy_repo,
     _environment_options,
     _files,
     _output_tree,
@@ -67,6 +63,13 @@ from composer_replication.datagen.gates import (
     GateOutcome,
     SandboxFactory,
     _tail,
+)
+from composer_replication.datagen.repository_checkout import (
+    GATE_REPOSITORY,
+    Rejected,
+    apply_patch,
+    locate_repository,
+    materialise,
 )
 from composer_replication.datagen.test_discovery import DiscoveredTests, discover_tests
 from composer_replication.envs.fd_tasks import (
@@ -101,7 +104,6 @@ __all__ = [
 ]
 
 GATE_INSTANCE = "gate0_instance"
-GATE_REPOSITORY = "gate1_repository"
 GATE_FAIL_TO_PASS = "gate2_fail_to_pass_fail"
 GATE_PASS_TO_PASS = "gate3_pass_to_pass_pass"
 GATE_GOLD = "gate4_gold_patch_passes"
@@ -116,10 +118,7 @@ SWE_GATES: tuple[str, ...] = (
 # the required fields that are strings as given
 _TEXT_FIELDS = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch")
 REQUIRED_FIELDS: tuple[str, ...] = (*_TEXT_FIELDS, "FAIL_TO_PASS", "PASS_TO_PASS")
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 TASK_PREFIX = "swe:"
-# Seconds a git command may take (a checkout of a large repository included).
-_GIT_TIMEOUT_S = 900
 
 
 @dataclass(frozen=True)
@@ -247,16 +246,6 @@ class ImportReport:
     duration_s: float = 0.0
 
 
-class _Rejected(Exception):
-    """An instance failed ``gate``: the import records it and goes on."""
-
-    def __init__(self, gate: str, reason: str, instance_id: str | None = None) -> None:
-        super().__init__(reason)
-        self.gate = gate
-        self.reason = reason
-        self.instance_id = instance_id  # of a line that was read but is not an instance
-
-
 def import_instances(
     instances: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -364,7 +353,7 @@ def import_instances(
                     (held if task.split == "heldout" else train).append(task)
                     refs.append(ref)
                     row.update(outcome="accepted", split=task.split)
-            except _Rejected as rejection:
+            except Rejected as rejection:
                 row["instance_id"] = row["instance_id"] or rejection.instance_id
                 name = row["instance_id"] or f"line {number}"
                 rejected[rejection.gate] += 1
@@ -423,16 +412,16 @@ def _parse(text: str, number: int, seen: dict[str, int]) -> SWEInstance:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _Rejected(GATE_INSTANCE, f"line {number} is not JSON: {exc}") from None
+        raise Rejected(GATE_INSTANCE, f"line {number} is not JSON: {exc}") from None
     named = data.get("instance_id") if isinstance(data, dict) else None
     named = named if isinstance(named, str) and named.strip() else None
     try:
         instance = SWEInstance.from_json(data)
     except ValueError as exc:
-        raise _Rejected(GATE_INSTANCE, f"line {number}: {exc}", named) from None
+        raise Rejected(GATE_INSTANCE, f"line {number}: {exc}", named) from None
     first = seen.setdefault(instance.instance_id, number)
     if first != number:
-        raise _Rejected(
+        raise Rejected(
             GATE_INSTANCE,
             f"instance_id {named!r} appears twice (lines {first} and {number})",
             named,
@@ -442,7 +431,7 @@ def _parse(text: str, number: int, seen: dict[str, int]) -> SWEInstance:
 
 class _Importer:
     """Turns one instance into a validated task (its workdir in a scratch folder) or raises
-    `_Rejected`; holds what the instances share (the scratch folder, the reference solver)."""
+    `Rejected`; holds what the instances share (the scratch folder, the reference solver)."""
 
     def __init__(
         self,
@@ -482,7 +471,7 @@ class _Importer:
         shutil.rmtree(task_dir, ignore_errors=True)
         try:
             return self._run(instance, task_dir)
-        except _Rejected:
+        except Rejected:
             shutil.rmtree(task_dir, ignore_errors=True)
             raise
 
@@ -490,10 +479,10 @@ class _Importer:
         def said(line: str) -> None:
             self.say(f"{instance.instance_id}: {line}")
 
-        repo = _locate(instance, self.base_dir, self.repos)
+        repo = locate_repository(instance.repo, instance.repo_path, self.base_dir, self.repos)
         # (a folder holding this import's own outputs never gives them to a workdir)
-        _materialise(repo, instance.base_commit, task_dir, self.scratch, _output_tree(self.out))
-        test_files = _apply(task_dir, instance.test_patch, GATE_REPOSITORY, "the test_patch")
+        materialise(repo, instance.base_commit, task_dir, self.scratch, _output_tree(self.out))
+        test_files = apply_patch(task_dir, instance.test_patch, GATE_REPOSITORY, "the test_patch")
         scrub_tree(task_dir)
         discovered = _tests_of(task_dir, self.test_command)
         try:
@@ -507,7 +496,7 @@ class _Importer:
                 said,
             )
         except RuntimeError as err:  # environment="venv" and pip failed
-            raise _Rejected(GATE_REPOSITORY, f"no test environment: {err}") from None
+            raise Rejected(GATE_REPOSITORY, f"no test environment: {err}") from None
 
         def run(workdir: Path, tests: Sequence[str], gate: str) -> TestRunResult:
             return _run_tests(
@@ -518,7 +507,7 @@ class _Importer:
         result = run(task_dir, f2p, GATE_FAIL_TO_PASS)
         passing = [t for t in f2p if result.outcomes.get(t) == "passed"]
         if passing:
-            raise _Rejected(
+            raise Rejected(
                 GATE_FAIL_TO_PASS,
                 f"{len(passing)} of {len(f2p)} FAIL_TO_PASS tests already pass before the gold "
                 f"patch ({', '.join(passing[:3])})",
@@ -527,7 +516,7 @@ class _Importer:
             result = run(task_dir, p2p, GATE_PASS_TO_PASS)
             failing = [t for t in p2p if result.outcomes.get(t) != "passed"]
             if failing or result.timed_out:
-                raise _Rejected(
+                raise Rejected(
                     GATE_PASS_TO_PASS,
                     f"{len(failing)} of {len(p2p)} PASS_TO_PASS tests do not pass before the "
                     f"gold patch ({_outcomes(result, failing)}), exit {result.exit_code}: "
@@ -579,11 +568,11 @@ class _Importer:
         try:
             shutil.copytree(task_dir, gold, symlinks=True)
             before = set(_files(task_dir))
-            changed = _apply(gold, instance.patch, GATE_GOLD, "the gold patch")
+            changed = apply_patch(gold, instance.patch, GATE_GOLD, "the gold patch")
             after = set(_files(gold))
             changed += sorted(before - after - set(changed))  # renamed away
             if not changed:
-                raise _Rejected(GATE_GOLD, "the gold patch changes no file")
+                raise Rejected(GATE_GOLD, "the gold patch changes no file")
             solved: dict[str, str | None] = {}
             binary = []
             for rel in changed:  # read before the tests run there
@@ -595,14 +584,14 @@ class _Importer:
             result = run(gold, tests, GATE_GOLD)
             failing = [t for t in tests if result.outcomes.get(t) != "passed"]
             if failing or result.timed_out:
-                raise _Rejected(
+                raise Rejected(
                     GATE_GOLD,
                     f"with the gold patch {len(failing)} of {len(tests)} FAIL_TO_PASS and "
                     f"PASS_TO_PASS tests do not pass ({_outcomes(result, failing)}), exit "
                     f"{result.exit_code}: {_tail(result)}",
                 )
             if binary:
-                raise _Rejected(
+                raise Rejected(
                     GATE_SOLVABLE,
                     f"the gold patch changes {', '.join(binary)}, which is not UTF-8 text: the "
                     "editing tools cannot write it",
@@ -627,9 +616,9 @@ class _Importer:
         try:
             checked = self._solver.check(task, ref, task_dir)
         except ValueError as err:  # e.g. a reference that deletes a file
-            raise _Rejected(GATE_SOLVABLE, str(err)) from None
+            raise Rejected(GATE_SOLVABLE, str(err)) from None
         if isinstance(checked, GateOutcome):
-            raise _Rejected(checked.gate, checked.reason)
+            raise Rejected(checked.gate, checked.reason)
         return checked
 
 
@@ -683,172 +672,11 @@ def _run_tests(
     try:
         result = sandbox.run_tests(command, tuple(tests))
     except ValueError as err:  # a test command the sandbox refuses
-        raise _Rejected(gate, f"the tests cannot run: {err}") from None
+        raise Rejected(gate, f"the tests cannot run: {err}") from None
     finally:
         close = getattr(sandbox, "close", None)
         if callable(close):
             close()
     if result.infrastructure_error:
-        raise _Rejected(gate, f"sandbox did not start: {result.infrastructure_error}")
+        raise Rejected(gate, f"sandbox did not start: {result.infrastructure_error}")
     return result
-
-
-# ---------------------------------------------------------------------- repositories
-
-
-def _git(
-    args: Sequence[str],
-    *,
-    cwd: Path,
-    stdin: bytes | None = None,
-    env: Mapping[str, str] | None = None,
-) -> subprocess.CompletedProcess[bytes]:
-    """git in ``cwd``, never looking for a repository above it, unaffected by the caller's
-    ``GIT_*`` variables; ``env`` adds variables."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    clean["GIT_CEILING_DIRECTORIES"] = str(cwd.parent)
-    clean["GIT_TERMINAL_PROMPT"] = "0"
-    clean.update(env or {})
-    # a repository the user names is theirs to read, whoever owns its folder
-    argv = ["git", "-c", f"safe.directory={cwd}", *args]
-    return subprocess.run(
-        argv, cwd=cwd, input=stdin, capture_output=True, env=clean, timeout=_GIT_TIMEOUT_S
-    )
-
-
-def _message(proc: subprocess.CompletedProcess[bytes]) -> str:
-    text = (proc.stderr or proc.stdout or b"").decode("utf-8", "replace").strip()
-    return " | ".join(text.splitlines()[-6:]) or f"exit {proc.returncode}"
-
-
-def _is_git_repository(path: Path) -> bool:
-    """``path`` is the top of a git repository (a worktree holding ``.git``, or a bare
-    repository); a folder inside someone else's repository is not."""
-    if not path.is_dir():
-        return False
-    try:
-        return _git(["rev-parse", "--git-dir"], cwd=path).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def _locate(instance: SWEInstance, base_dir: Path, repos: Path | None) -> Path:
-    """The repository (folder or archive) of ``instance``: its ``repo_path`` (relative to
-    the instances file), else ``repos/<owner>__<name>`` or ``repos/<name>``."""
-    if instance.repo_path:
-        path = base_dir / Path(instance.repo_path).expanduser()
-        if not path.exists():
-            raise _Rejected(
-                GATE_REPOSITORY, f"repo_path {instance.repo_path!r} ({path}) does not exist"
-            )
-        return path.resolve()
-    if repos is None:
-        raise _Rejected(
-            GATE_REPOSITORY,
-            f"no repository for {instance.repo!r}: the instance has no repo_path and no repos "
-            "folder was given (--repos DIR)",
-        )
-    owner, _, name = instance.repo.rpartition("/")
-    parts = [p for p in (owner, name) if p]
-    if not name or any(p in (".", "..") or "/" in p or os.sep in p for p in parts):
-        raise _Rejected(GATE_REPOSITORY, f"repo {instance.repo!r} is not 'owner/name'")
-    looked = [repos / f"{owner}__{name}"] if owner else []
-    looked.append(repos / name)
-    for path in looked:
-        if _is_git_repository(path):
-            return path
-    raise _Rejected(
-        GATE_REPOSITORY,
-        f"no git repository for {instance.repo!r} in {repos} (looked for "
-        f"{' and '.join(p.name for p in looked)})",
-    )
-
-
-def _materialise(
-    source: Path, commit: str, dest: Path, scratch: Path, skip: Collection[Path] = ()
-) -> None:
-    """The tree of ``source`` at ``commit`` in ``dest``, scrubbed (no history); ``skip``:
-    paths a plain folder's copy leaves out."""
-    if source.is_dir():
-        if _is_git_repository(source):
-            _checkout(source, commit, dest, scratch)
-        else:  # a plain folder: taken as it is, at base_commit already
-            try:
-                _copy_repo(source, dest, skip=skip)
-            except (OSError, shutil.Error) as err:
-                raise _Rejected(GATE_REPOSITORY, f"cannot copy {source}: {err}") from None
-    elif source.name.endswith(ARCHIVE_SUFFIXES):
-        _extract(source, dest, scratch)
-    else:
-        raise _Rejected(
-            GATE_REPOSITORY,
-            f"{source} is neither a folder nor an archive ({', '.join(ARCHIVE_SUFFIXES)})",
-        )
-    scrub_tree(dest)
-
-
-def _checkout(repo: Path, commit: str, dest: Path, scratch: Path) -> None:
-    """``commit``'s tree written to ``dest`` as a checkout writes it, through an index of
-    our own (the repository's index, worktree and refs stay untouched)."""
-    resolved = _git(["rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"], cwd=repo)
-    if resolved.returncode != 0:
-        raise _Rejected(GATE_REPOSITORY, f"commit {commit} does not exist in {repo}")
-    sha = resolved.stdout.decode().strip()
-    index = scratch / f"index-{dest.name}"
-    dest.mkdir(parents=True)
-    env = {"GIT_INDEX_FILE": str(index)}
-    try:
-        for args in (["read-tree", sha], [f"--work-tree={dest}", "checkout-index", "-a", "-f"]):
-            proc = _git(args, cwd=repo, env=env)
-            if proc.returncode != 0:
-                raise _Rejected(
-                    GATE_REPOSITORY, f"cannot check out {commit} of {repo}: {_message(proc)}"
-                )
-    except subprocess.TimeoutExpired:
-        raise _Rejected(GATE_REPOSITORY, f"checking out {commit} of {repo} timed out") from None
-    finally:
-        index.unlink(missing_ok=True)
-
-
-def _extract(archive: Path, dest: Path, scratch: Path) -> None:
-    """An archive's tree in ``dest`` (its one top folder, when it has nothing else)."""
-    unpacked = scratch / f"unpack-{dest.name}"
-    shutil.rmtree(unpacked, ignore_errors=True)
-    unpacked.mkdir(parents=True)
-    try:
-        if archive.name.endswith(".zip"):
-            with zipfile.ZipFile(archive) as zf:
-                zf.extractall(unpacked)  # (drops absolute paths and '..' parts)
-        else:
-            with tarfile.open(archive) as tf:
-                tf.extractall(unpacked, filter="data")  # no links or paths out of the tree
-        entries = list(unpacked.iterdir())
-        root = entries[0] if len(entries) == 1 and entries[0].is_dir() else unpacked
-        shutil.move(str(root), dest)
-    except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError) as err:
-        raise _Rejected(GATE_REPOSITORY, f"cannot extract {archive}: {err}") from None
-    finally:
-        shutil.rmtree(unpacked, ignore_errors=True)
-
-
-def _apply(tree: Path, patch: str, gate: str, what: str) -> list[str]:
-    """Apply ``patch`` (a unified diff) to ``tree`` with ``git apply`` (a plain folder is
-    fine); the files it writes, in patch order. A patch that does not apply rejects the
-    instance at ``gate`` with git's message."""
-    if not patch.strip():
-        return []
-    data = patch.encode("utf-8") if patch.endswith("\n") else (patch + "\n").encode("utf-8")
-    try:
-        listed = _git(["apply", "--numstat", "-z", "-"], cwd=tree, stdin=data)
-        if listed.returncode == 0:
-            applied = _git(["apply", "--whitespace=nowarn", "-"], cwd=tree, stdin=data)
-        else:
-            applied = listed
-    except subprocess.TimeoutExpired:
-        raise _Rejected(gate, f"{what}: git apply timed out") from None
-    if applied.returncode != 0:
-        raise _Rejected(gate, f"{what} does not apply: {_message(applied)}")
-    # records "added\tdeleted\tpath", NUL-terminated (a rename gives its new path)
-    records = listed.stdout.decode("utf-8", "surrogateescape").split("\0")
-    paths = [r.split("\t", 2)[2] for r in records if r.count("\t") >= 2]
-    return list(dict.fromkeys(p for p in paths if p))
