@@ -19,7 +19,6 @@ import pytest
 
 from composer_replication.config import RunConfig
 from composer_replication.envs.python_functions import PythonFunctionsEnv
-from composer_replication.rollout.demonstrations import ReferenceSolutions
 from composer_replication.trainer.loop import Trainer
 from composer_replication.trainer.rollout_queue import drop_stale
 
