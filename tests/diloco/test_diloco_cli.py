@@ -4,6 +4,7 @@ cancel through the state file, and what train_replica hands to `train`."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,48 @@ def test_launch_status_logs_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     out = runner.invoke(dcli.diloco_app, ["cancel", "--state-dir", str(state)]).output
     assert "cancelled 2 replicas" in out
     assert [r["status"] for r in dcli.status("r2", state_dir=state)] == ["cancelled"] * 2
+
+
+def test_a_record_whose_pid_another_process_took_is_gone_and_never_signalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    config = tmp_path / "run.toml"
+    config.write_text("steps = 3\n")
+    state = tmp_path / "state"
+    dcli.launch(
+        config, "local", 2, run_id="r3", state_dir=state, entrypoint="test_diloco_cli.echo_replica"
+    )
+    deadline = time.monotonic() + 60
+    while any(r["status"] == "running" for r in dcli.status("r3", state_dir=state)):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # the replica is long gone and an unrelated process (leading its own group) holds the
+    # recorded pid: simulate the reuse by pointing the record at such a process
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        recorded = json.loads((state / "r3.json").read_text())
+        meta = recorded["handles"][0]["metadata"]
+        Path(meta["exit_path"]).unlink()  # no exit code left behind
+        meta["pid"] = bystander.pid
+        (state / "r3.json").write_text(json.dumps(recorded))
+        assert [r["status"] for r in dcli.status("r3", state_dir=state)] == ["gone", "succeeded"]
+        runner = CliRunner()
+        out = runner.invoke(dcli.diloco_app, ["status", "r3", "--state-dir", str(state)]).output
+        assert out.splitlines() == ["rank 0: gone", "rank 1: succeeded"]
+        out = runner.invoke(dcli.diloco_app, ["cancel", "r3", "--state-dir", str(state)]).output
+        assert out.strip() == "cancelled 0 replicas; left alone: rank 0 gone, rank 1 succeeded"
+        # a record written before start ticks were kept is judged by its wall-clock start
+        del meta["start_ticks"]
+        meta["start_ts"] -= 3600
+        (state / "r3.json").write_text(json.dumps(recorded))
+        assert dcli.status("r3", state_dir=state)[0]["status"] == "gone"
+        dcli.cancel("r3", state_dir=state)
+        time.sleep(0.3)
+        assert bystander.poll() is None  # never signalled
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_launch_errors(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import typer
 
+from composer_replication.diloco.serverless.base import TERMINAL
 from composer_replication.errors import command_group
 
 EXECUTORS = ("local", "eks", "sagemaker", "modal", "hf_jobs")
@@ -173,12 +174,15 @@ def logs(
     return {h.rank: executor.stream_logs(h, n_lines=n_lines) for h in chosen}
 
 
-def cancel(run_id: str | None = None, *, state_dir: Path = DEFAULT_STATE_DIR) -> int:
-    """Cancel every replica of the run; returns how many handles were cancelled."""
+def cancel(run_id: str | None = None, *, state_dir: Path = DEFAULT_STATE_DIR) -> dict[int, str]:
+    """Cancel every replica of the run that is still pending or running; returns each
+    rank's status before (a replica that ended, or whose record is stale, is left alone)."""
     _, executor, handles = load_run(Path(state_dir), run_id)
+    before = {h.rank: executor.poll(h) for h in handles}
     for handle in handles:
-        executor.cancel(handle)
-    return len(handles)
+        if before[handle.rank] not in TERMINAL:
+            executor.cancel(handle)
+    return before
 
 
 # ---------------------------------------------------------------------- typer commands
@@ -235,7 +239,8 @@ def status_command(
     run_id: str | None = _RUN_ID,
     state_dir: Path = _STATE_DIR,
 ) -> None:
-    """Each replica's status: pending, running, succeeded, failed or cancelled."""
+    """Each replica's status: pending, running, succeeded, failed, cancelled or gone (its
+    process is not there and its pid belongs to another process now)."""
     with _one_line_errors():
         rows = status(run_id, state_dir=state_dir)
     for row in rows:
@@ -263,5 +268,8 @@ def cancel_command(
 ) -> None:
     """Stop every replica of the run."""
     with _one_line_errors():
-        n = cancel(run_id, state_dir=state_dir)
-    typer.echo(f"cancelled {n} replicas")
+        before = cancel(run_id, state_dir=state_dir)
+    live = [r for r, s in before.items() if s not in TERMINAL]
+    line = f"cancelled {len(live)} replica{'s' if len(live) != 1 else ''}"
+    left = [f"rank {r} {s}" for r, s in before.items() if s in TERMINAL]
+    typer.echo(line + (f"; left alone: {', '.join(left)}" if left else ""))

@@ -21,9 +21,11 @@ from composer_replication.config.diloco import WORLD_SIZE_ENV as WORLD_SIZE_ENV
 #: What an empty entrypoint (``""``, the documented way to say "the default") runs.
 DEFAULT_ENTRYPOINT = "composer_replication.diloco.serverless.replica_entrypoint"
 
-ReplicaStatus = Literal["pending", "running", "succeeded", "failed", "cancelled"]
-STATUSES: tuple[str, ...] = ("pending", "running", "succeeded", "failed", "cancelled")
-TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+#: "gone": the record names a process that is not there any more and left no exit code, its
+#: pid now another process's (a local replica's state file outliving it)
+ReplicaStatus = Literal["pending", "running", "succeeded", "failed", "cancelled", "gone"]
+STATUSES: tuple[str, ...] = ("pending", "running", "succeeded", "failed", "cancelled", "gone")
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "gone"})
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from composer_replication.diloco.serverless.base import (
     launch_spec,
 )
 from composer_replication.diloco.serverless.runner import read_result
-from composer_replication.pids import pid_alive
+from composer_replication.pids import pid_alive, same_process, start_ticks
 
 
 class LocalProcessExecutor:
@@ -104,6 +104,8 @@ class LocalProcessExecutor:
             self._procs[rank] = proc
             metadata = {
                 "pid": proc.pid,
+                # the pid alone is reused once the replica is gone: its start identifies it
+                "start_ticks": start_ticks(proc.pid),
                 "start_ts": time.time(),
                 "log_path": str(log),
                 "exit_path": str(exit_file),
@@ -122,11 +124,21 @@ class LocalProcessExecutor:
             return int(path.read_text().strip() or 1)
         return None
 
+    def _is_replica(self, handle: ReplicaHandle) -> bool:
+        """The recorded pid still runs AND is the replica launched (not a process that got
+        the pid after it was gone)."""
+        meta = handle.metadata
+        return same_process(
+            int(meta["pid"]), ticks=meta.get("start_ticks"), started_near=meta.get("start_ts")
+        )
+
     def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
         if Path(handle.metadata["log_path"] + ".cancelled").exists():
             return "cancelled"
         code = self._exit_code(handle)
-        if code is None and pid_alive(int(handle.metadata["pid"])):
+        if code is None and not self._is_replica(handle) and pid_alive(int(handle.metadata["pid"])):
+            return "gone"  # its pid belongs to another process now
+        if code is None and self._is_replica(handle):
             if time.time() > float(handle.metadata.get("deadline", float("inf"))):
                 self.cancel(handle)  # the launch timeout is a hard deadline, as on the clouds
                 return "cancelled"
@@ -143,19 +155,23 @@ class LocalProcessExecutor:
         return "\n".join(lines[-n_lines:])
 
     def cancel(self, handle: ReplicaHandle) -> None:
-        """SIGTERM the replica's process group, SIGKILL after 5 s; finished ones are left."""
+        """SIGTERM the replica's process group, SIGKILL after 5 s; finished ones are left, and
+        so is a process that is not the replica (its pid reused): only a running replica,
+        identified by pid and start time, leading its own process group, is signalled."""
         pid = int(handle.metadata["pid"])
-        if self._exit_code(handle) is not None or not pid_alive(pid):
+        if self._exit_code(handle) is not None or not self._is_replica(handle):
             return
         Path(handle.metadata["log_path"] + ".cancelled").touch()
         for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             try:
+                if not self._is_replica(handle) or os.getpgid(pid) != pid:
+                    return
                 os.killpg(pid, sig)
             except ProcessLookupError:
                 return
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
-                if not pid_alive(pid):
+                if not self._is_replica(handle):
                     return
                 time.sleep(0.05)
 
@@ -171,6 +187,11 @@ class LocalProcessExecutor:
             error = None
             if status == "failed":
                 error = self.stream_logs(handle, n_lines=20) or f"exit code {code}"
+            elif status == "gone":
+                error = (
+                    f"the replica (pid {handle.metadata['pid']}) is gone without an exit "
+                    "code; its pid belongs to another process now"
+                )
             kind, result = None, None
             if status == "succeeded" and handle.metadata.get("result_path"):
                 kind, result = read_result(handle.metadata["result_path"])
