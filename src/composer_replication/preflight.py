@@ -185,6 +185,9 @@ def check_run(config: Any) -> None:
 
     check_model_source(config.model.source)
     check_output_dir(config.output_dir, option="output_dir")
+    from composer_replication.trainer.run_lock import check_run_directory_free
+
+    check_run_directory_free(config.output_dir)
     check_device(config.model.device)
     for i, env in enumerate(config.envs):
         check_env_name(env.name, f"envs.{i}.name")

@@ -4,8 +4,9 @@ the kill switch, report, final model, summary, and how a run ends.
 A backend (the native loop, the trl trainer) owns only its steps. Around them,
 :class:`RunLifecycle`:
 
-- creates the run directory (after the policy has loaded: a failed start leaves nothing)
-  and, at :meth:`RunLifecycle.begin`, writes ``config.json`` (a new run moves a previous
+- creates the run directory (after the policy has loaded: a failed start leaves nothing),
+  holds it for this run alone while the run works in it (:meth:`RunLifecycle.exclusive`: a
+  second run on the same directory is refused), and, at :meth:`RunLifecycle.begin`, writes ``config.json`` (a new run moves a previous
   run's record found there to ``previous/<UTC time>/`` first);
 - evaluates held-out pass@1 over every environment's held-out tasks (seeded sampling,
   common random numbers before/after) at the start and every ``eval.every`` steps, and
@@ -27,6 +28,7 @@ gathered (every rank computes the same scores), and every stop decision is rank 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -193,6 +195,18 @@ class RunLifecycle:
 
         path = self.run_dir / "rollouts" / f"{kind}_step_{step:04d}.jsonl"
         return write_rollouts(path, [r for group in groups for r in group], tokenizer)
+
+    def exclusive(self) -> contextlib.AbstractContextManager[Any]:
+        """Hold the run directory for this run alone (rank 0; ``trainer.run_lock``): entered
+        before a run reads or moves anything there, left after its last file.
+
+        Raises:
+            RunDirectoryBusy: another live run holds it (one line: the directory, the
+                holder, the fix).
+        """
+        from composer_replication.trainer.run_lock import RunDirectoryLock
+
+        return RunDirectoryLock(self.run_dir) if self.ranks.is_writer else contextlib.nullcontext()
 
     def begin(self, *, resumed: bool) -> Path | None:
         """Start the run's record: a new run first moves a previous run's record found in

@@ -434,7 +434,7 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def run(self, *, resume: bool = False) -> RunResult:
-        with decode_options(DecodeOptions.of(self.config.inference)):
+        with self.life.exclusive(), decode_options(DecodeOptions.of(self.config.inference)):
             return self._run(resume=resume)
 
     def _run(self, *, resume: bool) -> RunResult:

@@ -388,25 +388,26 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
         split=split,
         **settings,
     )
-    life.begin(resumed=False)
-    life.evaluate_start(InProcessSampler(policy), tokenizer, heldout)
-    callback = _LifecycleCallback(
-        life,
-        policy,
-        tokenizer,
-        heldout,
-        settings.get("taid_t"),
-        trainer.reward_funcs[0],
-        trainer=trainer,
-    )
-    trainer.add_callback(callback.as_trainer_callback())
-    if console is not None and life.ranks.is_writer:
-        console.print(f"[bold]trl[/bold]: {len(trainer.train_dataset)} train prompts")
-    try:
-        trainer.train()
-    finally:
-        life.write_report()
-    return life.finish(policy, tokenizer, trainer.state.global_step)
+    with life.exclusive():  # the run directory is this run's alone
+        life.begin(resumed=False)
+        life.evaluate_start(InProcessSampler(policy), tokenizer, heldout)
+        callback = _LifecycleCallback(
+            life,
+            policy,
+            tokenizer,
+            heldout,
+            settings.get("taid_t"),
+            trainer.reward_funcs[0],
+            trainer=trainer,
+        )
+        trainer.add_callback(callback.as_trainer_callback())
+        if console is not None and life.ranks.is_writer:
+            console.print(f"[bold]trl[/bold]: {len(trainer.train_dataset)} train prompts")
+        try:
+            trainer.train()
+        finally:
+            life.write_report()
+        return life.finish(policy, tokenizer, trainer.state.global_step)
 
 
 class _LifecycleCallback:
