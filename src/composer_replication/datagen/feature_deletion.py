@@ -45,6 +45,7 @@ from composer_replication.datagen.gates import (
     SandboxFactory,
     SolvabilityValidator,
 )
+from composer_replication.datagen.repository_copy import copy_repository, mark_output_folder
 from composer_replication.datagen.test_discovery import DiscoveredTests, discover_tests
 from composer_replication.envs.fd_tasks import (
     STUB_EXCEPTION,
@@ -197,38 +198,6 @@ def _prompt(candidate: Candidate, workdir: Path, targets: tuple[str, ...]) -> st
     )
 
 
-# Not worth copying at all (scrub_tree would delete what is left of the leak list anyway).
-_COPY_IGNORE = shutil.ignore_patterns(".git", ".hg", ".svn", ".venv", ".tox", ".nox", "__pycache__")
-# Hidden answers of any earlier generation (ours or another's) never reach a workdir.
-_REFERENCE_FILES = re.compile(r".*\.reference\..*")
-
-
-def _copy_repo(src: Path, dst: Path, *, skip: Collection[Path] = ()) -> None:
-    """Copy ``src`` to ``dst`` and scrub it; ``skip``: resolved paths never copied (this
-    generation's own outputs, when they lie inside the repository)."""
-    skipped = {str(p) for p in skip}
-
-    def ignore(folder: str, names: list[str]) -> set[str]:
-        here = Path(folder).resolve()
-        return (
-            set(_COPY_IGNORE(folder, names))
-            | {n for n in names if _REFERENCE_FILES.fullmatch(n)}
-            | {n for n in names if str(here / n) in skipped}
-        )
-
-    shutil.copytree(src, dst, symlinks=True, ignore=ignore)
-    root = src.resolve()
-    for path in skip:  # a folder that held only outputs would still hint at them
-        try:
-            folder = dst / path.parent.relative_to(root)
-        except ValueError:
-            continue
-        while folder != dst and folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-            folder = folder.parent
-    scrub_tree(dst)
-
-
 def candidates_path(out: Path) -> Path:
     """Where a generation lists its candidates: ``<stem>.candidates.jsonl``."""
     stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
@@ -349,7 +318,7 @@ def generate_tasks(
     scratch = make_shared_tempdir("composer-replication-fd-")
     try:
         base = scratch / "base"
-        _copy_repo(repo_path, base, skip=own_outputs)
+        copy_repository(repo_path, base, skip=own_outputs)
         discovered, no_tests = _discover(base, test_command, repo_path)
         say(f"tests: {discovered.command}  ({discovered.source})" if no_tests is None else no_tests)
         options = _environment_options(
@@ -405,7 +374,7 @@ def generate_tasks(
             else:
                 fd_task, ref, task_dir = task
                 is_held = split is not None and split.is_heldout(fd_task.task_id)
-                workdirs.mkdir(parents=True, exist_ok=True)
+                mark_output_folder(workdirs)
                 final = workdirs / slug(fd_task.task_id)
                 shutil.rmtree(final, ignore_errors=True)
                 shutil.move(str(task_dir), final)
@@ -493,7 +462,7 @@ def _environment_options(
         return {}
     try:
         built = build_repo_environment(
-            repo, environments_path(out), wheelhouse=wheelhouse, progress=say
+            repo, mark_output_folder(environments_path(out)), wheelhouse=wheelhouse, progress=say
         )
     except RuntimeError as err:
         if environment == "venv":
@@ -538,7 +507,7 @@ def _try_candidate(
     task_id = make_task_id(repo_name, cand.file, cand.qualname)
     task_dir = scratch / "tasks" / slug(task_id)
     shutil.rmtree(task_dir, ignore_errors=True)
-    _copy_repo(base, task_dir)
+    copy_repository(base, task_dir)
     ref = replace(make_stub(task_dir, cand), task_id=task_id)
     outcomes = validator.validate(task_dir, ref, passing)
     if not outcomes[-1].passed:

@@ -18,7 +18,7 @@ import zipfile
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-from composer_replication.datagen.feature_deletion import _copy_repo
+from composer_replication.datagen.repository_copy import copy_repository
 from composer_replication.sandbox.scrub import scrub_tree
 
 __all__ = [
@@ -124,7 +124,7 @@ def materialise(
             _checkout(source, commit, dest, scratch)
         else:  # a plain folder: taken as it is, at base_commit already
             try:
-                _copy_repo(source, dest, skip=skip)
+                copy_repository(source, dest, skip=skip)
             except (OSError, shutil.Error) as err:
                 raise Rejected(GATE_REPOSITORY, f"cannot copy {source}: {err}") from None
     elif source.name.endswith(ARCHIVE_SUFFIXES):

@@ -71,6 +71,7 @@ from composer_replication.datagen.repository_checkout import (
     locate_repository,
     materialise,
 )
+from composer_replication.datagen.repository_copy import mark_output_folder
 from composer_replication.datagen.test_discovery import DiscoveredTests, discover_tests
 from composer_replication.envs.fd_tasks import (
     FDTask,
@@ -393,7 +394,7 @@ def import_instances(
 
 def _settle(task: FDTask, task_dir: Path, workdirs: Path, split: HeldoutSplit | None) -> FDTask:
     """Move an accepted task's workdir into ``workdirs``; the task as it is written."""
-    workdirs.mkdir(parents=True, exist_ok=True)
+    mark_output_folder(workdirs)
     final = workdirs / slug(task.task_id)
     shutil.rmtree(final, ignore_errors=True)
     shutil.move(str(task_dir), final)
