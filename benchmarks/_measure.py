@@ -95,3 +95,27 @@ def rl_samples(n_seq: int, seq_len: int, vocab: int, *, n_prompt: int) -> list:
         adv = 1.0 if i % 2 else -1.0
         samples.append(TrainingSample(ids, mask, inf, advantages=[adv * m for m in mask]))
     return samples
+
+
+def checked_output(path: Any, option: str, *, directory: bool = False) -> Any:
+    """The project's output policy for a benchmark's output option, before any work: a file
+    (never an input, a source, a cache or a run's record; not a directory, device or link)
+    or, with ``directory``, a folder that is absent or writable. Exits with one line
+    naming the option and the fix otherwise."""
+    from composer_replication.outputs import OutputError, check_output, check_output_dir
+
+    if path is None:
+        return None
+    try:
+        if directory:
+            return check_output_dir(path, option=option)
+        return check_output(path, option=option, inputs=[sys.argv[0]])
+    except OutputError as err:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {err}")
+
+
+def write_json(path: Any, data: Any) -> None:
+    """``data`` as JSON at ``path``, atomically (the old file or the new one, never half)."""
+    from composer_replication.atomic_io import write_text_atomic
+
+    write_text_atomic(path, json.dumps(data, indent=1, default=str))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import machine_line
+from _measure import checked_output, machine_line
 
 DEFAULT = ("jsonpointer==3.12", "python-slugify==9.2.0", "inflection==0.5.1")
 
@@ -55,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_tasks < 1:
         parser.error("--max-tasks must be >= 1")
+    args.out = checked_output(args.out, "--out", directory=True)
     from composer_replication.datagen.feature_deletion import generate_tasks
     from composer_replication.sandbox.local import LocalSubprocessSandbox
     from composer_replication.sandbox.workdir import make_shared_tempdir

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -46,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import machine_line
+from _measure import checked_output, machine_line, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -702,17 +701,31 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.random_weights = True
+    known = ("sampling", "train", "steps", "compiled")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in known]
+    if unknown or not sections:
+        sys.exit(f"benchmarks/gpu.py: --sections {args.sections!r}: use some of {', '.join(known)}")
+    if args.steps < 2:
+        sys.exit(f"benchmarks/gpu.py: --steps {args.steps}: give 2 or more (the first compiles)")
+    for option, minutes in (("--heldout", args.heldout), ("--ablation", args.ablation)):
+        if not 0 <= minutes < float("inf"):
+            sys.exit(f"benchmarks/gpu.py: {option} {minutes}: give minutes >= 0")
+    args.json = checked_output(args.json, "--json")
+    args.profile = checked_output(args.profile, "--profile", directory=True)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     import torch
 
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        sys.exit(f"benchmarks/gpu.py: --device {args.device!r}: use cuda, cuda:N or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py: no CUDA device here; use --device cpu --quick for a dry run")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     results: dict[str, Any] = {"machine": f"{name}; {machine_line()}"}
     log(results["machine"])
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
         source = make_model_dir(args, where)
@@ -741,7 +754,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             if args.json:
-                args.json.write_text(json.dumps(results, indent=1, default=str))
+                write_json(args.json, results)
         if args.random_weights and (args.heldout or args.ablation):
             log("held-out pass@1 of random weights says nothing: a dry run of the code path")
         if args.heldout:
@@ -753,7 +766,7 @@ def main() -> None:
                 args, source, args.ablation, ["composer", "grpo", "sdpo"], where / "ablation"
             )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+        write_json(args.json, results)
     print()
     print(table(results))
 

@@ -28,6 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import checked_output
+
 CLI = [sys.executable, "-m", "composer_replication"]
 SCORES = ("heldout/pass@1", "heldout/greedy_pass@1", "heldout/pass@4")
 
@@ -219,7 +223,9 @@ def cmd_plot(args: argparse.Namespace) -> None:
     fig.tight_layout()
     target = Path(args.png or out / "curves.png")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=110)
+    partial = target.with_name(f".{target.name}.partial.png")
+    fig.savefig(partial, dpi=110)
+    os.replace(partial, target)  # the old plot or the new one, never half
     print(f"wrote {target}")
 
 
@@ -249,6 +255,12 @@ def main() -> None:
         "--base-greedy", type=float, default=None, help="draw the base model's greedy pass@1"
     )
     args = parser.parse_args()
+    if args.study == "plot":
+        args.png = checked_output(args.png or Path(args.out) / "curves.png", "--png")
+    else:
+        checked_output(args.out, "--out", directory=True)
+        if args.study == "ablation" and not 0 < args.seconds < float("inf"):
+            parser.error(f"--seconds {args.seconds}: give a positive number of seconds")
     if args.study == "plot":
         cmd_plot(args)
         return

@@ -110,8 +110,17 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "lora_run" / "config.json").write_text(
         json.dumps({"model": {"lora": {"r": 4, "target_modules": ["q_proj"]}}})
     )
+    (root / "rcache").mkdir()  # files other commands keep
+    (root / "rcache" / "replay-cache.jsonl").write_text('{"key": "k", "row": {}}\n')
+    (root / "done_run" / "final_model").mkdir(parents=True)
+    (root / "done_run" / "config.json").write_text("{}")
+    (root / "done_run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (root / "gen").mkdir()
+    (root / "gen" / "tasks.jsonl").write_text('{"file": "a.py", "task_id": "fd:r:a.py:f"}\n')
     return root
 
+
+PACKAGE_INIT = Path(__file__).resolve().parents[1] / "src" / "composer_replication" / "__init__.py"
 
 # (id, argv with {placeholders} for workspace paths, exit code, text the error line names)
 CASES: list[tuple[str, str, int, str]] = [
@@ -372,6 +381,22 @@ CASES: list[tuple[str, str, int, str]] = [
     ("export-binary-config", "export prime-rl {binary.toml}", 2, "binary.toml"),
     ("export-invalid-value", "export prime-rl {steps0.toml} -o {out.toml}", 2, "steps"),
     ("export-seq-len-0", "export prime-rl {run.toml} --seq-len 0", 2, "seq_len = 0"),
+    # files another command keeps are never an output
+    (
+        "replay-into-its-cache",
+        "replay {states.jsonl} -o {rcache}/replay-cache.jsonl",
+        2,
+        "teacher-replay cache",
+    ),
+    ("ingest-into-a-runs-metrics", "ingest {session.jsonl} -o {done_run}/metrics.jsonl", 2, "run"),
+    (
+        "ingest-into-a-final-model",
+        "ingest {session.jsonl} -o {done_run}/final_model/x.jsonl",
+        2,
+        "record of the run",
+    ),
+    ("ingest-into-a-task-file", "ingest {session.jsonl} -o {gen}/tasks.jsonl", 2, "generation"),
+    ("export-into-the-source", f"export prime-rl {{run.toml}} -o {PACKAGE_INIT}", 2, "own files"),
     # the top level
     ("unknown-command", "trian", 2, "trian"),
     ("unknown-option", "ingest {session.jsonl} -o {out.jsonl} --bogus", 2, "--bogus"),

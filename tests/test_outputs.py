@@ -15,7 +15,7 @@ from composer_replication.atomic_io import (
     write_lines_atomic,
     write_text_atomic,
 )
-from composer_replication.outputs import OutputError, check_output, check_output_dir
+from composer_replication.outputs import OutputError, check_output, check_output_dir, owner_of
 
 
 def test_an_input_is_refused_by_path_by_link_and_by_inode(tmp_path):
@@ -118,3 +118,27 @@ def test_a_failed_or_empty_write_leaves_the_old_file(tmp_path):
         write_lines_atomic(out, [], require_lines=True)
     assert out.read_text() == "precious\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temporary left
+
+
+def test_files_other_commands_keep_are_refused_unless_the_command_owns_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPOSER_REPLICATION_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "tasks").mkdir(parents=True)
+    cached = tmp_path / "cache" / "tasks" / "tasks.jsonl"
+    assert owner_of(cached)[0] == "project_cache"
+    assert owner_of(tmp_path / "x" / "replay-cache.jsonl")[0] == "replay_cache"
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / ".run.lock").write_text("")  # a run that has not written a row yet
+    assert owner_of(run / "checkpoints" / "step_1.pt")[0] == "run_record"
+    assert owner_of(run / "config.json")[0] == "run_record"
+    assert owner_of(run / "notes.json") is None  # beside a run's record: the user's
+    tasks = tmp_path / "gen.jsonl"
+    tasks.write_text('{"task_id": "fd:r:a.py:f"}\n')
+    assert owner_of(tasks)[0] == "task_generation"
+    assert owner_of(tmp_path / "plain.jsonl") is None
+    with pytest.raises(OutputError, match="in the project's cache"):
+        check_output(cached)
+    with pytest.raises(OutputError, match="record of the run"):
+        check_output(run / "config.json", option="--json")
+    assert check_output(tasks, owns=("task_generation",)) == tasks  # datagen rewrites its own

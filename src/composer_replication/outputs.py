@@ -8,7 +8,12 @@ the path and the fix) when it is
 - an existing directory, device, FIFO or socket (anything but a regular file);
 - a symbolic link, unless the command was asked to follow it (then its target is checked
   and written instead);
-- in a folder that cannot be created or written.
+- in a folder that cannot be created or written;
+- a file another command keeps (:func:`owner_of`): the teacher-replay cache, the project's
+  cache (converted models, generated tasks), a run's record (its config, metrics,
+  checkpoints, final model, report, rollouts, lock), a task generation's outputs, or the
+  project's own source; a command may name the kinds it owns itself (``owns``: datagen
+  rewrites its own task files).
 
 The file itself is written by :func:`composer_replication.atomic_io.write_lines_atomic`:
 into a temporary sibling, renamed into place only when the command produced at least one
@@ -27,11 +32,23 @@ from pathlib import Path
 from composer_replication.errors import UsageError
 
 __all__ = [
+    "OWNED_KINDS",
     "OutputError",
     "check_output",
     "check_output_dir",
     "file_kind",
+    "owner_of",
 ]
+
+#: the kinds of file :func:`owner_of` knows
+OWNED_KINDS = ("replay_cache", "project_cache", "run_record", "task_generation", "source")
+# the entries of a run directory that are its record (trainer.run_record's RUN_RECORD, the
+# rollouts, the records set aside, the lock): kept here as names, so this stays light
+_RUN_ENTRIES = (
+    "config.json", "metrics.jsonl", "summary.json", "report", "final_model", "checkpoints",
+    "rollouts", "previous", ".run.lock",
+)  # fmt: skip
+_REPLAY_CACHE_FILE = "replay-cache.jsonl"
 
 
 class OutputError(UsageError):
@@ -71,6 +88,42 @@ def _inside(path: Path, folder: Path) -> bool:
     return True
 
 
+def _is_run_dir(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (
+        (folder / "metrics.jsonl").is_file() or (folder / ".run.lock").is_file()
+    )
+
+
+def owner_of(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(kind, what)`` when ``path`` is a file some command keeps (``kind`` one of
+    :data:`OWNED_KINDS`, ``what`` a phrase naming it), else None."""
+    target = Path(path).expanduser().absolute()
+    if target.name == _REPLAY_CACHE_FILE:
+        return "replay_cache", "the teacher-replay cache (a rerun would pay for every call again)"
+    from composer_replication.models import cache_dir
+
+    if _inside(target, cache_dir()):
+        return "project_cache", f"in the project's cache {str(cache_dir())!r}"
+    for folder in target.parents:
+        if _is_run_dir(folder):
+            rel = target.relative_to(folder)
+            if rel.parts and rel.parts[0] in _RUN_ENTRIES:
+                return "run_record", f"part of the record of the run in {str(folder)!r}"
+            break
+    package = Path(__file__).resolve().parent
+    checkout = package.parent.parent  # src/composer_replication -> the repository
+    sources = [package]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "benchmarks").is_dir():
+        sources += [checkout / "benchmarks", checkout / "tests", checkout / "configs"]
+    if any(_inside(target, folder) for folder in sources) and target.exists():
+        return "source", "one of the project's own files"
+    from composer_replication.datagen.repository_copy import is_generation_output
+
+    if target.exists() and is_generation_output(target):
+        return "task_generation", "a task generation's output (tasks, references, candidates)"
+    return None
+
+
 def _check_folder(target: Path, shown: str) -> None:
     """The nearest existing ancestor of ``target`` must be a writable directory."""
     parent = target.parent
@@ -91,12 +144,14 @@ def check_output(
     input_dirs: Iterable[str | os.PathLike[str]] = (),
     follow_symlinks: bool = False,
     option: str = "-o",
+    owns: Iterable[str] = (),
 ) -> Path:
     """The file to write for the output ``path``, or :class:`OutputError` (see the module).
 
     ``inputs`` are files the command reads, ``input_dirs`` folders it reads every file
-    of; ``option`` names the flag in messages. Returns the path to write: ``path`` itself,
-    or a followed link's target.
+    of; ``option`` names the flag in messages; ``owns``: kinds of :func:`owner_of` the
+    command keeps itself (it may overwrite those). Returns the path to write: ``path``
+    itself, or a followed link's target.
     """
     given = Path(path).expanduser()
     shown = repr(str(path))
@@ -132,6 +187,11 @@ def check_output(
                 f"output {shown} is inside the input folder {str(folder)!r}, which is read "
                 f"whole; pass an {option} outside it"
             )
+    owner = owner_of(target)
+    if owner is not None and owner[0] not in set(owns):
+        raise OutputError(
+            f"output {shown} is {owner[1]}, not this command's to write: pass another {option}"
+        )
     _check_folder(target, shown)
     return target
 

@@ -88,7 +88,9 @@ def datagen_main(
         _error(console, f"--wheelhouse {str(wheelhouse)!r} is not a directory of wheels")
         return 2
     try:
-        output = check_outputs(check_output(output, follow_symlinks=follow_symlinks))
+        output = check_outputs(
+            check_output(output, follow_symlinks=follow_symlinks, owns=("task_generation",))
+        )
         tokenizer = _tokenizer(model)
         factory = _sandbox_factory(repo, exec_timeout_s, docker_image)
     except (OutputError, ValueError) as exc:
@@ -365,7 +367,9 @@ def import_tasks_main(
         _error(console, problem)
         return 2
     try:
-        output = check_outputs(check_output(output, follow_symlinks=follow_symlinks))
+        output = check_outputs(
+            check_output(output, follow_symlinks=follow_symlinks, owns=("task_generation",))
+        )
         tokenizer = _tokenizer(model)
     except (OutputError, ValueError) as exc:
         _error(console, str(exc))

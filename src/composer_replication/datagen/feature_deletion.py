@@ -231,12 +231,15 @@ def check_outputs(output: str | os.PathLike[str]) -> Path:
     from composer_replication.outputs import check_output, check_output_dir
 
     given = Path(output)
-    out = check_output(given).resolve()
+    # a generation rewrites its own outputs; those in the project's cache are the tasks of
+    # a named repository (datagen.repository_tasks)
+    owns = ("task_generation", "project_cache")
+    out = check_output(given, owns=owns).resolve()
     for path in _output_tree(out)[1:]:
         if path.name.endswith((".workdirs", ".envs")):
             check_output_dir(path, option=f"{path.suffix[1:]} folder")
         else:
-            check_output(path, option="-o")
+            check_output(path, option="-o", owns=owns)
     return out
 
 
