@@ -381,6 +381,19 @@ CASES: list[tuple[str, str, int, str]] = [
     ("export-binary-config", "export prime-rl {binary.toml}", 2, "binary.toml"),
     ("export-invalid-value", "export prime-rl {steps0.toml} -o {out.toml}", 2, "steps"),
     ("export-seq-len-0", "export prime-rl {run.toml} --seq-len 0", 2, "seq_len = 0"),
+    # an engine that cannot be had: said before anything loads
+    (
+        "train-dead-engine-url",
+        "train --set inference.engine=vllm --set inference.url=http://127.0.0.1:9",
+        2,
+        "connection refused",
+    ),
+    (
+        "train-engine-without-its-venv",
+        "train --set inference.engine=vllm --set inference.python={nothing}/bin/python",
+        2,
+        "make vllm-env",
+    ),
     # files another command keeps are never an output
     (
         "replay-into-its-cache",

@@ -194,6 +194,36 @@ def check_run(config: Any) -> None:
     check_pairs_files(config)
     check_loss_function(config.loss)
     check_engine(config.engine.type)
+    check_inference_engine(config.inference)
+
+
+def check_inference_engine(inference: Any) -> None:
+    """``inference.engine = "vllm"``: the server it names can be had, before the model loads:
+    something listens at ``url``, or the engine's interpreter exists (``command`` is the
+    user's own launcher, found when it runs)."""
+    if inference.engine != "vllm":
+        return
+    if inference.url:
+        from composer_replication.inference.server import endpoint_problem
+
+        problem = endpoint_problem(inference.url)
+        if problem is not None:
+            raise UsageError(
+                f"inference.url={inference.url!r}: {problem}; start the engine server there, or "
+                "drop inference.url to let the run start one"
+            )
+        return
+    if inference.command:
+        return
+    python = Path(inference.python).expanduser()
+    if not python.is_absolute():
+        python = Path.cwd() / python
+    if not python.exists():
+        raise UsageError(
+            f"inference.python={inference.python!r}: {python} does not exist; build the "
+            "engine's virtualenv with `make vllm-env`, or set inference.python / "
+            "inference.command / inference.url"
+        )
 
 
 def check_engine(engine: str) -> None:

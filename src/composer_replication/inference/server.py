@@ -35,6 +35,40 @@ class EngineStartError(RuntimeError):
     """The engine server did not become healthy."""
 
 
+#: seconds between the lines that say an engine is still starting
+PROGRESS_EVERY_S = 15.0
+
+
+def endpoint_problem(url: str, *, timeout_s: float = 3.0) -> str | None:
+    """Why nothing can answer at ``url`` (``connection refused``, an unknown host, no answer
+    within ``timeout_s``), or None when something accepts connections there."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return f"its port is not a number ({url})"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except ConnectionRefusedError:
+        return f"nothing listens at {host}:{port} (connection refused)"
+    except socket.gaierror:
+        return f"the host {host!r} is unknown"
+    except TimeoutError:
+        return f"{host}:{port} did not answer within {timeout_s:g} s"
+    except OSError as err:
+        return f"{host}:{port} cannot be reached ({err.strerror or err})"
+
+
+def _say(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
 def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -167,6 +201,14 @@ class EngineServer:
 
     def start(self) -> EngineServer:
         if self.config.url:  # someone else's server: only check it answers
+            from composer_replication.errors import UsageError
+
+            problem = endpoint_problem(self.base_url)
+            if problem is not None:  # dead: say so now, not after startup_timeout_s
+                raise UsageError(
+                    f"inference.url={self.config.url!r}: {problem}; start the engine server "
+                    "there, or drop inference.url to let the run start one"
+                )
             self._wait_healthy(time.monotonic())
             return self
         if self.process is not None:
@@ -231,9 +273,19 @@ class EngineServer:
         except httpx.HTTPError:
             return False
 
-    def _wait_healthy(self, t0: float) -> None:
+    def _wait_healthy(self, t0: float, say: Any = _say) -> None:
+        """Wait for ``/health``, a line every ``PROGRESS_EVERY_S`` seconds saying so."""
         deadline = t0 + self.config.startup_timeout_s
+        next_line = t0 + PROGRESS_EVERY_S
         while time.monotonic() < deadline:
+            now = time.monotonic()
+            if now >= next_line:
+                say(
+                    f"waiting for the engine server at {self.base_url or '(starting)'}: "
+                    f"{now - t0:.0f} s of {self.config.startup_timeout_s:.0f} s "
+                    "(inference.startup_timeout_s)"
+                )
+                next_line = now + PROGRESS_EVERY_S
             if self.process is not None and self.process.poll() is not None:
                 raise EngineStartError(
                     f"the engine server exited with code {self.process.returncode} before "
@@ -256,6 +308,7 @@ __all__ = [
     "SERVED_MODEL_NAME",
     "EngineServer",
     "EngineStartError",
+    "endpoint_problem",
     "free_loopback_port",
     "server_argv",
     "server_env",
