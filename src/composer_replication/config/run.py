@@ -333,10 +333,20 @@ class GuardConfig(_Strict):
     hack_patience: int = Field(
         3, ge=1, description="Consecutive steps over hack_fraction_stop that stop the run."
     )
+    non_finite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A step whose loss, a loss component or the gradient norm is NaN or "
+        "infinite never updates the weights; 'stop' ends the run there (exit code 3, the "
+        "component named), 'skip' drops that step's update and goes on (counted in "
+        "guard/non_finite_skipped). With the guard disabled such steps are skipped.",
+    )
 
     def guard_kwargs(self) -> dict[str, Any]:
-        """The ``HeldOutGuard`` settings (the hack tripwire is the run lifecycle's)."""
-        return self.model_dump(exclude={"enabled", "hack_fraction_stop", "hack_patience"})
+        """The ``HeldOutGuard`` settings (the hack tripwire and the numeric guard are the run
+        lifecycle's)."""
+        return self.model_dump(
+            exclude={"enabled", "hack_fraction_stop", "hack_patience", "non_finite"}
+        )
 
 
 class CheckpointConfig(_Strict):

@@ -101,6 +101,17 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def first_set(self, value: T | None) -> T | None:
+        """The lowest rank's ``value`` that is not None, on every rank (None when no rank
+        has one): a condition any rank may raise, decided the same everywhere."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        box: list[T | None] = [None] * self.world_size
+        dist.all_gather_object(box, value)
+        return next((v for v in box if v is not None), None)
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist

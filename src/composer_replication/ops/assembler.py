@@ -254,14 +254,33 @@ def _token_components(
         stats.update(ref_kl_row_sums(values, has_tokens))
 
 
+#: how a custom rl loss is called, for the messages that blame it
+CUSTOM_LOSS_CALL = (
+    "fn(logprobs, inference_logprobs, advantages, loss_mask, weights, **loss.kwargs) with "
+    "(rows, tokens) tensors, returning the sum over the batch's tokens as a 0-d tensor"
+)
+
+
 def _rl_sum(
     cfg: LossConfig, logprobs: Tensor, inf: Tensor, adv: Tensor, mask: Tensor, weights: Tensor
 ) -> Tensor:
-    value = rl_loss_of(cfg)(logprobs, inf, adv, mask, weights)
+    from composer_replication.errors import UsageError
+
+    if cfg.type != "custom":
+        value = rl_loss_of(cfg)(logprobs, inf, adv, mask, weights)
+        return value[0] if isinstance(value, tuple) else value
+    try:
+        value = rl_loss_of(cfg)(logprobs, inf, adv, mask, weights)
+    except Exception as err:  # the user's code: blame it, in one line
+        raise UsageError(
+            f"loss.import_path = {cfg.import_path!r} raised {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''} (it is called as "
+            f"{CUSTOM_LOSS_CALL})"
+        ) from err
     total = value[0] if isinstance(value, tuple) else value
     if not isinstance(total, torch.Tensor) or total.dim() != 0:
         shape = tuple(total.shape) if isinstance(total, torch.Tensor) else type(total).__name__
-        raise ValueError(
+        raise UsageError(
             f"loss.import_path = {cfg.import_path!r} returned {shape}; the rl loss must "
             "return the sum over the batch's tokens as a 0-d tensor"
         )

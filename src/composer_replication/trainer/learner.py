@@ -8,6 +8,7 @@ holds one in its own process; the Monarch engine holds one inside its trainer ac
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,24 @@ def adamw_kernel(params: list[Any]) -> dict[str, bool]:
 
 _FUSED_DEVICES = ("cuda", "cpu")
 _FUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def non_finite_parts(sums: dict[str, float], extra: dict[str, float], loss: Any) -> str | None:
+    """What in a step's sums is NaN or infinite (the loss, each component, the gradient
+    norm), as a phrase naming them and, for the rl component of a custom loss, its import
+    path; None when all are finite."""
+    bad = [
+        f"{name.removeprefix('sum/')} = {value}"
+        for name, value in (*sums.items(), *extra.items())
+        if (name == "loss" or name.startswith("sum/") or name == "grad_norm")
+        and not math.isfinite(value)
+    ]
+    if not bad:
+        return None
+    phrase = ", ".join(bad)
+    if getattr(loss, "type", None) == "custom" and any(b.startswith("rl =") for b in bad):
+        phrase += f" (the rl component is loss.import_path = {loss.import_path!r})"
+    return phrase
 
 
 class Learner:
@@ -81,8 +100,10 @@ class Learner:
         """One optimizer step over ``batches``; ``step`` is the step number after it.
 
         Returns the step's loss metrics plus ``grad_norm`` (when clipping) and
-        ``diloco/synced``. The host reads the device once, after the optimizer step: the
-        metric sums and the gradient norm in one transfer.
+        ``diloco/synced``. The host reads the device once, before the optimizer step: the
+        metric sums and the gradient norm in one transfer; a NaN or infinite loss,
+        component or gradient norm skips the update (``guard/non_finite`` in the row names
+        them; the lifecycle's numeric guard decides whether the run goes on).
         """
         self.optimizer.zero_grad(set_to_none=True)
         with self.weights.accumulating():
@@ -99,11 +120,20 @@ class Learner:
             extra["grad_norm"] = torch.nn.utils.clip_grad_norm_(
                 self.params, self.config.optim.grad_clip
             )
-        self.optimizer.step()
+        # the step's one read comes before the update: a NaN / inf never reaches the weights
         parts, row = sums.read(extra)
+        bad = non_finite_parts(parts, row, self.config.loss)
+        if self.ranks is not None:  # every rank steps, or none does
+            bad = self.ranks.first_set(bad)
+        if bad is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            row["guard/non_finite"] = bad
         metrics = step_metrics(parts, sums.counts, self.metric_reducer)
         row["diloco/synced"] = float(self.sync.after_inner_step())
-        self.scheduler.step()
+        if bad is None:  # a skipped update leaves the schedule where it was
+            self.scheduler.step()
         self.teachers.update(self.policy)
         self.losses.observe(metrics, step)
         self.last_batches = batches

@@ -300,6 +300,36 @@ class RunLifecycle:
             self.stopped = status
         return status.fire
 
+    def numeric_round(self, step: int, row: dict[str, Any]) -> bool:
+        """The numeric guard: True (and the run stops) when the step's loss, a component or
+        the gradient norm was NaN or infinite (the learner then applied no update); with
+        ``guard.non_finite = "skip"`` (or the guard disabled) the step is counted and the
+        run goes on."""
+        from composer_replication.safety import TripwireStatus
+
+        bad = row.get("guard/non_finite")
+        if bad is None:
+            return False
+        if self.config.guard.non_finite == "skip" or not self.config.guard.enabled:
+            row["guard/non_finite_skipped"] = 1.0
+            log.warning("step %d: non-finite %s; its update was skipped", step, bad)
+            return False
+        last = self.guard.last_status
+        self.stopped = TripwireStatus(
+            fire=True,
+            reason=(
+                f"non-finite loss at step {step}: {bad}; that step's update was not applied "
+                "(guard.non_finite = 'skip' drops such steps and goes on)"
+            ),
+            step=step,
+            proxy_real_gap=self.guard.proxy_real_gap(),
+            in_loop_ema=last.in_loop_ema if last else 0.0,
+            heldout_ema=last.heldout_ema if last else 0.0,
+            kl_ema=last.kl_ema if last else None,
+        )
+        row.update({"guard/fired": True, "guard/reason": self.stopped.reason})
+        return True
+
     def hack_round(self, step: int, row: dict[str, Any]) -> bool:
         """The hack tripwire: True (and the run stops) when the share of flagged rollouts
         stayed above ``guard.hack_fraction_stop`` for ``guard.hack_patience`` steps."""

@@ -477,7 +477,8 @@ class Trainer:
         while self.step < self.config.steps:
             row = self.train_one_step()
             self.life.close_step_if_out_of_time(self.step)
-            fired = self.life.hack_round(self.step, row)
+            fired = self.life.numeric_round(self.step, row)
+            fired = self.life.hack_round(self.step, row) or fired
             fired = (self.life.is_eval_step(self.step) and self.guard_round(row)) or fired
             self.life.append(row)
             progress.update(row)
