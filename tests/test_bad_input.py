@@ -115,6 +115,17 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "done_run" / "final_model").mkdir(parents=True)
     (root / "done_run" / "config.json").write_text("{}")
     (root / "done_run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (root / "grpo.toml").write_text(
+        '[[envs]]\nname = "python_functions"\n[envs.algorithm.advantage]\ntype = "grpo"\n'
+    )
+    (root / "states").mkdir()  # DiLoCo run states that `diloco launch` did not write
+    (root / "states" / "keyless.json").write_text('{"run_id": "keyless"}')
+    (root / "states" / "garbage.json").write_bytes(b"\xff\xfe not json")
+    (root / "states" / "list.json").write_text("[1, 2]")
+    (root / "grpo_run.toml").write_text(
+        'steps = 1\n[model]\nsource = "tiny"\n[[envs]]\nname = "python_functions"\n'
+        '[envs.algorithm.advantage]\ntype = "grpo"\n'
+    )
     (root / "gen").mkdir()
     (root / "gen" / "tasks.jsonl").write_text('{"file": "a.py", "task_id": "fd:r:a.py:f"}\n')
     return root
@@ -307,6 +318,13 @@ CASES: list[tuple[str, str, int, str]] = [
         "nosuchrun",
     ),
     ("diloco-logs-no-runs", "diloco logs --state-dir {empty_run}", 2, "no DiLoCo runs"),
+    ("diloco-status-keyless-state", "diloco status keyless --state-dir {states}", 2, "lacks"),
+    ("diloco-cancel-keyless-state", "diloco cancel keyless --state-dir {states}", 2, "lacks"),
+    ("diloco-logs-keyless-state", "diloco logs keyless --state-dir {states}", 2, "keyless.json"),
+    ("diloco-status-garbage-state", "diloco status garbage --state-dir {states}", 2, "garbage"),
+    ("diloco-status-list-state", "diloco status list --state-dir {states}", 2, "JSON object"),
+    ("diloco-state-dir-a-file", "diloco status x --state-dir {a_file}", 2, "not a directory"),
+    ("diloco-cancel-state-dir-a-file", "diloco cancel --state-dir {a_file}", 2, "not a directory"),
     (
         "diloco-cancel-unknown-run",
         "diloco cancel nosuchrun --state-dir {empty_run}",
@@ -381,6 +399,35 @@ CASES: list[tuple[str, str, int, str]] = [
     ("export-binary-config", "export prime-rl {binary.toml}", 2, "binary.toml"),
     ("export-invalid-value", "export prime-rl {steps0.toml} -o {out.toml}", 2, "steps"),
     ("export-seq-len-0", "export prime-rl {run.toml} --seq-len 0", 2, "seq_len = 0"),
+    # settings that cannot work, said in one line
+    (
+        "train-unknown-env-option",
+        "train --output-dir {new_run} --set model.source={tiny} --set envs.0.options.bogus=1",
+        2,
+        "has no option 'bogus'",
+    ),
+    (
+        "train-missing-fd-task-file",
+        "train --output-dir {new_run} --set model.source={tiny} --set envs.0.name=feature_deletion"
+        " --set envs.0.options.task_file={nothing.jsonl}",
+        2,
+        "does not exist",
+    ),
+    (
+        "train-heldout-fraction-leaves-none",
+        "train --output-dir {new_run} --set model.source={tiny} --set heldout_fraction=0.0001",
+        2,
+        "0 held-out tasks",
+    ),
+    ("train-tracker-not-installed", 'train --set trackers=["wandb"]', 2, "pip install wandb"),
+    (
+        "train-run-level-advantage-ignored",
+        "train {grpo.toml} --set advantage.type=sdpo",
+        2,
+        "has an advantage of its own",
+    ),
+    ("train-advantage-field-alone", "train --set advantage.alpha_sdpo=-1", 2, "advantage.type"),
+    ("eval-infinite-timeout", "eval {tiny} --timeout inf", 2, "--timeout"),
     # an engine that cannot be had: said before anything loads
     (
         "train-dead-engine-url",
@@ -498,6 +545,25 @@ def test_real_processes_exit_with_the_code_and_one_line(ws):
         done = _run(_argv(template, ws), ws)
         assert done.returncode == code, done.stderr
         assert "Traceback" not in done.stderr + done.stdout
+        errors = _error_lines(done.stderr)
+        assert len(errors) == 1 and needle in errors[0], done.stderr
+    # an export to a stdout that cannot take it says so, never exit 0 with nothing written
+    export = [sys.executable, "-m", "composer_replication", "export", "prime-rl"]
+    export.append(str(ws / "grpo_run.toml"))
+    closed = subprocess.run(
+        ["bash", "-c", 'exec "$@" >&-', "_", *export],
+        cwd=ws, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    with open("/dev/full", "w") as full:
+        filled = subprocess.run(
+            export, cwd=ws, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    for done, code, needle in (
+        (closed, EXIT_USAGE, "stdout is closed"),
+        (filled, EXIT_NO_RESULT, "No space left on device"),
+    ):
+        assert done.returncode == code, done.stderr
+        assert "Traceback" not in done.stderr + (done.stdout or "")
         errors = _error_lines(done.stderr)
         assert len(errors) == 1 and needle in errors[0], done.stderr
     assert _snapshot(ws) == before

@@ -158,12 +158,18 @@ def test_overrides_reach_the_shorthands():
         assert cfg.envs[0].tasks_per_step == 3
     cfg = RunConfig.default(["envs.0.advantage.type=max_rl"])
     assert cfg.envs[0].algorithm.advantage.type == "max_rl"
-    # a default advantage the user changed is the environment's own: it wins over the
-    # run level, and the environment's shorthand must agree with it
+    # a default advantage the user changed is the environment's own: a run-level table
+    # would never replace it, so giving one is an error, not silently ignored; the
+    # environment's shorthand must agree with it
     changed = "envs.0.algorithm.advantage.beta_replay=0.5"
-    cfg = RunConfig.default([changed, "advantage.type=grpo"])
+    cfg = RunConfig.default([changed])
     assert cfg.envs[0].algorithm.advantage.type == "composer"
     assert cfg.envs[0].algorithm.advantage.beta_replay == 0.5
+    with pytest.raises(ValidationError, match="has an advantage of its own"):
+        RunConfig.default([changed, "advantage.type=grpo"])
+    # a run-level table is whole: a field alone names what is missing
+    with pytest.raises(ValidationError, match=r"advantage\.type is missing"):
+        RunConfig.default(["advantage.alpha_sdpo=-1"])
     with pytest.raises(ValidationError, match=r"advantage\.type = 'grpo' but algorithm"):
         RunConfig.default([changed, "envs.0.advantage.type=grpo"])
 

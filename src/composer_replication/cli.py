@@ -432,6 +432,8 @@ def evaluate(
             max_new_tokens = max_new_tokens or config_tokens
         if not math.isfinite(temperature):
             raise UsageError(f"--temperature {temperature}: give a finite number >= 0")
+        if not math.isfinite(timeout):
+            raise UsageError(f"--timeout {timeout}: give a finite number of seconds")
         if suite == "heldout":
             check_env_name(env, "--env")
             if (

@@ -195,6 +195,39 @@ def check_run(config: Any) -> None:
     check_loss_function(config.loss)
     check_engine(config.engine.type)
     check_inference_engine(config.inference)
+    check_trackers(config.trackers)
+    if config.model.source == "embedded":
+        check_cache_dir()
+
+
+#: the package each tracker needs (found, not imported)
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+
+
+def check_trackers(trackers: Any) -> None:
+    """Each tracker's package is installed, before anything loads."""
+    for name in trackers or ():
+        package = TRACKER_PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise UsageError(
+                f"trackers: {name!r} needs its package: pip install {package} (or drop it "
+                "from trackers)"
+            )
+
+
+def check_cache_dir() -> None:
+    """The project's cache (where the embedded model is converted once) is a folder, or
+    can be made one (a read-only one that already holds the model serves it)."""
+    from composer_replication.models import CACHE_ENV_VAR, cache_dir
+    from composer_replication.outputs import OutputError, check_output_dir
+
+    root = cache_dir()
+    if root.is_dir():
+        return
+    try:
+        check_output_dir(root, option=f"the cache ({CACHE_ENV_VAR} or ~/.cache)")
+    except OutputError as err:
+        raise UsageError(f"{err}; set {CACHE_ENV_VAR} to a folder you can write") from None
 
 
 def check_inference_engine(inference: Any) -> None:

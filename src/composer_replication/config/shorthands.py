@@ -44,12 +44,24 @@ def fold_run_advantage(data: Any, default_envs: Callable[[], list[dict[str, Any]
         return data
     out = dict(data)
     table = out.pop(SHORTHAND)
-    _check_run_table(table)
     envs = out.get("envs")
     if envs is None:
         envs = default_envs()
     if not isinstance(envs, list):
         return out  # the envs field reports its own type error
+    if envs and all(has_own_advantage(env) for env in envs):
+        field = next(iter(table), "type") if isinstance(table, dict) and table else "type"
+        raise ValueError(
+            "advantage: every environment of this config has an advantage of its own, which "
+            "a run-level advantage never replaces (it would be ignored); set "
+            f"envs.<i>.algorithm.advantage.{field} instead"
+        )
+    if isinstance(table, dict) and "type" not in table:
+        raise ValueError(
+            "advantage.type is missing: a run-level advantage is a whole table (type = "
+            "'grpo', 'sdpo', 'composer', ...), not an edit of the environments' own"
+        )
+    _check_run_table(table)
     out["envs"] = [_inherit(env, table) for env in envs]
     return out
 

@@ -71,6 +71,9 @@ def build_executor(name: str, run_id: str, options: dict[str, Any], state_dir: P
 
 
 def _state_path(state_dir: Path, run_id: str | None) -> Path:
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ValueError(f"--state-dir {str(state_dir)!r} is not a directory; pass the folder "
+                         "`diloco launch` recorded its runs in")  # fmt: skip
     if run_id:
         path = state_dir / f"{run_id}.json"
         if not path.exists():
@@ -86,9 +89,22 @@ def load_run(state_dir: Path, run_id: str | None = None) -> tuple[dict[str, Any]
     """``(state, executor, handles)`` of ``run_id`` (default: the latest launched)."""
     from composer_replication.diloco.serverless import ReplicaHandle
 
-    state = json.loads(_state_path(state_dir, run_id).read_text())
+    path = _state_path(state_dir, run_id)
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(state, dict):
+            raise ValueError("it is not a JSON object")
+        missing = [k for k in ("executor", "run_id", "options", "handles") if k not in state]
+        if missing:
+            raise ValueError(f"it lacks {', '.join(missing)}")
+        handles = [ReplicaHandle.from_dict(h) for h in state["handles"]]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"the DiLoCo run state {str(path)!r} is not one `diloco launch` wrote ({err}); "
+            "its replicas cannot be found from it"
+        ) from None
     executor = build_executor(state["executor"], state["run_id"], state["options"], state_dir)
-    return state, executor, [ReplicaHandle.from_dict(h) for h in state["handles"]]
+    return state, executor, handles
 
 
 def launch(

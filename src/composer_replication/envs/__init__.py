@@ -11,6 +11,7 @@ default factory) or ``"docker"`` (a ``DockerSandboxFactory`` from ``env_config.d
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from composer_replication.envs.base import (
@@ -19,6 +20,7 @@ from composer_replication.envs.base import (
     SplitEnvironment,
     pass_at_1,
 )
+from composer_replication.errors import UsageError
 
 __all__ = [
     "DemonstratingEnvironment",
@@ -45,22 +47,49 @@ def build_environment(env_config: Any) -> Environment:
     if name == "python_functions":
         from composer_replication.envs.python_functions import PythonFunctionsEnv
 
-        return PythonFunctionsEnv(**options)
+        return _construct(name, PythonFunctionsEnv, options)
     if name == "feature_deletion":
         from composer_replication.envs.feature_deletion import FeatureDeletionEnv
 
-        return FeatureDeletionEnv(**options)
+        return _construct(name, FeatureDeletionEnv, options)
     if ":" in name:
         module, _, attr = name.partition(":")
         factory = getattr(importlib.import_module(module), attr)
-        env = factory(**options)
+        try:
+            env = factory(**options)
+        except Exception as err:  # the user's code: blame it, in one line
+            raise UsageError(
+                f"environment {name!r} raised {type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''} (called as {attr}(**options) "
+                f"with options {sorted(options)})"
+            ) from err
         if not isinstance(env, Environment):
-            raise TypeError(f"{name} returned {type(env).__name__}, which is not an Environment")
+            raise UsageError(
+                f"environment {name!r} returned {type(env).__name__}, which is not an "
+                "Environment (it needs task_ids() and rollouts(...))"
+            )
         return env
     raise ValueError(
         f"unknown environment {name!r}; use python_functions, feature_deletion or "
         "'pkg.module:factory'"
     )
+
+
+def _construct(name: str, cls: Any, options: dict[str, Any]) -> Any:
+    """A built-in environment from its options: an option it does not take, or a value it
+    refuses (a missing task file, a bad setting), is a one-line usage error."""
+    params = inspect.signature(cls).parameters
+    unknown = sorted(set(options) - set(params))
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        known = ", ".join(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY or n != "self")
+        raise UsageError(
+            f"environment {name!r} has no option {unknown[0]!r} (envs options); its options: "
+            f"{known}"
+        )
+    try:
+        return cls(**options)
+    except (FileNotFoundError, ValueError) as err:
+        raise UsageError(f"environment {name!r}: {err}") from err
 
 
 def _docker_sandbox_factory(name: str, env_config: Any, options: dict[str, Any]) -> Any:

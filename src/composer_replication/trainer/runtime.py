@@ -112,7 +112,9 @@ def build_runtime(
     )
     train_ids, heldout_ids = split.split(env.task_ids())
     if not train_ids or not heldout_ids:
-        raise ValueError(
+        from composer_replication.errors import UsageError
+
+        raise UsageError(
             f"environment {env.name!r}: the split left {len(train_ids)} train and "
             f"{len(heldout_ids)} held-out tasks; change heldout_fraction or add tasks"
         )

@@ -57,7 +57,29 @@ def export_prime_rl(
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
     if output is None:
-        typer.echo(result.toml, nl=False)
+        _to_stdout(result.toml)
     else:
         write_text_atomic(output, result.toml)
         typer.echo(f"wrote {output}", err=True)
+
+
+def _to_stdout(text: str) -> None:
+    """``text`` on stdout, or one line saying why it could not be (closed, full): never
+    exit 0 having written nothing."""
+    import os
+    import sys
+
+    from composer_replication.errors import EXIT_NO_RESULT, EXIT_USAGE
+
+    if sys.stdout is None or sys.stdout.closed:
+        typer.echo("error: stdout is closed; pass -o FILE to write the export", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except (OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        typer.echo(f"error: cannot write the export to stdout ({reason}); pass -o FILE", err=True)
+        with open(os.devnull, "w") as sink:  # what is left in the buffer goes nowhere at exit
+            os.dup2(sink.fileno(), sys.stdout.fileno())
+        raise typer.Exit(EXIT_NO_RESULT) from None
