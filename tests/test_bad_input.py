@@ -126,6 +126,8 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
         'steps = 1\n[model]\nsource = "tiny"\n[[envs]]\nname = "python_functions"\n'
         '[envs.algorithm.advantage]\ntype = "grpo"\n'
     )
+    (root / "sub").mkdir()  # a config whose model path is the working directory's
+    (root / "sub" / "rel.toml").write_text('steps = 1\n[model]\nsource = "tiny"\n')
     (root / "gen").mkdir()
     (root / "gen" / "tasks.jsonl").write_text('{"file": "a.py", "task_id": "fd:r:a.py:f"}\n')
     return root
@@ -428,6 +430,7 @@ CASES: list[tuple[str, str, int, str]] = [
     ),
     ("train-advantage-field-alone", "train --set advantage.alpha_sdpo=-1", 2, "advantage.type"),
     ("eval-infinite-timeout", "eval {tiny} --timeout inf", 2, "--timeout"),
+    ("train-source-relative-to-cwd", "train {sub}/rel.toml", 2, "relative to the file's folder"),
     # an engine that cannot be had: said before anything loads
     (
         "train-dead-engine-url",

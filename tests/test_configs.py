@@ -110,6 +110,13 @@ def test_resume_needs_a_checkpoint_unless_resume_or_start(tmp_path):
     (step / "state.pt").write_bytes(b"x")
     (step / "trainable.safetensors").write_bytes(b"x")
     assert check_resume(cfg) is True
+    # a run that trained all its steps has nothing to continue: said, its record untouched
+    (tmp_path / "typo" / "config.json").write_text('{"steps": 3}')
+    finished = RunConfig.default([f"output_dir={tmp_path / 'typo'}", "steps=3"])
+    for or_start in (False, True):
+        with pytest.raises(UsageError, match=r"already trained 3 of steps = 3; raise steps"):
+            check_resume(finished, or_start=or_start)
+    assert (tmp_path / "typo" / "config.json").read_text() == '{"steps": 3}'
 
 
 def test_engine_monarch_without_torchmonarch_is_one_usage_error(monkeypatch):

@@ -145,7 +145,15 @@ def check_resume(config: Any, *, or_start: bool = False) -> bool:
     from composer_replication.trainer.checkpoint import CheckpointManager
 
     run_dir = Path(config.output_dir)
-    latest = CheckpointManager(run_dir).latest()
+    manager = CheckpointManager(run_dir)
+    latest = manager.latest()
+    steps_done = manager.steps()[-1] if latest is not None else 0
+    if latest is not None and steps_done >= config.steps:  # finished: nothing to continue
+        raise UsageError(
+            f"the run in {str(run_dir)!r} already trained {steps_done} of steps = "
+            f"{config.steps}; raise steps (--set steps=N) to train it further, or pass "
+            "another --output-dir for a new run"
+        )
     if latest is None:
         if or_start:
             return False

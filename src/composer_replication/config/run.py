@@ -605,7 +605,15 @@ def _resolve_paths(node: Any, base: Path, key: str = "") -> Any:
         return node
     candidate = Path(os.path.normpath(base / node))
     if key in _LOCATION_KEYS:
-        return str(candidate) if node != "embedded" and candidate.exists() else node
+        if node == "embedded" or candidate.exists():
+            return node if node == "embedded" else str(candidate)
+        if Path(node).expanduser().exists():  # the working directory's: never taken silently
+            raise ValueError(
+                f"{key} = {node!r}: a path in a config file is relative to the file's folder, "
+                f"and {candidate} does not exist (it does relative to the working directory); "
+                f"write it relative to {base} or as an absolute path"
+            )
+        return node
     if key in _FILE_KEYS or (key.endswith(("_file", "_path")) and key != "import_path"):
         return str(candidate)
     return node

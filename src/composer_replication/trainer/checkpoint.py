@@ -120,6 +120,18 @@ def load_trainable_state(model: Any, tensors: dict[str, torch.Tensor]) -> None:
             f"checkpoint does not match the model's trainable parameters (missing "
             f"{missing[:3]}, unexpected {extra[:3]}): was it written with another LoRA setting?"
         )
+    wrong = [
+        (n, tuple(v.shape), tuple(params[n].shape))
+        for n, v in tensors.items()
+        if not hasattr(params[n], "device_mesh") and tuple(v.shape) != tuple(params[n].shape)
+    ]
+    if wrong:
+        name, saved, here = wrong[0]
+        raise UsageError(
+            f"checkpoint does not match the model: {name} is {list(saved)} in the checkpoint "
+            f"and {list(here)} in the model ({len(wrong)} such parameters): was it written "
+            "for another model (model.source)?"
+        )
     with torch.no_grad():
         for name, value in tensors.items():
             param = params[name]

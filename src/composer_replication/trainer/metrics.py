@@ -8,11 +8,14 @@ run had never stopped.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _clean(value: Any) -> Any:
@@ -46,8 +49,23 @@ class MetricsLog:
         return read_rows(self.path)
 
     def truncate_after(self, step: int) -> None:
-        """Keep only rows with ``step <= step`` (atomic rewrite)."""
+        """Keep only rows with ``step <= step`` (atomic rewrite). A line that is not a row
+        (the half-written one of a run killed mid-write) is set aside in
+        ``<file>.torn``, said in a warning, never dropped silently."""
         kept = [r for r in self.rows() if int(r["step"]) <= step]
+        torn = _torn_lines(self.path)
+        if torn:
+            aside = self.path.with_name(self.path.name + ".torn")
+            with open(aside, "a", encoding="utf-8") as fh:
+                fh.write("".join(line + "\n" for line in torn))
+            log.warning(
+                "%s: %d line(s) that are not whole rows (a run killed while writing one) set "
+                "aside in %s; their steps after step %d are trained again",
+                self.path,
+                len(torn),
+                aside,
+                step,
+            )
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
         os.replace(tmp, self.path)
@@ -70,6 +88,21 @@ class MemoryMetricsLog:
 
     def truncate_after(self, step: int) -> None:
         self._rows = [r for r in self._rows if int(r["step"]) <= step]
+
+
+def _torn_lines(path: Path) -> list[str]:
+    """The lines of a metrics file that are not JSON rows."""
+    if not path.exists():
+        return []
+    torn = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            torn.append(line)
+    return torn
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
