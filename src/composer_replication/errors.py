@@ -72,3 +72,10 @@ def command_group(name: str, help: str, **settings: Any) -> typer.Typer:
         pretty_exceptions_enable=False,
         **settings,
     )
+
+
+def user_code_error(what: str, err: BaseException, call: str) -> UsageError:
+    """One line blaming user code: ``what`` (e.g. ``loss.import_path = 'm:f'``) raised
+    ``err`` (its type and first line) when called as ``call``."""
+    first = str(err).splitlines()[0] if str(err) else ""
+    return UsageError(f"{what} raised {type(err).__name__}: {first} ({call})")

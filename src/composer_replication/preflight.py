@@ -245,14 +245,11 @@ def check_inference_engine(inference: Any) -> None:
     if inference.engine != "vllm":
         return
     if inference.url:
-        from composer_replication.inference.server import endpoint_problem
+        from composer_replication.inference.server import dead_endpoint
 
-        problem = endpoint_problem(inference.url)
+        problem = dead_endpoint(inference.url)
         if problem is not None:
-            raise UsageError(
-                f"inference.url={inference.url!r}: {problem}; start the engine server there, or "
-                "drop inference.url to let the run start one"
-            )
+            raise problem
         return
     if inference.command:
         return

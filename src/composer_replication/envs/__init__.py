@@ -20,7 +20,7 @@ from composer_replication.envs.base import (
     SplitEnvironment,
     pass_at_1,
 )
-from composer_replication.errors import UsageError
+from composer_replication.errors import UsageError, user_code_error
 
 __all__ = [
     "DemonstratingEnvironment",
@@ -58,10 +58,10 @@ def build_environment(env_config: Any) -> Environment:
         try:
             env = factory(**options)
         except Exception as err:  # the user's code: blame it, in one line
-            raise UsageError(
-                f"environment {name!r} raised {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''} (called as {attr}(**options) "
-                f"with options {sorted(options)})"
+            raise user_code_error(
+                f"environment {name!r}",
+                err,
+                f"called as {attr}(**options), options {sorted(options)}",
             ) from err
         if not isinstance(env, Environment):
             raise UsageError(

@@ -63,6 +63,20 @@ def endpoint_problem(url: str, *, timeout_s: float = 3.0) -> str | None:
         return f"{host}:{port} cannot be reached ({err.strerror or err})"
 
 
+def dead_endpoint(url: str) -> Exception | None:
+    """The one-line usage error for ``inference.url`` when nothing can answer there, or
+    None."""
+    from composer_replication.errors import UsageError
+
+    problem = endpoint_problem(url)
+    if problem is None:
+        return None
+    return UsageError(
+        f"inference.url={url!r}: {problem}; start the engine server there, or drop "
+        "inference.url to let the run start one"
+    )
+
+
 def _say(line: str) -> None:
     import sys
 
@@ -201,14 +215,9 @@ class EngineServer:
 
     def start(self) -> EngineServer:
         if self.config.url:  # someone else's server: only check it answers
-            from composer_replication.errors import UsageError
-
-            problem = endpoint_problem(self.base_url)
+            problem = dead_endpoint(self.config.url)
             if problem is not None:  # dead: say so now, not after startup_timeout_s
-                raise UsageError(
-                    f"inference.url={self.config.url!r}: {problem}; start the engine server "
-                    "there, or drop inference.url to let the run start one"
-                )
+                raise problem
             self._wait_healthy(time.monotonic())
             return self
         if self.process is not None:
@@ -308,6 +317,7 @@ __all__ = [
     "SERVED_MODEL_NAME",
     "EngineServer",
     "EngineStartError",
+    "dead_endpoint",
     "endpoint_problem",
     "free_loopback_port",
     "server_argv",

@@ -264,7 +264,7 @@ CUSTOM_LOSS_CALL = (
 def _rl_sum(
     cfg: LossConfig, logprobs: Tensor, inf: Tensor, adv: Tensor, mask: Tensor, weights: Tensor
 ) -> Tensor:
-    from composer_replication.errors import UsageError
+    from composer_replication.errors import UsageError, user_code_error
 
     if cfg.type != "custom":
         value = rl_loss_of(cfg)(logprobs, inf, adv, mask, weights)
@@ -272,10 +272,8 @@ def _rl_sum(
     try:
         value = rl_loss_of(cfg)(logprobs, inf, adv, mask, weights)
     except Exception as err:  # the user's code: blame it, in one line
-        raise UsageError(
-            f"loss.import_path = {cfg.import_path!r} raised {type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''} (it is called as "
-            f"{CUSTOM_LOSS_CALL})"
+        raise user_code_error(
+            f"loss.import_path = {cfg.import_path!r}", err, f"it is called as {CUSTOM_LOSS_CALL}"
         ) from err
     total = value[0] if isinstance(value, tuple) else value
     if not isinstance(total, torch.Tensor) or total.dim() != 0:

@@ -305,8 +305,6 @@ class RunLifecycle:
         the gradient norm was NaN or infinite (the learner then applied no update); with
         ``guard.non_finite = "skip"`` (or the guard disabled) the step is counted and the
         run goes on."""
-        from composer_replication.safety import TripwireStatus
-
         bad = row.get("guard/non_finite")
         if bad is None:
             return False
@@ -314,27 +312,16 @@ class RunLifecycle:
             row["guard/non_finite_skipped"] = 1.0
             log.warning("step %d: non-finite %s; its update was skipped", step, bad)
             return False
-        last = self.guard.last_status
-        self.stopped = TripwireStatus(
-            fire=True,
-            reason=(
-                f"non-finite loss at step {step}: {bad}; that step's update was not applied "
-                "(guard.non_finite = 'skip' drops such steps and goes on)"
-            ),
-            step=step,
-            proxy_real_gap=self.guard.proxy_real_gap(),
-            in_loop_ema=last.in_loop_ema if last else 0.0,
-            heldout_ema=last.heldout_ema if last else 0.0,
-            kl_ema=last.kl_ema if last else None,
+        return self._stop(
+            step,
+            row,
+            f"non-finite loss at step {step}: {bad}; that step's update was not applied "
+            "(guard.non_finite = 'skip' drops such steps and goes on)",
         )
-        row.update({"guard/fired": True, "guard/reason": self.stopped.reason})
-        return True
 
     def hack_round(self, step: int, row: dict[str, Any]) -> bool:
         """The hack tripwire: True (and the run stops) when the share of flagged rollouts
         stayed above ``guard.hack_fraction_stop`` for ``guard.hack_patience`` steps."""
-        from composer_replication.safety import TripwireStatus
-
         limit = self.config.guard.hack_fraction_stop
         if not self.config.guard.enabled or limit is None or "hack/flagged_fraction" not in row:
             return False
@@ -343,20 +330,29 @@ class RunLifecycle:
         row["guard/hack_streak"] = self.hack_streak
         if self.hack_streak < self.config.guard.hack_patience:
             return False
+        return self._stop(
+            step,
+            row,
+            f"hack flags on {share:.0%} of the rollouts (limit {limit:.0%}) for "
+            f"{self.hack_streak} steps in a row: the policy games its grader",
+        )
+
+    def _stop(self, step: int, row: dict[str, Any], reason: str) -> bool:
+        """Stop the run at ``step`` for ``reason`` (a tripwire of the lifecycle's own; the
+        held-out guard's state is carried into the status); True."""
+        from composer_replication.safety import TripwireStatus
+
         last = self.guard.last_status
         self.stopped = TripwireStatus(
             fire=True,
-            reason=(
-                f"hack flags on {share:.0%} of the rollouts (limit {limit:.0%}) for "
-                f"{self.hack_streak} steps in a row: the policy games its grader"
-            ),
+            reason=reason,
             step=step,
             proxy_real_gap=self.guard.proxy_real_gap(),
             in_loop_ema=last.in_loop_ema if last else 0.0,
             heldout_ema=last.heldout_ema if last else 0.0,
             kl_ema=last.kl_ema if last else None,
         )
-        row.update({"guard/fired": True, "guard/reason": self.stopped.reason})
+        row.update({"guard/fired": True, "guard/reason": reason})
         return True
 
     # ------------------------------------------------------------------ metrics and state
