@@ -170,6 +170,21 @@ def test_custom_wrong_shapes_are_rejected():
         _custom(lambda g: [[0.0, float("nan"), 0.0], [0.0] * 5]).process_group(group)
 
 
+def test_a_custom_advantage_that_raises_or_returns_no_numbers_is_one_line_naming_it():
+    from composer_replication.errors import UsageError
+
+    group = [_rollout(0.0), _multi_turn(0.0)]
+
+    def broken(inputs):
+        raise ZeroDivisionError("division by zero")
+
+    with pytest.raises(UsageError) as err:
+        _custom(broken).process_group(group)
+    assert "raised ZeroDivisionError: division by zero (it is called as fn(inputs" in str(err.value)
+    with pytest.raises(UsageError, match="rollout 0 .* not numbers"):
+        _custom(lambda g: [["a", "b", "c"], [0.0] * 5]).process_group(group)
+
+
 def test_custom_unimportable_function_fails_at_build():
     config = AlgorithmConfig(advantage={"type": "custom", "import_path": "no_such_pkg.mod:fn"})
     with pytest.raises(ValueError, match=r"cannot import 'no_such_pkg\.mod:fn'"):

@@ -7,7 +7,8 @@ their values are replaced by 0.0, as the trainer masks them anyway).
 ``inputs.broadcast(values)`` spreads one value per rollout over its completion tokens, for
 uniform group credit. ``AdvantageInputs`` is also the sequence of the group's rollouts, so a
 function written as ``fn(group, **kwargs)`` over the list of rollouts works unchanged.
-Wrong shapes or non-finite values raise ``ValueError`` naming the rollout. Component: ``rl``.
+Wrong shapes or non-finite values raise ``UsageError`` (a ``ValueError``) naming the rollout;
+an exception of the function is one line naming its import path. Component: ``rl``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, overload
 
 from composer_replication.algo.base import Algorithm, on_completion, one_per_rollout
 from composer_replication.callables import load_callable
+from composer_replication.errors import UsageError, user_code_error
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -91,24 +93,39 @@ class CustomAlgorithm(Algorithm):
     ) -> list[TrainingSample]:
         cfg = self.advantage_config
         pairs = one_per_rollout(group, samples)
-        values = list(self.fn(AdvantageInputs(group), **cfg.kwargs))
+        try:
+            values = list(self.fn(AdvantageInputs(group), **cfg.kwargs))
+        except Exception as err:  # the user's code: blame it, in one line
+            raise user_code_error(
+                f"custom advantage {cfg.import_path}",
+                err,
+                "it is called as fn(inputs: AdvantageInputs, **advantage.kwargs) and returns "
+                "one per-token list per rollout",
+            ) from err
         if len(values) != len(group):
-            raise ValueError(
+            raise UsageError(
                 f"custom advantage {cfg.import_path}: returned {len(values)} lists for a group "
                 f"of {len(group)} rollouts; return one per-token list per rollout"
             )
         for i, ((rollout, sample), per_token) in enumerate(zip(pairs, values)):
-            per_token = [float(v) for v in per_token]
+            try:
+                per_token = [float(v) for v in per_token]
+            except (TypeError, ValueError) as err:
+                raise UsageError(
+                    f"custom advantage {cfg.import_path}: rollout {i} ({rollout.task_id!r}): "
+                    f"its advantages are not numbers ({err}); return one list of floats per "
+                    "rollout"
+                ) from None
             n = len(rollout.completion_ids)
             if len(per_token) != n:
-                raise ValueError(
+                raise UsageError(
                     f"custom advantage {cfg.import_path}: rollout {i} ({rollout.task_id!r}) has "
                     f"{n} completion tokens but {len(per_token)} advantages; return one value "
                     "per completion token"
                 )
             bad = [j for j, v in enumerate(per_token) if not math.isfinite(v)]
             if bad:
-                raise ValueError(
+                raise UsageError(
                     f"custom advantage {cfg.import_path}: rollout {i} ({rollout.task_id!r}) has "
                     f"non-finite advantages at completion tokens {bad[:5]}"
                 )
