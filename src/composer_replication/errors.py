@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -54,8 +56,21 @@ def user_error(exc: BaseException) -> str:
             parts.append(f"{where}: {message}{shown}" if where else message)
         more = len(exc.errors()) - 3
         return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+    if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG and exc.filename:
+        name = str(exc.filename)
+        longest = max(len(part) for part in name.split("/"))
+        return (
+            f"path too long ({len(name.encode())} bytes, a name of {longest} characters; this "
+            f"system allows {os.pathconf('/', 'PC_PATH_MAX')} bytes and names of "
+            f"{os.pathconf('/', 'PC_NAME_MAX')}): {_shortened(name)}"
+        )
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text
+
+
+def _shortened(text: str, keep: int = 60) -> str:
+    """``text`` with its middle elided when longer than ``2 * keep`` characters."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]}...{text[-keep:]}"
 
 
 def command_group(name: str, help: str, **settings: Any) -> typer.Typer:
