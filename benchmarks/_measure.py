@@ -8,13 +8,15 @@ so that allocations of earlier cases (and allocator caches) cannot hide or infla
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 
 def current_rss_bytes() -> int:
@@ -111,7 +113,7 @@ def checked_output(path: Any, option: str, *, directory: bool = False) -> Any:
             return check_output_dir(path, option=option)
         return check_output(path, option=option, inputs=[sys.argv[0]])
     except OutputError as err:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: {err}")
+        usage_exit(str(err))
 
 
 def write_json(path: Any, data: Any) -> None:
@@ -119,3 +121,85 @@ def write_json(path: Any, data: Any) -> None:
     from composer_replication.atomic_io import write_text_atomic
 
     write_text_atomic(path, json.dumps(data, indent=1, default=str))
+
+
+# ------------------------------------------------------------------ bad command-line input
+# What the project's commands do with bad input, for the benchmarks' options: before any
+# work, one line on stderr naming the option, the value and the fix, and exit code 2
+# (composer_replication.errors.EXIT_USAGE, argparse's own), no traceback.
+
+EXIT_USAGE = 2
+
+
+def script_name() -> str:
+    return f"benchmarks/{os.path.basename(sys.argv[0])}"
+
+
+def usage_exit(message: str) -> NoReturn:
+    """``message`` as one line on stderr, prefixed with the script's name; exit 2."""
+    print(f"{script_name()}: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def refuse(option: str, value: Any, fix: str) -> NoReturn:
+    """Exit with one line naming ``option``, its ``value`` and the ``fix``."""
+    usage_exit(f"{option} {value}: {fix}")
+
+
+def check_count(
+    value: int, option: str, *, minimum: int = 1, what: str = "a whole number", why: str = ""
+) -> int:
+    """``value`` (an int option) is at least ``minimum`` (``why``: the reason, said after)."""
+    if value < minimum:
+        refuse(option, value, f"give {what} >= {minimum}{f' ({why})' if why else ''}")
+    return value
+
+
+def check_number(
+    value: float,
+    option: str,
+    *,
+    minimum: float = 0.0,
+    maximum: float | None = None,
+    above: bool = False,
+    what: str = "a number",
+    why: str = "",
+) -> float:
+    """``value`` (a float option) is finite (never nan or inf) and ``>= minimum`` (``>``
+    with ``above``) and, with ``maximum``, ``<= maximum``."""
+    low_ok = value > minimum if above else value >= minimum
+    high_ok = maximum is None or value <= maximum
+    if not (math.isfinite(value) and low_ok and high_ok):
+        bound = f"{'>' if above else '>='} {minimum:g}"
+        if maximum is not None:
+            bound = f"between {minimum:g} and {maximum:g}"
+        refuse(option, value, f"give {what}, finite and {bound}{f' ({why})' if why else ''}")
+    return value
+
+
+def check_seconds(value: float, option: str, *, zero: bool = False) -> float:
+    """A time in seconds: finite and > 0 (``>= 0`` with ``zero``)."""
+    return check_number(value, option, above=not zero, what="seconds")
+
+
+def check_choices(text: str, option: str, valid: Sequence[str]) -> list[str]:
+    """The items of a comma-separated ``text``, each one of ``valid``, at least one."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in items if item not in valid]
+    if unknown or not items:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "names nothing"
+        refuse(option, repr(text), f"{what}; use some of {','.join(valid)} (comma-separated)")
+    return items
+
+
+def check_input(path: Any, option: str, *, directory: bool = False) -> Path:
+    """An input the script reads: an existing file (a folder with ``directory``)."""
+    given = Path(path).expanduser()
+    kind = "folder" if directory else "file"
+    if not given.exists():
+        refuse(option, repr(str(path)), f"no such {kind}; pass an existing {kind}")
+    if directory and not given.is_dir():
+        refuse(option, repr(str(path)), "is not a folder; pass a folder")
+    if not directory and not given.is_file():
+        refuse(option, repr(str(path)), "is not a regular file; pass a file")
+    return given

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import machine_line
+from _measure import check_count, check_seconds, machine_line
 
 
 def one_step(scheduling: str, args: argparse.Namespace) -> float:
@@ -80,11 +80,11 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=2.0, help="seconds of the slow call")
     parser.add_argument("--decode-tokens", type=int, default=16)
     args = parser.parse_args()
-    for name in ("episodes", "turns", "decode_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.fast < 0 or args.slow < 0 or args.fast != args.fast or args.slow != args.slow:
-        parser.error("--fast and --slow must be >= 0 seconds")
+    check_count(args.episodes, "--episodes", what="episodes")
+    check_count(args.turns, "--turns", what="tool calls per episode")
+    check_count(args.decode_tokens, "--decode-tokens", what="tokens")
+    check_seconds(args.fast, "--fast", zero=True)
+    check_seconds(args.slow, "--slow", zero=True)
     print(machine_line())
     print(
         f"{args.episodes} episodes x {args.turns} tool calls + finish; calls take {args.fast} s, "

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import gib, machine_line, peak_rss_bytes, rl_samples
+from _measure import check_count, gib, machine_line, peak_rss_bytes, rl_samples
 
 
 def _state_bytes(policy, optimizer) -> int:
@@ -147,6 +147,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(**json.loads(args.worker))))
         return
+    # two ranks share the batch: each needs a sequence; each sequence 32 prompt tokens
+    check_count(args.sequences, "--sequences", minimum=2, what="sequences", why="one per rank")
+    check_count(args.seq_len, "--seq-len", minimum=33, what="tokens", why="32 of them the prompt")
+    check_count(args.steps, "--steps", what="timed steps")
     print(machine_line())
     print(
         f"SmolLM2-135M full fine-tune, global batch {args.sequences} x {args.seq_len} tokens, "

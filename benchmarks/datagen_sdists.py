@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import checked_output, machine_line
+from _measure import check_count, checked_output, machine_line
 
 DEFAULT = ("jsonpointer==3.12", "python-slugify==9.2.0", "inflection==0.5.1")
 
@@ -53,8 +53,7 @@ def main() -> None:
     parser.add_argument("--max-tasks", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("/tmp/cr-bench-datagen-sdists"))
     args = parser.parse_args()
-    if args.max_tasks < 1:
-        parser.error("--max-tasks must be >= 1")
+    check_count(args.max_tasks, "--max-tasks", what="tasks per repository")
     args.out = checked_output(args.out, "--out", directory=True)
     from composer_replication.datagen.feature_deletion import generate_tasks
     from composer_replication.sandbox.local import LocalSubprocessSandbox

@@ -29,7 +29,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import machine_line
+from _measure import check_count, machine_line
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -113,6 +113,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     ns = parser.parse_args()
+    check_count(ns.rows, "--rows", what="rows")
+    check_count(ns.repeats, "--repeats", what="timed repeats")
+    check_count(ns.threads, "--threads", what="threads")
 
     import torch
 

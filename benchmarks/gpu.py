@@ -45,7 +45,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import checked_output, machine_line, write_json
+from _measure import (
+    check_choices,
+    check_count,
+    check_number,
+    checked_output,
+    machine_line,
+    refuse,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -701,26 +709,30 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.random_weights = True
-    known = ("sampling", "train", "steps", "compiled")
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = [s for s in sections if s not in known]
-    if unknown or not sections:
-        sys.exit(f"benchmarks/gpu.py: --sections {args.sections!r}: use some of {', '.join(known)}")
-    if args.steps < 2:
-        sys.exit(f"benchmarks/gpu.py: --steps {args.steps}: give 2 or more (the first compiles)")
-    for option, minutes in (("--heldout", args.heldout), ("--ablation", args.ablation)):
-        if not 0 <= minutes < float("inf"):
-            sys.exit(f"benchmarks/gpu.py: {option} {minutes}: give minutes >= 0")
+    sections = check_choices(
+        args.sections, "--sections", ("sampling", "train", "steps", "compiled")
+    )
+    check_count(args.steps, "--steps", minimum=2, what="steps", why="the first compiles")
+    check_number(args.heldout, "--heldout", what="minutes", why="0: none")
+    check_number(args.ablation, "--ablation", what="minutes", why="0: none")
+    if args.random_weights and args.tokenizer is not None:
+        tokenizer = Path(args.tokenizer).expanduser()
+        # a directory, or a model id of the local Hugging Face cache ("org/name")
+        looks_like_path = args.tokenizer.startswith(("/", ".", "~")) or tokenizer.exists()
+        if looks_like_path and not tokenizer.is_dir():
+            what = "is not a folder" if tokenizer.exists() else "does not exist"
+            fix = "pass the folder holding SmolLM2's tokenizer files, or leave it out"
+            refuse("--tokenizer", repr(args.tokenizer), f"{what}; {fix}")
     args.json = checked_output(args.json, "--json")
     args.profile = checked_output(args.profile, "--profile", directory=True)
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
     import torch
 
     try:
         device = torch.device(args.device)
     except (RuntimeError, ValueError):
-        sys.exit(f"benchmarks/gpu.py: --device {args.device!r}: use cuda, cuda:N or cpu")
+        refuse("--device", repr(args.device), "use cuda, cuda:N or cpu")
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py: no CUDA device here; use --device cpu --quick for a dry run")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

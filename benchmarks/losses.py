@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import gib, machine_line, measure, run_case
+from _measure import check_choices, check_count, gib, machine_line, measure, refuse, run_case
 
 FULL = {"B": 4, "T": 1024, "V": 49152, "H": 576}
 QUICK = {"B": 2, "T": 256, "V": 49152, "H": 576}
@@ -166,6 +166,10 @@ def main() -> None:
         result = worker_jsd(**kwargs) if ns.worker == "jsd" else worker_hidden(**kwargs)
         print(json.dumps(result))
         return
+    if not ns.parts or set(ns.parts) - {"a", "b"}:
+        refuse("--parts", repr(ns.parts), "use a, b or ab")
+    ops = check_choices(ns.ops, "--ops", ("logprobs", "ce", "jsd"))
+    check_count(ns.repeats, "--repeats", what="timed calls")
 
     sizes = QUICK if ns.quick else FULL
     script = os.path.abspath(__file__)
@@ -175,7 +179,7 @@ def main() -> None:
     if "a" in ns.parts:
         _part_a(script, sizes, ns.skip_trl)
     if "b" in ns.parts:
-        _part_b(script, sizes, ns.ops.split(","), ns.repeats)
+        _part_b(script, sizes, ops, ns.repeats)
 
 
 def _part_a(script: str, sizes: dict, skip_trl: bool) -> None:

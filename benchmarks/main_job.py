@@ -30,7 +30,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import checked_output
+from _measure import (
+    check_count,
+    check_input,
+    check_number,
+    check_seconds,
+    checked_output,
+    refuse,
+)
 
 CLI = [sys.executable, "-m", "composer_replication"]
 SCORES = ("heldout/pass@1", "heldout/greedy_pass@1", "heldout/pass@4")
@@ -183,6 +190,29 @@ def ablation_config(algorithm: str, seconds: float, seed: int) -> str:
     return dumps(data)
 
 
+def check_algorithms(algorithms: list[str], seconds: float, seed: int) -> None:
+    """Every algorithm of an ablation makes a valid run of the default job, before any run
+    (one that does not would otherwise stop the study after minutes of the others)."""
+    from typing import get_args
+
+    from pydantic import ValidationError
+
+    from composer_replication.config.advantage import AdvantageConfig
+
+    known = [kind.model_fields["type"].default for kind in get_args(get_args(AdvantageConfig)[0])]
+    for algorithm in algorithms:
+        if algorithm not in known:
+            refuse("--algorithms", repr(algorithm), f"use some of {', '.join(known)}")
+        try:
+            ablation_config(algorithm, seconds, seed)
+        except ValidationError as err:
+            first = err.errors()[0]
+            reason = first["msg"].removeprefix("Value error, ")
+            if first["type"] != "value_error":  # a missing or wrong field: name it
+                reason = f"{'.'.join(map(str, first['loc']))}: {reason}"
+            refuse("--algorithms", repr(algorithm), f"the default job cannot run it: {reason}")
+
+
 PANELS = {
     "greedy": ("heldout/greedy_pass@1", "held-out greedy pass@1"),
     "sampled": ("heldout/pass@1", "held-out sampled pass@1 (T=1)"),
@@ -256,11 +286,21 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.study == "plot":
+        check_input(args.out, "--out", directory=True)  # the runs it draws
+        if args.base_greedy is not None:
+            check_number(args.base_greedy, "--base-greedy", maximum=1.0, what="a pass@1")
         args.png = checked_output(args.png or Path(args.out) / "curves.png", "--png")
     else:
+        if args.study == "seeds":
+            if args.config is not None:
+                check_input(args.config, "--config")
+            for seed in args.seeds:
+                check_count(seed, "--seeds", minimum=0, what="seeds")
+        else:
+            check_seconds(args.seconds, "--seconds")
+            check_count(args.seed, "--seed", minimum=0, what="a seed")
+            check_algorithms(args.algorithms, args.seconds, args.seed)
         checked_output(args.out, "--out", directory=True)
-        if args.study == "ablation" and not 0 < args.seconds < float("inf"):
-            parser.error(f"--seconds {args.seconds}: give a positive number of seconds")
     if args.study == "plot":
         cmd_plot(args)
         return

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,10 @@ import httpx
 
 from composer_replication.teacher_replay import replay_trace
 from composer_replication.testing import LocalOpenAIServer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import check_count, check_number, check_seconds
 
 
 def make_states(n: int) -> list[dict]:
@@ -97,6 +102,11 @@ def main() -> None:
     parser.add_argument("--max-usd", type=float, default=5.0)
     parser.add_argument("--in-process", action="store_true", help="serve from a thread")
     args = parser.parse_args()
+    check_count(args.states, "--states", what="states")
+    check_count(args.teachers, "--teachers", what="teachers")
+    check_seconds(args.latency, "--latency")
+    check_count(args.concurrency, "--concurrency", what="calls in flight")
+    check_number(args.max_usd, "--max-usd", above=True, what="a spending cap in USD")
 
     states = make_states(args.states)
     calls = args.states * args.teachers

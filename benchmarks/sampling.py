@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import machine_line
+from _measure import check_count, check_input, machine_line, refuse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,10 +171,25 @@ def main() -> None:
     parser.add_argument("--optimization-level", type=int, default=2)
     parser.add_argument("--engine-python", default=str(ROOT / ".venv-vllm/bin/python"))
     ns = parser.parse_args()
+    from composer_replication.envs.python_functions import PythonFunctionsEnv
+
+    check_count(ns.max_new_tokens, "--max-new-tokens", what="tokens")
+    check_count(ns.eval_tasks, "--eval-tasks", what="tasks")
+    bank = len(PythonFunctionsEnv().task_ids())
+    if ns.eval_tasks > bank:
+        refuse("--eval-tasks", ns.eval_tasks, f"give at most {bank} (the python_functions bank)")
+    check_count(ns.eval_batch, "--eval-batch", what="rows")
+    check_count(ns.repeats, "--repeats", what="timed repeats")
+    check_count(ns.threads, "--threads", what="threads")
+    check_count(ns.loop_steps, "--loop-steps", minimum=0, what="steps", why="0: none")
+    if not 0 <= ns.optimization_level <= 3:
+        refuse("--optimization-level", ns.optimization_level, "use 0, 1, 2 or 3 (vLLM's -O)")
+    if ns.engine or ns.loop_steps:
+        check_input(ns.engine_python, "--engine-python")
 
     import torch
 
-    from composer_replication.envs.python_functions import STOP_STRINGS, PythonFunctionsEnv
+    from composer_replication.envs.python_functions import STOP_STRINGS
     from composer_replication.models import load_policy
     from composer_replication.rollout.generate import SamplingSettings, _eos_ids
 

@@ -33,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import gib, machine_line, measure, rl_samples, run_case
+from _measure import check_count, gib, machine_line, measure, rl_samples, run_case
 
 
 def _batch(n_seq: int, seq_len: int, vocab: int):
@@ -224,8 +224,13 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if not ns.worker:
+        check_count(ns.n_seq, "--n-seq", what="sequences")
+        # each sequence: 64 prompt tokens, then the completion the step trains on
+        check_count(ns.seq_len, "--seq-len", minimum=65, what="tokens", why="64 of them the prompt")
+        check_count(ns.repeats, "--repeats", what="timed steps")
     if ns.composer:
-        composer_case(max(1, ns.repeats))
+        composer_case(ns.repeats)
         return
     if ns.worker:
         print(json.dumps(worker(**json.loads(ns.args))))

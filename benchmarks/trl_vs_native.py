@@ -26,7 +26,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import current_rss_bytes, gib, machine_line, peak_rss_bytes, run_case
+from _measure import (
+    check_count,
+    current_rss_bytes,
+    gib,
+    machine_line,
+    peak_rss_bytes,
+    refuse,
+    run_case,
+)
 
 
 def run_config(args: dict, output_dir: str):
@@ -168,6 +176,15 @@ def main() -> None:
     if opts.worker:
         print(json.dumps(WORKERS[opts.worker](json.loads(opts.args))))
         return
+    check_count(opts.steps, "--steps", what="steps")
+    check_count(opts.prompts, "--prompts", what="prompts")
+    # Dr. GRPO's advantage compares the completions of a prompt: a group of 1 learns nothing
+    check_count(opts.group, "--group", minimum=2, what="completions per prompt")
+    check_count(opts.tokens, "--tokens", what="tokens")
+    check_count(opts.micro_batch_tokens, "--micro-batch-tokens", what="tokens")
+    most = 32 * 1024 * 1024  # the run config's malloc_mmap_threshold range
+    if not -1 <= opts.mmap_threshold <= most:
+        refuse("--mmap-threshold", opts.mmap_threshold, f"give -1 (dynamic) or 0 to {most} bytes")
     keys = ("steps", "prompts", "group", "tokens", "full", "micro_batch_tokens", "mmap_threshold")
     args = {k: getattr(opts, k) for k in keys}
     if args["mmap_threshold"] < 0:

@@ -622,3 +622,150 @@ def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(ws, tmp_path):
     done = _run([a if a != "steps=1000" else f"steps={steps + 1}" for a in resume], ws)
     assert done.returncode == 0, done.stderr
     assert (run / "checkpoints" / f"step_{steps + 1:06d}").is_dir()
+
+
+# ------------------------------------------------------------------ benchmarks
+# Every script under benchmarks/ refuses bad command-line input as the commands do: before
+# any work (no model loads), one line on stderr naming the option, the value and the fix,
+# exit code 2, no traceback, and no output written. In the arguments, {tmp} is the test's
+# empty folder (every output pointing there must stay unwritten), {self} the script itself
+# and {bench} the benchmarks folder (existing inputs).
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARK_CASES = [
+    # gpu.py
+    ("gpu-steps-1", "gpu.py --steps 1 --json {tmp}/g.json", "--steps 1: give steps >= 2"),
+    ("gpu-steps-negative", "gpu.py --steps -3", "--steps -3: give steps >= 2"),
+    ("gpu-steps-not-int", "gpu.py --steps two", "argument --steps: invalid int value: 'two'"),
+    ("gpu-heldout-nan", "gpu.py --heldout nan", "--heldout nan: give minutes, finite"),
+    ("gpu-heldout-inf", "gpu.py --heldout inf", "--heldout inf: give minutes, finite"),
+    ("gpu-ablation-negative", "gpu.py --ablation -1", "--ablation -1.0: give minutes"),
+    ("gpu-sections-unknown", "gpu.py --sections train,bogus", "unknown 'bogus'; use some of"),
+    ("gpu-sections-empty", "gpu.py --sections ,", "--sections ',': names nothing"),
+    ("gpu-json-itself", "gpu.py --json {self}", "writing it would destroy what is read"),
+    ("gpu-json-directory", "gpu.py --json {tmp}", "is a directory; pass a file path (--json"),
+    ("gpu-profile-file", "gpu.py --profile {self}", "--profile '{self}' is a regular file"),
+    (
+        "gpu-device-unknown",
+        "gpu.py --device bogus --profile {tmp}/profile --json {tmp}/g.json",
+        "--device 'bogus': use cuda, cuda:N or cpu",
+    ),
+    (
+        "gpu-tokenizer-missing",
+        "gpu.py --random-weights --tokenizer {tmp}/tok",
+        "--tokenizer '{tmp}/tok': does not exist",
+    ),
+    ("gpu-tokenizer-file", "gpu.py --quick --tokenizer {self}", "is not a folder"),
+    # main_job.py
+    ("main-seconds-nan", "main_job.py ablation --seconds nan", "--seconds nan: give seconds"),
+    (
+        "main-seconds-zero",
+        "main_job.py ablation --seconds 0 --out {tmp}/ablation",
+        "--seconds 0.0: give seconds, finite and > 0",
+    ),
+    ("main-seed-negative", "main_job.py ablation --seed -1", "--seed -1: give a seed >= 0"),
+    (
+        "main-algorithm-unknown",
+        "main_job.py ablation --algorithms grpo bogus --out {tmp}/ablation",
+        "--algorithms 'bogus': use some of grpo",
+    ),
+    (
+        "main-algorithm-needs-settings",
+        "main_job.py ablation --algorithms opd --out {tmp}/ablation",
+        "--algorithms 'opd': the default job cannot run it: opd needs a frozen teacher",
+    ),
+    ("main-seeds-negative", "main_job.py seeds --seeds 0 -2 --out {tmp}/s", "--seeds -2"),
+    ("main-config-missing", "main_job.py seeds --config {tmp}/run.toml", "no such file"),
+    ("main-out-file", "main_job.py seeds --out {self}", "is a regular file, not a directory"),
+    ("main-plot-out-missing", "main_job.py plot --out {tmp}/runs", "no such folder"),
+    ("main-plot-png-directory", "main_job.py plot --out {tmp} --png {tmp}", "is a directory"),
+    ("main-plot-png-source", "main_job.py plot --out {bench} --png {self}", "is the input"),
+    (
+        "main-plot-base-greedy",
+        "main_job.py plot --out {tmp} --base-greedy 1.5",
+        "--base-greedy 1.5: give a pass@1, finite and between 0 and 1",
+    ),
+    # datagen_sdists.py
+    ("datagen-max-tasks", "datagen_sdists.py --max-tasks 0", "--max-tasks 0: give tasks"),
+    ("datagen-out-file", "datagen_sdists.py --out {self}", "not a directory"),
+    # agent_episodes.py
+    ("agent-episodes-zero", "agent_episodes.py --episodes 0", "--episodes 0: give episodes"),
+    ("agent-turns-negative", "agent_episodes.py --turns -1", "--turns -1: give tool calls"),
+    ("agent-fast-nan", "agent_episodes.py --fast nan", "--fast nan: give seconds, finite"),
+    ("agent-slow-negative", "agent_episodes.py --slow -2", "--slow -2.0: give seconds"),
+    ("agent-decode-tokens", "agent_episodes.py --decode-tokens 0", "--decode-tokens 0"),
+    # data_parallel.py
+    ("dp-sequences-one", "data_parallel.py --sequences 1", "one per rank"),
+    ("dp-seq-len-short", "data_parallel.py --seq-len 32", "--seq-len 32: give tokens >= 33"),
+    ("dp-steps-zero", "data_parallel.py --steps 0", "--steps 0: give timed steps >= 1"),
+    # decode_bound.py
+    ("decode-rows-zero", "decode_bound.py --rows 0", "--rows 0: give rows >= 1"),
+    ("decode-repeats-negative", "decode_bound.py --repeats -1", "--repeats -1"),
+    ("decode-threads-zero", "decode_bound.py --threads 0", "--threads 0: give threads >= 1"),
+    # losses.py
+    ("losses-parts-unknown", "losses.py --parts c", "--parts 'c': use a, b or ab"),
+    ("losses-ops-unknown", "losses.py --ops ce,bogus", "use some of logprobs,ce,jsd"),
+    ("losses-repeats-zero", "losses.py --repeats 0", "--repeats 0: give timed calls >= 1"),
+    # replay.py
+    ("replay-states-zero", "replay.py --states 0", "--states 0: give states >= 1"),
+    ("replay-teachers-zero", "replay.py --teachers 0", "--teachers 0: give teachers >= 1"),
+    ("replay-latency-inf", "replay.py --latency inf", "--latency inf: give seconds, finite"),
+    ("replay-latency-zero", "replay.py --latency 0", "--latency 0.0: give seconds"),
+    ("replay-concurrency-zero", "replay.py --concurrency 0", "--concurrency 0"),
+    ("replay-max-usd-nan", "replay.py --max-usd nan", "--max-usd nan: give a spending cap"),
+    # sampling.py
+    ("sampling-tokens-zero", "sampling.py --max-new-tokens 0", "--max-new-tokens 0"),
+    ("sampling-eval-tasks-zero", "sampling.py --eval-tasks 0", "--eval-tasks 0: give tasks"),
+    ("sampling-eval-tasks-many", "sampling.py --eval-tasks 100000", "give at most"),
+    ("sampling-eval-batch-zero", "sampling.py --eval-batch 0", "--eval-batch 0: give rows"),
+    ("sampling-loop-steps", "sampling.py --loop-steps -1", "--loop-steps -1: give steps >= 0"),
+    ("sampling-level", "sampling.py --optimization-level 7", "use 0, 1, 2 or 3"),
+    (
+        "sampling-engine-python-missing",
+        "sampling.py --engine --engine-python {tmp}/python",
+        "--engine-python '{tmp}/python': no such file",
+    ),
+    # train_step.py
+    ("train-step-n-seq", "train_step.py --n-seq 0", "--n-seq 0: give sequences >= 1"),
+    ("train-step-seq-len", "train_step.py --seq-len 64", "--seq-len 64: give tokens >= 65"),
+    ("train-step-repeats", "train_step.py --composer --repeats 0", "--repeats 0"),
+    # trl_vs_native.py
+    ("trl-steps-zero", "trl_vs_native.py --steps 0", "--steps 0: give steps >= 1"),
+    ("trl-group-one", "trl_vs_native.py --group 1", "--group 1: give completions per prompt"),
+    ("trl-tokens-zero", "trl_vs_native.py --tokens 0", "--tokens 0: give tokens >= 1"),
+    ("trl-micro-batch", "trl_vs_native.py --micro-batch-tokens 0", "--micro-batch-tokens 0"),
+    ("trl-mmap-threshold", "trl_vs_native.py --mmap-threshold -2", "give -1 (dynamic) or 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [pytest.param(args, needle, id=case) for case, args, needle in BENCHMARK_CASES],
+)
+def test_benchmark_bad_input_is_one_line(tmp_path, args, needle):
+    name, *rest = args.split()
+    script = str(BENCHMARKS / name)
+    where = {"tmp": tmp_path, "self": script, "bench": BENCHMARKS}
+    argv = [arg.format(**where) for arg in rest]
+    proc = subprocess.run(
+        [sys.executable, script, *argv],
+        cwd=BENCHMARKS.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert needle.format(**where) in last, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no output was written, no folder made
+
+
+def test_every_benchmark_with_options_has_bad_input_cases():
+    covered = {args.split()[0] for _, args, _ in BENCHMARK_CASES}
+    with_options = {
+        p.name
+        for p in BENCHMARKS.glob("*.py")
+        if "type=int" in p.read_text() or "type=float" in p.read_text()
+    }
+    assert with_options <= covered, sorted(with_options - covered)
