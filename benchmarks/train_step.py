@@ -51,7 +51,7 @@ def naive_step(model, mb, cfg) -> dict:
     from composer_replication.ops.token_losses import rl_loss
 
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    logprobs = torch.log_softmax(logits / cfg.temperature, dim=-1)
+    logprobs = torch.log_softmax(logits / cfg.log_temperature, dim=-1)
     logprobs = logprobs.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
     loss_sum, count = rl_loss(
         logprobs,
