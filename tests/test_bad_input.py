@@ -431,6 +431,13 @@ CASES: list[tuple[str, str, int, str]] = [
     ("train-advantage-field-alone", "train --set advantage.alpha_sdpo=-1", 2, "advantage.type"),
     ("eval-infinite-timeout", "eval {tiny} --timeout inf", 2, "--timeout"),
     ("train-source-relative-to-cwd", "train {sub}/rel.toml", 2, "relative to the file's folder"),
+    ("train-name-too-long", "train --output-dir {a_dir}/" + "n" * 300, 2, "path too long"),
+    (
+        "train-path-too-long",
+        "train --output-dir {a_dir}/" + "/".join(["p" * 200] * 25),
+        2,
+        "path too long (5",
+    ),
     # an engine that cannot be had: said before anything loads
     (
         "train-dead-engine-url",
