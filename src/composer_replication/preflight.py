@@ -226,8 +226,8 @@ def check_trackers(trackers: Any) -> None:
 def check_cache_dir() -> None:
     """The project's cache (where the embedded model is converted once) is a folder, or
     can be made one (a read-only one that already holds the model serves it)."""
-    from composer_replication.models import CACHE_ENV_VAR, cache_dir
     from composer_replication.outputs import OutputError, check_output_dir
+    from composer_replication.project_cache import CACHE_ENV_VAR, cache_dir
 
     root = cache_dir()
     if root.is_dir():
