@@ -40,13 +40,13 @@ import shutil
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.envs.fd_reference import DEFAULT_REPLY_TOKENS as DEFAULT_REPLY_TOKENS
+from composer_replication.envs.fd_reference import ReferenceEpisodes
 from composer_replication.envs.fd_tasks import (
     FDTask,
-    TaskReference,
     output_paths,
     read_jsonl_records,
     read_split_record,
@@ -66,27 +66,18 @@ from composer_replication.envs.fd_tools import (
 )
 from composer_replication.envs.reference_agent import (
     ReferenceCost,
-    edits_between,
-    reference_calls,
-    reference_cost,
-    reply_budget_problem,
-    stable_share,
-    with_recovery,
-    without_reply,
 )
 from composer_replication.envs.repository_grading import guard_spec, restore_protected
 from composer_replication.rollout.agent import (
     SCHEDULING,
-    ChatRenderer,
     Episode,
     SampleFn,
-    ScriptedSampler,
     run_agent_rollouts,
     sampler_step,
 )
 from composer_replication.rollout.generate import SamplingSettings, reuse_prompt_states
 from composer_replication.rollout.tool_formats import TextToolFormat, ToolFormat, tool_format_for
-from composer_replication.rollout.types import DEMONSTRATION_KEY, Rollout
+from composer_replication.rollout.types import Rollout
 from composer_replication.safety.hack_monitor import (
     PROTECTED_PATTERNS,
     HackLog,
@@ -122,7 +113,6 @@ PREAMBLE = (
     "tests, and call finish when they pass."
 )
 #: the turn budget a reference run gets when none is given (sampling.max_new_tokens' default)
-DEFAULT_REPLY_TOKENS = 256
 
 
 def default_sandbox_factory(
@@ -172,7 +162,7 @@ def docker_sandbox_factory(settings: dict[str, Any]) -> Any:
     return DockerSandboxFactory(options.pop("image"), **options)
 
 
-class FeatureDeletionEnv:
+class FeatureDeletionEnv(ReferenceEpisodes):
     """Repository tasks from a datagen task file, attempted with tools in a sandbox.
 
     Args:
@@ -586,195 +576,3 @@ class FeatureDeletionEnv:
         if reward < 1.0:
             rollout.feedback = result.output[-FEEDBACK_CHARS:]
         return reward
-
-    # ------------------------------------------------------------------ the reference agent
-
-    def reference(self, task_id: str) -> TaskReference:
-        """The hidden reference of ``task_id`` (read from the owner-only references file)."""
-        refs = [TaskReference.from_json(r) for r in read_jsonl_records(self.references_file)]
-        ref = next((r for r in refs if r.task_id == task_id), None)
-        if ref is None:
-            raise ValueError(f"no reference for {task_id!r} in {self.references_file}")
-        return ref
-
-    def reference_replies(self, tokenizer: Any, task_id: str) -> list[str]:
-        """The reference agent's replies for ``task_id``, written in this model's tool format:
-        read around each change, ``replace`` each one, run the target tests, finish."""
-        tool_format = self.format_for(tokenizer)
-        return [tool_format.format_call(n, a) for n, a in self.reference_episode(task_id)]
-
-    def reference_episode(self, task_id: str) -> list[tuple[str, dict[str, Any]]]:
-        """The reference agent's calls for ``task_id`` as ``(tool, arguments)``.
-
-        Raises:
-            ValueError: the reference needs a tool this environment does not offer.
-        """
-        task, workdir = self.tasks[task_id], self.workdirs[task_id]
-        edits = []
-        for rel, solved in self.reference(task_id).solved_files(workdir).items():
-            path = workdir / rel
-            before = path.read_text(encoding="utf-8") if path.is_file() else ""
-            if solved is None:
-                raise ValueError(
-                    f"task {task_id!r}: its reference deletes {rel}, which the editing tools "
-                    "cannot do"
-                )
-            edits += edits_between(
-                rel, before, solved, whole_functions=self.reference_edits == "functions"
-            )
-
-        def line_count(rel: str) -> int:
-            path = workdir / rel
-            return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
-
-        needed = reference_calls(edits, (), read=self.reference_reads)
-        missing = {name for name, _ in needed} - set(self.tools)
-        if missing:
-            raise ValueError(
-                f"the reference agent needs the tools {sorted(missing)}, which this "
-                f"environment does not offer (tools = {sorted(self.tools)})"
-            )
-        return reference_calls(
-            edits, task.target_tests, line_counts=line_count, read=self.reference_reads
-        )
-
-    def solve_with_reference(
-        self, tokenizer: Any, task_id: str, *, max_new_tokens: int = DEFAULT_REPLY_TOKENS
-    ) -> Rollout:
-        """The task's gold answer through the same tools, loop and scorer, within this
-        environment's budgets and a turn budget of ``max_new_tokens``: reward 1.0 for a
-        task an agent restricted to them can solve. When it cannot, the rollout's
-        ``metadata["reference_problem"]`` says why (the budget it exceeds, or how the
-        episode ended) and its cost is in ``metadata["reference_cost"]``."""
-        return self.solve_many_with_reference(tokenizer, [task_id], max_new_tokens=max_new_tokens)[
-            0
-        ]
-
-    def solve_many_with_reference(
-        self,
-        tokenizer: Any,
-        task_ids: Sequence[str],
-        *,
-        max_new_tokens: int = DEFAULT_REPLY_TOKENS,
-        scripts: Sequence[Sequence[str]] | None = None,
-    ) -> list[Rollout]:
-        """:meth:`solve_with_reference` of each task, all episodes run at once (their tool
-        calls and grading in parallel); ``scripts``: other replies to run, one list per
-        task (default: :meth:`reference_replies`)."""
-        tool_format = self.format_for(tokenizer)
-        replies = (
-            [list(script) for script in scripts]
-            if scripts is not None
-            else [self.reference_replies(tokenizer, tid) for tid in task_ids]
-        )
-        prompts = [
-            ChatRenderer(tokenizer, tool_format.chat_tools).prompt_ids(
-                self.messages(self.tasks[tid], tool_format)
-            )
-            for tid in task_ids
-        ]
-        sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0)
-        groups = self._run(
-            tokenizer,
-            task_ids,
-            1,
-            sampling,
-            ScriptedSampler(tokenizer, replies, prompts=prompts),
-            tool_format,
-        )
-        rollouts = []
-        for (rollout,), script in zip(groups, replies):
-            cost = reference_cost(rollout)
-            rollout.metadata["reference_cost"] = {
-                "turns": cost.turns,
-                "max_reply_tokens": cost.max_reply_tokens,
-                "total_tokens": cost.total_tokens,
-                "tool_format": tool_format.name,
-                "tokenizer": getattr(tokenizer, "name_or_path", None),
-            }
-            problem = reply_budget_problem(
-                script, tokenizer, max_turns=self.max_turns, max_new_tokens=max_new_tokens
-            )
-            end = rollout.metadata.get("end_reason")
-            if problem is None and end != "finish":
-                problem = (
-                    f"the reference episode ended with {end!r} ({rollout.error or 'no error'})"
-                )
-            if problem is None and rollout.reward < 1.0:
-                problem = (
-                    f"the reference scored {rollout.reward:.2f}: "
-                    f"{(rollout.error or rollout.feedback or '').strip()[-300:]}"
-                )
-            if problem is not None:
-                rollout.metadata["reference_problem"] = problem
-            rollouts.append(rollout)
-        return rollouts
-
-    def demonstrations(
-        self, tokenizer: Any, task_ids: Sequence[str], *, group_size: int = 1
-    ) -> list[list[Rollout]]:
-        """Each task answered by the reference agent (its episode through the real tools and
-        grader, made once per task and kept): the demonstrations of ``sampling.source =
-        "reference"``. A task whose reference fails (a budget, a changed repository) gives
-        no demonstration (its group is empty)."""
-        with self._lock:
-            missing = list(
-                dict.fromkeys(t for t in task_ids if (t, id(tokenizer)) not in self._demonstrations)
-            )
-            if missing:  # made together: their tools and grading run in parallel
-                made = dict(zip(missing, self.solve_many_with_reference(tokenizer, missing)))
-                made.update(self._recovery_demonstrations(tokenizer, missing))
-                for tid, rollout in made.items():
-                    rollout.metadata[DEMONSTRATION_KEY] = True
-                    self._demonstrations[(tid, id(tokenizer))] = rollout
-        groups = []
-        for tid in task_ids:
-            demo = self._demonstrations[(tid, id(tokenizer))]
-            ok = "reference_problem" not in demo.metadata and demo.reward >= 1.0
-            groups.append(
-                [replace(demo, metadata=dict(demo.metadata)) for _ in range(group_size)]
-                if ok
-                else []
-            )
-        return groups
-
-    def _recovery_demonstrations(
-        self, tokenizer: Any, task_ids: Sequence[str]
-    ) -> dict[str, Rollout]:
-        """The demonstrations that recover from a near miss (``reference_recovery``), by
-        task: those whose near miss failed a target test and whose fix passed (the others
-        keep the plain demonstration)."""
-        chosen = [t for t in task_ids if stable_share(t) < self.reference_recovery]
-        tool_format, plans = self.format_for(tokenizer), {}
-        for tid in chosen:
-            workdir = self.workdirs[tid]
-            plan = with_recovery(
-                self.reference_episode(tid),
-                lambda rel, root=workdir: (root / rel).read_text(encoding="utf-8"),
-                max_turns=self.max_turns,
-            )
-            if plan is not None:
-                plans[tid] = plan
-        if not plans:
-            return {}
-        rollouts = self.solve_many_with_reference(
-            tokenizer,
-            list(plans),
-            scripts=[
-                [tool_format.format_call(n, a) for n, a in calls] for calls, _ in plans.values()
-            ],
-        )
-        made = {}
-        for (tid, (_, near_miss_turn)), rollout in zip(plans.items(), rollouts):
-            runs = [
-                e.get("info", {})
-                for e in rollout.metadata.get("events", ())
-                if e.get("type") == "tool_call" and e.get("name") == "run_tests"
-            ]
-            missed = bool(runs) and runs[0].get("target_passed", 0) < runs[0].get("n_targets", 0)
-            if "reference_problem" in rollout.metadata or not missed:
-                continue
-            rollout.completion_mask = without_reply(rollout.completion_mask, near_miss_turn)
-            rollout.metadata["recovery"] = True
-            made[tid] = rollout
-        return made
