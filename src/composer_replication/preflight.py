@@ -253,15 +253,12 @@ def check_inference_engine(inference: Any) -> None:
         return
     if inference.command:
         return
-    python = Path(inference.python).expanduser()
-    if not python.is_absolute():
-        python = Path.cwd() / python
-    if not python.exists():
-        raise UsageError(
-            f"inference.python={inference.python!r}: {python} does not exist; build the "
-            "engine's virtualenv with `make vllm-env`, or set inference.python / "
-            "inference.command / inference.url"
-        )
+    from composer_replication.inference.server import engine_python
+
+    try:
+        engine_python(inference)
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
 
 
 def check_engine(engine: str) -> None:

@@ -110,6 +110,24 @@ def _cpu_flags(config: InferenceConfig) -> list[str]:
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
 
 
+def engine_python(config: InferenceConfig) -> Path:
+    """The engine's interpreter (``inference.python``, relative to the working directory).
+
+    Raises:
+        FileNotFoundError: it does not exist (one line naming the setting and the fix).
+    """
+    python = Path(config.python).expanduser()
+    if not python.is_absolute():
+        python = Path.cwd() / python
+    if not python.exists():
+        raise FileNotFoundError(
+            f"inference.python={config.python!r}: {python} does not exist; build the "
+            "engine's virtualenv with `make vllm-env`, or set inference.python / "
+            "inference.command / inference.url"
+        )
+    return python
+
+
 def server_argv(
     config: InferenceConfig, model_dir: str | Path, port: int, *, lora_rank: int | None = None
 ) -> list[str]:
@@ -118,16 +136,7 @@ def server_argv(
     if config.command:
         launcher = list(config.command)
     else:
-        python = Path(config.python).expanduser()
-        if not python.is_absolute():
-            python = Path.cwd() / python
-        if not python.exists():
-            raise FileNotFoundError(
-                f"inference.python={config.python!r}: {python} does not exist; build the "
-                "engine's virtualenv with `make vllm-env`, or set inference.python / "
-                "inference.command / inference.url"
-            )
-        launcher = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+        launcher = [str(engine_python(config)), "-m", "vllm.entrypoints.openai.api_server"]
     return [
         *launcher,
         "--model",
@@ -319,6 +328,7 @@ __all__ = [
     "EngineStartError",
     "dead_endpoint",
     "endpoint_problem",
+    "engine_python",
     "free_loopback_port",
     "server_argv",
     "server_env",
