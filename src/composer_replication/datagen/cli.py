@@ -228,6 +228,36 @@ def _outcome_table(report: Any, table_type: Any) -> Any:
     return table
 
 
+# the options datagen and import-tasks share: the agent's budgets and tools, the sandbox's
+# test time, the output's links
+ModelOption = Annotated[
+    str,
+    typer.Option(
+        "--model", help="The agent model whose tokens the budgets count ('embedded', a dir)."
+    ),
+]
+MaxTurnsOption = Annotated[
+    int, typer.Option("--max-turns", min=1, help="Turns an episode may take.")
+]
+MaxNewTokensOption = Annotated[
+    int, typer.Option("--max-new-tokens", min=1, help="Tokens one turn may take.")
+]
+MaxTotalTokensOption = Annotated[
+    int, typer.Option("--max-total-tokens", min=1, help="Tokens an episode may take in all.")
+]
+ToolsOption = Annotated[
+    str | None,
+    typer.Option("--tools", help="Comma-separated tools the agent has (default: the editing set)."),
+]
+ToolFormatOption = Annotated[str, typer.Option("--tool-format", help="auto, native or text.")]
+ExecTimeoutOption = Annotated[
+    float, typer.Option("--exec-timeout", min=1, help="Seconds one test run may take.")
+]
+FollowSymlinksOption = Annotated[
+    bool, typer.Option("--follow-symlinks", help="Write through an output that is a symbolic link.")
+]
+
+
 def datagen_command(
     repo: Annotated[Path, typer.Argument(help="Repository whose test suite passes.")],
     output: Annotated[
@@ -260,37 +290,14 @@ def datagen_command(
             help="Run the tests in containers of this image (DockerSandbox); recorded on each task.",
         ),
     ] = None,
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model", help="The agent model whose tokens the budgets count ('embedded', a dir)."
-        ),
-    ] = "embedded",
-    max_turns: Annotated[
-        int, typer.Option("--max-turns", min=1, help="Turns an episode may take.")
-    ] = 8,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", min=1, help="Tokens one turn may take.")
-    ] = 256,
-    max_total_tokens: Annotated[
-        int, typer.Option("--max-total-tokens", min=1, help="Tokens an episode may take in all.")
-    ] = 4096,
-    tools: Annotated[
-        str | None,
-        typer.Option(
-            "--tools", help="Comma-separated tools the agent has (default: the editing set)."
-        ),
-    ] = None,
-    tool_format: Annotated[
-        str, typer.Option("--tool-format", help="auto, native or text.")
-    ] = "auto",
-    exec_timeout: Annotated[
-        float, typer.Option("--exec-timeout", min=1, help="Seconds one test run may take.")
-    ] = 300.0,
-    follow_symlinks: Annotated[
-        bool,
-        typer.Option("--follow-symlinks", help="Write through an output that is a symbolic link."),
-    ] = False,
+    model: ModelOption = "embedded",
+    max_turns: MaxTurnsOption = 8,
+    max_new_tokens: MaxNewTokensOption = 256,
+    max_total_tokens: MaxTotalTokensOption = 4096,
+    tools: ToolsOption = None,
+    tool_format: ToolFormatOption = "auto",
+    exec_timeout: ExecTimeoutOption = 300.0,
+    follow_symlinks: FollowSymlinksOption = False,
 ) -> None:
     """FeatureDeletion: delete covered function bodies, keep tasks that pass every gate
     (the last: the reference agent solves them within the agent's budgets)."""
@@ -485,37 +492,14 @@ def import_tasks_command(
             help="How to run the tests (default: as each repository configures them).",
         ),
     ] = None,
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model", help="The agent model whose tokens the budgets count ('embedded', a dir)."
-        ),
-    ] = "embedded",
-    max_turns: Annotated[
-        int, typer.Option("--max-turns", min=1, help="Turns an episode may take.")
-    ] = 8,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", min=1, help="Tokens one turn may take.")
-    ] = 256,
-    max_total_tokens: Annotated[
-        int, typer.Option("--max-total-tokens", min=1, help="Tokens an episode may take in all.")
-    ] = 4096,
-    tools: Annotated[
-        str | None,
-        typer.Option(
-            "--tools", help="Comma-separated tools the agent has (default: the editing set)."
-        ),
-    ] = None,
-    tool_format: Annotated[
-        str, typer.Option("--tool-format", help="auto, native or text.")
-    ] = "auto",
-    exec_timeout: Annotated[
-        float, typer.Option("--exec-timeout", min=1, help="Seconds one test run may take.")
-    ] = 300.0,
-    follow_symlinks: Annotated[
-        bool,
-        typer.Option("--follow-symlinks", help="Write through an output that is a symbolic link."),
-    ] = False,
+    model: ModelOption = "embedded",
+    max_turns: MaxTurnsOption = 8,
+    max_new_tokens: MaxNewTokensOption = 256,
+    max_total_tokens: MaxTotalTokensOption = 4096,
+    tools: ToolsOption = None,
+    tool_format: ToolFormatOption = "auto",
+    exec_timeout: ExecTimeoutOption = 300.0,
+    follow_symlinks: FollowSymlinksOption = False,
 ) -> None:
     """Import SWE-style instances (SWE-bench / SWE-Gym JSONL) as repository tasks.
 
