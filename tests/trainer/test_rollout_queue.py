@@ -37,7 +37,9 @@ def test_batches_come_back_in_order_stamped_with_the_version_at_submission():
     queue.submit([["a", "b"]], 0)
     version[0] = 4
     queue.submit([["c"]], 0)
-    assert queue.pending_tasks() == [[["a", "b"]], [["c"]]]
+    pending = queue.pending_batches()  # waits for both, keeps them queued
+    assert [tasks for tasks, _ in pending] == [[["a", "b"]], [["c"]]]
+    assert [len(groups[0]) for _, groups in pending] == [2, 1]
     tasks, groups, submitted, waited = queue.pop()
     assert tasks == [["a", "b"]] and waited >= 0 and submitted > 0
     assert [[r.metadata["policy_version"] for r in g] for g in groups[0]] == [[3, 3], [3, 3]]
@@ -143,8 +145,50 @@ def test_drop_stale_on_policy_rollouts_are_kept():
 
 
 def test_async_config_is_checked():
-    with pytest.raises(ValueError, match="needs an inference engine"):
-        InferenceConfig(async_level=1)
     with pytest.raises(ValueError, match="raise max_off_policy_steps"):
         InferenceConfig(engine="vllm", async_level=3, max_off_policy_steps=2)
+    with pytest.raises(ValueError, match="async_level"):
+        InferenceConfig(async_level="sometimes")
     assert InferenceConfig(engine="vllm", async_level=1).max_off_policy_steps == 8
+    assert InferenceConfig(async_level=1).resolved_async_level("cpu") == 1  # in process too
+
+
+def test_auto_async_level_samples_ahead_on_a_gpu_only():
+    auto = InferenceConfig()
+    assert auto.async_level == "auto"
+    assert auto.resolved_async_level("cuda") == 1
+    assert auto.resolved_async_level("cpu") == 0
+    assert auto.resolved_async_level("cuda", distributed=True) == 0  # in-process ranks
+    assert InferenceConfig(engine="vllm").resolved_async_level("cuda", distributed=True) == 1
+    assert InferenceConfig(max_off_policy_steps=0).resolved_async_level("cuda") == 0
+    assert InferenceConfig(async_level=0).resolved_async_level("cuda") == 0
+    with pytest.raises(ValueError, match="under torchrun set async_level = 0"):
+        InferenceConfig(async_level=1).resolved_async_level("cuda", distributed=True)
+
+
+def test_a_job_sees_the_submitting_threads_context():
+    import contextvars
+
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="unset")
+    seen = []
+
+    def sample(tasks, index):
+        seen.append(marker.get())
+        return _sample(tasks)
+
+    queue = RolloutQueue(sample, lambda: 0, depth=1)
+    token = marker.set("the trainer's")
+    queue.submit([["a"]], 0)
+    marker.reset(token)
+    queue.pop()
+    queue.close()
+    assert seen == ["the trainer's"]
+
+
+def test_a_sampled_batch_is_queued_as_it_was():
+    queue = RolloutQueue(_sample, lambda: 9, depth=1)
+    groups = [[[_rollout("a", 2)]]]
+    queue.put_sampled([["a"]], groups)
+    tasks, popped, _, waited = queue.pop()
+    assert tasks == [["a"]] and popped is groups and popped[0][0][0].policy_version == 2
+    queue.close()

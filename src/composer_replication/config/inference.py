@@ -9,7 +9,7 @@ weights once and the engine reloads them in place (a versioned sync).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -100,12 +100,13 @@ class InferenceConfig(BaseModel):
         "references, sft sources) are served by engine servers of their own; false loads "
         "them in the training process.",
     )
-    async_level: int = Field(
-        0,
-        ge=0,
+    async_level: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
         description="Steps sampled ahead of training: 0 samples each step's rollouts before "
-        "training on them; k > 0 samples the next k steps' rollouts (engine = 'vllm') while "
-        "the trainer runs, so a step trains on rollouts of the policy k versions older.",
+        "training on them; k > 0 samples the next k steps' rollouts while the trainer runs "
+        "(in process: from a copy of the weights refreshed after each optimizer step, on its "
+        "own CUDA stream), so a step trains on rollouts of the policy k versions older; "
+        "'auto': 1 on a GPU, 0 on a CPU (where sampling and training share the cores).",
     )
     max_off_policy_steps: int = Field(
         8,
@@ -149,16 +150,28 @@ class InferenceConfig(BaseModel):
             )
         if self.command is not None and not self.command:
             raise ValueError("inference.command is empty: give the argv or leave it unset")
-        if self.async_level and self.engine == "in_process":
-            raise ValueError(
-                f"inference.async_level={self.async_level} needs an inference engine that "
-                "samples in its own process (engine = 'vllm'); in process the policy cannot "
-                "sample while it trains: set async_level = 0 or engine = 'vllm'"
-            )
-        if self.async_level > self.max_off_policy_steps:
+        if self.async_level != "auto" and self.async_level > self.max_off_policy_steps:
             raise ValueError(
                 f"inference.async_level={self.async_level} > max_off_policy_steps="
                 f"{self.max_off_policy_steps}: every batch would be dropped as too old; raise "
                 "max_off_policy_steps to at least async_level"
             )
         return self
+
+    def resolved_async_level(self, device_type: str, *, distributed: bool = False) -> int:
+        """The steps to sample ahead for a policy on ``device_type`` ('auto' resolved: 1 on a
+        GPU, 0 on a CPU; 0 under several in-process ranks, whose sampling is collective).
+
+        Raises ``ValueError`` for an explicit level the in-process engine cannot run: under
+        torchrun the ranks' sharded weights are gathered for sampling, a collective that
+        cannot run beside the training step's."""
+        if self.async_level == "auto":
+            if device_type == "cpu" or (distributed and self.engine == "in_process"):
+                return 0
+            return min(1, self.max_off_policy_steps)
+        if self.async_level and distributed and self.engine == "in_process":
+            raise ValueError(
+                f"inference.async_level={self.async_level} with the in-process engine runs in "
+                "one process only; under torchrun set async_level = 0 or engine = 'vllm'"
+            )
+        return self.async_level

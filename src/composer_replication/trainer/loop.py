@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_replication import roles
 from composer_replication.algo.filters import TruncationFilter, ZeroAdvantageFilter
+from composer_replication.devices import module_device
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.distributed.data_parallel import (
     autocast_for,
@@ -31,6 +32,7 @@ from composer_replication.distributed.data_parallel import (
 )
 from composer_replication.inference.engine import build_policy_engine
 from composer_replication.inference.frozen import FrozenEngines
+from composer_replication.inference.snapshot import PolicySnapshot
 from composer_replication.rollout.agent import episode_metrics
 from composer_replication.rollout.generate import (
     DecodeOptions,
@@ -119,10 +121,17 @@ class Trainer:
             run_dir=self.run_dir,
             seed=config.seed,
         )
-        # steps sampled ahead of training (inference.async_level), and the tasks a resumed
-        # run samples first (the batches that were pending at its checkpoint)
+        # steps sampled ahead of training ('auto' resolved for the policy's device), the
+        # queue that samples them, the weights that sample them in process, and what a
+        # resumed run takes first: the batches pending at its checkpoint (sampled ones, or
+        # the tasks of an older checkpoint)
+        self.async_level = config.inference.resolved_async_level(
+            module_device(self.policy).type, distributed=self.ranks.distributed
+        )
         self.rollout_queue: RolloutQueue | None = None
+        self.snapshot: PolicySnapshot | None = None
         self._pending_tasks: deque[list[list[str]]] = deque()
+        self._pending_batches: deque[tuple[list[list[str]], list[list[list[Rollout]]]]] = deque()
 
     @property
     def sync(self) -> Any:
@@ -186,7 +195,7 @@ class Trainer:
             "lifecycle": self.life.state_dict(),
             **self.learner.state_dict(),  # teachers, losses
             **self._diloco_checkpoint_state(),
-            "pending_tasks": self.rollout_queue.pending_tasks() if self.rollout_queue else [],
+            "pending_batches": self.rollout_queue.pending_batches() if self.rollout_queue else [],
         }
 
     def _diloco_checkpoint_state(self) -> dict[str, Any]:
@@ -232,7 +241,8 @@ class Trainer:
         self.task_rng.setstate(extra["task_rng"])
         self.life.load_state_dict(extra["lifecycle"], self.step)
         self.learner.load_state_dict(extra)
-        self._pending_tasks = deque(extra.get("pending_tasks") or [])
+        self._pending_tasks = deque(extra.get("pending_tasks") or [])  # older checkpoints
+        self._pending_batches = deque(extra.get("pending_batches") or [])
         per_rank = extra.get("diloco_per_rank")
         if per_rank is None:
             self._diloco_state = extra.get("diloco")
@@ -270,10 +280,14 @@ class Trainer:
         return picked
 
     def run_rollouts(
-        self, tasks: list[list[str]], *, batch_index: int | None = None
+        self,
+        tasks: list[list[str]],
+        *,
+        batch_index: int | None = None,
+        live_sampler: roles.Sampler | None = None,
     ) -> list[list[list[Rollout]]]:
         """One group per task of every environment, sampled by each environment's sampler
-        (the live policy here, or its frozen source).
+        (the live policy here, ``live_sampler`` where given, or its frozen source).
 
         In-process sampling draws each row's randomness from a generator seeded by the run's
         seed, the batch's index (the step it trains) and the row's prompt, so a group's
@@ -282,7 +296,9 @@ class Trainer:
         index = self.step if batch_index is None else batch_index
         with seeded_rows(derived_seed(self.config.seed, "rollouts", index)):
             return [
-                rt.sampler.rollouts(rt.env, self.live_sampler, self.tokenizer, task_ids)
+                rt.sampler.rollouts(
+                    rt.env, live_sampler or self.live_sampler, self.tokenizer, task_ids
+                )
                 if task_ids
                 else []
                 for rt, task_ids in zip(self.runtimes, tasks)
@@ -305,6 +321,8 @@ class Trainer:
     def collect_ahead(self, queue: RolloutQueue) -> tuple[list[Any], dict[str, float]]:
         """This step's rollouts from the queue (sampled while earlier steps trained), too old
         groups dropped; then the queue is topped up to ``async_level`` steps ahead."""
+        while self._pending_batches:  # a resumed run's, sampled before its checkpoint
+            queue.put_sampled(*self._pending_batches.popleft())
         if not len(queue):
             queue.submit(self.next_tasks(self.step + 1), self.step)
         tasks, groups, submitted, waited = queue.pop()
@@ -408,10 +426,12 @@ class Trainer:
         self.step += 1
         metrics = self.learner.update(batches, self.step)
         train_s = time.perf_counter() - t0
+        if self.rollout_queue is not None:
+            self.rollout_queue.wait_idle()  # one policy version per sampled batch
         if self.engine is not None:  # the engine samples the next step with these weights
-            if self.rollout_queue is not None:
-                self.rollout_queue.wait_idle()  # one policy version per sampled batch
             row.update(self.engine.after_step(self.policy, self.step))
+        elif self.snapshot is not None:  # so does the in-process sampler's copy
+            self.snapshot.refresh(self.policy, self.step)
         row.update(metrics)
         row.update(
             {
@@ -448,11 +468,11 @@ class Trainer:
             with self.learner.weights.gathered():
                 self.life.evaluate_start(self.live_sampler, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
-        if self.config.inference.async_level:
+        if self.async_level:
+            if self.engine is None:
+                self.snapshot = PolicySnapshot(self.policy, version=self.step)
             self.rollout_queue = RolloutQueue(
-                lambda tasks, index: self.run_rollouts(tasks, batch_index=index),
-                lambda: self.engine.version if self.engine is not None else self.step,
-                depth=self.config.inference.async_level,
+                self._sample_ahead, self._sampler_version, depth=self.async_level
             )
         try:
             with diloco_context(self.config.diloco, self.policy, self.optimizer) as sync:
@@ -466,12 +486,27 @@ class Trainer:
             if self.rollout_queue is not None:
                 self.rollout_queue.close()
                 self.rollout_queue = None
+            self.snapshot = None  # its memory goes with it
             if self.engine is not None:
                 self.engine.stop()
             self._stop_frozen_engines()
             progress.close()
             self.life.write_report()
         return self.life.finish(final_policy(self.policy, self.ranks), self.tokenizer, self.step)
+
+    def _sample_ahead(self, tasks: list[list[str]], index: int) -> list[list[list[Rollout]]]:
+        """One batch sampled in the rollout queue's thread: by the engine, or in process by
+        the snapshot (under the run's autocast, which is per thread, and on its stream)."""
+        if self.snapshot is None:
+            return self.run_rollouts(tasks, batch_index=index)
+        with self.snapshot.sampling(), autocast_for(self.config, self.policy, self.ranks):
+            return self.run_rollouts(tasks, batch_index=index, live_sampler=self.snapshot.sampler)
+
+    def _sampler_version(self) -> int:
+        """The policy version the sampler of the next batch serves."""
+        if self.engine is not None:
+            return self.engine.version
+        return self.snapshot.version if self.snapshot is not None else self.step
 
     def _loop(self, progress: ProgressBar) -> None:
         while self.step < self.config.steps:

@@ -6,7 +6,10 @@ keeps up to ``k`` steps' batches sampling in one background thread, oldest first
 trainer takes the oldest batch (waiting if it is not done), assigns and scores it in its own
 thread (algorithms may run the live policy), submits the next batch, trains, and before the
 weight sync waits until no batch is sampling, so every batch is sampled by one policy
-version. In steady state a batch trained at step ``n`` was sampled by version ``n - k``;
+version. In process the sampler is a copy of the policy's weights
+(:class:`~composer_replication.inference.snapshot.PolicySnapshot`), refreshed at that point.
+A checkpoint holds the sampled batches not yet trained on, so a resumed run trains on the
+same rollouts. In steady state a batch trained at step ``n`` was sampled by version ``n - k``;
 the rl component's importance ratio uses the sampler's log-probs, which corrects for it.
 
 :func:`drop_stale` removes groups older than ``max_off_policy_steps`` (counted, never
@@ -18,6 +21,7 @@ reference solutions) carry no policy version and are always kept.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections import deque
 from collections.abc import Callable
@@ -82,7 +86,16 @@ class RolloutQueue:
                     stamp_policy_version(group, version)
             return groups
 
-        self._batches.append(_Batch(tasks, self._executor.submit(job), time.perf_counter()))
+        # the job sees this thread's context (decode options, row seeds)
+        future = self._executor.submit(contextvars.copy_context().run, job)
+        self._batches.append(_Batch(tasks, future, time.perf_counter()))
+
+    def put_sampled(self, tasks: Tasks, groups: EnvGroups) -> None:
+        """Queue a batch sampled before (a resumed run's, from its checkpoint): ``pop``
+        returns it as it was, policy versions included."""
+        future: Future = Future()
+        future.set_result(groups)
+        self._batches.append(_Batch(tasks, future, time.perf_counter()))
 
     def pop(self) -> tuple[Tasks, EnvGroups, float, float]:
         """The oldest batch: its tasks, groups, submission time and the seconds waited for
@@ -97,10 +110,10 @@ class RolloutQueue:
         for batch in self._batches:
             batch.future.exception()  # waits; the error itself surfaces at pop()
 
-    def pending_tasks(self) -> list[Tasks]:
-        """Tasks of the batches not yet trained on, oldest first (for checkpoints: a resumed
-        run samples them again)."""
-        return [batch.tasks for batch in self._batches]
+    def pending_batches(self) -> list[tuple[Tasks, EnvGroups]]:
+        """The batches not yet trained on, oldest first, as (tasks, groups): waits until none
+        is sampling (for checkpoints: a resumed run trains on these very rollouts)."""
+        return [(batch.tasks, batch.future.result()) for batch in self._batches]
 
     def close(self) -> None:
         """Cancel batches that have not started, wait for the running one."""
