@@ -228,3 +228,14 @@ def test_engine_config_is_validated():
     with pytest.raises(ValidationError, match="engine"):
         RunConfig.model_validate({"engine": {"type": "ray"}})
     assert RunConfig().engine.type == "in_process"
+
+
+def test_sampling_ahead_is_refused_with_the_monarch_engine(tmp_path, tiny_dir):
+    config = _config(tmp_path, tiny_dir, engine=MONARCH)
+    config = config.model_copy(
+        update={"inference": config.inference.model_copy(update={"async_level": 1})}
+    )
+    with pytest.raises(
+        ValueError, match=r"async_level = 1 with engine monarch.*set async_level = 0"
+    ):
+        MonarchTrainer(config)

@@ -269,6 +269,11 @@ class MonarchTrainer(Trainer):
                 f"inference.engine = {config.inference.engine!r} with engine monarch: the "
                 "generator processes sample in process; set inference.engine = in_process"
             )
+        if config.inference.async_level not in ("auto", 0):
+            raise ValueError(
+                f"inference.async_level = {config.inference.async_level} with engine monarch: "
+                "the generator processes sample each step in turn; set async_level = 0"
+            )
         try:
             import monarch.actor  # noqa: F401
         except ImportError as exc:
@@ -279,6 +284,7 @@ class MonarchTrainer(Trainer):
         self.mesh = RoleMesh(config, self.run_dir, engine)
         self.learner: RemoteLearner = RemoteLearner(self.mesh, self.policy)
         self.split_envs = [_is_split(rt.env) for rt in self.runtimes]
+        self.async_level = 0  # the generators sample each step in turn ('auto' included)
 
     def run_rollouts(
         self, tasks: list[list[str]], *, batch_index: int | None = None
