@@ -719,6 +719,10 @@ BENCHMARK_CASES = [
     ("replay-latency-zero", "replay.py --latency 0", "--latency 0.0: give seconds"),
     ("replay-concurrency-zero", "replay.py --concurrency 0", "--concurrency 0"),
     ("replay-max-usd-nan", "replay.py --max-usd nan", "--max-usd nan: give a spending cap"),
+    # sample_ahead.py
+    ("ahead-steps-one", "sample_ahead.py --steps 1", "--steps 1: give steps >= 2"),
+    ("ahead-config-missing", "sample_ahead.py --config {tmp}/run.toml", "no such file"),
+    ("ahead-out-directory", "sample_ahead.py --out {tmp}", "is a directory"),
     # sampling.py
     ("sampling-tokens-zero", "sampling.py --max-new-tokens 0", "--max-new-tokens 0"),
     ("sampling-eval-tasks-zero", "sampling.py --eval-tasks 0", "--eval-tasks 0: give tasks"),
