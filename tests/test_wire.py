@@ -110,3 +110,131 @@ def test_bad_pairs_and_rollouts_raise():
 def test_dtypes_of_packed_tensors():
     (mb,) = pack_samples([_rl(4)], max_tokens=100)
     assert mb.input_ids.dtype == torch.long and mb.inference_logprobs.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- the micro-batch budget
+
+
+def _sdpo(n: int, hint: int, start: int) -> TrainingSample:
+    """An rl sample whose completion (the last half) is distilled from a hinted context."""
+    s = _rl(n, start=start)
+    cut = n // 2
+    s.teacher_input_ids = list(range(200, 200 + hint)) + s.input_ids
+    s.teacher_index = [-1] * cut + [hint + p for p in range(cut, n)]
+    s.jsd_weights = [0.0] * cut + [1.0] * (n - cut)
+    return s
+
+
+def _pair(k: int, weight: float = 1.0, length: int = 6) -> DPOPairTokens:
+    prompt = [3, 4 + k % 5]
+    chosen = [*prompt, *range(50 + k, 50 + k + length - 2)]
+    rejected = [*prompt, *range(90 + k, 90 + k + length - 3)]
+    mask = lambda ids: [0, 0, *([1] * (len(ids) - 2))]  # noqa: E731
+    pair = DPOPairTokens(chosen, mask(chosen), rejected, mask(rejected), weight=weight)
+    pair.ref_chosen_logp, pair.ref_rejected_logp = -3.0 - 0.1 * k, -2.5 + 0.05 * k
+    return pair
+
+
+def _pair_only(pair: DPOPairTokens) -> TrainingSample:
+    return TrainingSample([], [], [], dpo=pair, source="replay_dpo")
+
+
+def test_teacher_contexts_and_pairs_count_against_the_budget():
+    samples = [_sdpo(8, 4, 10 * i) for i in range(6)] + [_pair_only(_pair(k)) for k in range(8)]
+    batches = pack_samples(samples, max_tokens=40, split=None)
+    # each sdpo sample costs 8 student + 12 teacher tokens: two per micro-batch
+    assert [mb.n_rows for mb in batches[:3]] == [2, 2, 2]
+    assert batches[0].forward_tokens == 2 * 8 + 2 * 12 == 40
+    assert all(mb.forward_tokens <= 40 for mb in batches)
+    # pairs (2 rows of 6) cannot join a full micro-batch: 3 per micro-batch of their own
+    assert [len(mb.pairs) for mb in batches] == [0, 0, 0, 3, 3, 2]
+    assert batches[3].forward_tokens == 36
+    assert sum(mb.counts["dpo"] for mb in batches) == 8
+    assert sum(mb.counts["jsd"] for mb in batches) == 6 * 4
+
+
+def test_pairs_fill_the_room_the_rows_leave_and_a_wide_pair_goes_alone():
+    samples = [_rl(10), _rl(10, start=30), *(_pair_only(_pair(k)) for k in range(3))]
+    wide = _pair(9, length=30)  # 2 x 30 tokens: over any 40-token micro-batch
+    batches = pack_samples([*samples, _pair_only(wide)], max_tokens=40, split=None)
+    assert [mb.n_rows for mb in batches] == [2, 0, 0]
+    assert [len(mb.pairs) for mb in batches] == [1, 2, 1]  # 20 + 12; then 24; then alone
+    assert [mb.forward_tokens for mb in batches] == [32, 24, 60]
+    assert batches[2].pairs == [wide]
+
+
+def test_repeated_pairs_merge_with_summed_weights_and_every_copy_counted():
+    a, b = _pair(1, weight=0.5), _pair(2, weight=2.0)
+    a_again = _pair(1, weight=0.25)  # another object, the same pair
+    zero = _pair(2, weight=0.0)  # a zero weight merges, and is not counted
+    drawn = [a, b, a, a_again, b, zero]
+    (mb,) = pack_samples([_pair_only(p) for p in drawn], max_tokens=1000, split=None)
+    assert mb.pairs == [a, b] and mb.pairs[0] is a
+    assert mb.pair_rows.weights.tolist() == [1.25, 4.0]
+    assert mb.pair_rows.input_ids.shape[0] == 4  # 2 rows per distinct pair, not 12
+    assert mb.counts["dpo"] == 5
+    other_reference = _pair(1)
+    other_reference.ref_chosen_logp = -9.0  # scored differently: not the same signal
+    (mb,) = pack_samples([_pair_only(a), _pair_only(other_reference)], max_tokens=1000, split=None)
+    assert len(mb.pairs) == 2
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from composer_replication.models import tiny_model
+
+    return tiny_model(seed=0, vocab_size=256).double().train()
+
+
+def _step(policy, batches) -> tuple[float, list[torch.Tensor]]:
+    """The step's total loss and the gradient it leaves on a fresh copy of ``policy``."""
+    import copy
+
+    from composer_replication.trainer.step import train_step
+
+    model = copy.deepcopy(policy)
+    metrics = train_step(model, batches)
+    return metrics["loss"], [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_the_loss_and_gradient_do_not_depend_on_how_samples_are_spread(policy):
+    drawn = [_pair(k % 5, weight=0.05 * (1 + k % 3)) for k in range(16)]  # repeats
+    samples = [
+        *(_sdpo(8 + i % 3, 4, 10 * i) for i in range(6)),
+        _rl(7, start=5),
+        _rl(11, start=60),
+        *(_pair_only(p) for p in drawn),
+    ]
+    one = pack_samples(samples, max_tokens=100_000, split=None)
+    several = pack_samples(samples, max_tokens=40, split=None)
+    assert len(one) == 1 and len(several) >= 5
+    assert all(mb.forward_tokens <= 40 for mb in several)
+    assert sum(bool(mb.pairs) for mb in several) >= 2  # the pairs are spread
+    loss_one, grads_one = _step(policy, one)
+    loss_several, grads_several = _step(policy, several)
+    assert loss_several == pytest.approx(loss_one, abs=1e-6, rel=1e-6)
+    assert len(grads_one) == len(grads_several) > 0
+    for g1, g2 in zip(grads_one, grads_several):
+        torch.testing.assert_close(g2, g1, rtol=1e-6, atol=1e-6)
+
+
+def test_merged_pairs_train_as_their_repeated_rows(policy):
+    import copy
+
+    from composer_replication.ops.pairs import PairLossSettings, pair_terms
+
+    drawn = [_pair(k % 3, weight=0.1 * (1 + k)) for k in range(9)]  # 3 pairs, 3 copies each
+    (mb,) = pack_samples([_pair_only(p) for p in drawn], max_tokens=1000, split=None)
+    assert mb.pair_rows.input_ids.shape[0] == 6 and mb.counts["dpo"] == 9
+    loss, grads = _step(policy, [mb])
+    # the reference: every copy's own two rows, weighted and divided by the pairs drawn
+    model = copy.deepcopy(policy)
+    per_pair = pair_terms(model, drawn, PairLossSettings())
+    weights = torch.tensor([p.weight for p in drawn], dtype=per_pair.dtype)
+    expected = (weights * per_pair).sum() / len(drawn)
+    expected.backward()
+    assert loss == pytest.approx(float(expected.detach()), abs=1e-6, rel=1e-6)
+    expected_grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(expected_grads) == len(grads) > 0
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -1,9 +1,11 @@
 """Checks the commands make before their work starts, so that a user's mistake is one line
 (:class:`~composer_replication.errors.UsageError`: the value, and the fix) and not a
 traceback minutes later: the model source, environment names, the device, pairs files,
-the run directory and what ``--resume`` will find there.
+the run directory, what ``--resume`` will find there, and whether the learner's step fits
+the GPU's memory.
 
-Each check is cheap: none loads a model; ``check_device`` imports torch.
+Each check is cheap: none loads a model; ``check_device`` and ``check_learner_memory``
+import torch (the latter reads the model's ``config.json`` only).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "BUILTIN_ENVIRONMENTS",
     "check_device",
     "check_env_name",
+    "check_learner_memory",
     "check_loss_function",
     "check_model_source",
     "check_pairs_files",
@@ -206,6 +209,97 @@ def check_run(config: Any) -> None:
     check_trackers(config.trackers)
     if config.model.source == "embedded":
         check_cache_dir()
+    check_learner_memory(config)
+
+
+def _model_shape(source: str) -> Any:
+    """The :class:`~composer_replication.memory_estimate.ModelShape` of a model source, or
+    None where it cannot be read without loading (a GGUF file, a hub id, an odd config)."""
+    from composer_replication.memory_estimate import EMBEDDED_SHAPE, ModelShape
+
+    if source == "embedded":
+        return EMBEDDED_SHAPE
+    path = Path(source).expanduser() / "config.json"
+    try:
+        return ModelShape.from_config(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def learner_memory_settings(config: Any) -> dict[str, Any]:
+    """:func:`~composer_replication.memory_estimate.estimate_learner_memory`'s settings
+    (all but the shape and the tokens) from a run config, as ``train`` runs it on a GPU."""
+    import os
+
+    from composer_replication.config.placement import DTYPE_NAMES, check_dtype_spec
+
+    dtype = check_dtype_spec(config.model.dtype)
+    if dtype == "auto":  # float32 master weights, bfloat16 autocast (a GPU that has it)
+        param_bytes, compute_bytes = 4, 2
+    else:
+        param_bytes = compute_bytes = {"float32": 4, "float64": 8}.get(DTYPE_NAMES[dtype], 2)
+    lora = config.model.lora
+    mode, _ = config.teacher_mode
+    frozen = (0 if lora is not None else 1) + (1 if mode == "ema" else 0)
+    return {
+        "param_bytes": param_bytes,
+        "compute_bytes": compute_bytes,
+        "lora_r": None if lora is None else lora.r,
+        "lora_targets": () if lora is None else tuple(lora.target_modules),
+        "gradient_checkpointing": config.model.gradient_checkpointing,
+        "chunk_size": config.loss.chunk_size or None,
+        "frozen_copies": frozen,
+        "shards": max(1, int(os.environ.get("WORLD_SIZE", "1"))),
+    }
+
+
+def check_learner_memory(config: Any, *, available: int | None = None) -> Any:
+    """Refuse a config whose learner step cannot fit the GPU (estimate: :mod:`~composer_\
+replication.memory_estimate`, 10% of the memory kept spare); returns the estimate, or None
+    where none is made (a CPU run, a model whose shape cannot be read without loading it).
+
+    ``available``: bytes of GPU memory to fit (default: what is free on the run's CUDA
+    device, ``torch.cuda.mem_get_info``; on a CPU the check is skipped)."""
+    from composer_replication.memory_estimate import (
+        DEFAULT_RESERVE,
+        GIB,
+        estimate_learner_memory,
+        fits,
+        largest_fitting_tokens,
+    )
+
+    if available is None:
+        from composer_replication.devices import resolve_device
+
+        try:
+            device = resolve_device(config.model.device)
+        except ValueError:
+            return None  # check_device names the problem
+        if device.type != "cuda":
+            return None
+        import torch
+
+        available, _ = torch.cuda.mem_get_info(device)
+    shape = _model_shape(config.model.source)
+    if shape is None:
+        return None
+    settings = learner_memory_settings(config)
+    tokens = config.micro_batch_tokens
+    memory = estimate_learner_memory(shape, micro_batch_tokens=tokens, **settings)
+    if fits(memory, available):
+        return memory
+    best = largest_fitting_tokens(shape, available, **settings)
+    fixes = [f"lower micro_batch_tokens (at most {best} fits)" if best else None]
+    if not settings["gradient_checkpointing"]:
+        fixes.append("set model.gradient_checkpointing = true")
+    if settings["lora_r"] is None:
+        fixes.append("train LoRA adapters (model.lora)")
+    fixes = [f for f in fixes if f]
+    raise UsageError(
+        f"micro_batch_tokens = {tokens}: the learner step needs about {memory.describe()} at "
+        f"its peak but the GPU has {available / GIB:.1f} GiB free and {DEFAULT_RESERVE:.0%} of "
+        f"it stays spare; {', or '.join(fixes)}"
+    )
 
 
 #: the package each tracker needs (found, not imported)

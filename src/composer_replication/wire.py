@@ -218,10 +218,56 @@ def _padded(rows: Sequence[Sequence[int]], width: int, value: int) -> list[list[
     return [[*row, *([value] * (width - len(row)))] for row in rows]
 
 
-def pair_rows(pairs: Sequence[DPOPairTokens]) -> PairRows:
-    """The pairs' :class:`PairRows`, host tensors (built from lists: no tensor is read)."""
+def pair_key(pair: DPOPairTokens) -> tuple[Any, ...]:
+    """What makes two pairs the same training signal: both sides' token ids and response
+    masks (prompt, chosen and rejected tokens), and the cached reference log-probs."""
+    return (
+        tuple(pair.chosen_ids),
+        tuple(pair.chosen_mask),
+        tuple(pair.rejected_ids),
+        tuple(pair.rejected_mask),
+        pair.ref_chosen_logp,
+        pair.ref_rejected_logp,
+    )
+
+
+def merge_repeated_pairs(
+    pairs: Sequence[DPOPairTokens],
+) -> tuple[list[DPOPairTokens], list[float]]:
+    """``(unique, weights)``: each distinct pair (by :func:`pair_key`) once, first copy
+    first, with the summed ``weight`` of its copies.
+
+    A pair drawn k times adds ``sum_i w_i * loss`` to the dpo component, which is
+    ``(sum_i w_i) * loss`` of one forward: the merged pairs give the same loss and gradient
+    with 2 rows per distinct pair instead of 2 per copy. The first copy stands for the
+    others (reference log-probs computed in a step are cached on it; the pair pool hands
+    out the same object for every draw of a pair)."""
+    unique: dict[tuple[Any, ...], int] = {}
+    kept: list[DPOPairTokens] = []
+    weights: list[float] = []
+    for pair in pairs:
+        key = pair_key(pair)
+        slot = unique.get(key)
+        if slot is None:
+            unique[key] = len(kept)
+            kept.append(pair)
+            weights.append(float(pair.weight))
+        else:
+            weights[slot] += float(pair.weight)
+    return kept, weights
+
+
+def pair_rows(pairs: Sequence[DPOPairTokens], weights: Sequence[float] | None = None) -> PairRows:
+    """The pairs' :class:`PairRows`, host tensors (built from lists: no tensor is read).
+
+    ``weights``: one per pair (a merged pair's summed weight, :func:`merge_repeated_pairs`);
+    the pairs' own ``weight`` by default."""
     import torch
 
+    if weights is not None and len(weights) != len(pairs):
+        raise ValueError(
+            f"pair_rows: {len(weights)} weights for {len(pairs)} pairs; give one per pair"
+        )
     seqs = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
     masks = [p.chosen_mask for p in pairs] + [p.rejected_mask for p in pairs]
     width = max((len(s) for s in seqs), default=0)
@@ -233,12 +279,13 @@ def pair_rows(pairs: Sequence[DPOPairTokens]) -> PairRows:
         for position, value in enumerate(mask)
         if position and value
     ]
+    weights = [p.weight for p in pairs] if weights is None else list(weights)
     return PairRows(
         input_ids=torch.tensor(_padded(seqs, width, 0), **host),
         attention_mask=torch.tensor(_padded([[1] * len(s) for s in seqs], width, 0), **host),
         response_mask=torch.tensor(_padded(masks, width, 0), **host),
         head_rows=torch.tensor(head_rows, **host),
-        weights=torch.tensor([p.weight for p in pairs], dtype=torch.float64, device="cpu"),
+        weights=torch.tensor(weights, dtype=torch.float64, device="cpu"),
         tokens=[list(s) for s in seqs],
     )
 
@@ -262,6 +309,11 @@ class MicroBatch:
       teacher position, and the index of its row in ``jsd_rows``, the (R,) rows that
       have jsd tokens (their teacher contexts are the ones the teacher forward runs on);
     - ``pair_rows``: the pairs as padded rows (:class:`PairRows`).
+
+    ``pairs`` holds each distinct pair once (:func:`merge_repeated_pairs`): a pair drawn k
+    times in the micro-batch is one pair whose ``pair_rows.weights`` entry is the sum of
+    the copies' weights, while ``counts["dpo"]`` still counts every copy with a non-zero
+    weight (the step divides by the pairs drawn, as before the merge).
     """
 
     input_ids: Tensor
@@ -299,6 +351,18 @@ class MicroBatch:
     def row_samples(self) -> list[TrainingSample]:
         """The samples behind the (B, T) rows, in row order."""
         return [s for s in self.samples if s.n_tokens]
+
+    @property
+    def forward_tokens(self) -> int:
+        """Padded tokens the micro-batch's forwards compute: the (B, T) student rows, the
+        teacher context rows of ``jsd_rows`` at the teacher width, and the (2P, W) pair rows
+        (what :func:`pack_samples` holds to ``max_tokens``)."""
+        tokens = int(self.input_ids.numel())
+        if self.jsd_rows is not None and self.teacher_input_ids is not None:
+            tokens += int(self.jsd_rows.numel()) * int(self.teacher_input_ids.shape[1])
+        if self.pair_rows is not None:
+            tokens += int(self.pair_rows.input_ids.numel())
+        return tokens
 
     def row_tokens(self) -> list[list[int]]:
         """Each row's token ids (host lists, no padding)."""
@@ -354,16 +418,26 @@ def pack_samples(
 ) -> list[MicroBatch]:
     """Pack samples into micro-batches of at most ``max_tokens`` padded tokens each.
 
+    The budget counts every token a micro-batch's forwards compute, padding included
+    (:attr:`MicroBatch.forward_tokens`): the student rows (rows x longest sample), the
+    teacher context rows of its jsd samples (those rows x longest teacher context) and its
+    preference pairs' rows (2 x distinct pairs x longest side). Saved activations grow with
+    this number, so it bounds the learner's peak memory per micro-batch.
+
     Tensors are built on the host and, with ``device``, moved there once per micro-batch
     (the trainer step also moves micro-batches to the policy's device itself).
 
     A sample whose ``task_id`` ``split`` holds out raises ``HeldoutLeakError`` (the
     project's split by default; a run passes its own; None for data with no held-out pool).
 
-    Rows are right-padded to the longest sample in their micro-batch; samples are sorted
-    by length first so little is wasted on padding. A sample longer than ``max_tokens``
-    gets a micro-batch of its own (it cannot be split without changing its loss). Pair-only
-    samples (empty ``input_ids``) ride along in the first micro-batch that has room.
+    Samples with tokens are sorted by length first so little is wasted on padding, and
+    fill micro-batches in that order. Pair-only samples (empty ``input_ids``) are merged
+    by pair (:func:`merge_repeated_pairs`: identical pairs of the call are trained once,
+    their weights summed) and spread over the micro-batches, each into the first that has
+    room, narrowest first; those that fit nowhere open new ones. A sample, or a pair, that
+    alone exceeds ``max_tokens`` gets a micro-batch of its own (it cannot be split without
+    changing its loss). The losses divide by counts taken over all micro-batches of a step,
+    so how the samples are spread does not change the loss.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
@@ -371,29 +445,98 @@ def pack_samples(
         sample.check_alignment()
     if split is not None:
         split.check_trainable([s.task_id for s in samples if s.task_id])
-    seqs = sorted((s for s in samples if s.n_tokens), key=lambda s: s.n_tokens)
-    pair_only = [s for s in samples if not s.n_tokens]
     groups: list[list[TrainingSample]] = []
+    loads: list[_Load] = []
     current: list[TrainingSample] = []
-    for sample in seqs:
-        width = max([sample.n_tokens, *(s.n_tokens for s in current)])
-        if current and width * (len(current) + 1) > max_tokens:
+    load = _Load()
+    for sample in sorted((s for s in samples if s.n_tokens), key=lambda s: s.n_tokens):
+        grown = load.plus(sample)
+        if current and grown.tokens > max_tokens:
             groups.append(current)
-            current = []
+            loads.append(load)
+            current, grown = [], _Load().plus(sample)
         current.append(sample)
+        load = grown
     if current:
         groups.append(current)
-    if pair_only:
+        loads.append(load)
+    for unit in _pair_units([s for s in samples if not s.n_tokens]):
+        for i, group_load in enumerate(loads):
+            grown = group_load.plus(unit[0])
+            if grown.tokens <= max_tokens:
+                groups[i].extend(unit)
+                loads[i] = grown
+                break
+        else:  # no room anywhere (or too wide for any budget): a micro-batch of its own
+            groups.append(list(unit))
+            loads.append(_Load().plus(unit[0]))
+    empty = [s for s in samples if not s.n_tokens and s.dpo is None]  # nothing to train
+    if empty:
         if groups:
-            groups[0] = groups[0] + pair_only
+            groups[0].extend(empty)
         else:
-            groups.append(pair_only)
+            groups.append(empty)
     batches = [_to_micro_batch(group, pad_id) for group in groups]
     for batch in batches:
         batch.assert_aligned()
     if device is None:
         return batches
     return [batch.to(device) for batch in batches]
+
+
+@dataclass(frozen=True)
+class _Load:
+    """The padded shapes of a micro-batch being packed: (rows, width) of its student rows,
+    of the teacher contexts its teacher forward runs on (the rows with jsd weight, at the
+    width of the longest teacher context), and of its distinct pairs' rows."""
+
+    rows: int = 0
+    width: int = 0
+    teacher_rows: int = 0
+    teacher_width: int = 0
+    pair_keys: frozenset[tuple[Any, ...]] = frozenset()
+    pair_width: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return (
+            self.rows * self.width
+            + self.teacher_rows * self.teacher_width
+            + 2 * len(self.pair_keys) * self.pair_width
+        )
+
+    def plus(self, sample: TrainingSample) -> _Load:
+        """The load with ``sample`` added (a repeat of a pair already here adds no rows)."""
+        teacher = sample.teacher_input_ids
+        live_jsd = bool(sample.n_tokens and sample.jsd_weights and any(sample.jsd_weights))
+        pair = sample.dpo
+        return _Load(
+            rows=self.rows + (1 if sample.n_tokens else 0),
+            width=max(self.width, sample.n_tokens),
+            teacher_rows=self.teacher_rows + int(live_jsd),
+            teacher_width=max(
+                self.teacher_width, len(teacher) if sample.n_tokens and teacher else 0
+            ),
+            pair_keys=self.pair_keys if pair is None else self.pair_keys | {pair_key(pair)},
+            pair_width=self.pair_width
+            if pair is None
+            else max(self.pair_width, len(pair.chosen_ids), len(pair.rejected_ids)),
+        )
+
+
+def _pair_units(pair_only: list[TrainingSample]) -> list[list[TrainingSample]]:
+    """Pair-only samples grouped by pair (:func:`pair_key`; copies of a pair always share a
+    micro-batch, where they merge), narrowest pair first."""
+    units: dict[tuple[Any, ...], list[TrainingSample]] = {}
+    for sample in pair_only:
+        if sample.dpo is not None:
+            units.setdefault(pair_key(sample.dpo), []).append(sample)
+    return sorted(units.values(), key=_pair_width)
+
+
+def _pair_width(unit: list[TrainingSample]) -> int:
+    pair = unit[0].dpo
+    return max(len(pair.chosen_ids), len(pair.rejected_ids)) if pair is not None else 0
 
 
 def _stream_tensor(rows: list[TrainingSample], name: str, width: int, dtype: Any) -> Tensor:
@@ -449,7 +592,8 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
         "ref_kl_weights": optional("ref_kl_weights"),
         "jsd_weights": optional("jsd_weights"),
     }
-    pairs = [s.dpo for s in group if s.dpo is not None]
+    drawn = [s.dpo for s in group if s.dpo is not None]
+    pairs, pair_weights = merge_repeated_pairs(drawn)
     trainable = loss_mask[:, 1:] != 0
     needed = (
         trainable
@@ -471,12 +615,12 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
         teacher_index=teacher_index,
         pairs=pairs,
         samples=list(group),
-        counts=_component_counts(loss_mask, rl_weights, streams, pairs),
+        counts=_component_counts(loss_mask, rl_weights, streams, drawn),
         head_rows=flat_positions(needed),
         trainable_rows=flat_positions(trainable),
         jsd_tokens=jsd_tokens,
         jsd_rows=jsd_rows,
-        pair_rows=pair_rows(pairs) if pairs else None,
+        pair_rows=pair_rows(pairs, pair_weights) if pairs else None,
     )
 
 
@@ -486,7 +630,8 @@ def _component_counts(
     streams: dict[str, Tensor | None],
     pairs: list[DPOPairTokens],
 ) -> dict[str, int]:
-    """Per component, the next tokens (pairs) with a non-zero weight, from host tensors."""
+    """Per component, the next tokens (pairs) with a non-zero weight, from host tensors;
+    ``pairs`` are the pairs as drawn (every copy of a repeated pair counts)."""
     trainable = loss_mask[:, 1:] != 0
 
     def live(name: str, mask: Tensor | None = None) -> int:

@@ -106,7 +106,7 @@ def test_replay_dpo_assign_score_and_pack(tiny, tmp_path):
             assert getattr(pair, f"ref_{side}_logp") == pytest.approx(expected, abs=1e-4)
     for s in samples:
         s.check_alignment()
-    batches = pack_samples(samples, max_tokens=64, split=None)
+    batches = pack_samples(samples, max_tokens=4096, split=None)
     assert len(batches) == 1 and batches[0].n_rows == 0 and len(batches[0].pairs) == 2
 
 

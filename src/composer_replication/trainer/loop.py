@@ -34,6 +34,7 @@ from composer_replication.inference.engine import build_policy_engine
 from composer_replication.inference.frozen import FrozenEngines
 from composer_replication.inference.snapshot import PolicySnapshot
 from composer_replication.rollout.agent import episode_metrics
+from composer_replication.rollout.decode_memory import release_decode_buffers
 from composer_replication.rollout.generate import (
     DecodeOptions,
     InProcessSampler,
@@ -422,6 +423,10 @@ class Trainer:
         batches = pack_samples(
             samples, max_tokens=self.config.micro_batch_tokens, pad_id=pad_id, split=self.split
         )
+        if not self.async_level:
+            # nothing samples until the next step: the decode's kept GPU buffers (KV caches,
+            # CUDA graphs) go back for the step's activations; sampling ahead keeps them
+            release_decode_buffers()
         t0 = time.perf_counter()
         self.step += 1
         metrics = self.learner.update(batches, self.step)
