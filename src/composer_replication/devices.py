@@ -9,6 +9,11 @@ reduce_dtype=float32)`` (see :mod:`composer_replication.distributed`). On a CPU 
 plain float32. An explicit dtype name (``"float32"``, ``"bfloat16"``, ...) casts the
 parameters themselves and uses no autocast.
 
+TF32 (``model.tf32``, on by default) lets the float32 matmuls and convolutions that remain on
+a CUDA device (those autocast leaves in float32, or every one in a float32 run) use the
+tensor cores with 10-bit-mantissa inputs and float32 accumulation: :func:`set_tf32`. It is a
+process-wide CUDA setting; on a CPU nothing is changed.
+
 Nothing here imports a CUDA-only module: ``torch.cuda`` queries answer on a CPU build.
 """
 
@@ -28,7 +33,14 @@ from composer_replication.config.placement import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Precision", "autocast", "module_device", "resolve_device", "resolve_precision"]
+__all__ = [
+    "Precision",
+    "autocast",
+    "module_device",
+    "resolve_device",
+    "resolve_precision",
+    "set_tf32",
+]
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -89,6 +101,24 @@ def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractC
     import torch
 
     return torch.autocast(device_type=device.type, dtype=precision.compute_dtype)
+
+
+def set_tf32(enabled: bool, device: torch.device) -> bool:
+    """Allow (or forbid) TF32 for float32 matmuls (cuBLAS) and convolutions (cuDNN) when
+    ``device`` is a CUDA device; returns whether anything was set (False elsewhere).
+
+    Uses ``torch.backends.cuda.matmul.allow_tf32`` / ``torch.backends.cudnn.allow_tf32``,
+    which touch CUDA only: ``torch.set_float32_matmul_precision`` would also switch the
+    CPU's oneDNN matmuls. Setting these flags needs no GPU, so this is safe to call before
+    one is used.
+    """
+    if device.type != "cuda":
+        return False
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
+    torch.backends.cudnn.allow_tf32 = bool(enabled)
+    return True
 
 
 def module_device(model: Any) -> torch.device:

@@ -100,6 +100,12 @@ class ModelConfig(_Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (less memory, more time)."
     )
+    tf32: bool = Field(
+        True,
+        description="On a CUDA device, let float32 matmuls and convolutions use TF32 tensor "
+        "cores (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32: 10-bit-mantissa "
+        "inputs, float32 accumulation); false keeps them full float32. No effect on a CPU.",
+    )
 
     @field_validator("lora", mode="before")
     @classmethod

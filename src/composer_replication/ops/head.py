@@ -14,10 +14,21 @@ extra memory is O(chunk_size * V) plus the head's weight gradient.
   reductions.
 - ``chunk_workspace`` / ``logits_into`` / ``check_head``: the chunking pieces the other
   hidden-state kernels (:mod:`.jsd`, :mod:`.divergence`) share.
+- ``head_matmul_dtype`` / ``head_weight_in``: the precision of the matmuls.
+
+Precision. Under ``torch.autocast`` (a mixed-precision run: float32 master weights, bfloat16
+forwards) the matmuls run in autocast's dtype, as a plain ``hidden @ weight.T`` would: the
+head weight is cast once per weight version (a small cache, :func:`head_weight_in`), not
+once per chunk. What needs range or many terms stays in float32: the logits buffer and its
+softmax / log-sum-exp / entropy, the hidden-gradient factor, and the sum over chunks of the
+head's gradient (each chunk's product is rounded once, then added into a float32 gradient).
+Without autocast the matmuls run in the weight's own dtype, exactly as before.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,11 +40,15 @@ IGNORE_INDEX = -100
 
 __all__ = [
     "IGNORE_INDEX",
+    "add_matmul_",
     "check_head",
     "check_temperature",
     "chunk_workspace",
+    "clear_head_weight_casts",
     "cross_entropy_from_hidden",
     "default_head_chunk_rows",
+    "head_matmul_dtype",
+    "head_weight_in",
     "logits_into",
     "token_logprobs_from_hidden",
 ]
@@ -49,15 +64,117 @@ def default_head_chunk_rows(vocab_size: int) -> int:
     return max(16, _HEAD_CHUNK_ELEMENTS // max(vocab_size, 1))
 
 
+def head_matmul_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in for ``weight`` (V, H), read from the caller's
+    autocast state: autocast's dtype when it is on for the weight's device (a float64 weight
+    excepted, as autocast leaves float64 alone), else the weight's own dtype."""
+    device_type = weight.device.type
+    if (
+        weight.dtype != torch.float64
+        and torch.amp.is_autocast_available(device_type)
+        and torch.is_autocast_enabled(device_type)
+    ):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+class _WeightCasts:
+    """Copies of head weights in a matmul dtype, each valid while its weight's storage lives
+    and its version counter is unchanged.
+
+    Entries are keyed on the weight's storage and layout, not on the Python object, so the
+    detached aliases the losses pass around (``weight.detach()``, which shares storage and
+    version counter) find the same copy. An optimizer step (or any in-place write) bumps
+    the version, so a policy's head is cast once per step, however many micro-batches,
+    chunks and backward passes read it; a frozen teacher's or reference's head once per
+    run. Entries die with their storage, and at most ``max_entries`` are kept (policy,
+    teacher, reference, and a spare).
+    """
+
+    def __init__(self, max_entries: int = 4) -> None:
+        self.max_entries = max_entries
+        # key -> (storage weakref, version, data_ptr, cast copy)
+        self._entries: dict[tuple, tuple[weakref.ref, int, int, Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        if weight.is_inference():  # no version counter to key on
+            return weight.detach().to(dtype)
+        storage = weight.untyped_storage()
+        key = (id(storage), weight.storage_offset(), weight.shape, weight.stride(), dtype)
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None:
+            ref, version, data_ptr, cast = entry
+            if (
+                ref() is storage
+                and version == weight._version
+                and data_ptr == weight.data_ptr()
+                and cast.device == weight.device
+            ):
+                return cast
+        cast = weight.detach().to(dtype)
+        entries, lock = self._entries, self._lock
+
+        def forget(dead: weakref.ref, key: tuple = key) -> None:
+            with lock:
+                if key in entries and entries[key][0] is dead:
+                    del entries[key]
+
+        with lock:
+            entries.pop(key, None)
+            while len(entries) >= self.max_entries:  # oldest first (dicts keep order)
+                del entries[next(iter(entries))]
+            entries[key] = (weakref.ref(storage, forget), weight._version, weight.data_ptr(), cast)
+        return cast
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_WEIGHT_CASTS = _WeightCasts()
+
+
+def head_weight_in(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weight`` (V, H) in ``dtype`` for the matmuls, detached: the weight itself when it
+    already is, else a cached copy made once per weight version (see :class:`_WeightCasts`).
+
+    A write that bypasses the version counter (``weight.data.copy_(...)``) is not seen:
+    call :func:`clear_head_weight_casts` after one.
+    """
+    if weight.dtype == dtype:
+        return weight
+    return _WEIGHT_CASTS.get(weight, dtype)
+
+
+def clear_head_weight_casts() -> None:
+    """Drop every cached low-precision head weight (frees their memory)."""
+    _WEIGHT_CASTS.clear()
+
+
 def logits_into(buf: Tensor, hidden_chunk: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """(C, V) logits / temperature written into ``buf`` (re-used across chunks)."""
+    """(C, V) logits / temperature written into ``buf`` (re-used across chunks).
+
+    ``weight`` (V, H) is the matmul weight (:func:`head_weight_in`): the product runs in its
+    dtype, and lands in ``buf``'s (float32 for low-precision weights: softmax statistics
+    need the range)."""
     if weight.dtype == buf.dtype:
-        torch.mm(hidden_chunk, weight.T, out=buf)
-    else:  # low-precision heads: softmax statistics in fp32
-        buf.copy_(hidden_chunk @ weight.T)
+        torch.mm(hidden_chunk.to(weight.dtype), weight.T, out=buf)
+    else:
+        buf.copy_(hidden_chunk.to(weight.dtype) @ weight.T)
     if temperature != 1.0:
         buf.div_(temperature)
     return buf
+
+
+def add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b`` (a: (M, K), b: (K, N), acc: (M, N)) with the product in ``a``'s dtype
+    and the sum in ``acc``'s: a chunk's bfloat16 product is rounded once and then summed
+    over chunks in the float32 accumulator, not in bfloat16."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    return acc.add_(a @ b)
 
 
 def chunk_workspace(n_rows: int, chunk: int, weight: Tensor) -> Tensor:
@@ -89,6 +206,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     the forward pass while the chunk's probabilities are at hand, and the backward pass for
     the hidden states is a row scaling. Only the head's own gradient (sum over rows of
     outer products weighted by g) needs the probabilities again: they are recomputed.
+
+    ``matmul_dtype`` is the dtype of the three matmuls (:func:`head_matmul_dtype`, chosen by
+    the caller: the backward pass may run where autocast is off); the weight is cast to it
+    once (:func:`head_weight_in`), the softmax and the gradient sums stay float32.
     """
 
     @staticmethod
@@ -100,9 +221,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         temperature: float,
         chunk: int,
         with_entropy: bool,
+        matmul_dtype: torch.dtype,
     ) -> tuple[Tensor, Tensor]:
         need_h = ctx.needs_input_grad[0]
         n_rows = hidden.shape[0]
+        mm_weight = head_weight_in(weight, matmul_dtype)
         buf = chunk_workspace(n_rows, chunk, weight)
         logprobs = torch.empty(n_rows, dtype=buf.dtype, device=hidden.device)
         entropy = torch.zeros(n_rows, dtype=buf.dtype, device=hidden.device)
@@ -110,24 +233,25 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         hidden_factor = torch.empty_like(hidden) if need_h else None
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
-            z = logits_into(buf[: stop - start], hidden[start:stop], weight, temperature)
+            z = logits_into(buf[: stop - start], hidden[start:stop], mm_weight, temperature)
             logprobs[start:stop], lse[start:stop] = _softmax_(z, targets[start:stop])
             probs = z
             if with_entropy:
                 entropy[start:stop] = torch.special.entr(probs).sum(dim=1)
             if need_h:
+                # W[t] from the master weight: the difference is taken in its precision
                 factor = weight.index_select(0, targets[start:stop]) - (
-                    probs.to(weight.dtype) @ weight
+                    probs.to(mm_weight.dtype) @ mm_weight
                 )
                 hidden_factor[start:stop] = factor
-        ctx.save_for_backward(hidden, weight, targets, lse, hidden_factor)
+        ctx.save_for_backward(hidden, weight, mm_weight, targets, lse, hidden_factor)
         ctx.settings = (temperature, chunk)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):  # type: ignore[override]
-        hidden, weight, targets, lse, hidden_factor = ctx.saved_tensors
+        hidden, weight, mm_weight, targets, lse, hidden_factor = ctx.saved_tensors
         temperature, chunk = ctx.settings
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         scaled = grad_logprobs / temperature
@@ -138,15 +262,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             buf = chunk_workspace(hidden.shape[0], chunk, weight)
             for start in range(0, hidden.shape[0], chunk):
                 stop = min(start + chunk, hidden.shape[0])
-                h = hidden[start:stop]
+                h = hidden[start:stop].to(mm_weight.dtype)
                 g = scaled[start:stop].to(buf.dtype)
                 # G = g * (onehot(target) - softmax(z)), built in the workspace.
-                grad_logits = logits_into(buf[: stop - start], h, weight, temperature)
+                grad_logits = logits_into(buf[: stop - start], h, mm_weight, temperature)
                 grad_logits.sub_(lse[start:stop, None]).exp_().mul_(-g[:, None])
                 rows = torch.arange(stop - start, device=h.device)
                 grad_logits[rows, targets[start:stop]] += g
-                grad_w.addmm_(grad_logits.T.to(weight.dtype), h)
-        return grad_h, grad_w, None, None, None, None
+                add_matmul_(grad_w, grad_logits.T.to(mm_weight.dtype), h)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 class _FusedCrossEntropySum(torch.autograd.Function):
@@ -158,7 +282,7 @@ class _FusedCrossEntropySum(torch.autograd.Function):
     gradient w.r.t. each chunk's logits, ``(softmax(z) - (1 - eps) onehot - eps / V) / T``,
     is known in the forward pass: the hidden and head gradients are accumulated there
     (3 matmuls in all, as the naive path) and the backward pass scales them by the upstream
-    scalar.
+    scalar. ``matmul_dtype``: as in :class:`_ChunkedTokenLogprobs`.
     """
 
     @staticmethod
@@ -170,16 +294,19 @@ class _FusedCrossEntropySum(torch.autograd.Function):
         temperature: float,
         chunk: int,
         label_smoothing: float,
+        matmul_dtype: torch.dtype,
     ) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_rows = hidden.shape[0]
+        mm_weight = head_weight_in(weight, matmul_dtype)
         buf = chunk_workspace(n_rows, chunk, weight)
         total = torch.zeros((), dtype=buf.dtype, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
-            z = logits_into(buf[: stop - start], hidden[start:stop], weight, temperature)
+            h = hidden[start:stop].to(mm_weight.dtype)
+            z = logits_into(buf[: stop - start], h, mm_weight, temperature)
             logit_sum = z.sum(dim=1) if label_smoothing else None
             target_logprobs, lse = _softmax_(z, targets[start:stop])
             total -= (1.0 - label_smoothing) * target_logprobs.sum()
@@ -193,11 +320,14 @@ class _FusedCrossEntropySum(torch.autograd.Function):
                     grad_logits.sub_(label_smoothing / z.shape[1])
                 if temperature != 1.0:
                     grad_logits.div_(temperature)
-                grad_logits = grad_logits.to(weight.dtype)
+                grad_logits = grad_logits.to(mm_weight.dtype)
                 if need_h:
-                    torch.mm(grad_logits, weight, out=grad_h[start:stop])
+                    if grad_h.dtype == mm_weight.dtype:
+                        torch.mm(grad_logits, mm_weight, out=grad_h[start:stop])
+                    else:
+                        grad_h[start:stop] = grad_logits @ mm_weight
                 if need_w:
-                    grad_w.addmm_(grad_logits.T, hidden[start:stop])
+                    add_matmul_(grad_w, grad_logits.T, h)
         ctx.grads = (grad_h, grad_w)
         return total
 
@@ -210,7 +340,7 @@ class _FusedCrossEntropySum(torch.autograd.Function):
         scale = grad_total.to(grad_h.dtype if grad_h is not None else grad_w.dtype)
         grad_h = grad_h.mul_(scale) if grad_h is not None else None
         grad_w = grad_w.mul_(scale) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def check_head(hidden: Tensor, weight: Tensor) -> None:
@@ -295,7 +425,9 @@ def token_logprobs_from_hidden(
             them, and checking the token-id range, would). The caller vouches for the ids.
 
     Returns:
-        (...) log-probs, and (...) entropies when ``return_entropy``.
+        (...) log-probs, and (...) entropies when ``return_entropy``: float32 (float64 for a
+        float64 weight). Under ``torch.autocast`` the matmuls run in autocast's dtype (the
+        weight cast once per version, :func:`head_weight_in`), the softmax in float32.
     """
     check_temperature(temperature)
     if rows is None:
@@ -306,7 +438,13 @@ def token_logprobs_from_hidden(
     flat_targets = targets.reshape(-1)
     chunk = chunk_size or default_head_chunk_rows(weight.shape[0])
     lp, ent = _ChunkedTokenLogprobs.apply(
-        sel_hidden, weight, sel_targets, float(temperature), int(chunk), bool(return_entropy)
+        sel_hidden,
+        weight,
+        sel_targets,
+        float(temperature),
+        int(chunk),
+        bool(return_entropy),
+        head_matmul_dtype(weight),
     )
     if not all_kept:
         lp = lp.new_zeros(flat_targets.shape).index_put((rows,), lp)
@@ -333,6 +471,7 @@ def cross_entropy_from_hidden(
     ``reduction``: ``mean`` over non-ignored tokens (0 with grad when there are none),
     ``sum``, or ``none`` -> per-token (...) with 0 at ignored positions.
     ``label_smoothing`` in [0, 1): torch's ``cross_entropy`` convention (``mean``/``sum``).
+    Precision as :func:`token_logprobs_from_hidden`.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of ('mean', 'sum', 'none')")
@@ -357,7 +496,13 @@ def cross_entropy_from_hidden(
     sel_hidden, sel_targets, _ = _select_rows(hidden, weight, targets, ignore_index)
     chunk = chunk_size or default_head_chunk_rows(weight.shape[0])
     total = _FusedCrossEntropySum.apply(
-        sel_hidden, weight, sel_targets, float(temperature), int(chunk), float(label_smoothing)
+        sel_hidden,
+        weight,
+        sel_targets,
+        float(temperature),
+        int(chunk),
+        float(label_smoothing),
+        head_matmul_dtype(weight),
     )
     if reduction == "sum":
         return total

@@ -15,7 +15,9 @@ Both entry points work in chunks of tokens with an analytic gradient,
 
 - ``per_token_jsd``: from (..., V) logits (the ``opsd.generalized_jsd_loss`` face);
 - ``jsd_from_hidden``: from hidden states and the head weight, never forming (B, T, V)
-  logits (the path every trainer uses, through :mod:`.divergence`).
+  logits (the path every trainer uses, through :mod:`.divergence`). Its matmuls follow the
+  head's precision rule (:mod:`.head`): autocast's dtype under autocast, the head weights
+  cast once per version; log-softmax, the divergence and the head-gradient sum in float32.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from composer_replication.ops.head import (
+    add_matmul_,
     check_head,
     check_temperature,
     chunk_workspace,
     default_head_chunk_rows,
+    head_matmul_dtype,
+    head_weight_in,
     logits_into,
 )
 
@@ -361,6 +366,9 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
     As for log-probs, the hidden-state gradient factor ``G @ W`` (G = dJSD/dz per row) is
     formed in the forward pass; the head's gradient recomputes the chunk's logits. Each
     chunk works in four re-used (C, V) buffers and allocates nothing else of that size.
+
+    ``matmul_dtype`` (:func:`~.head.head_matmul_dtype`, chosen by the caller) is the dtype
+    of the matmuls; both heads are cast to it once per version (:func:`~.head.head_weight_in`).
     """
 
     @staticmethod
@@ -373,29 +381,36 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
         beta: float,
         temperature: float,
         chunk: int,
+        matmul_dtype: torch.dtype,
     ) -> Tensor:
         need_h = ctx.needs_input_grad[0]
         n_rows = student_hidden.shape[0]
+        mm_weight = head_weight_in(weight, matmul_dtype)
+        mm_teacher = head_weight_in(teacher_weight, matmul_dtype)
         bufs = [chunk_workspace(n_rows, chunk, weight) for _ in range(4)]
         out = torch.empty(n_rows, dtype=bufs[0].dtype, device=student_hidden.device)
         hidden_factor = torch.empty_like(student_hidden) if need_h else None
-        sides = (student_hidden, weight, teacher_hidden, teacher_weight)
+        sides = (student_hidden, mm_weight, teacher_hidden, mm_teacher)
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             s_logp, t_logp, mix, scratch = _jsd_chunk_logps(bufs, start, stop, sides, temperature)
             if need_h:
                 jsd, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
-                hidden_factor[start:stop] = grad_logits.to(weight.dtype) @ weight
+                hidden_factor[start:stop] = grad_logits.to(mm_weight.dtype) @ mm_weight
             else:
                 jsd = jsd_rows(s_logp, t_logp, beta)
             out[start:stop] = jsd
-        ctx.save_for_backward(student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor)
+        ctx.save_for_backward(
+            student_hidden, weight, mm_weight, teacher_hidden, mm_teacher, hidden_factor
+        )
         ctx.settings = (beta, temperature, chunk)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        student_hidden, weight, teacher_hidden, teacher_weight, hidden_factor = ctx.saved_tensors
+        student_hidden, weight, mm_weight, teacher_hidden, mm_teacher, hidden_factor = (
+            ctx.saved_tensors
+        )
         beta, temperature, chunk = ctx.settings
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         scaled = grad_out / temperature
@@ -405,17 +420,17 @@ class _ChunkedHiddenJSD(torch.autograd.Function):
             grad_w = torch.zeros_like(weight)
             n_rows = student_hidden.shape[0]
             bufs = [chunk_workspace(n_rows, chunk, weight) for _ in range(4)]
-            sides = (student_hidden, weight, teacher_hidden, teacher_weight)
+            sides = (student_hidden, mm_weight, teacher_hidden, mm_teacher)
             for start in range(0, n_rows, chunk):
                 stop = min(start + chunk, n_rows)
-                h = student_hidden[start:stop]
+                h = student_hidden[start:stop].to(mm_weight.dtype)
                 s_logp, t_logp, mix, scratch = _jsd_chunk_logps(
                     bufs, start, stop, sides, temperature
                 )
                 _, grad_logits = jsd_rows_student_grad_(s_logp, t_logp, beta, mix, scratch)
                 grad_logits.mul_(scaled[start:stop, None].to(grad_logits.dtype))
-                grad_w.addmm_(grad_logits.T.to(weight.dtype), h)
-        return grad_h, grad_w, None, None, None, None, None
+                add_matmul_(grad_w, grad_logits.T.to(mm_weight.dtype), h)
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _jsd_chunk_logps(
@@ -425,7 +440,8 @@ def _jsd_chunk_logps(
     sides: tuple[Tensor, Tensor, Tensor, Tensor],
     temperature: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows ``start:stop`` of ``sides`` = (student hidden, head, teacher hidden, head):
+    """Rows ``start:stop`` of ``sides`` = (student hidden, head, teacher hidden, head; the
+    heads in the matmul dtype):
     student and teacher log-probs in the first two of the four workspace buffers, and the
     other two (``mix``, ``scratch``) for the row math."""
     student_hidden, weight, teacher_hidden, teacher_weight = sides
@@ -469,12 +485,15 @@ def jsd_from_hidden(
     The teacher side (``teacher_hidden``, ``teacher_weight``, default ``weight``) never
     receives gradient: it is the stop-gradient target of self-distillation. Positions where
     ``mask`` is False give 0. ``beta`` and ``temperature`` as in
-    :func:`composer_replication.opsd.generalized_jsd_loss`.
+    :func:`composer_replication.opsd.generalized_jsd_loss`. Under ``torch.autocast`` the
+    matmuls run in autocast's dtype (each head cast once per version), the log-softmax and
+    the divergence in float32.
     """
     check_temperature(temperature)
     if not 0.0 <= float(beta) <= 1.0:
         raise ValueError(f"beta={beta} must be in [0, 1]")
     t_weight = teacher_head(student_hidden, weight, teacher_hidden, teacher_weight)
+    matmul_dtype = head_matmul_dtype(weight)
     lead = student_hidden.shape[:-1]
     flat_s = student_hidden.reshape(-1, student_hidden.shape[-1])
     flat_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
@@ -487,7 +506,14 @@ def jsd_from_hidden(
         flat_t = flat_t.index_select(0, rows)
     chunk = chunk_size or default_head_chunk_rows(weight.shape[0])
     values = _ChunkedHiddenJSD.apply(
-        flat_s, weight, flat_t, t_weight, float(beta), float(temperature), int(chunk)
+        flat_s,
+        weight,
+        flat_t,
+        t_weight,
+        float(beta),
+        float(temperature),
+        int(chunk),
+        matmul_dtype,
     )
     if rows is not None:
         values = values.new_zeros(mask.numel()).index_put((rows,), values)

@@ -26,12 +26,14 @@ def seed_everything(seed: int) -> None:
 
 def setup_policy(config: RunConfig) -> tuple[Any, Any]:
     """Load the policy onto its device in its parameter dtype (and apply LoRA), as
-    configured (``model.device`` / ``model.dtype``: :mod:`composer_replication.devices`)."""
-    from composer_replication.devices import resolve_device, resolve_precision
+    configured (``model.device`` / ``model.dtype`` / ``model.tf32``:
+    :mod:`composer_replication.devices`)."""
+    from composer_replication.devices import resolve_device, resolve_precision, set_tf32
     from composer_replication.models import load_policy
 
     device = resolve_device(config.model.device)
     precision = resolve_precision(config.model.dtype, device)
+    set_tf32(config.model.tf32, device)
     policy, tokenizer = load_policy(config.model.source, dtype=precision.param_dtype, device=device)
     if config.model.lora is not None:
         from peft import LoraConfig as PeftLoraConfig
