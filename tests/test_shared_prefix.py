@@ -1,17 +1,19 @@
 """Shared-prefix forward: the prefix tree and token trie of a batch's rows, and hidden states
-and gradients equal to the row-by-row forward on both ways of sharing (one packed forward,
-a forward per tree node) for full fine-tune, LoRA, adapters disabled, checkpointing."""
+and gradients equal to the row-by-row forward on every way of sharing (one packed forward
+with a dense mask, a forward per tree node, packed sequences under a block-sparse mask) for
+full fine-tune, LoRA, adapters disabled, checkpointing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from composer_replication import shared_prefix
+from composer_replication import packed_attention, shared_prefix
+from composer_replication.forward_tokens import counting_forward_tokens
 from composer_replication.model_parts import AdapterDisabled, last_hidden_states
 from composer_replication.models import tiny_model
 from composer_replication.ops.pairs import pad_rows
-from composer_replication.shared_prefix import prefix_tree, token_trie
+from composer_replication.shared_prefix import prefix_tree, token_trie, tree_forward_tokens
 
 SYSTEM = list(range(100, 140))  # 40 tokens every row starts with
 TASK_A = list(range(200, 230))
@@ -89,9 +91,14 @@ def _model(lora: bool = False, checkpointing: bool = False):
     return model
 
 
+def _row_tokens(ids, mask) -> list[list[int]]:
+    return [row[: int(n)] for row, n in zip(ids.tolist(), mask.sum(1))]
+
+
 def _hidden_and_grads(model, ids, mask, share: bool):
     model.zero_grad(set_to_none=True)
-    hidden = last_hidden_states(model, ids, mask, share_prefixes=share)
+    rows = _row_tokens(ids, mask) if share else None  # unshared: the padded reference
+    hidden = last_hidden_states(model, ids, mask, share_prefixes=share, row_tokens=rows)
     weights = torch.linspace(0.5, 1.5, hidden.shape[-1])
     loss = ((hidden * weights).sin() * mask[..., None]).sum()
     loss.backward()
@@ -99,11 +106,16 @@ def _hidden_and_grads(model, ids, mask, share: bool):
     return hidden.detach(), grads
 
 
-@pytest.fixture(params=["packed", "tree"])
+@pytest.fixture(params=["packed", "tree", "flex"])
 def sharing_path(request, monkeypatch):
-    """Run the test on the packed forward (the default) and on a forward per tree node."""
+    """Run the test on the packed forward (the CPU default), on a forward per tree node, and
+    on packed sequences of at most 64 tokens under a block mask (a GPU's default; here its
+    attention is the dense math reference, and ``share=False`` packs the rows unshared)."""
     if request.param == "tree":
         monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)
+    if request.param == "flex":
+        monkeypatch.setattr(packed_attention, "PACKING_DEVICES", ("cpu",))
+        monkeypatch.setattr(packed_attention, "PACKED_SEQUENCE_TOKENS", 64)
     return request.param
 
 
@@ -126,10 +138,11 @@ def test_hidden_states_and_gradients_equal_the_row_by_row_forward(
 def test_adapters_disabled_shares_prefixes_of_the_base_model(sharing_path):
     model = _model(lora=True)
     ids, mask = pad_rows(_rows())
-    with torch.no_grad():
+    rows = _row_tokens(ids, mask)
+    with torch.no_grad():  # (without row_tokens: the padded forward on every path)
         base = last_hidden_states(AdapterDisabled(model), ids, mask, share_prefixes=False)
-        shared = last_hidden_states(AdapterDisabled(model), ids, mask)
-        adapted = last_hidden_states(model, ids, mask)
+        shared = last_hidden_states(AdapterDisabled(model), ids, mask, row_tokens=rows)
+        adapted = last_hidden_states(model, ids, mask, row_tokens=rows)
     real = mask.bool()
     torch.testing.assert_close(shared[real], base[real], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(adapted[real], base[real], atol=1e-3)  # the adapters matter
@@ -163,6 +176,16 @@ def test_the_shared_forward_computes_fewer_tokens(monkeypatch):
     monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)
     tree = _embedded_tokens(model, ids, mask)
     assert len(tree) > 1 and sum(tree) == width + 40 + 30 + 25 + 3 * 6 + 2 * 3
+    # padding: row 3 (30 of 76), task A's tails padded to 6 (lengths 74, 71, 76), task B's
+    # to 3 (67, 68)
+    lengths = mask.sum(1).tolist()
+    assert tree_forward_tokens(prefix_tree(ids, mask), lengths, width) == (
+        sum(tree),
+        46 + (2 + 5 + 0) + (1 + 0),
+    )
+    with counting_forward_tokens() as counted:
+        _embedded_tokens(model, ids, mask, row_tokens=_row_tokens(ids, mask))
+    assert (counted.computed, counted.padded) == (sum(tree), 54)
 
 
 def test_a_gpu_takes_one_forward_where_the_packed_one_does_not_apply(monkeypatch):
@@ -271,8 +294,10 @@ def test_the_composer_step_is_the_same_with_shared_prefixes(sharing_path):
     assert prefix_sharing_enabled() is True  # restored
     (plain, plain_g), (shared, shared_g) = results[False], results[True]
     assert plain["tokens/jsd"] == 32 and plain["tokens/dpo"] == 2 and plain["loss/dpo"] > 0
+    assert shared["tokens/forward"] < plain["tokens/forward"]  # what sharing changes
     for key, value in plain.items():
-        assert shared[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+        if key not in ("tokens/forward", "tokens/padding_fraction"):
+            assert shared[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     # Llama's RMSNorm computes in float32 even in a float64 model: gradients summed over
     # the rows before (shared) or after (row by row) that norm differ at float32 rounding
     for name, grad in plain_g.items():

@@ -117,15 +117,23 @@ def last_hidden_states(
 ) -> Tensor:
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
 
-    Rows that share a prefix (a group's prompt, a pair's agent prompt) compute it once, in
-    one packed forward of their distinct tokens where the model allows it, else (on the
-    devices of :data:`SEGMENT_SHARING_DEVICES`) a forward per shared segment (:mod:`composer_replication.shared_prefix`; same values up to float
-    rounding, gradients included); ``share_prefixes=False`` runs every row in full (default: as
+    Given ``row_tokens`` on a device of
+    :data:`~composer_replication.packed_attention.PACKING_DEVICES` (a GPU), the rows run
+    packed end to end without padding, rows that share a prefix (a group's prompt, a pair's
+    agent prompt) holding it once, under a block-sparse FlexAttention mask
+    (:mod:`composer_replication.packed_attention`). Elsewhere, shared prefixes are computed
+    once in one packed forward of the distinct tokens with a dense mask where the model
+    allows it, else (on the devices of :data:`SEGMENT_SHARING_DEVICES`) in a forward per
+    shared segment (:mod:`composer_replication.shared_prefix`). All give the same values up
+    to float rounding, gradients included. ``share_prefixes=False`` runs every row in full,
+    packed side by side or padded (default: as
     :func:`~composer_replication.shared_prefix.prefix_sharing` sets, on).
 
     ``row_tokens``: each row's real tokens as host lists, the rows right-padded (as packed
-    micro-batches and pair rows are): the prefixes and the padding are then planned from
-    them, and nothing is read back from the device (each such read makes a GPU idle).
+    micro-batches and pair rows are): the layout and the padding are then planned from
+    them, and nothing is read back from the device (each such read makes a GPU idle). The
+    positions each forward computes are recorded for
+    :func:`~composer_replication.forward_tokens.counting_forward_tokens`.
     """
     if isinstance(model, AdapterDisabled):
         with model.peft_model.disable_adapter():
@@ -143,21 +151,38 @@ def last_hidden_states(
     )
     if body is None:
         raise ValueError(f"cannot find the transformer body of {type(base).__name__}")
+    from composer_replication.forward_tokens import padded_rows_tokens, record_forward
+    from composer_replication.packed_attention import (
+        packed_forward,
+        packed_layout,
+        packing_applies,
+    )
     from composer_replication.shared_prefix import (
         packed_prefix_forward,
         packed_prefix_trie,
         prefix_sharing_enabled,
         prefix_tree,
         shared_prefix_forward,
+        tree_forward_tokens,
     )
 
     if share_prefixes is None:
         share_prefixes = prefix_sharing_enabled()
+    config = getattr(base, "config", None)
+    if (
+        row_tokens is not None
+        and not kwargs
+        and packing_applies(config, input_ids.device, row_tokens)
+    ):
+        layout = packed_layout(row_tokens, share=share_prefixes)
+        if 0 < len(layout) < input_ids.numel():  # it saves padding or shared tokens
+            record_forward(len(layout), 0)
+            return packed_forward(body, layout, tuple(input_ids.shape), device=input_ids.device)
     if share_prefixes and not kwargs:
-        config = getattr(base, "config", None)
         trie = packed_prefix_trie(config, input_ids, attention_mask, row_tokens=row_tokens)
         if trie is not None:
             additive = getattr(config, "_attn_implementation", None) == "eager"
+            record_forward(len(trie), 0)
             return packed_prefix_forward(
                 body, trie, tuple(input_ids.shape), device=input_ids.device, additive=additive
             )
@@ -165,7 +190,14 @@ def last_hidden_states(
             # (recomputing layers in backward drops the cache: checkpointed models go row by row)
             tree = prefix_tree(input_ids, attention_mask, row_tokens=row_tokens)
             if tree[0]:
+                if row_tokens is not None:
+                    lengths = [len(row) for row in row_tokens]
+                    record_forward(*tree_forward_tokens(tree, lengths, input_ids.shape[1]))
                 return shared_prefix_forward(body, input_ids, attention_mask, tree)
+    if row_tokens is not None:
+        record_forward(*padded_rows_tokens([len(r) for r in row_tokens], input_ids.shape[1]))
+    elif attention_mask is None:  # no padding
+        record_forward(input_ids.numel(), 0)
     if row_tokens is not None and not kwargs:
         attention_mask = _right_padded_attention(base, attention_mask, row_tokens)
     out = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)

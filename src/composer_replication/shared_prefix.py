@@ -10,17 +10,19 @@ cache repeated over the rows) gives the same hidden states for fewer tokens. Gra
 through the cache into the prefix's computation, summed over the rows that used it, as in
 the row-by-row forward. Values agree with it up to float rounding (different matmul shapes).
 
-Two ways to compute it, both only for right-padded rows (as
+Two ways to compute it here, both only for right-padded rows (as
 :func:`composer_replication.wire.pack_samples` and :func:`composer_replication.ops.pairs.pad_rows`
-build them; anything else takes the plain forward):
+build them; anything else takes the plain forward). On a GPU, rows whose tokens the host
+holds take neither: they run packed without padding or an (N, N) mask
+(:mod:`composer_replication.packed_attention`).
 
 - one packed forward (:func:`packed_prefix_forward`, the default where it applies): the rows'
   distinct prefixes form a token trie (:func:`token_trie`), its N nodes are one sequence
-  with each token's depth as its position, and an (N, N) attention mask lets a token see
-  exactly its ancestors. No padding, no cache, one forward: on 2 CPU cores the student rows
-  of a composer step ran about 1.3-2x faster than a forward per tree node. It needs an
-  attention that takes an explicit mask (SDPA or eager), no sliding window, and N at most
-  :data:`PACKED_MAX_TOKENS`;
+  with each token's depth as its position, and a dense (N, N) attention mask lets a token
+  see exactly its ancestors. No padding, no cache, one forward: on 2 CPU cores the student
+  rows of a composer step ran about 1.3-2x faster than a forward per tree node. It needs
+  an attention that takes an explicit mask (SDPA or eager), no sliding window, and N at
+  most :data:`PACKED_MAX_TOKENS` (the mask is materialised);
 - a forward per prefix-tree node (:func:`shared_prefix_forward`): rows with the same next
   ``min_prefix`` tokens form a node whose segment is their longest common continuation
   (each row keeps at least one token of its own), recursively; the rows left at a node take
@@ -56,6 +58,7 @@ __all__ = [
     "prefix_tree",
     "shared_prefix_forward",
     "token_trie",
+    "tree_forward_tokens",
 ]
 
 #: Shorter shared segments are not worth a forward of their own.
@@ -202,6 +205,26 @@ def prefix_tree(
         return [], list(range(n_rows))
     ids = input_ids.detach().to("cpu").tolist()
     return _split(ids, lengths, list(range(n_rows)), 0, min_prefix)
+
+
+def tree_forward_tokens(
+    tree: tuple[list[PrefixNode], list[int]], lengths: Sequence[int], width: int
+) -> tuple[int, int]:
+    """``(computed, padded)`` token positions :func:`shared_prefix_forward` computes over
+    ``tree`` for rows of ``lengths`` real tokens padded to ``width``: the unshared rows in
+    full, each node's segment once, each leaf batch up to its longest row."""
+    nodes, unshared = tree
+    computed = len(unshared) * width
+    padded = computed - sum(lengths[r] for r in unshared)
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        computed += node.end - node.start
+        for leaves, stop in node.leaf_batches:
+            computed += len(leaves) * (stop - node.end)
+            padded += sum(stop - lengths[r] for r in leaves)
+        stack.extend(node.children)
+    return computed, padded
 
 
 def _branch(cache: Any) -> Any:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.config.loss import COMPONENTS, LossConfig
+from composer_replication.forward_tokens import ForwardTokens, counting_forward_tokens
 from composer_replication.model_parts import lm_head_weight
 from composer_replication.ops.assembler import micro_batch_losses
 from composer_replication.ops.pairs import UncachedReferences
@@ -51,6 +52,8 @@ __all__ = [
 
 #: The sums behind a step's metrics (besides the per-component ones), in the order read.
 _STATS = ("masked", "live", "kl", "entropy", "trainable", "tokens")
+#: The sums counted on the host (the learner forwards' token positions), not read.
+_HOST_STATS = ("forward_tokens", "padded_tokens")
 
 
 def component_counts(batches: Sequence[MicroBatch]) -> dict[str, int]:
@@ -77,6 +80,8 @@ class StepSums:
     values: dict[str, Tensor] = field(default_factory=dict)
     #: reference log-probs computed in the step, cached on their pairs once read
     uncached: list[UncachedReferences] = field(default_factory=list)
+    #: token positions the step's forwards computed and padded (host ints)
+    forward: ForwardTokens = field(default_factory=ForwardTokens)
 
     def add(self, name: str, value: Tensor) -> None:
         """Accumulate ``value`` into the sum ``name`` (float64, on the device)."""
@@ -104,6 +109,8 @@ class StepSums:
             size = u.values.numel()
             u.cache(host[offset : offset + size])
             offset += size
+        read["stat/forward_tokens"] = float(self.forward.computed)
+        read["stat/padded_tokens"] = float(self.forward.padded)
         sums = {name: read.get(name, 0.0) for name in _sum_names()}
         return sums, {name: read[name] for name in extra}
 
@@ -118,7 +125,7 @@ def _sum_names() -> list[str]:
     return [
         "loss",
         *(f"sum/{name}" for name in COMPONENTS),
-        *(f"stat/{name}" for name in _STATS),
+        *(f"stat/{name}" for name in (*_STATS, *_HOST_STATS)),
         *(f"{name}/{part}" for name in REF_KL_SAMPLE_METRICS for part in ("sum", "n")),
     ]
 
@@ -154,7 +161,9 @@ def train_step(
         Metrics: ``loss`` (the total), ``loss/<component>`` (its mean), ``tokens/<c>``,
         ``rl/masked_fraction`` (share of live rl tokens outside the trust region),
         ``kl/inference`` (token-mean k3 estimate of KL(sampler || trainer) on live rl
-        tokens), ``entropy`` (token-mean over trainable tokens), ``tokens/total``; when a
+        tokens), ``entropy`` (token-mean over trainable tokens), ``tokens/total``,
+        ``tokens/forward`` (token positions the learner's forwards computed, padding
+        included) and ``tokens/padding_fraction`` (the padding's share of them); when a
         sample has ``ref_kl`` tokens, its trust-region metrics as PRIME-RL logs them
         (means over those samples): ``ref_kl/mean`` (of ``lp_ref - lp``),
         ``ref_kl/is_masked/mean``, ``ref_kl/masked_mismatch_kl/mean``,
@@ -193,7 +202,8 @@ def accumulate_step(
         if mb.n_rows == 0 and not mb.pairs:
             continue
         mb = mb.to(device)  # packed on the host; the step runs where the policy lives
-        losses = micro_batch_losses(policy, mb, cfg, teacher=teacher, reference=reference)
+        with counting_forward_tokens(sums.forward):  # from host lengths: no device read
+            losses = micro_batch_losses(policy, mb, cfg, teacher=teacher, reference=reference)
         scales = {}
         for name, value in losses.components.items():
             if counts[name]:
@@ -228,5 +238,10 @@ def step_metrics(
     metrics["kl/inference"] = stat["kl"] / stat["live"] if stat["live"] else 0.0
     metrics["entropy"] = stat["entropy"] / stat["trainable"] if stat["trainable"] else 0.0
     metrics["tokens/total"] = stat["tokens"]
+    forward = stat.get("forward_tokens", 0.0)
+    metrics["tokens/forward"] = forward
+    metrics["tokens/padding_fraction"] = (
+        stat.get("padded_tokens", 0.0) / forward if forward else 0.0
+    )
     metrics.update(ref_kl_metrics_from_sums(parts))
     return metrics
