@@ -209,7 +209,7 @@ def test_autocast_runs_the_products_in_its_dtype(tiny):
 
     decoder = decoder_for(model, compute_dtype=torch.bfloat16, sync_every=16)
     assert decoder.weights.layers[0].qkv.dtype == torch.bfloat16
-    assert all(b.keys.dtype == torch.bfloat16 for b in decoder._buckets.values())
+    assert all(b.keys.dtype == torch.bfloat16 for b in decoder.buckets())
     first = [(f.logprobs[0], h.logprobs[0]) for f, h in zip(full, half)]
     assert all(abs(a - b) < 0.1 for a, b in first)
 
@@ -256,7 +256,7 @@ def test_compiled_step_matches_eager_and_recompiles_are_bounded(tiny):
         for x, y in zip(a, b):
             assert x.tokens == y.tokens
             torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
-        shapes |= {(b.rows, b.capacity) for b in compiled._buckets.values()}
+        shapes |= {(b.rows, b.capacity) for b in compiled.buckets()}
     assert len(shapes) >= 3  # several batch buckets and widths were decoded
     # two compiled pieces (BlockKernels), each specialised on its first batch, then with
     # the batch size dynamic: a bounded number of graphs whatever the shapes that follow

@@ -28,6 +28,7 @@ import torch
 
 from composer_replication.compat import SUPPORTED_TRANSFORMERS, cache_kwargs
 from composer_replication.rollout.padding import left_pad
+from composer_replication.rollout.uploads import to_device_async
 
 __all__ = [
     "PREFILL_ROWS",
@@ -130,7 +131,7 @@ def extend_state(model: Any, state: PromptState, tokens: Sequence[int]) -> Promp
     for layer, (keys, values) in enumerate(zip(state.keys, state.values)):
         cache.update(keys[None], values[None], layer)
     start = state.length
-    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    ids = to_device_async(torch.tensor([list(tokens)], dtype=torch.long, device="cpu"), device)
     out = model(
         input_ids=ids,
         position_ids=torch.arange(start, start + len(tokens), device=device)[None],
@@ -339,5 +340,7 @@ def relayout(
             row += n
         fresh.update(key, value, layer_index)
     offsets = torch.arange(width, device=device)[None, :]
-    starts = torch.as_tensor([width - n for n in lengths], device=device)[:, None]
+    starts = to_device_async(torch.tensor([width - n for n in lengths], device="cpu"), device)[
+        :, None
+    ]
     return fresh, (offsets >= starts).long()

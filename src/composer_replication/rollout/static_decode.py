@@ -15,12 +15,21 @@ buffers whose shapes depend only on the batch bucket and the cache width:
   are seeded: then a row samples exactly what the general loop samples for it);
 - each step writes its tokens and log-probs into a window buffer of ``sync_every`` columns.
 
+What the host builds for the device (padded prompts, row lengths, the seeded uniforms,
+the rows a compaction keeps) goes up from pinned memory without a host wait
+(:func:`.uploads.to_device_async`): a few copies per wave and per compaction, none per
+token.
+
 The host reads the window once every ``sync_every`` steps (one transfer). It then finds
 where each row ended (EOS, a stop string, the token limit), and when the rows still going
 fit a smaller bucket it moves them there (finished rows are trimmed; a row that ended
 inside a window has decoded a few tokens too many, which are dropped). On CUDA each
 step is a captured CUDA graph (one launch per token), optionally compiled first with
 ``torch.compile`` (fused kernels); on a CPU the same step runs eagerly or compiled.
+
+Buckets come in shapes (cache capacity, uniforms per row): a wave whose prompts need a
+larger capacity than any held shape gets a new shape, and the shapes held before keep
+their buffers and graphs, up to ``keep_shapes`` of them (:func:`plan_shape` decides).
 
 The device side (buckets, the step, its graphs) is :mod:`.decode_buckets`; the forward is
 :mod:`.llama_decoder`'s (Llama-family models), and :func:`static_decoding_supported` says
@@ -48,11 +57,14 @@ from composer_replication.rollout.llama_decoder import (
     supports,
 )
 from composer_replication.rollout.padding import left_pad
+from composer_replication.rollout.uploads import to_device_async
 
 __all__ = [
     "SYNC_EVERY",
+    "ShapePlan",
     "StaticDecoder",
     "decoder_for",
+    "plan_shape",
     "static_decode_rows",
     "static_decoding_supported",
 ]
@@ -74,6 +86,39 @@ def _host_longs(values: Sequence[int]) -> torch.Tensor:
     """A host tensor of ``values`` (built where the host keeps its bookkeeping, then moved
     in one copy)."""
     return torch.tensor(list(values), dtype=torch.long, device="cpu")
+
+
+#: A bucket shape: (cache capacity in columns, uniforms per row).
+Shape = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """What a wave does to the held bucket shapes: decode in ``use`` (allocated when it is
+    not held yet), after freeing ``free`` (their buffers and CUDA graphs)."""
+
+    use: Shape
+    free: tuple[Shape, ...]
+
+
+def plan_shape(held: Sequence[Shape], capacity: int, tokens: int, keep: int) -> ShapePlan:
+    """The shape a wave needing ``capacity`` columns and ``tokens`` uniforms decodes in.
+
+    ``held``: the shapes held, least recently used first. The smallest held shape that fits
+    is used as it is (its graphs replay). Otherwise a new shape is made and the oldest
+    shapes are freed so that at most ``keep`` remain; the new shape also covers the shapes
+    it frees (a wave that fitted one of them still fits), so with ``keep=1`` one set of
+    buffers grows to the largest need. The shapes kept are untouched: a longer prompt
+    captures the graphs of its new shape only.
+    """
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be >= 1")
+    fitting = [s for s in held if s[0] >= capacity and s[1] >= tokens]
+    if fitting:
+        return ShapePlan(use=min(fitting), free=())
+    free = tuple(held[: max(0, len(held) - keep + 1)])
+    use = (max([capacity, *(s[0] for s in free)]), max([tokens, *(s[1] for s in free)]))
+    return ShapePlan(use=use, free=free)
 
 
 def _round_up(value: int, step: int) -> int:
@@ -119,7 +164,9 @@ class StaticDecoder:
 
     ``compile``: run the step through ``torch.compile``; ``graphs``: capture each step
     shape as a CUDA graph (CUDA only). ``compute_dtype``: dtype of the matrix products and
-    the cache (the model's parameter dtype by default).
+    the cache (the model's parameter dtype by default). ``keep_shapes``: bucket shapes held
+    at once (:func:`plan_shape`); by default 2 with ``graphs`` (a longer prompt leaves the
+    graphs of the shorter ones in place, for up to twice the cache memory), else 1.
     """
 
     def __init__(
@@ -130,9 +177,12 @@ class StaticDecoder:
         compile: bool = False,
         graphs: bool = False,
         sync_every: int = SYNC_EVERY,
+        keep_shapes: int | None = None,
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every={sync_every} must be >= 1")
+        if keep_shapes is not None and keep_shapes < 1:
+            raise ValueError(f"keep_shapes={keep_shapes} must be >= 1 (or None for the default)")
         parameter = next(model.parameters())
         self.device = parameter.device
         if graphs and self.device.type != "cuda":
@@ -143,13 +193,14 @@ class StaticDecoder:
             "compile": compile,
             "graphs": graphs,
             "sync_every": sync_every,
+            "keep_shapes": keep_shapes,
         }
         self.compile = compile
         self.graphs = graphs
         self.sync_every = sync_every
-        self._buckets: dict[int, Bucket] = {}  # by rows
-        self._capacity = 0
-        self._tokens = 0
+        self.keep_shapes = keep_shapes if keep_shapes is not None else (2 if graphs else 1)
+        # per shape (least recently used first), its buckets by rows
+        self._shapes: dict[Shape, dict[int, Bucket]] = {}
         kernels = BlockKernels()
         if compile:  # the block pieces only: no cache write or sampling inside (see BlockKernels)
             kernels = BlockKernels(
@@ -163,35 +214,38 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ buffers
 
-    def _reserve(self, capacity: int, tokens: int) -> None:
-        """Make every bucket hold at least ``capacity`` columns and ``tokens`` uniforms.
+    def _reserve(self, capacity: int, tokens: int) -> Shape:
+        """The shape a wave needing ``capacity`` columns and ``tokens`` uniforms decodes in
+        (:func:`plan_shape`): the shapes it frees go, with their buffers and graphs; a wave
+        with shorter prompts attends over fewer columns of a larger shape's buffers (and
+        replays its graphs)."""
+        plan = plan_shape(list(self._shapes), capacity, tokens, self.keep_shapes)
+        for shape in plan.free:
+            del self._shapes[shape]
+        self._shapes[plan.use] = self._shapes.pop(plan.use, {})  # now the most recent
+        return plan.use
 
-        All buckets share one capacity, the largest asked for so far: a call with shorter
-        prompts attends over fewer columns of the same buffers (and replays the same graphs),
-        so memory holds one set of buffers, whatever the calls' lengths.
-        """
-        if capacity <= self._capacity and tokens <= self._tokens:
-            return
-        self._capacity = max(capacity, self._capacity)
-        self._tokens = max(tokens, self._tokens)
-        self.release()
-
-    def _bucket(self, rows: int) -> Bucket:
-        found = self._buckets.get(rows)
+    def _bucket(self, shape: Shape, rows: int) -> Bucket:
+        buckets = self._shapes[shape]
+        found = buckets.get(rows)
         if found is None:
-            found = self._buckets[rows] = Bucket.allocate(
+            found = buckets[rows] = Bucket.allocate(
                 self.weights,
                 rows,
-                self._capacity,
-                self._tokens,
+                shape[0],
+                shape[1],
                 self.sync_every,
                 static_address=self.graphs,
             )
         return found
 
+    def buckets(self) -> list[Bucket]:
+        """Every bucket held, of every shape."""
+        return [b for buckets in self._shapes.values() for b in buckets.values()]
+
     def release(self) -> None:
         """Free every bucket's buffers and graphs (the next call allocates again)."""
-        self._buckets.clear()
+        self._shapes.clear()
 
     # ------------------------------------------------------------------ the loop
 
@@ -248,11 +302,18 @@ class StaticDecoder:
         return results  # type: ignore[return-value]
 
     def _prefill(
-        self, bucket: Bucket, prompts: Sequence[Sequence[int]], width: int, stats: DecodeStats
+        self,
+        bucket: Bucket,
+        prompts: Sequence[Sequence[int]],
+        width: int,
+        lengths: torch.Tensor,
+        stats: DecodeStats,
     ) -> torch.Tensor:
         """Each distinct prompt prefilled once (length-sorted chunks); every row's cache
-        filled from its prompt, right-aligned at column ``width``. Returns the (rows, vocab)
-        logits of each row's last prompt position (rows past ``prompts`` copy row 0)."""
+        filled from its prompt, right-aligned at column ``width``, and its valid columns set
+        from its prompt length (``lengths``, (rows,) on the device). Returns the (rows,
+        vocab) logits of each row's last prompt position (rows past ``prompts`` copy row 0).
+        Two uploads per chunk: its padded prompts and its slot indices."""
         w, device = self.weights, self.device
         slots_of: dict[tuple[int, ...], list[int]] = {}
         for slot in range(bucket.rows):
@@ -260,10 +321,8 @@ class StaticDecoder:
             slots_of.setdefault(key, []).append(slot)
         distinct = sorted(slots_of, key=len)
         logits = torch.empty((bucket.rows, w.vocab), dtype=torch.float32, device=device)
-        valid = torch.zeros((bucket.rows, bucket.capacity), dtype=torch.bool, device="cpu")
-        for key, slots in slots_of.items():
-            valid[slots, width - len(key) : width] = True
-        bucket.valid.copy_(valid.to(device, non_blocking=True))
+        columns = torch.arange(bucket.capacity, device=device)
+        bucket.valid.copy_((columns >= width - lengths[:, None]) & (columns < width))
         begin = 0
         while begin < len(distinct):
             end = begin + 1
@@ -279,8 +338,9 @@ class StaticDecoder:
             stats.prefilled += sum(len(k) for k in chunk)
             source = [i for i, key in enumerate(chunk) for _ in slots_of[key]]
             slots = [s for key in chunk for s in slots_of[key]]
-            slot_index = _host_longs(slots).to(device)
-            source_index = _host_longs(source).to(device)
+            slot_index, source_index = to_device_async(_host_longs(slots + source), device).view(
+                2, -1
+            )
             bucket.keys[:, slot_index, :, width - span : width] = keys[:, source_index]
             bucket.values[:, slot_index, :, width - span : width] = values[:, source_index]
             logits[slot_index] = last[source_index]
@@ -301,39 +361,10 @@ class StaticDecoder:
         stats: DecodeStats,
         on_row_done: Callable[[int, DecodedRow], None] | None,
     ) -> None:
-        device, k = self.device, self.sync_every
+        k = self.sync_every
         greedy = temperature == 0
         width = max(len(p) for p in prompts)
-        self._reserve(
-            _round_up(width + max_new_tokens, WIDTH_STEP), _round_up(max_new_tokens, WIDTH_STEP)
-        )
-        bucket = self._bucket(bucket_rows(len(prompts)))
-        tokens_cap = bucket.uniforms.shape[1]
-        first_logits = self._prefill(bucket, prompts, width, stats)
-        # the uniforms of every token, drawn before the loop
-        if greedy:
-            uniforms = None
-        elif row_seeds is None:
-            uniforms = torch.rand((bucket.rows, tokens_cap), dtype=torch.float64, device=device)
-        else:
-            host = torch.zeros((bucket.rows, tokens_cap), dtype=torch.float64, device="cpu")
-            for slot, seed in enumerate(row_seeds):
-                generator = torch.Generator(device="cpu").manual_seed(int(seed))
-                host[slot, :max_new_tokens] = torch.rand(
-                    max_new_tokens, dtype=torch.float64, generator=generator, device="cpu"
-                )
-            uniforms = host.to(device, non_blocking=True)
-        if uniforms is not None:
-            bucket.uniforms.copy_(uniforms)
-        bucket.temperature.fill_(max(temperature, 1e-30))
-        token, logprob = draw(first_logits, bucket.uniforms[:, 0], bucket.temperature, greedy)
-        bucket.window_tokens[:, 0] = token
-        bucket.window_logprobs[:, 0] = logprob
-        bucket.token.copy_(token)
-        lengths = [len(p) for p in prompts] + [len(prompts[0])] * (bucket.rows - len(prompts))
-        bucket.position.copy_(_host_longs(lengths).to(device))
-        bucket.step.fill_(1)
-        bucket.column_base.fill_(width - 1)
+        bucket = self._start(prompts, max_new_tokens, temperature, row_seeds, stats)
 
         # host bookkeeping: per slot, the row it decodes (None: padding)
         slot_rows: list[int | None] = list(range(len(prompts))) + [None] * (
@@ -399,15 +430,67 @@ class StaticDecoder:
                 break
             smaller = bucket_rows(len(live))
             if smaller < bucket.rows:  # trim finished rows: move the live ones down
-                target = self._bucket(smaller)
-                chosen = live + [live[0]] * (smaller - len(live))  # padding copies a live row
-                target.take_rows(bucket, _host_longs(chosen).to(self.device))
-                bucket = target
+                bucket = self._compact(bucket, live, smaller)
                 stats.compactions += 1
                 slot_rows = [slot_rows[s] for s in live] + [None] * (smaller - len(live))
         for row in range(len(prompts)):  # cannot happen: the token limit ends every row
             if row not in finished:
                 results[rows[row]] = DecodedRow(out_tokens[row], out_logprobs[row], "length")
+
+    def _start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        row_seeds: Sequence[int] | None,
+        stats: DecodeStats,
+    ) -> Bucket:
+        """A wave's bucket ready for its token loop: prompts prefilled, the uniforms of
+        every token drawn, token 0 drawn into the window, the counters set. Uploads: the
+        row lengths, two per prefill chunk, and the uniforms when rows are seeded."""
+        device = self.device
+        greedy = temperature == 0
+        width = max(len(p) for p in prompts)
+        shape = self._reserve(
+            _round_up(width + max_new_tokens, WIDTH_STEP), _round_up(max_new_tokens, WIDTH_STEP)
+        )
+        bucket = self._bucket(shape, bucket_rows(len(prompts)))
+        tokens_cap = bucket.uniforms.shape[1]
+        lengths = [len(p) for p in prompts] + [len(prompts[0])] * (bucket.rows - len(prompts))
+        row_lengths = to_device_async(_host_longs(lengths), device)
+        first_logits = self._prefill(bucket, prompts, width, row_lengths, stats)
+        if greedy:
+            pass
+        elif row_seeds is None:
+            bucket.uniforms.copy_(
+                torch.rand((bucket.rows, tokens_cap), dtype=torch.float64, device=device)
+            )
+        else:  # each row's uniforms from its own generator, as the general loop draws them
+            host = torch.zeros((bucket.rows, tokens_cap), dtype=torch.float64, device="cpu")
+            for slot, seed in enumerate(row_seeds):
+                generator = torch.Generator(device="cpu").manual_seed(int(seed))
+                host[slot, :max_new_tokens] = torch.rand(
+                    max_new_tokens, dtype=torch.float64, generator=generator, device="cpu"
+                )
+            bucket.uniforms.copy_(to_device_async(host, device))
+        bucket.temperature.fill_(max(temperature, 1e-30))
+        token, logprob = draw(first_logits, bucket.uniforms[:, 0], bucket.temperature, greedy)
+        bucket.window_tokens[:, 0] = token
+        bucket.window_logprobs[:, 0] = logprob
+        bucket.token.copy_(token)
+        bucket.position.copy_(row_lengths)
+        bucket.step.fill_(1)
+        bucket.column_base.fill_(width - 1)
+        return bucket
+
+    def _compact(self, bucket: Bucket, live: list[int], rows: int) -> Bucket:
+        """The bucket of ``rows`` rows (same shape) holding the slots ``live`` of ``bucket``
+        first, padded with copies of the first live slot (one upload: the slot index)."""
+        shape = (bucket.capacity, bucket.uniforms.shape[1])
+        target = self._bucket(shape, rows)
+        chosen = live + [live[0]] * (rows - len(live))
+        target.take_rows(bucket, to_device_async(_host_longs(chosen), self.device))
+        return target
 
     def _launch(
         self,
@@ -440,13 +523,19 @@ class StaticDecoder:
 _DECODERS: weakref.WeakKeyDictionary[Any, StaticDecoder] = weakref.WeakKeyDictionary()
 
 
-_OPTIONS = ("compute_dtype", "compile", "graphs", "sync_every")
+_OPTIONS = ("compute_dtype", "compile", "graphs", "sync_every", "keep_shapes")
 
 
 def decoder_for(model: Any, **options: Any) -> StaticDecoder:
     """The :class:`StaticDecoder` kept for ``model`` with these options (made on first use,
     made again when the options change)."""
-    wanted = {"compute_dtype": None, "compile": False, "graphs": False, "sync_every": SYNC_EVERY}
+    wanted = {
+        "compute_dtype": None,
+        "compile": False,
+        "graphs": False,
+        "sync_every": SYNC_EVERY,
+        "keep_shapes": None,
+    }
     wanted.update(options)
     found = _DECODERS.get(model)
     if found is not None and found.options == wanted:

@@ -18,6 +18,20 @@ calls, so counting them on the CPU tells how often the same code would stop a GP
 
 Every tensor read counts, whatever its device: inside a loop that keeps its bookkeeping in
 Python values, any tensor read is a read of device data.
+
+It also counts the other way, host-to-device copies (``uploads``, apart from the reads):
+an ``aten::_to_copy`` from the CPU to another device, an ``aten::copy_`` from a CPU tensor
+into a tensor on another device, and ``torch.tensor`` / ``as_tensor`` / ``asarray`` of
+Python data straight onto another device (made below the dispatcher: counted at the entry).
+Each is ``h2d:non_blocking`` or ``h2d:blocking`` (:func:`upload_kind`): a copy to CUDA is
+non-blocking only when asked so and read from pinned memory (from pageable memory the host
+waits whatever the flag). On a machine without a GPU, run the code with ``device="meta"``:
+its copies reach the dispatcher with the device and flag the CUDA path would give them
+(a copy from the CPU to the CPU is no upload); there a flagged copy from pageable memory
+cannot be told from one from pinned memory (pinning needs CUDA), so the code must pin on
+its CUDA path, as :func:`~composer_replication.rollout.uploads.to_device_async` does. Not
+seen: an index given as a Python list on a device tensor (``x[[1, 2]]``), whose index
+tensor is made and moved inside the operator.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostReads"]
+__all__ = ["HostReads", "upload_kind"]
 
 _READ_METHODS = {
     "item",
@@ -57,6 +71,48 @@ _READ_OPS = {
 }
 #: Indexing operators that need ``nonzero`` of a boolean mask (``x[mask]``, ``x[mask] = v``).
 _MASK_INDEX_OPS = {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
+
+
+#: Factories that build a tensor from Python data (an upload when their device is not the CPU).
+_FROM_DATA = {"tensor", "as_tensor", "asarray"}
+
+
+def upload_kind(target: torch.device, non_blocking: bool, pinned: bool) -> str:
+    """``"h2d:non_blocking"`` when a host-to-``target`` copy lets the host go on, else
+    ``"h2d:blocking"``: a CUDA copy from pageable memory waits whatever its flag."""
+    if non_blocking and (pinned or target.type != "cuda"):
+        return "h2d:non_blocking"
+    return "h2d:blocking"
+
+
+def _upload(name: str, args: tuple, kwargs: dict) -> str | None:
+    """The kind of host-to-device copy an operator makes, or None when it makes none."""
+    if name == "aten::_to_copy":
+        source, target = args[0], kwargs.get("device")
+        non_blocking = bool(kwargs.get("non_blocking", False))
+    elif name == "aten::copy_":
+        dst, source = args[0], args[1]
+        target = dst.device
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    else:
+        return None
+    if target is None or source.device.type != "cpu" or torch.device(target).type == "cpu":
+        return None
+    target = torch.device(target)
+    pinned = target.type == "cuda" and source.is_pinned()  # asked only where it matters
+    return upload_kind(target, non_blocking, pinned)
+
+
+def _from_data_upload(args: tuple, kwargs: dict) -> bool:
+    """Whether ``torch.tensor(data, device=...)`` and the like put Python data on a device
+    (a tensor given as data is moved by ``_to_copy``, counted there)."""
+    device = kwargs.get("device")
+    data = args[0] if args else kwargs.get("data")
+    return (
+        device is not None
+        and torch.device(device).type != "cpu"
+        and not isinstance(data, torch.Tensor)
+    )
 
 
 def _bool_index(args: tuple) -> bool:
@@ -93,6 +149,8 @@ class _Entry(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name in _FROM_DATA and _from_data_upload(args, kwargs):
+            self.owner.uploads["h2d:blocking"] += 1  # a pageable copy made by the factory
         counted = name in _READ_METHODS or (
             name in _MOVE_METHODS and _moves_to_cpu(name, args, kwargs)
         )
@@ -118,6 +176,9 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         name = func._schema.name
+        upload = _upload(name, args, kwargs or {})
+        if upload is not None:
+            self.owner.uploads[upload] += 1
         if self.owner.depth == 0 and (
             name in _READ_OPS or (name in _MASK_INDEX_OPS and _bool_index(args))
         ):
@@ -129,10 +190,13 @@ class HostReads:
     """Context manager counting host reads of tensor data inside the block.
 
     ``total`` is the number of reads; ``counts`` splits it by entry point or operator.
+    ``uploads`` counts the host-to-device copies apart, by ``"h2d:blocking"`` and
+    ``"h2d:non_blocking"`` (not in ``total``).
     """
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.uploads: Counter[str] = Counter()
         self.depth = 0
         #: tensors this block read to the host: reading them again costs nothing
         self.host_copies: dict[int, weakref.ref[torch.Tensor]] = {}
