@@ -171,6 +171,11 @@ class StepRunner:
         self.graphs = graphs
         self._pool: Any = None
 
+    def release(self) -> None:
+        """Drop the graphs' memory pool (the buckets that held the graphs are freed by their
+        owner): the next capture starts a new one."""
+        self._pool = None
+
     def run(self, bucket: Bucket, width: int, greedy: bool) -> None:
         if not self.graphs:
             decode_step(self.weights, bucket, width, greedy, self.kernels)
@@ -192,7 +197,9 @@ class StepRunner:
             self._pool = torch.cuda.graph_pool_handle()
         saved = [bucket.token.clone(), bucket.position.clone(), bucket.step.clone()]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the capture forbids unsafe CUDA calls in this thread only, so a
+        # learner step in the trainer's thread can run while a sampler thread captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             decode_step(self.weights, bucket, width, greedy, self.kernels)
         # recording ran nothing, but keep the counters exactly as the real step left them
         bucket.token.copy_(saved[0])

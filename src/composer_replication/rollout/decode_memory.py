@@ -29,15 +29,9 @@ def release_decode_buffers(device_types: Sequence[str] = ("cuda",)) -> int:
     static = sys.modules.get("composer_replication.rollout.static_decode")
     if static is None:  # never imported in this process: nothing was allocated
         return 0
-    released = [
-        decoder
-        for decoder in list(static._DECODERS.values())  # the decoders decoder_for keeps
-        if decoder.device.type in device_types
-    ]
-    for decoder in released:
-        decoder.release()
-    if any(decoder.device.type == "cuda" for decoder in released):
+    released = static.release_decoders(device_types)
+    if released and "cuda" in device_types:
         import torch
 
         torch.cuda.empty_cache()  # the freed graph pools go back to the driver
-    return len(released)
+    return released

@@ -244,8 +244,10 @@ class StaticDecoder:
         return [b for buckets in self._shapes.values() for b in buckets.values()]
 
     def release(self) -> None:
-        """Free every bucket's buffers and graphs (the next call allocates again)."""
+        """Free every bucket's buffers and graphs and the graphs' memory pool (the next call
+        allocates and captures again)."""
         self._shapes.clear()
+        self._steps.release()
 
     # ------------------------------------------------------------------ the loop
 
@@ -545,6 +547,15 @@ def decoder_for(model: Any, **options: Any) -> StaticDecoder:
     decoder = StaticDecoder(model, **wanted)
     _DECODERS[model] = decoder
     return decoder
+
+
+def release_decoders(device_types: Sequence[str] = ("cuda",)) -> int:
+    """:meth:`StaticDecoder.release` on every kept decoder whose model is on one of
+    ``device_types``; how many were released."""
+    released = [d for d in list(_DECODERS.values()) if d.device.type in device_types]
+    for decoder in released:
+        decoder.release()
+    return len(released)
 
 
 def static_decode_rows(
