@@ -723,6 +723,10 @@ BENCHMARK_CASES = [
     ("ahead-steps-one", "sample_ahead.py --steps 1", "--steps 1: give steps >= 2"),
     ("ahead-config-missing", "sample_ahead.py --config {tmp}/run.toml", "no such file"),
     ("ahead-out-directory", "sample_ahead.py --out {tmp}", "is a directory"),
+    # step_regression.py
+    ("regression-steps-one", "step_regression.py --steps 1", "--steps 1: give steps >= 2"),
+    ("regression-rounds-zero", "step_regression.py --rounds 0", "--rounds 0: give rounds"),
+    ("regression-baseline", "step_regression.py --baseline nosuchrev", "no such revision"),
     # sampling.py
     ("sampling-tokens-zero", "sampling.py --max-new-tokens 0", "--max-new-tokens 0"),
     ("sampling-eval-tasks-zero", "sampling.py --eval-tasks 0", "--eval-tasks 0: give tasks"),
