@@ -53,11 +53,20 @@ def test_mixed_algorithms_pack_with_aligned_streams():
 
 
 def test_token_budget_splits_micro_batches():
-    samples = [_rl(n) for n in (4, 5, 6, 7, 8)]
+    samples = [_rl(n, start=20 * n) for n in (4, 5, 6, 7, 8)]  # no prefix in common
     batches = pack_samples(samples, max_tokens=16)
     assert sum(mb.n_rows for mb in batches) == 5
+    assert [mb.forward_tokens for mb in batches] == [4 + 5 + 6, 7 + 8]
     for mb in batches:
-        assert mb.input_ids.numel() <= 16 or mb.n_rows == 1
+        assert mb.forward_tokens <= 16 or mb.n_rows == 1
+
+
+def test_a_shared_prefix_counts_once_against_the_budget():
+    """Rows that share a prefix (a group's prompt) compute it once: five rows of 4-8 tokens
+    that all start 10, 11, 12, 13 are 8 distinct tokens, one micro-batch of 16."""
+    samples = [_rl(n) for n in (4, 5, 6, 7, 8)]
+    (mb,) = pack_samples(samples, max_tokens=16)
+    assert mb.n_rows == 5 and mb.forward_tokens == 8 and mb.input_ids.numel() == 40
     (big,) = pack_samples([_rl(30)], max_tokens=16)  # too long: alone, never split
     assert big.input_ids.shape == (1, 30)
 
@@ -142,13 +151,16 @@ def _pair_only(pair: DPOPairTokens) -> TrainingSample:
 def test_teacher_contexts_and_pairs_count_against_the_budget():
     samples = [_sdpo(8, 4, 10 * i) for i in range(6)] + [_pair_only(_pair(k)) for k in range(8)]
     batches = pack_samples(samples, max_tokens=40, split=None)
-    # each sdpo sample costs 8 student + 12 teacher tokens: two per micro-batch
+    # each sdpo sample costs 8 student + 12 teacher tokens, the 4 hint tokens that start
+    # every teacher context computed once: 16 + 4 + 16 = 36 for two, 52 for three
     assert [mb.n_rows for mb in batches[:3]] == [2, 2, 2]
-    assert batches[0].forward_tokens == 2 * 8 + 2 * 12 == 40
+    assert batches[0].forward_tokens == 2 * 8 + 4 + 2 * 8 == 36
     assert all(mb.forward_tokens <= 40 for mb in batches)
-    # pairs (2 rows of 6) cannot join a full micro-batch: 3 per micro-batch of their own
-    assert [len(mb.pairs) for mb in batches] == [0, 0, 0, 3, 3, 2]
-    assert batches[3].forward_tokens == 36
+    # a pair's sides share their 2-token prompt (6 + 3 tokens), pairs share the first
+    # prompt token (8 after the first), k and k + 5 the whole prompt (7): none fits beside
+    # the rows; pairs 0-3 and 5 fill one micro-batch to 40, pairs 4, 6 and 7 the next
+    assert [len(mb.pairs) for mb in batches] == [0, 0, 0, 5, 3]
+    assert [mb.forward_tokens for mb in batches[3:]] == [9 + 8 + 8 + 8 + 7, 9 + 8 + 8]
     assert sum(mb.counts["dpo"] for mb in batches) == 8
     assert sum(mb.counts["jsd"] for mb in batches) == 6 * 4
 
@@ -158,8 +170,9 @@ def test_pairs_fill_the_room_the_rows_leave_and_a_wide_pair_goes_alone():
     wide = _pair(9, length=30)  # 2 x 30 tokens: over any 40-token micro-batch
     batches = pack_samples([*samples, _pair_only(wide)], max_tokens=40, split=None)
     assert [mb.n_rows for mb in batches] == [2, 0, 0]
-    assert [len(mb.pairs) for mb in batches] == [1, 2, 1]  # 20 + 12; then 24; then alone
-    assert [mb.forward_tokens for mb in batches] == [32, 24, 60]
+    # 20 + 9 + 8; then 9 (the third pair alone, no room left); the wide pair alone
+    assert [len(mb.pairs) for mb in batches] == [2, 1, 1]
+    assert [mb.forward_tokens for mb in batches] == [37, 9, 30 + 27]
     assert batches[2].pairs == [wide]
 
 

@@ -354,15 +354,14 @@ class MicroBatch:
 
     @property
     def forward_tokens(self) -> int:
-        """Padded tokens the micro-batch's forwards compute: the (B, T) student rows, the
-        teacher context rows of ``jsd_rows`` at the teacher width, and the (2P, W) pair rows
-        (what :func:`pack_samples` holds to ``max_tokens``)."""
-        tokens = int(self.input_ids.numel())
-        if self.jsd_rows is not None and self.teacher_input_ids is not None:
-            tokens += int(self.jsd_rows.numel()) * int(self.teacher_input_ids.shape[1])
-        if self.pair_rows is not None:
-            tokens += int(self.pair_rows.input_ids.numel())
-        return tokens
+        """Tokens the micro-batch's forwards compute with shared prefixes computed once (no
+        padding): the distinct tokens of its student rows, of the teacher contexts of
+        ``jsd_rows`` and of its pairs' rows (what :func:`pack_samples` holds to
+        ``max_tokens``; counted on the host)."""
+        load = _Load()
+        for sample in self.samples:
+            load.add(sample)
+        return load.tokens
 
     def row_tokens(self) -> list[list[int]]:
         """Each row's token ids (host lists, no padding)."""
@@ -416,13 +415,15 @@ def pack_samples(
     split: HeldoutSplit | None = DEFAULT_SPLIT,
     device: Any = None,
 ) -> list[MicroBatch]:
-    """Pack samples into micro-batches of at most ``max_tokens`` padded tokens each.
+    """Pack samples into micro-batches of at most ``max_tokens`` computed tokens each.
 
-    The budget counts every token a micro-batch's forwards compute, padding included
-    (:attr:`MicroBatch.forward_tokens`): the student rows (rows x longest sample), the
-    teacher context rows of its jsd samples (those rows x longest teacher context) and its
-    preference pairs' rows (2 x distinct pairs x longest side). Saved activations grow with
-    this number, so it bounds the learner's peak memory per micro-batch.
+    The budget counts every token a micro-batch's forwards compute
+    (:attr:`MicroBatch.forward_tokens`): the distinct tokens of its student rows, of the
+    teacher contexts of its jsd samples and of its preference pairs' rows, each shared
+    prefix once (a group's prompt, a pair's prompt), as the learner's forwards compute them
+    (a token trie in one packed forward; without prefix sharing a forward computes its
+    padded rows instead, which may be more). Saved activations grow with this number, so
+    it bounds the learner's peak memory per micro-batch.
 
     Tensors are built on the host and, with ``device``, moved there once per micro-batch
     (the trainer step also moves micro-batches to the policy's device itself).
@@ -447,29 +448,23 @@ def pack_samples(
         split.check_trainable([s.task_id for s in samples if s.task_id])
     groups: list[list[TrainingSample]] = []
     loads: list[_Load] = []
-    current: list[TrainingSample] = []
-    load = _Load()
     for sample in sorted((s for s in samples if s.n_tokens), key=lambda s: s.n_tokens):
-        grown = load.plus(sample)
-        if current and grown.tokens > max_tokens:
-            groups.append(current)
-            loads.append(load)
-            current, grown = [], _Load().plus(sample)
-        current.append(sample)
-        load = grown
-    if current:
-        groups.append(current)
-        loads.append(load)
+        if not groups or loads[-1].tokens + loads[-1].cost(sample) > max_tokens:
+            groups.append([])
+            loads.append(_Load())
+        groups[-1].append(sample)
+        loads[-1].add(sample)
     for unit in _pair_units([s for s in samples if not s.n_tokens]):
-        for i, group_load in enumerate(loads):
-            grown = group_load.plus(unit[0])
-            if grown.tokens <= max_tokens:
-                groups[i].extend(unit)
-                loads[i] = grown
-                break
-        else:  # no room anywhere (or too wide for any budget): a micro-batch of its own
-            groups.append(list(unit))
-            loads.append(_Load().plus(unit[0]))
+        room = next(
+            (i for i, load in enumerate(loads) if load.tokens + load.cost(unit[0]) <= max_tokens),
+            None,
+        )
+        if room is None:  # no room anywhere (or too wide for any budget): one of its own
+            groups.append([])
+            loads.append(_Load())
+            room = len(groups) - 1
+        groups[room].extend(unit)
+        loads[room].add(unit[0])
     empty = [s for s in samples if not s.n_tokens and s.dpo is None]  # nothing to train
     if empty:
         if groups:
@@ -484,44 +479,85 @@ def pack_samples(
     return [batch.to(device) for batch in batches]
 
 
-@dataclass(frozen=True)
-class _Load:
-    """The padded shapes of a micro-batch being packed: (rows, width) of its student rows,
-    of the teacher contexts its teacher forward runs on (the rows with jsd weight, at the
-    width of the longest teacher context), and of its distinct pairs' rows."""
+class _DistinctTokens:
+    """The distinct tokens of rows that share prefixes, grown row by row: what a forward
+    that computes each shared prefix once (one node per distinct prefix) computes."""
 
-    rows: int = 0
-    width: int = 0
-    teacher_rows: int = 0
-    teacher_width: int = 0
-    pair_keys: frozenset[tuple[Any, ...]] = frozenset()
-    pair_width: int = 0
+    def __init__(self) -> None:
+        self._children: dict[int, dict[int, int]] = {-1: {}}
+        self.size = 0
+
+    def new_tokens(self, rows: Sequence[Sequence[int]]) -> int:
+        """How many tokens ``rows`` would add, taken in order: each row's tokens after the
+        longest of its prefixes already here or in an earlier row of ``rows``."""
+        total = 0
+        for k, row in enumerate(rows):
+            shared = max([self._matched(row), *(_common_prefix(row, rows[j]) for j in range(k))])
+            total += len(row) - shared
+        return total
+
+    def _matched(self, row: Sequence[int]) -> int:
+        node, matched = -1, 0
+        for token in row:
+            child = self._children.get(node, {}).get(token)
+            if child is None:
+                break
+            node, matched = child, matched + 1
+        return matched
+
+    def add(self, row: Sequence[int]) -> None:
+        node = -1
+        for token in row:
+            children = self._children.setdefault(node, {})
+            child = children.get(token)
+            if child is None:
+                child = children[token] = self.size
+                self.size += 1
+            node = child
+
+
+def _forward_rows(
+    sample: TrainingSample,
+) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The rows ``sample`` adds to a micro-batch's three forwards: its student row, its
+    teacher context (a sample with live jsd weight) and its pair's two sides."""
+    student = [sample.input_ids] if sample.n_tokens else []
+    live_jsd = bool(sample.n_tokens and sample.jsd_weights and any(sample.jsd_weights))
+    teacher = [sample.teacher_input_ids] if live_jsd and sample.teacher_input_ids else []
+    pair = sample.dpo
+    pairs = [] if pair is None else [pair.chosen_ids, pair.rejected_ids]
+    return student, teacher, pairs
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _Load:
+    """The tokens a micro-batch being packed makes its forwards compute: the distinct
+    tokens of its student rows, of its teacher contexts and of its pairs' rows (a repeat of
+    a pair, or a group's shared prompt, adds nothing)."""
+
+    def __init__(self) -> None:
+        self.tries = (_DistinctTokens(), _DistinctTokens(), _DistinctTokens())
 
     @property
     def tokens(self) -> int:
-        return (
-            self.rows * self.width
-            + self.teacher_rows * self.teacher_width
-            + 2 * len(self.pair_keys) * self.pair_width
-        )
+        return sum(trie.size for trie in self.tries)
 
-    def plus(self, sample: TrainingSample) -> _Load:
-        """The load with ``sample`` added (a repeat of a pair already here adds no rows)."""
-        teacher = sample.teacher_input_ids
-        live_jsd = bool(sample.n_tokens and sample.jsd_weights and any(sample.jsd_weights))
-        pair = sample.dpo
-        return _Load(
-            rows=self.rows + (1 if sample.n_tokens else 0),
-            width=max(self.width, sample.n_tokens),
-            teacher_rows=self.teacher_rows + int(live_jsd),
-            teacher_width=max(
-                self.teacher_width, len(teacher) if sample.n_tokens and teacher else 0
-            ),
-            pair_keys=self.pair_keys if pair is None else self.pair_keys | {pair_key(pair)},
-            pair_width=self.pair_width
-            if pair is None
-            else max(self.pair_width, len(pair.chosen_ids), len(pair.rejected_ids)),
-        )
+    def cost(self, sample: TrainingSample) -> int:
+        """The tokens ``sample`` would add."""
+        return sum(trie.new_tokens(rows) for trie, rows in zip(self.tries, _forward_rows(sample)))
+
+    def add(self, sample: TrainingSample) -> None:
+        for trie, rows in zip(self.tries, _forward_rows(sample)):
+            for row in rows:
+                trie.add(row)
 
 
 def _pair_units(pair_only: list[TrainingSample]) -> list[list[TrainingSample]]:
