@@ -181,7 +181,7 @@ def test_a_custom_advantage_that_raises_or_returns_no_numbers_is_one_line_naming
     with pytest.raises(UsageError) as err:
         _custom(broken).process_group(group)
     assert "raised ZeroDivisionError: division by zero (it is called as fn(inputs" in str(err.value)
-    with pytest.raises(UsageError, match="rollout 0 .* not numbers"):
+    with pytest.raises(UsageError, match=r"rollout 0 .* not numbers"):
         _custom(lambda g: [["a", "b", "c"], [0.0] * 5]).process_group(group)
 
 

@@ -189,6 +189,6 @@ def test_a_sampled_batch_is_queued_as_it_was():
     queue = RolloutQueue(_sample, lambda: 9, depth=1)
     groups = [[[_rollout("a", 2)]]]
     queue.put_sampled([["a"]], groups)
-    tasks, popped, _, waited = queue.pop()
+    tasks, popped, _, _ = queue.pop()
     assert tasks == [["a"]] and popped is groups and popped[0][0][0].policy_version == 2
     queue.close()
