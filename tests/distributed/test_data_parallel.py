@@ -212,6 +212,8 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
         for key, value in theirs.items():
             if key.startswith("heldout/"):
                 continue  # the scripted env scores an evaluation call by its tasks' positions
+            if key in ("tokens/forward", "tokens/padding_fraction"):
+                continue  # each rank computes the prefixes its own rows share
             if isinstance(value, float):
                 assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
             else:
