@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.forward_tokens import ForwardLoad
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 if TYPE_CHECKING:
@@ -358,7 +359,7 @@ class MicroBatch:
         padding): the distinct tokens of its student rows, of the teacher contexts of
         ``jsd_rows`` and of its pairs' rows (what :func:`pack_samples` holds to
         ``max_tokens``; counted on the host)."""
-        load = _Load()
+        load = ForwardLoad()
         for sample in self.samples:
             load.add(sample)
         return load.tokens
@@ -447,11 +448,11 @@ def pack_samples(
     if split is not None:
         split.check_trainable([s.task_id for s in samples if s.task_id])
     groups: list[list[TrainingSample]] = []
-    loads: list[_Load] = []
+    loads: list[ForwardLoad] = []
     for sample in sorted((s for s in samples if s.n_tokens), key=lambda s: s.n_tokens):
         if not groups or loads[-1].tokens + loads[-1].cost(sample) > max_tokens:
             groups.append([])
-            loads.append(_Load())
+            loads.append(ForwardLoad())
         groups[-1].append(sample)
         loads[-1].add(sample)
     for unit in _pair_units([s for s in samples if not s.n_tokens]):
@@ -461,7 +462,7 @@ def pack_samples(
         )
         if room is None:  # no room anywhere (or too wide for any budget): one of its own
             groups.append([])
-            loads.append(_Load())
+            loads.append(ForwardLoad())
             room = len(groups) - 1
         groups[room].extend(unit)
         loads[room].add(unit[0])
@@ -477,87 +478,6 @@ def pack_samples(
     if device is None:
         return batches
     return [batch.to(device) for batch in batches]
-
-
-class _DistinctTokens:
-    """The distinct tokens of rows that share prefixes, grown row by row: what a forward
-    that computes each shared prefix once (one node per distinct prefix) computes."""
-
-    def __init__(self) -> None:
-        self._children: dict[int, dict[int, int]] = {-1: {}}
-        self.size = 0
-
-    def new_tokens(self, rows: Sequence[Sequence[int]]) -> int:
-        """How many tokens ``rows`` would add, taken in order: each row's tokens after the
-        longest of its prefixes already here or in an earlier row of ``rows``."""
-        total = 0
-        for k, row in enumerate(rows):
-            shared = max([self._matched(row), *(_common_prefix(row, rows[j]) for j in range(k))])
-            total += len(row) - shared
-        return total
-
-    def _matched(self, row: Sequence[int]) -> int:
-        node, matched = -1, 0
-        for token in row:
-            child = self._children.get(node, {}).get(token)
-            if child is None:
-                break
-            node, matched = child, matched + 1
-        return matched
-
-    def add(self, row: Sequence[int]) -> None:
-        node = -1
-        for token in row:
-            children = self._children.setdefault(node, {})
-            child = children.get(token)
-            if child is None:
-                child = children[token] = self.size
-                self.size += 1
-            node = child
-
-
-def _forward_rows(
-    sample: TrainingSample,
-) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """The rows ``sample`` adds to a micro-batch's three forwards: its student row, its
-    teacher context (a sample with live jsd weight) and its pair's two sides."""
-    student = [sample.input_ids] if sample.n_tokens else []
-    live_jsd = bool(sample.n_tokens and sample.jsd_weights and any(sample.jsd_weights))
-    teacher = [sample.teacher_input_ids] if live_jsd and sample.teacher_input_ids else []
-    pair = sample.dpo
-    pairs = [] if pair is None else [pair.chosen_ids, pair.rejected_ids]
-    return student, teacher, pairs
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class _Load:
-    """The tokens a micro-batch being packed makes its forwards compute: the distinct
-    tokens of its student rows, of its teacher contexts and of its pairs' rows (a repeat of
-    a pair, or a group's shared prompt, adds nothing)."""
-
-    def __init__(self) -> None:
-        self.tries = (_DistinctTokens(), _DistinctTokens(), _DistinctTokens())
-
-    @property
-    def tokens(self) -> int:
-        return sum(trie.size for trie in self.tries)
-
-    def cost(self, sample: TrainingSample) -> int:
-        """The tokens ``sample`` would add."""
-        return sum(trie.new_tokens(rows) for trie, rows in zip(self.tries, _forward_rows(sample)))
-
-    def add(self, sample: TrainingSample) -> None:
-        for trie, rows in zip(self.tries, _forward_rows(sample)):
-            for row in rows:
-                trie.add(row)
 
 
 def _pair_units(pair_only: list[TrainingSample]) -> list[list[TrainingSample]]:
