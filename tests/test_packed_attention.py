@@ -141,24 +141,13 @@ def test_the_model_through_the_flex_kernel_equals_the_padded_forward(monkeypatch
     assert not packed[~mask.bool()].any()
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("share", [True, False])
 def test_every_loss_component_and_gradient_equals_the_padded_paths(monkeypatch, share):
-    from composer_replication.trainer.step import LossConfig, train_step
-    from composer_replication.trainer.teachers import TeacherModels
-    from composer_replication.wire import pack_samples
-    from test_shared_prefix import _composer_samples
+    from composer_replication.trainer.step import train_step
+    from test_shared_prefix import _composer_step_inputs, _grads_of
 
     model = tiny_model(seed=1).train()  # float32
-    teachers = TeacherModels(model, mode="initial")
-    with torch.no_grad():  # a policy away from its reference and frozen teacher
-        for param in model.parameters():
-            param.add_(0.01 * torch.randn_like(param))
-    batches = pack_samples(_composer_samples(), max_tokens=4096, split=None)
-    cfg = LossConfig(replay_dpo_beta=0.1, sdpo_jsd_beta=0.5)
+    teachers, batches, cfg = _composer_step_inputs(model)
     results = {}
     for path in ("padded", "packed"):
         devices = ("cpu",) if path == "packed" else ()
@@ -169,7 +158,7 @@ def test_every_loss_component_and_gradient_equals_the_padded_paths(monkeypatch, 
             metrics = train_step(
                 model, batches, cfg, teacher=teachers.teacher(model), reference=teachers.reference
             )
-        results[path] = (metrics, _grads(model))
+        results[path] = (metrics, _grads_of(model))
     (padded, padded_g), (packed, packed_g) = results["padded"], results["packed"]
     assert padded["tokens/jsd"] == 32 and padded["tokens/dpo"] == 2
     assert padded["tokens/padding_fraction"] > 0 and packed["tokens/padding_fraction"] == 0.0

@@ -269,19 +269,28 @@ def _composer_samples():
     return samples
 
 
-def test_the_composer_step_is_the_same_with_shared_prefixes(sharing_path):
-    from composer_replication.shared_prefix import prefix_sharing, prefix_sharing_enabled
-    from composer_replication.trainer.step import LossConfig, train_step
+def _composer_step_inputs(model):
+    """A composer step's inputs for ``model``: its frozen initial teacher (the policy is then
+    moved away from it and from its reference), the composer samples packed into one
+    micro-batch, and the loss settings."""
+    from composer_replication.trainer.step import LossConfig
     from composer_replication.trainer.teachers import TeacherModels
     from composer_replication.wire import pack_samples
 
-    model = tiny_model(seed=1).double().train()
     teachers = TeacherModels(model, mode="initial")
-    with torch.no_grad():  # a policy away from its reference and frozen teacher
+    with torch.no_grad():
         for param in model.parameters():
             param.add_(0.01 * torch.randn_like(param))
     batches = pack_samples(_composer_samples(), max_tokens=4096, split=None)
-    cfg = LossConfig(replay_dpo_beta=0.1, sdpo_jsd_beta=0.5)
+    return teachers, batches, LossConfig(replay_dpo_beta=0.1, sdpo_jsd_beta=0.5)
+
+
+def test_the_composer_step_is_the_same_with_shared_prefixes(sharing_path):
+    from composer_replication.shared_prefix import prefix_sharing, prefix_sharing_enabled
+    from composer_replication.trainer.step import train_step
+
+    model = tiny_model(seed=1).double().train()
+    teachers, batches, cfg = _composer_step_inputs(model)
     results = {}
     for sharing in (False, True):
         with prefix_sharing(sharing):
