@@ -25,7 +25,10 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composer_replication.config.advantage import ComposerAdvantage
