@@ -230,3 +230,25 @@ def test_compose_loss_on_embedded_smollm2():
         vals["lm_ce"] + 0.1 * vals["sdpo_jsd"] + 0.05 * vals["trace_replay_dpo"], rel=1e-5
     )
     assert isinstance(comps, LossComponents)
+
+
+def test_compose_loss_takes_one_loss_config_and_refuses_a_knob_beside_it(tiny):
+    """The [loss] table in one argument gives the same components as its knobs; a knob given
+    beside it is a one-line error naming where it goes. The signature's defaults are the
+    config's (one owner)."""
+    import inspect
+
+    from composer_replication.config.loss import LossConfig, loss_default
+
+    for name, parameter in inspect.signature(compose_loss).parameters.items():
+        if name in LossConfig.model_fields or name in ("alpha_sdpo", "beta_replay"):
+            assert parameter.default == loss_default(name), name
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).double()
+    batch = build_batch(tokenizer, ref_model=model)
+    by_knobs = compose_loss(model, batch, sdpo_jsd_beta=0.3, replay_dpo_beta=0.2, chunk_size=5)
+    config = LossConfig(sdpo_jsd_beta=0.3, replay_dpo_beta=0.2, chunk_size=5)
+    by_config = compose_loss(model, batch, loss_config=config)
+    assert by_config.detached() == pytest.approx(by_knobs.detached(), rel=1e-12)
+    with pytest.raises(ValueError, match="sdpo_temperature=2.0 given beside loss_config"):
+        compose_loss(model, batch, sdpo_temperature=2.0, loss_config=config)

@@ -28,18 +28,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.config.loss import LossConfig
+from composer_replication.config.loss import LossConfig, loss_default
 from composer_replication.model_parts import AdapterDisabled
 from composer_replication.ops.assembler import pair_settings_of
-from composer_replication.ops.divergence import SDPO_WRAPPERS, divergence_settings
-from composer_replication.ops.pairs import (
-    PAIR_VARIANTS as DPO_VARIANTS,
+from composer_replication.ops.divergence import (
+    DIVERGENCE_KNOBS,
+    SDPO_WRAPPERS,
+    divergence_settings,
 )
 from composer_replication.ops.pairs import (
+    PAIR_KNOBS,
     fill_reference_logps,
     pair_loss_settings,
     pairs_from_padded,
     sequence_logps,
+)
+from composer_replication.ops.pairs import (
+    PAIR_VARIANTS as DPO_VARIANTS,
 )
 from composer_replication.ops.self_distillation import aligned_from_masks
 from composer_replication.padded_batch import padded_losses, padded_samples
@@ -99,22 +104,23 @@ def compose_loss(
     model: Any,
     inputs: Mapping[str, Tensor],
     *,
-    alpha_sdpo: float = 0.1,
-    beta_replay: float = 0.05,
-    sdpo_jsd_beta: float = 0.5,
-    sdpo_temperature: float = 1.0,
-    sdpo_token_clip: float | None = None,
-    replay_dpo_beta: float = 0.1,
-    lm_ce_label_smoothing: float = 0.0,
-    dpo_variant: str = "dpo",
-    sdpo_wrapper: str = "none",
+    alpha_sdpo: float = loss_default("alpha_sdpo"),
+    beta_replay: float = loss_default("beta_replay"),
+    sdpo_jsd_beta: float = loss_default("sdpo_jsd_beta"),
+    sdpo_temperature: float = loss_default("sdpo_temperature"),
+    sdpo_token_clip: float | None = loss_default("sdpo_token_clip"),
+    replay_dpo_beta: float = loss_default("replay_dpo_beta"),
+    lm_ce_label_smoothing: float = loss_default("lm_ce_label_smoothing"),
+    dpo_variant: str = loss_default("dpo_variant"),
+    sdpo_wrapper: str = loss_default("sdpo_wrapper"),
     taid_t: Any = None,
-    simpo_beta: float = 2.0,
-    simpo_gamma: float = 1.0,
-    entropy_opd_h_max: float | None = None,
+    simpo_beta: float = loss_default("simpo_beta"),
+    simpo_gamma: float = loss_default("simpo_gamma"),
+    entropy_opd_h_max: float | None = loss_default("entropy_opd_h_max"),
     ref_model: Any | None = None,
     teacher_model: Any | None = None,
-    chunk_size: int | None = None,
+    chunk_size: int | None = loss_default("chunk_size"),
+    loss_config: LossConfig | None = None,
 ) -> LossComponents:
     """Compute the three Composer channels on one batch.
 
@@ -147,6 +153,9 @@ def compose_loss(
         teacher_model: model for the SDPO teacher forward (default: ``model`` itself, under
             ``no_grad``: the live policy teaches itself through the hint).
         chunk_size: rows per chunk on the hidden-state path.
+        loss_config: the loss settings as one :class:`LossConfig` (a run's ``[loss]``
+            table) instead of the knob arguments above, which must then keep their
+            defaults (``taid_t`` may still be a ``TAIDScheduler``).
 
     Returns:
         :class:`LossComponents`.
@@ -154,21 +163,31 @@ def compose_loss(
     for name, value in (("alpha_sdpo", alpha_sdpo), ("beta_replay", beta_replay)):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
+    # the knobs a LossConfig holds (taid_t may be a scheduler, which a config cannot)
+    knobs = {
+        "lm_ce_label_smoothing": lm_ce_label_smoothing,
+        "chunk_size": chunk_size,
+        "dpo_variant": dpo_variant,
+        "replay_dpo_beta": replay_dpo_beta,
+        "simpo_beta": simpo_beta,
+        "simpo_gamma": simpo_gamma,
+        "sdpo_jsd_beta": sdpo_jsd_beta,
+        "sdpo_temperature": sdpo_temperature,
+        "sdpo_token_clip": sdpo_token_clip,
+        "sdpo_wrapper": sdpo_wrapper,
+        "entropy_opd_h_max": entropy_opd_h_max,
+    }
+    if loss_config is not None:
+        knobs = _knobs_of(loss_config, knobs)
+        if taid_t is None:
+            taid_t = loss_config.taid_t
+    chunk_size = knobs["chunk_size"]
     cfg = LossConfig.from_knobs(
-        lm_ce_label_smoothing=lm_ce_label_smoothing,
-        chunk_size=chunk_size,
-        dpo_variant=dpo_variant,
-        replay_dpo_beta=replay_dpo_beta,
-        simpo_beta=simpo_beta,
-        simpo_gamma=simpo_gamma,
+        **{k: knobs[k] for k in ("lm_ce_label_smoothing", "chunk_size", *PAIR_KNOBS)}
     )
     divergence = divergence_settings(
-        sdpo_jsd_beta=sdpo_jsd_beta,
-        sdpo_temperature=sdpo_temperature,
-        sdpo_token_clip=sdpo_token_clip,
-        sdpo_wrapper=sdpo_wrapper,
+        **{k: knobs[k] for k in DIVERGENCE_KNOBS if k != "taid_t"},
         taid_t=taid_t,
-        entropy_opd_h_max=entropy_opd_h_max,
         chunk_size=chunk_size,
     )
     if "input_ids" not in inputs or "response_mask" not in inputs:
@@ -217,6 +236,18 @@ def compose_loss(
     replay = losses.mean("dpo", zero)
     total = lm_ce + alpha_sdpo * sdpo + beta_replay * replay
     return LossComponents(lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay, total=total)
+
+
+def _knobs_of(config: LossConfig, given: dict[str, Any]) -> dict[str, Any]:
+    """``compose_loss``'s knobs read from ``config``; a knob also given as an argument (not
+    at its default) is a one-line ``ValueError``: one setting, one place."""
+    for name, value in given.items():
+        if value != loss_default(name):
+            raise ValueError(
+                f"compose_loss: {name}={value!r} given beside loss_config; set "
+                f"loss_config.{name} instead"
+            )
+    return {name: getattr(config, name) for name in given}
 
 
 def sdpo_tokens(inputs: Mapping[str, Tensor]) -> Any:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer_replication.config.loss import loss_default
+
 
 @dataclass
 class SmokeReport:
@@ -31,8 +33,8 @@ def run_smoke(
     steps: int = 1,
     lr: float = 1e-5,
     seed: int = 0,
-    alpha_sdpo: float = 0.1,
-    beta_replay: float = 0.05,
+    alpha_sdpo: float = loss_default("alpha_sdpo"),
+    beta_replay: float = loss_default("beta_replay"),
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> SmokeReport:
     """Run ``steps`` AdamW steps of ``compose_loss`` on ``build_batch``'s smoke batch.

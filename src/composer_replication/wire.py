@@ -1,9 +1,10 @@
 """The wire between algorithms and the trainer: training samples and packed micro-batches.
 
-Every training signal reaches the trainer as per-token weight streams on a fixed set of
-loss components (``rl``, ``ce``, ``ref_kl``, ``jsd``) plus optional preference pairs
-(``dpo``). The trainer never learns which algorithm made a sample; samples of different
-algorithms pack freely into one micro-batch.
+Every training signal reaches the trainer as per-token weight streams on the loss
+components (``rl``, ``ce``, ``ref_kl``, ``jsd``, and any registered one:
+:mod:`composer_replication.loss_components`) plus optional preference pairs (``dpo``). The
+packer and the counts loop over the declared components. The trainer never learns which
+algorithm made a sample; samples of different algorithms pack freely into one micro-batch.
 
 Alignment invariant: every per-token list of a sample has exactly ``len(input_ids)``
 entries, and after packing every (B, T) tensor of a micro-batch has the shape of its
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.forward_tokens import ForwardLoad
+from composer_replication.loss_components import LossComponent, loss_components
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 if TYPE_CHECKING:
@@ -84,6 +86,8 @@ class TrainingSample:
         dpo: an optional preference pair.
         task_id, source: where the sample came from (metrics, and the held-out check of
             ``pack_samples``; never used for branching).
+        weights: the weight streams of registered loss components, by stream name (the
+            built-in components' streams are the fields above).
     """
 
     input_ids: list[int]
@@ -101,12 +105,28 @@ class TrainingSample:
     task_id: str = ""
     source: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, list[float]] = field(default_factory=dict)
+
+    def stream(self, name: str) -> list[float] | None:
+        """The per-token stream ``name``: a field of the sample, or a registered component's
+        stream in :attr:`weights` (None when absent)."""
+        if name in _SAMPLE_FIELDS:
+            return getattr(self, name)
+        return self.weights.get(name)
 
     def check_alignment(self) -> None:
         """Raise ``ValueError`` naming the stream whose length differs from input_ids."""
         n = len(self.input_ids)
-        for name in ("loss_mask", *TOKEN_STREAMS, "teacher_index"):
-            value = getattr(self, name)
+        registered = {c.stream for c in loss_components()}
+        for name in self.weights:
+            if name in _SAMPLE_FIELDS or name not in registered:
+                raise ValueError(
+                    f"sample {self.task_id or '<unnamed>'} ({self.source or 'unknown source'}): "
+                    f"weights[{name!r}] is the stream of no registered loss component; "
+                    "register the component (loss_components.register_component) first"
+                )
+        for name in ("loss_mask", *TOKEN_STREAMS, "teacher_index", *self.weights):
+            value = self.stream(name)
             if value is not None and len(value) != n:
                 raise ValueError(
                     f"sample {self.task_id or '<unnamed>'} ({self.source or 'unknown source'}): "
@@ -157,6 +177,9 @@ class TrainingSample:
         """Trainable tokens with a non-zero rl weight (absent stream: weight 1)."""
         weights = self.rl_weights or [1.0] * len(self.loss_mask)
         return sum(1 for m, w in zip(self.loss_mask, weights) if m and w != 0)
+
+
+_SAMPLE_FIELDS = frozenset(TrainingSample.__dataclass_fields__)
 
 
 def to_device(tensor: Tensor, device: Any) -> Tensor:
@@ -315,6 +338,8 @@ class MicroBatch:
     times in the micro-batch is one pair whose ``pair_rows.weights`` entry is the sum of
     the copies' weights, while ``counts["dpo"]`` still counts every copy with a non-zero
     weight (the step divides by the pairs drawn, as before the merge).
+
+    ``weights`` holds the (B, T) streams of registered loss components, by stream name.
     """
 
     input_ids: Tensor
@@ -338,6 +363,13 @@ class MicroBatch:
     jsd_tokens: Tensor | None
     jsd_rows: Tensor | None
     pair_rows: PairRows | None
+    weights: dict[str, Tensor] = field(default_factory=dict)
+
+    def stream(self, name: str) -> Tensor | None:
+        """The (B, T) stream ``name``: a field, or a registered component's in :attr:`weights`."""
+        if name in _BATCH_FIELDS:
+            return getattr(self, name)
+        return self.weights.get(name)
 
     @property
     def n_rows(self) -> int:
@@ -386,18 +418,19 @@ class MicroBatch:
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
-        moved = {
+        moved: dict[str, Any] = {
             name: value.to(device) if isinstance(value, PairRows) else to_device(value, device)
             for name, value in vars(self).items()
             if isinstance(value, (torch.Tensor, PairRows))
         }
+        moved["weights"] = {k: to_device(v, device) for k, v in self.weights.items()}
         return replace(self, **moved)
 
     def assert_aligned(self) -> None:
         """Every (B, T) tensor has the shape of ``input_ids`` (the packing invariant)."""
         shape = tuple(self.input_ids.shape)
-        for name in ("attention_mask", "loss_mask", *TOKEN_STREAMS, "teacher_index"):
-            value = getattr(self, name)
+        for name in ("attention_mask", "loss_mask", *TOKEN_STREAMS, "teacher_index", *self.weights):
+            value = self.stream(name)
             if value is not None and tuple(value.shape) != shape:
                 raise AssertionError(
                     f"micro-batch stream {name} has shape {tuple(value.shape)}, "
@@ -406,6 +439,9 @@ class MicroBatch:
         t_ids, t_attn = self.teacher_input_ids, self.teacher_attention_mask
         if t_ids is not None and t_attn is not None and t_ids.shape != t_attn.shape:
             raise AssertionError("teacher_input_ids and teacher_attention_mask differ")
+
+
+_BATCH_FIELDS = frozenset(MicroBatch.__dataclass_fields__)
 
 
 def pack_samples(
@@ -500,7 +536,7 @@ def _stream_tensor(rows: list[TrainingSample], name: str, width: int, dtype: Any
 
     out = torch.zeros(len(rows), width, dtype=dtype, device="cpu")
     for i, sample in enumerate(rows):
-        value = getattr(sample, name)
+        value = sample.stream(name)
         if value is not None and len(value):
             out[i, : len(value)] = torch.tensor(value, dtype=dtype, device="cpu")
     return out
@@ -519,13 +555,14 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
         attn[i, : sample.n_tokens] = 1
     f32 = torch.float32
     loss_mask = _stream_tensor(rows, "loss_mask", width, f32)
-    rl_weights = _stream_tensor(rows, "rl_weights", width, f32)
-    for i, sample in enumerate(rows):
-        if sample.rl_weights is None:  # absent stream: weight 1 on every trainable token
-            rl_weights[i] = loss_mask[i]
+    streams = {
+        c.stream: _weight_stream(rows, c, loss_mask)
+        for c in loss_components()
+        if c.stream is not None
+    }
 
     def optional(name: str) -> Tensor | None:
-        if all(getattr(s, name) is None for s in rows) or not rows:
+        if all(s.stream(name) is None for s in rows) or not rows:
             return None
         return _stream_tensor(rows, name, width, f32)
 
@@ -543,19 +580,14 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
             teacher_attn[i, :n_t] = 1
             if sample.teacher_index is not None:
                 teacher_index[i, : sample.n_tokens] = torch.tensor(sample.teacher_index, **host)
-    streams = {
-        "ce_weights": optional("ce_weights"),
-        "ref_kl_weights": optional("ref_kl_weights"),
-        "jsd_weights": optional("jsd_weights"),
-    }
     drawn = [s.dpo for s in group if s.dpo is not None]
     pairs, pair_weights = merge_repeated_pairs(drawn)
     trainable = loss_mask[:, 1:] != 0
-    needed = (
-        trainable
-        if streams["ce_weights"] is None
-        else trainable | (streams["ce_weights"][:, 1:] != 0)
-    )
+    needed = trainable  # positions whose log-prob some component reads
+    for component in loss_components():
+        weights = streams.get(component.stream)
+        if component.head_tokens and component.counts == "weighted" and weights is not None:
+            needed = needed | (weights[:, 1:] != 0)
     jsd_tokens, jsd_rows = _jsd_tokens(streams["jsd_weights"], teacher_index)
     return MicroBatch(
         input_ids=ids,
@@ -563,47 +595,69 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
         loss_mask=loss_mask,
         inference_logprobs=_stream_tensor(rows, "inference_logprobs", width, f32),
         advantages=_stream_tensor(rows, "advantages", width, f32),
-        rl_weights=rl_weights,
-        **streams,
+        **{name: value for name, value in streams.items() if name in _BATCH_FIELDS},
         ref_logprobs=optional("ref_logprobs"),
         teacher_input_ids=teacher_ids,
         teacher_attention_mask=teacher_attn,
         teacher_index=teacher_index,
         pairs=pairs,
         samples=list(group),
-        counts=_component_counts(loss_mask, rl_weights, streams, drawn),
+        counts=_component_counts(loss_mask, streams, drawn),
         head_rows=flat_positions(needed),
         trainable_rows=flat_positions(trainable),
         jsd_tokens=jsd_tokens,
         jsd_rows=jsd_rows,
         pair_rows=pair_rows(pairs, pair_weights) if pairs else None,
+        weights={
+            name: value
+            for name, value in streams.items()
+            if name not in _BATCH_FIELDS and value is not None
+        },
     )
+
+
+def _weight_stream(
+    rows: list[TrainingSample], component: LossComponent, loss_mask: Tensor
+) -> Tensor | None:
+    """The (B, T) weights of ``component``'s stream; None when no row has it and its absence
+    means off, else an absent row's weights as ``component.absent`` says."""
+    import torch
+
+    name = component.stream or ""
+    present = [s.stream(name) is not None for s in rows]
+    if component.absent == "off" and not any(present):
+        return None
+    weights = _stream_tensor(rows, name, loss_mask.shape[1], torch.float32)
+    if component.absent == "trainable":
+        for i, has in enumerate(present):
+            if not has:  # absent stream: weight 1 on every trainable token
+                weights[i] = loss_mask[i]
+    return weights
 
 
 def _component_counts(
     loss_mask: Tensor,
-    rl_weights: Tensor,
-    streams: dict[str, Tensor | None],
+    streams: dict[str | None, Tensor | None],
     pairs: list[DPOPairTokens],
 ) -> dict[str, int]:
-    """Per component, the next tokens (pairs) with a non-zero weight, from host tensors;
-    ``pairs`` are the pairs as drawn (every copy of a repeated pair counts)."""
+    """Per component, the next tokens (pairs) with a non-zero weight, as the component
+    counts them, from host tensors; ``pairs`` are the pairs as drawn (every copy of a
+    repeated pair counts)."""
     trainable = loss_mask[:, 1:] != 0
-
-    def live(name: str, mask: Tensor | None = None) -> int:
-        weights = streams[name]
+    counts: dict[str, int] = {}
+    for component in loss_components():
+        if component.counts == "pairs":
+            counts[component.name] = sum(1 for p in pairs if p.weight != 0)
+            continue
+        weights = streams.get(component.stream)
         if weights is None:
-            return 0
+            counts[component.name] = 0
+            continue
         on = weights[:, 1:] != 0
-        return int((on if mask is None else mask & on).sum())
-
-    return {
-        "rl": int((trainable & (rl_weights[:, 1:] != 0)).sum()),
-        "ce": live("ce_weights"),
-        "ref_kl": live("ref_kl_weights", trainable),
-        "jsd": live("jsd_weights"),
-        "dpo": sum(1 for p in pairs if p.weight != 0),
-    }
+        counts[component.name] = int(
+            (on & trainable if component.counts == "trainable" else on).sum()
+        )
+    return counts
 
 
 def _jsd_tokens(

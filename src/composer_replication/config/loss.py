@@ -17,8 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from composer_replication.config.advantage import IMPORT_PATH_PATTERN
 from composer_replication.config.deprecation import rename_deprecated
+from composer_replication.loss_components import BUILTIN_NAMES, component_names
 
-COMPONENTS = ("rl", "ce", "ref_kl", "jsd", "dpo")
+#: The built-in loss components (every registered one: ``loss_components.component_names``).
+COMPONENTS = BUILTIN_NAMES
 
 #: Old spelling -> current name.
 LOSS_RENAMES = {
@@ -140,10 +142,11 @@ class LossConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
-        unknown = set(self.coefficients) - set(COMPONENTS)
+        known = component_names()
+        unknown = set(self.coefficients) - set(known)
         if unknown:
             raise ValueError(
-                f"loss.coefficients names unknown components {sorted(unknown)}; known: {COMPONENTS}"
+                f"loss.coefficients names unknown components {sorted(unknown)}; known: {known}"
             )
         if self.type == "custom" and self.import_path is None:
             raise ValueError(
@@ -182,11 +185,23 @@ class LossConfig(BaseModel):
 
     def coefficient(self, component: str) -> float:
         """The multiplier of ``component``'s mean (1.0 when not listed)."""
-        if component not in COMPONENTS:
-            raise ValueError(f"unknown loss component {component!r}; known: {COMPONENTS}")
+        if component not in component_names():
+            raise ValueError(f"unknown loss component {component!r}; known: {component_names()}")
         return float(self.coefficients.get(component, 1.0))
 
     @property
     def log_temperature(self) -> float:
         """The temperature of the trainer's log-probs (1.0 before the run resolves it)."""
         return 1.0 if self.temperature is None else float(self.temperature)
+
+
+def loss_default(name: str) -> Any:
+    """The default of the seed API's loss knob ``name`` (``compose_loss``, the trl trainer):
+    a :class:`LossConfig` field, or the composer recipe's channel weights ``alpha_sdpo`` /
+    ``beta_replay``. The functions' signatures read their defaults here, so each is written
+    once, on its config field."""
+    if name in LossConfig.model_fields:
+        return LossConfig.model_fields[name].default
+    from composer_replication.config.advantage import ComposerAdvantage
+
+    return ComposerAdvantage.model_fields[name].default

@@ -10,7 +10,9 @@ calls :func:`micro_batch_losses` on a :class:`~composer_replication.wire.MicroBa
   trace-replay channels, after converting its inputs the same way.
 
 The assembler returns each component's UNNORMALISED sum (``rl``, ``ce``, ``ref_kl``,
-``jsd``, ``dpo``); the caller divides by the component's token (pair) count, which packing
+``jsd``, ``dpo``, and any registered one); it runs the shared forward and head once, then
+calls each declared component's ``compute`` function
+(:mod:`composer_replication.loss_components`) on a :class:`ComponentInputs`. The caller divides by the component's token (pair) count, which packing
 already counted on the host (``MicroBatch.counts``), over whatever span it normalises
 (one batch, or every micro-batch of an optimizer step). Nothing here reads the device.
 
@@ -30,6 +32,7 @@ import torch
 
 from composer_replication.callables import load_callable
 from composer_replication.config.loss import LossConfig
+from composer_replication.loss_components import loss_components
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.divergence import (
     DIVERGENCE_KNOBS,
@@ -58,7 +61,11 @@ from composer_replication.ops.token_losses import (
     rl_loss,
     weighted_token_loss,
 )
-from composer_replication.ops.trust_region import ref_kl_row_metrics, ref_kl_row_sums
+from composer_replication.ops.trust_region import (
+    mismatch_kl,
+    ref_kl_row_metrics,
+    ref_kl_row_sums,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -66,11 +73,17 @@ if TYPE_CHECKING:
     from composer_replication.wire import MicroBatch
 
 __all__ = [
+    "ComponentInputs",
     "MicroBatchLosses",
+    "ce_term",
     "divergence_settings_of",
+    "dpo_term",
+    "jsd_term",
     "micro_batch_losses",
     "pair_settings_of",
+    "ref_kl_term",
     "rl_loss_of",
+    "rl_term",
 ]
 
 
@@ -139,6 +152,41 @@ class MicroBatchLosses:
         return total
 
 
+@dataclass
+class ComponentInputs:
+    """What a component's ``compute`` function reads: the micro-batch, the settings, and the
+    shared forward's results (None when the micro-batch has no rows: pair-only).
+
+    Attributes:
+        policy, mb, cfg: the trainable model, the packed micro-batch, the loss settings.
+        hidden: (B, T, H) last hidden states of the rows.
+        weight: the LM head's weight.
+        logprobs: (B, T-1) log-probs of each next token under the policy (0 where no
+            component needs it); entropy: (B, T-1) the policy's entropy there.
+        teacher, reference, divergence: the jsd teacher, the frozen reference, the jsd
+            divergence (see :func:`micro_batch_losses`).
+        stats: metric sums without grad a component adds (``stat/<name>``).
+        uncached: reference log-probs a component computed that the caller should cache.
+    """
+
+    policy: Any
+    mb: MicroBatch
+    cfg: LossConfig
+    hidden: Tensor | None = None
+    weight: Tensor | None = None
+    logprobs: Tensor | None = None
+    entropy: Tensor | None = None
+    teacher: Any | None = None
+    reference: Any | None = None
+    divergence: DivergenceSettings | None = None
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    uncached: UncachedReferences | None = None
+
+    def stream(self, name: str) -> Tensor:
+        """The (B, T-1) weights of stream ``name`` aligned with ``logprobs`` (token t+1)."""
+        return self.mb.stream(name)[:, 1:]
+
+
 def micro_batch_losses(
     policy: Any,
     mb: MicroBatch,
@@ -161,97 +209,155 @@ def micro_batch_losses(
             ``TAIDScheduler`` for ``taid_t``, which a config cannot hold).
     """
     cfg = cfg or LossConfig()
-    components: dict[str, Tensor] = {}
-    stats: dict[str, Tensor] = {}
+    inputs = ComponentInputs(
+        policy,
+        mb,
+        cfg,
+        teacher=policy if teacher is None else teacher,
+        reference=reference,
+        divergence=divergence,
+    )
     anchor = None
-    uncached = None
     if mb.n_rows:
-        hidden = last_hidden_states(
+        inputs.hidden = last_hidden_states(
             policy, mb.input_ids, mb.attention_mask, row_tokens=mb.row_tokens()
         )
         # read after the forward: a sharded (FSDP2) policy gathers the weight in it
-        weight = lm_head_weight(policy)
-        logprobs, entropy = token_logprobs_from_hidden(
-            hidden[:, :-1],
-            weight,
+        inputs.weight = lm_head_weight(policy)
+        inputs.logprobs, inputs.entropy = token_logprobs_from_hidden(
+            inputs.hidden[:, :-1],
+            inputs.weight,
             _weighted_targets(mb),
             temperature=cfg.log_temperature,
             chunk_size=cfg.chunk_size,
             return_entropy=True,
             rows=mb.head_rows,
         )
-        anchor = 0.0 * logprobs.sum()
-        _token_components(components, stats, mb, cfg, logprobs, entropy)
-        if mb.ce_weights is not None and cfg.lm_ce_label_smoothing:
-            components["ce"] = _smoothed_ce_sum(hidden, weight, mb, cfg)
-        if mb.counts["jsd"]:  # counted on the host
-            components["jsd"] = _jsd_sum(
-                policy if teacher is None else teacher,
-                hidden,
-                weight,
-                mb,
-                divergence or divergence_settings_of(cfg),
-            )
-    if mb.pairs:
-        components["dpo"], uncached = _dpo_sum(policy, reference, mb, cfg)
-        if anchor is None:
-            anchor = 0.0 * components["dpo"]
+        anchor = 0.0 * inputs.logprobs.sum()
+        _step_stats(inputs)
+    components: dict[str, Tensor] = {}
+    for component in loss_components():
+        value = _compute_of(component.compute)(inputs)
+        if value is not None:
+            components[component.name] = value
+            if anchor is None:
+                anchor = 0.0 * value
     if anchor is None:
         anchor = torch.zeros((), device=mb.device, requires_grad=True)
-    return MicroBatchLosses(components, anchor, stats, uncached)
+    return MicroBatchLosses(components, anchor, inputs.stats, inputs.uncached)
+
+
+@functools.lru_cache(maxsize=64)
+def _compute_of(import_path: str) -> Callable[[ComponentInputs], Tensor | None]:
+    return load_callable(import_path, "a loss component's compute function")
 
 
 def _weighted_targets(mb: MicroBatch) -> Tensor:
-    """Next-token targets, ``IGNORE_INDEX`` where no token stream has a weight (prompts,
+    """Next-token targets, ``IGNORE_INDEX`` where no component reads the log-prob (prompts,
     padding): the head then skips those positions (their log-prob reads 0)."""
     needed = mb.loss_mask[:, 1:] != 0
-    if mb.ce_weights is not None:
-        needed = needed | (mb.ce_weights[:, 1:] != 0)
+    for component in loss_components():
+        weights = mb.stream(component.stream) if component.stream else None
+        if component.head_tokens and component.counts == "weighted" and weights is not None:
+            needed = needed | (weights[:, 1:] != 0)
     return mb.input_ids[:, 1:].masked_fill(~needed, IGNORE_INDEX)
 
 
-def _token_components(
-    components: dict[str, Tensor],
-    stats: dict[str, Tensor],
-    mb: MicroBatch,
-    cfg: LossConfig,
-    logprobs: Tensor,
-    entropy: Tensor,
-) -> None:
-    # Streams are per token; log-prob t of `logprobs` is token t+1 of input_ids.
+def _step_stats(inputs: ComponentInputs) -> None:
+    """The step's metric sums over the rows (no grad): the rl tokens with a weight and
+    those outside the trust region, the sampler/trainer mismatch KL (k3) over them, the
+    policy's entropy over trainable tokens, trainable and attended tokens."""
+    mb, cfg, logprobs = inputs.mb, inputs.cfg, inputs.logprobs
     mask = mb.loss_mask[:, 1:]
     inf = mb.inference_logprobs[:, 1:]
-    adv = mb.advantages[:, 1:]
-    rl_w = mb.rl_weights[:, 1:]
-    components["rl"] = _rl_sum(cfg, logprobs, inf, adv, mask, rl_w)
     with torch.no_grad():
-        live = (mask != 0) & (rl_w != 0)
+        live = (mask != 0) & (mb.rl_weights[:, 1:] != 0)
         keep = dppo_keep_mask(
-            logprobs, inf, adv, mask, mask_low=cfg.mask_low, mask_high=cfg.mask_high
+            logprobs,
+            inf,
+            mb.advantages[:, 1:],
+            mask,
+            mask_low=cfg.mask_low,
+            mask_high=cfg.mask_high,
         )
-        log_r = logprobs - inf
-        stats["stat/live"] = live.sum()
-        stats["stat/masked"] = (live & ~keep).sum()
-        stats["stat/kl"] = ((log_r.exp() - 1 - log_r) * live).sum()
-        stats["stat/entropy"] = (entropy * (mask != 0)).sum()
-        stats["stat/trainable"] = (mask != 0).sum()
-        stats["stat/tokens"] = mb.attention_mask.sum()
-    if mb.ce_weights is not None and not cfg.lm_ce_label_smoothing:
-        components["ce"], _ = ce_loss(logprobs, mb.ce_weights[:, 1:])
-    if mb.ref_kl_weights is not None:
-        ref = mb.ref_logprobs[:, 1:]
-        ref_w = mb.ref_kl_weights[:, 1:]
-        if cfg.kl_token_trust_threshold is not None:
-            untrusted = k2_trust_mask(logprobs, ref, cfg.kl_token_trust_threshold)
-            ref_w = ref_w.masked_fill(untrusted, 0.0)
-        components["ref_kl"], _ = ref_kl_loss(
-            logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low, kl_tau=cfg.kl_tau
-        )
-        # which rows have ref_kl tokens depends on the trust mask: masked sums, no selection
+        inputs.stats["stat/live"] = live.sum()
+        inputs.stats["stat/masked"] = (live & ~keep).sum()
+        inputs.stats["stat/kl"] = (mismatch_kl(logprobs, inf) * live).sum()
+        inputs.stats["stat/entropy"] = (inputs.entropy * (mask != 0)).sum()
+        inputs.stats["stat/trainable"] = (mask != 0).sum()
+        inputs.stats["stat/tokens"] = mb.attention_mask.sum()
+
+
+def rl_term(inputs: ComponentInputs) -> Tensor | None:
+    """The ``rl`` component: the rl loss (default DPPO or the custom one) over rl weights."""
+    if inputs.logprobs is None:
+        return None
+    mb = inputs.mb
+    return _rl_sum(
+        inputs.cfg,
+        inputs.logprobs,
+        mb.inference_logprobs[:, 1:],
+        mb.advantages[:, 1:],
+        mb.loss_mask[:, 1:],
+        inputs.stream("rl_weights"),
+    )
+
+
+def ce_term(inputs: ComponentInputs) -> Tensor | None:
+    """The ``ce`` component: weighted cross-entropy (label-smoothed when set)."""
+    if inputs.logprobs is None or inputs.mb.ce_weights is None:
+        return None
+    if inputs.cfg.lm_ce_label_smoothing:
+        return _smoothed_ce_sum(inputs.hidden, inputs.weight, inputs.mb, inputs.cfg)
+    value, _ = ce_loss(inputs.logprobs, inputs.stream("ce_weights"))
+    return value
+
+
+def ref_kl_term(inputs: ComponentInputs) -> Tensor | None:
+    """The ``ref_kl`` component (with the k2 trust mask when set) and its row metrics."""
+    mb, cfg, logprobs = inputs.mb, inputs.cfg, inputs.logprobs
+    if logprobs is None or mb.ref_kl_weights is None:
+        return None
+    mask = mb.loss_mask[:, 1:]
+    inf = mb.inference_logprobs[:, 1:]
+    ref = mb.ref_logprobs[:, 1:]
+    ref_w = inputs.stream("ref_kl_weights")
+    if cfg.kl_token_trust_threshold is not None:
+        untrusted = k2_trust_mask(logprobs, ref, cfg.kl_token_trust_threshold)
+        ref_w = ref_w.masked_fill(untrusted, 0.0)
+    value, _ = ref_kl_loss(
+        logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low, kl_tau=cfg.kl_tau
+    )
+    # which rows have ref_kl tokens depends on the trust mask: masked sums, no selection
+    with torch.no_grad():
         values, has_tokens = ref_kl_row_metrics(
             logprobs, inf, ref, mask, ref_w, mask_low=cfg.mask_low
         )
-        stats.update(ref_kl_row_sums(values, has_tokens))
+        inputs.stats.update(ref_kl_row_sums(values, has_tokens))
+    return value
+
+
+def jsd_term(inputs: ComponentInputs) -> Tensor | None:
+    """The ``jsd`` component: the divergence to the teacher context, per jsd token."""
+    mb = inputs.mb
+    if inputs.hidden is None or not mb.counts.get("jsd"):  # counted on the host
+        return None
+    return _jsd_sum(
+        inputs.teacher,
+        inputs.hidden,
+        inputs.weight,
+        mb,
+        inputs.divergence or divergence_settings_of(inputs.cfg),
+    )
+
+
+def dpo_term(inputs: ComponentInputs) -> Tensor | None:
+    """The ``dpo`` component: the pairs' DPO / SimPO loss (reference log-probs computed for
+    pairs that lack them, left in ``inputs.uncached`` for the caller to cache)."""
+    if not inputs.mb.pairs:
+        return None
+    value, inputs.uncached = _dpo_sum(inputs.policy, inputs.reference, inputs.mb, inputs.cfg)
+    return value
 
 
 #: how a custom rl loss is called, for the messages that blame it

@@ -79,7 +79,7 @@ from trl import GRPOTrainer
 from composer_replication.algo.context import augment_messages, hint_text
 from composer_replication.algo.replay_dpo import PairPool, build_pair_pool
 from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
-from composer_replication.config.loss import LossConfig
+from composer_replication.config.loss import LossConfig, loss_default
 from composer_replication.ops.divergence import DIVERGENCE_KNOBS, divergence_settings
 from composer_replication.ops.pairs import (
     PAIR_KNOBS,
@@ -235,18 +235,18 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def __init__(
         self,
         *args: Any,
-        alpha_sdpo: float = 0.1,
-        beta_replay: float = 0.05,
-        sdpo_jsd_beta: float = 0.5,
-        sdpo_temperature: float = 1.0,
-        sdpo_token_clip: float | None = None,
-        replay_dpo_beta: float = 0.1,
-        sdpo_wrapper: str = "none",
+        alpha_sdpo: float = loss_default("alpha_sdpo"),
+        beta_replay: float = loss_default("beta_replay"),
+        sdpo_jsd_beta: float = loss_default("sdpo_jsd_beta"),
+        sdpo_temperature: float = loss_default("sdpo_temperature"),
+        sdpo_token_clip: float | None = loss_default("sdpo_token_clip"),
+        replay_dpo_beta: float = loss_default("replay_dpo_beta"),
+        sdpo_wrapper: str = loss_default("sdpo_wrapper"),
         taid_t: Any = None,
-        entropy_opd_h_max: float | None = None,
-        dpo_variant: str = "dpo",
-        simpo_beta: float = 2.0,
-        simpo_gamma: float = 1.0,
+        entropy_opd_h_max: float | None = loss_default("entropy_opd_h_max"),
+        dpo_variant: str = loss_default("dpo_variant"),
+        simpo_beta: float = loss_default("simpo_beta"),
+        simpo_gamma: float = loss_default("simpo_gamma"),
         hint_fn: Callable[[str], str | None] | None = default_hint,
         pairs: Sequence[Any] | None = None,
         pairs_path: str | None = None,

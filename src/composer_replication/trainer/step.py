@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.config.loss import COMPONENTS, LossConfig
+from composer_replication.loss_components import component_names
 from composer_replication.forward_tokens import ForwardTokens, counting_forward_tokens
 from composer_replication.model_parts import lm_head_weight
 from composer_replication.ops.assembler import micro_batch_losses
@@ -59,10 +60,10 @@ _HOST_STATS = ("forward_tokens", "padded_tokens")
 def component_counts(batches: Sequence[MicroBatch]) -> dict[str, int]:
     """Per-component count of tokens (pairs) with a non-zero weight over all micro-batches
     (counted on the host when they were packed)."""
-    counts = dict.fromkeys(COMPONENTS, 0)
+    counts = dict.fromkeys(component_names(), 0)
     for mb in batches:
-        for name in COMPONENTS:
-            counts[name] += mb.counts[name]
+        for name in counts:
+            counts[name] += mb.counts.get(name, 0)
     return counts
 
 
@@ -124,7 +125,7 @@ def _plain(value: Tensor) -> Tensor:
 def _sum_names() -> list[str]:
     return [
         "loss",
-        *(f"sum/{name}" for name in COMPONENTS),
+        *(f"sum/{name}" for name in component_names()),
         *(f"stat/{name}" for name in (*_STATS, *_HOST_STATS)),
         *(f"{name}/{part}" for name in REF_KL_SAMPLE_METRICS for part in ("sum", "n")),
     ]
@@ -230,7 +231,7 @@ def step_metrics(
         parts = metric_reducer(parts)
     stat = {name[len("stat/") :]: v for name, v in parts.items() if name.startswith("stat/")}
     metrics: dict[str, float] = {"loss": parts["loss"]}
-    for name in COMPONENTS:
+    for name in component_names():
         total = parts[f"sum/{name}"]
         metrics[f"loss/{name}"] = total / counts[name] if counts[name] else 0.0
         metrics[f"tokens/{name}"] = float(counts[name])

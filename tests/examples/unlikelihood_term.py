@@ -1,0 +1,34 @@
+"""A loss term added in one module: token-level unlikelihood (Welleck et al., arXiv
+1908.04319), ``-sum_t w_t log(1 - p(x_t))`` over the tokens an algorithm marks.
+
+Declaring the component is all the trainer needs: the packer builds its stream, the step
+counts its tokens, normalises its sum by that count, scales it by
+``[loss] coefficients.unlikelihood`` and reports ``loss/unlikelihood`` and
+``tokens/unlikelihood``. An algorithm stamps ``TrainingSample.weights["unlikelihood_weights"]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from composer_replication.loss_components import LossComponent, register_component
+
+UNLIKELIHOOD = register_component(
+    LossComponent(
+        name="unlikelihood",
+        stream="unlikelihood_weights",
+        counts="weighted",
+        compute=f"{__name__}:unlikelihood_term",
+    )
+)
+
+
+def unlikelihood_term(inputs):
+    """The component's sum over a micro-batch (None when no row carries its stream)."""
+    weights = inputs.mb.stream(UNLIKELIHOOD.stream)
+    if inputs.logprobs is None or weights is None:
+        return None
+    w = weights[:, 1:].to(inputs.logprobs.dtype)
+    # log(1 - p) = log(-expm1(log p)); clamp keeps p = 1 finite
+    per_token = -torch.log(-torch.expm1(inputs.logprobs.clamp(max=-1e-6)))
+    return (per_token * w).sum()
