@@ -250,5 +250,5 @@ def test_compose_loss_takes_one_loss_config_and_refuses_a_knob_beside_it(tiny):
     config = LossConfig(sdpo_jsd_beta=0.3, replay_dpo_beta=0.2, chunk_size=5)
     by_config = compose_loss(model, batch, loss_config=config)
     assert by_config.detached() == pytest.approx(by_knobs.detached(), rel=1e-12)
-    with pytest.raises(ValueError, match="sdpo_temperature=2.0 given beside loss_config"):
+    with pytest.raises(ValueError, match=r"sdpo_temperature=2\.0 given beside loss_config"):
         compose_loss(model, batch, sdpo_temperature=2.0, loss_config=config)

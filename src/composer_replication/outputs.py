@@ -25,6 +25,7 @@ The exit codes every command uses are in :mod:`composer_replication.errors`.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,11 +33,13 @@ from pathlib import Path
 from composer_replication.errors import UsageError
 
 __all__ = [
+    "OUTPUT_MARKER",
     "OWNED_KINDS",
     "OutputError",
     "check_output",
     "check_output_dir",
     "file_kind",
+    "is_generation_output",
     "owner_of",
 ]
 
@@ -117,8 +120,6 @@ def owner_of(path: str | os.PathLike[str]) -> tuple[str, str] | None:
         sources += [checkout / "benchmarks", checkout / "tests", checkout / "configs"]
     if any(_inside(target, folder) for folder in sources) and target.exists():
         return "source", "one of the project's own files"
-    from composer_replication.datagen.repository_copy import is_generation_output
-
     if target.exists() and is_generation_output(target):
         return "task_generation", "a task generation's output (tasks, references, candidates)"
     return None
@@ -218,3 +219,49 @@ def check_output_dir(path: str | os.PathLike[str], *, option: str = "--output-di
     elif not os.access(target, os.W_OK | os.X_OK):
         raise OutputError(f"{option} {shown} is not writable; pass a directory you can write")
     return target
+
+
+#: the file a task generation puts in every folder it makes
+OUTPUT_MARKER = ".composer-replication-output"
+# hidden answers of any earlier generation (ours or another's), and split records
+_BY_NAME = re.compile(r".*\.reference\..*|.*\.split\.json")
+# the task ids a generation writes: datagen's (fd:) and import-tasks' (swe:)
+_TASK_ID = re.compile(r'"task_id"\s*:\s*"(fd|swe):')
+_OUTPUT_SUFFIXES = (".workdirs", ".envs")
+
+
+def _is_task_record_file(path: Path) -> bool:
+    if path.suffix not in (".jsonl", ".json") or not path.is_file() or path.is_symlink():
+        return False
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            first = fh.readline(1 << 16)
+    except OSError:
+        return False
+    return bool(_TASK_ID.search(first))
+
+
+def is_generation_output(path: Path) -> bool:
+    """Whether ``path`` is something a task generation wrote: a folder marked with
+    :data:`OUTPUT_MARKER` (or an older one beside its task file), a virtualenv, a task,
+    held-out, reference, split or candidate file (by name or first record)."""
+    if _BY_NAME.fullmatch(path.name):
+        return True
+    if path.is_dir() and not path.is_symlink():
+        if (path / OUTPUT_MARKER).exists() or (path / "pyvenv.cfg").exists():
+            return True
+        for suffix in _OUTPUT_SUFFIXES:  # an older generation's: its task file is beside it
+            if path.name.endswith(suffix):
+                stem = path.name[: -len(suffix)]
+                if _is_task_record_file(path.with_name(f"{stem}.jsonl")):
+                    return True
+        return False
+    if _is_task_record_file(path):
+        return True
+    # a task file with no record (all of a generation's tasks held out) is known by the
+    # outputs written beside it
+    stem = path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else None
+    return stem is not None and (
+        path.with_name(f"{stem}.split.json").is_file()
+        or (path.with_name(f"{stem}.workdirs") / OUTPUT_MARKER).is_file()
+    )

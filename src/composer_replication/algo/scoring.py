@@ -78,12 +78,8 @@ class LocalPrefillScorer:
     def _score_batch(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         import torch
 
-        from composer_replication.chunked_head import (
-            IGNORE_INDEX,
-            last_hidden_states,
-            lm_head_weight,
-            token_logprobs_from_hidden,
-        )
+        from composer_replication.model_parts import last_hidden_states, lm_head_weight
+        from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
 
         width = max(len(s) for s in sequences)
         # built on the host, moved to the scoring model's device once

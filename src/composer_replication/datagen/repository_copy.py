@@ -19,12 +19,12 @@ The copy is then scrubbed (``sandbox.scrub``).
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from collections.abc import Collection
 from pathlib import Path
 
+from composer_replication.outputs import OUTPUT_MARKER, is_generation_output
 from composer_replication.sandbox.scrub import scrub_tree
 
 __all__ = [
@@ -35,16 +35,8 @@ __all__ = [
     "tracked_files",
 ]
 
-#: the file a generation puts in every folder it makes
-OUTPUT_MARKER = ".composer-replication-output"
-
 # not worth copying at all (scrub_tree would delete what is left of the leak list anyway)
 _COPY_IGNORE = shutil.ignore_patterns(".git", ".hg", ".svn", ".venv", ".tox", ".nox", "__pycache__")
-# hidden answers of any earlier generation (ours or another's), and split records
-_BY_NAME = re.compile(r".*\.reference\..*|.*\.split\.json")
-# the task ids a generation writes: datagen's (fd:) and import-tasks' (swe:)
-_TASK_ID = re.compile(r'"task_id"\s*:\s*"(fd|swe):')
-_OUTPUT_SUFFIXES = (".workdirs", ".envs")
 
 
 def mark_output_folder(folder: Path) -> Path:
@@ -54,41 +46,6 @@ def mark_output_folder(folder: Path) -> Path:
     if not marker.exists():
         marker.write_text("written by composer-replication; never copied into a task\n")
     return folder
-
-
-def _is_task_record_file(path: Path) -> bool:
-    if path.suffix not in (".jsonl", ".json") or not path.is_file() or path.is_symlink():
-        return False
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            first = fh.readline(1 << 16)
-    except OSError:
-        return False
-    return bool(_TASK_ID.search(first))
-
-
-def is_generation_output(path: Path) -> bool:
-    """Whether ``path`` is something a task generation wrote (see the module)."""
-    if _BY_NAME.fullmatch(path.name):
-        return True
-    if path.is_dir() and not path.is_symlink():
-        if (path / OUTPUT_MARKER).exists() or (path / "pyvenv.cfg").exists():
-            return True
-        for suffix in _OUTPUT_SUFFIXES:  # an older generation's: its task file is beside it
-            if path.name.endswith(suffix):
-                stem = path.name[: -len(suffix)]
-                if _is_task_record_file(path.with_name(f"{stem}.jsonl")):
-                    return True
-        return False
-    if _is_task_record_file(path):
-        return True
-    # a task file with no record (all of a generation's tasks held out) is known by the
-    # outputs written beside it
-    stem = path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else None
-    return stem is not None and (
-        path.with_name(f"{stem}.split.json").is_file()
-        or (path.with_name(f"{stem}.workdirs") / OUTPUT_MARKER).is_file()
-    )
 
 
 def tracked_files(repo: Path) -> set[str] | None:
