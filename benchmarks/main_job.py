@@ -193,13 +193,11 @@ def ablation_config(algorithm: str, seconds: float, seed: int) -> str:
 def check_algorithms(algorithms: list[str], seconds: float, seed: int) -> None:
     """Every algorithm of an ablation makes a valid run of the default job, before any run
     (one that does not would otherwise stop the study after minutes of the others)."""
-    from typing import get_args
-
     from pydantic import ValidationError
 
-    from composer_replication.config.advantage import AdvantageConfig
+    from composer_replication.config.advantage import BUILTIN_ADVANTAGES
 
-    known = [kind.model_fields["type"].default for kind in get_args(get_args(AdvantageConfig)[0])]
+    known = list(BUILTIN_ADVANTAGES)
     for algorithm in algorithms:
         if algorithm not in known:
             refuse("--algorithms", repr(algorithm), f"use some of {', '.join(known)}")

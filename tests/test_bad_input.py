@@ -341,7 +341,12 @@ CASES: list[tuple[str, str, int, str]] = [
     ),
     ("train-custom-loss-without-path", "train --set loss.type=custom", 2, "loss.import_path"),
     ("train-nan-betas", "train --set optim.betas=[NaN,NaN]", 2, "optim.betas"),
-    ("train-unknown-advantage", "train --set advantage.type=nosuch", 2, "advantage: Input tag"),
+    (
+        "train-unknown-advantage",
+        "train --set advantage.type=nosuch",
+        2,
+        "advantage: type 'nosuch' is neither a built-in algorithm",
+    ),
     ("train-betas-out-of-range", "train --set optim.betas=[5,-1]", 2, "optim.betas"),
     ("train-infinite-weight-decay", "train --set optim.weight_decay=1e999", 2, "weight_decay"),
     ("train-infinite-grad-clip", "train --set optim.grad_clip=1e999", 2, "grad_clip"),

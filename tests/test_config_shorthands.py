@@ -187,6 +187,8 @@ def test_a_bad_run_level_table_is_named_where_it_was_written(tmp_path):
     message = _error(tmp_path, '[advantage]\ntype = "grpo"\nbeta_kl = -1\n')
     assert message.startswith("advantage.beta_kl: Extra inputs are not permitted (got -1)")
     assert "envs.0" not in message
-    with pytest.raises(ValidationError, match=r"advantage: Input tag 'nosuch'") as info:
+    with pytest.raises(
+        ValidationError, match=r"advantage: type 'nosuch' is neither a built-in algorithm"
+    ) as info:
         RunConfig.default(["advantage.type=nosuch"])
     assert "envs.0" not in str(info.value)

@@ -2,7 +2,7 @@
 
 Every training signal reaches the trainer as per-token weight streams on the loss
 components (``rl``, ``ce``, ``ref_kl``, ``jsd``, and any registered one:
-:mod:`composer_replication.loss_components`) plus optional preference pairs (``dpo``). The
+:mod:`composer_replication.config.components`) plus optional preference pairs (``dpo``). The
 packer and the counts loop over the declared components. The trainer never learns which
 algorithm made a sample; samples of different algorithms pack freely into one micro-batch.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.forward_tokens import ForwardLoad
-from composer_replication.loss_components import LossComponent, loss_components
+from composer_replication.config.components import LossComponent, loss_components
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class TrainingSample:
                 raise ValueError(
                     f"sample {self.task_id or '<unnamed>'} ({self.source or 'unknown source'}): "
                     f"weights[{name!r}] is the stream of no registered loss component; "
-                    "register the component (loss_components.register_component) first"
+                    "register the component (config.components.register_component) first"
                 )
         for name in ("loss_mask", *TOKEN_STREAMS, "teacher_index", *self.weights):
             value = self.stream(name)

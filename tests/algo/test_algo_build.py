@@ -27,6 +27,36 @@ def test_every_type_has_a_class():
     assert components["echo"] == ("rl", "ce")
 
 
+def test_every_algorithm_agrees_with_its_config_declarations():
+    """Each built-in algorithm class and its config class are one declaration: the same
+    name, the config's ``trains`` as the class's components, known component and backend
+    names; the derived name sets are what the classes declare."""
+    from composer_replication.config.advantage import (
+        BACKENDS,
+        BUILTIN_ADVANTAGES,
+        GROUP_RELATIVE,
+        RL_TYPES,
+    )
+    from composer_replication.config.loss import COMPONENTS
+
+    assert set(ALGORITHMS) == set(BUILTIN_ADVANTAGES)
+    for name, cls in ALGORITHMS.items():
+        config_class = BUILTIN_ADVANTAGES[name]
+        assert cls.config_class is config_class and cls.name == name
+        assert cls.components == config_class.trains and config_class.trains
+        assert set(config_class.trains) <= set(COMPONENTS)
+        assert "native" in config_class.backends and config_class.backends <= set(BACKENDS)
+        assert isinstance(config_class.group_relative, bool)
+    assert {"grpo", "max_rl", "sdpo", "composer", "echo"} == GROUP_RELATIVE
+    assert {"grpo", "max_rl", "reward", "custom", "sdpo", "echo", "composer"} == RL_TYPES
+    backends = {n: sorted(c.backends - {"native"}) for n, c in BUILTIN_ADVANTAGES.items()}
+    assert backends == {
+        "grpo": ["prime_rl", "trl"], "max_rl": ["prime_rl"], "reward": [], "custom": [],
+        "opd": ["prime_rl"], "opsd": ["prime_rl"], "sdpo": ["trl"], "sft": ["prime_rl"],
+        "echo": ["prime_rl"], "replay_dpo": [], "composer": ["trl"],
+    }  # fmt: skip
+
+
 def test_build_from_dict_and_default():
     algo = build_algorithm({"advantage": {"type": "grpo"}})
     assert isinstance(algo, GRPOAlgorithm) and algo.config.sampling.group_size == 4

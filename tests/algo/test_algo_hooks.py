@@ -20,6 +20,7 @@ from composer_replication.algo import (
     build_algorithm,
 )
 from composer_replication.algo.base import REF_CONTEXT
+from composer_replication.config.advantage import RewardAdvantage
 from composer_replication.rollout.types import Rollout
 
 ENDPOINT = {"name": "teacher", "base_url": "http://127.0.0.1:9/v1"}
@@ -39,8 +40,7 @@ def _rollout(reward: float, completion=(10, 11), task_id="t", **kw) -> Rollout:
 class RecordingAlgorithm(Algorithm):
     """Overrides every hook, recording each call (it reads the reward type's config)."""
 
-    name = "reward"
-    components = ("rl",)
+    config_class = RewardAdvantage
 
     def __init__(self, config: AlgorithmConfig) -> None:
         super().__init__(config)

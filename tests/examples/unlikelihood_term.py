@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from composer_replication.loss_components import LossComponent, register_component
+from composer_replication.config.components import LossComponent, register_component
 
 UNLIKELIHOOD = register_component(
     LossComponent(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from composer_replication.config.loss import LossConfig
-from composer_replication.loss_components import (
+from composer_replication.config.components import (
     BUILTIN_NAMES,
     LossComponent,
     component_names,

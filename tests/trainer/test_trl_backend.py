@@ -83,7 +83,8 @@ def test_algorithm_settings_map_to_trainer_kwargs():
     sdpo = _composer_settings(_config('type = "sdpo"\nhint_source = "none"'))
     assert sdpo["alpha_sdpo"] == 1.0 and sdpo["beta_replay"] == 0.0 and sdpo["hint_fn"] is None
     grpo = _composer_settings(_config('type = "grpo"'))
-    assert grpo == {"alpha_sdpo": 0.0, "beta_replay": 0.0}
+    assert (grpo["alpha_sdpo"], grpo["beta_replay"]) == (0.0, 0.0) and "hint_fn" not in grpo
+    assert grpo["sdpo_jsd_beta"] == 0.5 and grpo["dpo_variant"] == "dpo"  # the run's [loss]
     with pytest.raises(ValueError, match="not 'max_rl'; use --backend native"):
         _composer_settings(_config('type = "max_rl"'))
     with pytest.raises(ValueError, match="teacher='ema'"):

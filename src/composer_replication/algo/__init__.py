@@ -1,7 +1,10 @@
 """Algorithms: rollout groups in, per-token training signal (``TrainingSample``) out.
 
-``AlgorithmConfig`` (sampling + ``advantage.type``) selects one class per algorithm;
-``build_algorithm`` constructs it with the resources it needs.
+``AlgorithmConfig`` (sampling + ``advantage.type``) selects one class per algorithm: a
+built-in one (``ALGORITHMS``), or a user's ``Algorithm`` subclass named by import path
+(``type = "package.module:Class"``; its ``config_class``, a ``UserAdvantage`` subclass,
+holds its options and declares what it trains). ``build_algorithm`` constructs it with the
+resources it needs.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from composer_replication.config.advantage import (
     RoleWeight,
     SDPOAdvantage,
     SFTAdvantage,
+    UserAdvantage,
+    user_algorithm,
 )
 from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
 from composer_replication.config.references import (
@@ -90,7 +95,8 @@ def build_algorithm(
     rng: random.Random | None = None,
     policy: Any = None,
 ) -> Algorithm:
-    """The algorithm ``config.advantage.type`` names, built with what it needs.
+    """The algorithm ``config.advantage.type`` names (a built-in name, or a user's
+    ``"package.module:Class"``), built with what it needs.
 
     Args:
         config: an ``AlgorithmConfig`` (or a dict validated into one).
@@ -121,7 +127,9 @@ def build_algorithm(
         policy=policy,
         temperature=config.sampling.temperature,
     )
-    return ALGORITHMS[config.advantage.type].build(config, resources)
+    kind = config.advantage.type
+    cls = ALGORITHMS[kind] if kind in ALGORITHMS else user_algorithm(kind)
+    return cls.build(config, resources)
 
 
 __all__ = [
@@ -163,6 +171,7 @@ __all__ = [
     "SFTAdvantage",
     "SFTAlgorithm",
     "SamplingConfig",
+    "UserAdvantage",
     "align_prefill_logprobs",
     "broadcast_to_tokens",
     "build_algorithm",

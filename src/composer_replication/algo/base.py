@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import random
 
     from composer_replication.algo.scoring import PrefillScorer
+    from composer_replication.config.advantage import _Advantage
     from composer_replication.config.algorithm import AlgorithmConfig
 
 # Sample metadata keys of a pending reference-log-prob request (set at group time, used by
@@ -101,9 +102,19 @@ class FrozenPool:
 
 
 class Algorithm:
-    """One algorithm: rollouts in, training samples out, through the hooks above."""
+    """One algorithm: rollouts in, training samples out, through the hooks above.
 
+    A subclass names its config class (``config_class``: an advantage config, which
+    declares what the algorithm trains, whether it is group-relative and which backends run
+    it); ``name`` (the built-in ``type``, else ``"module:Class"``) and ``components`` (the
+    config's ``trains``) follow from it. A user's algorithm is a subclass whose
+    ``config_class`` subclasses :class:`~composer_replication.config.advantage.UserAdvantage`,
+    named by import path in the run config (``type = "package.module:Class"``).
+    """
+
+    config_class: ClassVar[type[_Advantage]]
     name: ClassVar[str]
+    #: the loss components its samples carry weights for: ``config_class.trains``
     components: ClassVar[tuple[str, ...]]
     #: the frozen model pools it scores with (connected by ``setup``)
     frozen_pools: ClassVar[tuple[FrozenPool, ...]] = ()
@@ -113,11 +124,35 @@ class Algorithm:
     #: samples per ``score_samples`` call (a local scorer's prefill batch is 8 sequences)
     scoring_chunk_size: ClassVar[int] = 8
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        config_class = cls.__dict__.get("config_class")
+        if config_class is None:
+            return  # an abstract base, or a subclass keeping its parent's config
+        declared = tuple(config_class.trains)
+        own = cls.__dict__.get("components")
+        if own is not None and tuple(own) != declared:
+            raise TypeError(
+                f"{cls.__name__}.components = {tuple(own)} but its config "
+                f"{config_class.__name__} declares trains = {declared}; declare them once, "
+                "on the config (leave components out)"
+            )
+        cls.components = declared
+        if "name" not in cls.__dict__:
+            builtin = config_class.model_fields["type"].default
+            cls.name = builtin if isinstance(builtin, str) else f"{cls.__module__}:{cls.__name__}"
+
     def __init__(self, config: AlgorithmConfig) -> None:
-        if config.advantage.type != self.name:
+        if getattr(type(self), "config_class", None) is None:
+            raise TypeError(
+                f"{type(self).__name__} declares no config_class; name its advantage config "
+                "class (a UserAdvantage subclass for a user's algorithm)"
+            )
+        if not isinstance(config.advantage, self.config_class):
             raise ValueError(
-                f"{type(self).__name__} needs advantage.type = {self.name!r}, got "
-                f"{config.advantage.type!r}; use build_algorithm(config)"
+                f"{type(self).__name__} needs advantage.type = {self.name!r} (a "
+                f"{self.config_class.__name__}), got {config.advantage.type!r}; use "
+                "build_algorithm(config)"
             )
         self.config = config
         self.connected_pools: dict[str, PrefillScorer] = {}

@@ -2,10 +2,12 @@
 
 - Dr.GRPO advantages (arXiv 2503.20783) on every rollout's sampled tokens (``rl``);
 - SDPO self-distillation at error sites (arXiv 2601.20802; see :mod:`.sdpo`) with jsd
-  weight ``alpha_sdpo`` (0.1);
+  weight ``alpha_sdpo``;
 - ``pairs_per_group`` trace-replay DPO pairs (see :mod:`.replay_dpo`) drawn from the pair
-  pool (``pairs_path``, default the shipped pairs), each with weight ``beta_replay``
-  (0.05); ``beta_replay = 0`` turns the channel off.
+  pool (``pairs_path``, default the shipped pairs), each with weight ``beta_replay``;
+  ``beta_replay = 0`` turns the channel off.
+
+The weights' defaults are ``ComposerAdvantage``'s (config/advantage.py), their one owner.
 
 The trainer divides each component's sum by its own token (pair) count: a weight of
 ``alpha_sdpo`` on every jsd token is ``alpha_sdpo`` times the jsd mean.
@@ -21,6 +23,7 @@ from composer_replication.algo.base import AlgorithmResources
 from composer_replication.algo.replay_dpo import PairDrawing, build_pair_pool, pair_sample
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.algo.sdpo import grpo_with_self_distillation
+from composer_replication.config.advantage import ComposerAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import DPOPairTokens, TrainingSample
 
@@ -28,8 +31,7 @@ from composer_replication.wire import DPOPairTokens, TrainingSample
 class ComposerAlgorithm(PairDrawing):
     """Dr.GRPO + alpha_sdpo * SDPO + beta_replay * trace-replay DPO."""
 
-    name = "composer"
-    components = ("rl", "jsd", "dpo")
+    config_class = ComposerAdvantage
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from typing import Any, overload
 
 from composer_replication.algo.base import Algorithm, on_completion, one_per_rollout
 from composer_replication.callables import load_callable
+from composer_replication.config.advantage import CustomAdvantage
 from composer_replication.errors import UsageError, user_code_error
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
@@ -80,8 +81,7 @@ class AdvantageInputs(Sequence[Rollout]):
 class CustomAlgorithm(Algorithm):
     """Advantages from ``advantage.import_path`` called with ``advantage.kwargs``."""
 
-    name = "custom"
-    components = ("rl",)
+    config_class = CustomAdvantage
 
     def __init__(self, config: Any, fn: Any = None) -> None:
         super().__init__(config)

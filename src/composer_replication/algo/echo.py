@@ -31,6 +31,7 @@ from typing import Any
 from composer_replication.algo.advantage import grpo_advantages
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.callables import load_callable
+from composer_replication.config.advantage import EchoAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -44,8 +45,7 @@ class EchoAlgorithm(Algorithm):
             config's ``kwargs`` are still passed to it).
     """
 
-    name = "echo"
-    components = ("rl", "ce")
+    config_class = EchoAdvantage
 
     def __init__(
         self, config: Any, filter_fn: Callable[..., Sequence[Sequence[bool]]] | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from composer_replication.algo.advantage import grpo_advantages, length_penalty
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
+from composer_replication.config.advantage import GRPOAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -16,8 +17,7 @@ from composer_replication.wire import TrainingSample
 class GRPOAlgorithm(Algorithm):
     """Group-relative advantages on sampled tokens."""
 
-    name = "grpo"
-    components = ("rl",)
+    config_class = GRPOAdvantage
 
     def group_advantages(self, group: list[Rollout]) -> list[float]:
         """One advantage per rollout (penalised rewards, then ``grpo_advantages``)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from composer_replication.algo.advantage import max_rl_advantages
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
+from composer_replication.config.advantage import MaxRLAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -15,8 +16,7 @@ from composer_replication.wire import TrainingSample
 class MaxRLAlgorithm(Algorithm):
     """Mean-normalised group advantages on sampled tokens."""
 
-    name = "max_rl"
-    components = ("rl",)
+    config_class = MaxRLAdvantage
 
     def finalize_group(
         self, group: list[Rollout], samples: list[TrainingSample]

@@ -22,6 +22,7 @@ from composer_replication.algo.base import (
     zeros,
 )
 from composer_replication.algo.scoring import PrefillScorer
+from composer_replication.config.advantage import OPDAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -29,8 +30,7 @@ from composer_replication.wire import TrainingSample
 class OPDAlgorithm(Algorithm):
     """ref_kl on sampled tokens against a frozen teacher's prefill log-probs."""
 
-    name = "opd"
-    components = ("ref_kl",)
+    config_class = OPDAdvantage
     frozen_pools = (
         FrozenPool(
             "teacher",

@@ -27,6 +27,7 @@ from composer_replication.algo.base import (
 )
 from composer_replication.algo.context import better_sibling, demonstration_text, teacher_context
 from composer_replication.algo.scoring import PrefillScorer
+from composer_replication.config.advantage import OPSDAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -34,8 +35,7 @@ from composer_replication.wire import TrainingSample
 class OPSDAlgorithm(Algorithm):
     """ref_kl against the (policy's) log-probs in a demonstration-augmented context."""
 
-    name = "opsd"
-    components = ("ref_kl",)
+    config_class = OPSDAdvantage
     # model = "policy" (the default): the live policy scores itself, in process
     frozen_pools = (
         FrozenPool(

@@ -29,6 +29,7 @@ from typing import Any
 from composer_replication.algo.base import Algorithm, AlgorithmResources, FrozenPool
 from composer_replication.algo.context import render_prompt
 from composer_replication.algo.scoring import PrefillScorer
+from composer_replication.config.advantage import ReplayDPOAdvantage
 from composer_replication.ops.pairs import missing_reference, set_reference_logps
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import DPOPairTokens, TrainingSample
@@ -219,8 +220,7 @@ class PairDrawing(Algorithm):
 class ReplayDPOAlgorithm(PairDrawing):
     """dpo on replayed preference pairs; rollouts of the group carry no signal here."""
 
-    name = "replay_dpo"
-    components = ("dpo",)
+    config_class = ReplayDPOAdvantage
 
     def __init__(
         self,

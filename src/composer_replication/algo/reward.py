@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from composer_replication.algo.base import Algorithm, sampled
+from composer_replication.config.advantage import RewardAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -15,8 +16,7 @@ from composer_replication.wire import TrainingSample
 class RewardAlgorithm(Algorithm):
     """``A = r`` on every sampled token."""
 
-    name = "reward"
-    components = ("rl",)
+    config_class = RewardAdvantage
 
     def build_samples(self, rollout: Rollout) -> list[TrainingSample]:
         """The plain sample with ``A = r`` on its sampled tokens (no group baseline)."""

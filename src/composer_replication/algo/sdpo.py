@@ -46,7 +46,11 @@ from composer_replication.algo.context import (
     turn_sites,
     turn_teacher_context,
 )
-from composer_replication.config.advantage import DEFAULT_DEMO_TEMPLATE, DEFAULT_HINT_TEMPLATE
+from composer_replication.config.advantage import (
+    DEFAULT_DEMO_TEMPLATE,
+    DEFAULT_HINT_TEMPLATE,
+    SDPOAdvantage,
+)
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -144,8 +148,7 @@ def turn_samples(
 class SDPOAlgorithm(Algorithm):
     """rl (Dr.GRPO) on every rollout + jsd to the hinted policy at error sites."""
 
-    name = "sdpo"
-    components = ("rl", "jsd")
+    config_class = SDPOAdvantage
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         super().__init__(config)

@@ -8,6 +8,7 @@ with ``ce`` weight ``ce_weight`` on every sampled token. ``rl_weights`` are zero
 from __future__ import annotations
 
 from composer_replication.algo.base import Algorithm, sampled, zeros
+from composer_replication.config.advantage import SFTAdvantage
 from composer_replication.rollout.types import Rollout
 from composer_replication.wire import TrainingSample
 
@@ -15,8 +16,7 @@ from composer_replication.wire import TrainingSample
 class SFTAlgorithm(Algorithm):
     """ce on the frozen source's sampled tokens."""
 
-    name = "sft"
-    components = ("ce",)
+    config_class = SFTAdvantage
 
     def build_samples(self, rollout: Rollout) -> list[TrainingSample]:
         """The plain sample with ce ``ce_weight`` on its sampled tokens and no rl."""

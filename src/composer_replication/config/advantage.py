@@ -1,7 +1,16 @@
 """One pydantic config per algorithm, discriminated on ``type``.
 
 The defaults of each class ARE the algorithm's vetted setting. ``AdvantageConfig`` is the
-discriminated union that ``AlgorithmConfig.advantage`` holds.
+discriminated union that ``AlgorithmConfig.advantage`` holds: a built-in ``type``, or a
+user's algorithm by import path (``type = "package.module:Class"``, an ``Algorithm``
+subclass whose ``config_class`` is a :class:`UserAdvantage` subclass holding its options).
+
+What an algorithm is, each class declares once (class variables, read by the config's
+validation, the trl backend and the PRIME-RL export; ``Algorithm`` subclasses take their
+``components`` from them): ``trains`` (the loss components it sets weights on; ``rl``
+needs the sampler's log-probs of the policy), ``group_relative`` (a group of one gives
+zero advantage), ``backends`` (where it can train: ``native`` always, ``trl``,
+``prime_rl``) and ``model_slot`` (where a top-level ``model`` shorthand lands).
 
 Knob names are the ones the seed API gives the same knobs (``alpha_sdpo``, ``beta_replay``,
 ``sdpo_jsd_beta``, ``replay_dpo_beta``, ``dpo_variant``); the old spellings (``alpha``,
@@ -13,11 +22,28 @@ requirement) are requirements on the run's ``[loss]`` table: see :meth:`loss_req
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+import difflib
+import importlib
+import re
+import sys
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializeAsAny,
+    Tag,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 
 from composer_replication.config.deprecation import rename_deprecated
+from composer_replication.config.environments import ENVIRONMENTS
 from composer_replication.config.references import ModelReference
 
 #: Teacher-context templates: the last user message, rewritten around a hint / a demo.
@@ -28,10 +54,9 @@ DEFAULT_DEMO_TEMPLATE = "{content}\n\nHere is a correct solution, for reference:
 IMPORT_PATH_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 _IMPORT_PATH = IMPORT_PATH_PATTERN
 
-#: Types whose advantage is relative to the group (a group of one gives all zeros).
-GROUP_RELATIVE = frozenset({"grpo", "max_rl", "sdpo", "composer", "echo"})
-#: Types that train the ``rl`` component and therefore need the sampler's log-probs.
-RL_TYPES = frozenset({"grpo", "max_rl", "reward", "custom", "sdpo", "echo", "composer"})
+#: Where an algorithm can train: the native loop (every algorithm), ``train --backend trl``
+#: and ``export prime-rl``.
+BACKENDS = ("native", "trl", "prime_rl")
 
 
 #: Old names whose meaning differed between algorithms: refused with what to write instead.
@@ -44,10 +69,41 @@ RETIRED_NAMES: dict[str, str] = {
 class _Advantage(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    #: The loss components its samples carry weights for (``COMPONENTS`` names).
+    trains: ClassVar[tuple[str, ...]] = ()
+    #: Its advantage is relative to the group: a group of one gives all zeros.
+    group_relative: ClassVar[bool] = False
+    #: Where it can train (``BACKENDS``; ``native`` always).
+    backends: ClassVar[frozenset[str]] = frozenset({"native"})
+    #: Where the top-level ``model`` shorthand lands ("advantage.model" or
+    #: "sampling.source"); None: it takes none.
+    model_slot: ClassVar[str | None] = None
     #: Old field name -> current name, per class.
     renames: ClassVar[dict[str, str]] = {}
     #: Fields that are requirements on the run's loss settings (same names as LossConfig).
     loss_fields: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        unknown = sorted(set(cls.backends) - set(BACKENDS))
+        if unknown or "native" not in cls.backends:
+            raise TypeError(
+                f"{cls.__name__}.backends = {sorted(cls.backends)}: declare some of {BACKENDS}, "
+                "'native' always"
+            )
+        if isinstance(cls.trains, str) or not all(
+            isinstance(c, str) and c.isidentifier() for c in cls.trains
+        ):
+            raise TypeError(
+                f"{cls.__name__}.trains = {cls.trains!r}: declare a tuple of loss component "
+                "names, e.g. ('rl',)"
+            )
+
+    @classmethod
+    def needs_policy_logprobs(cls) -> bool:
+        """It trains ``rl``, whose importance ratio needs the policy's sampling log-probs."""
+        return "rl" in cls.trains
 
     @model_validator(mode="before")
     @classmethod
@@ -89,6 +145,10 @@ class _TurnShaping(_Advantage):
 class GRPOAdvantage(_TurnShaping):
     """Dr.GRPO (arXiv 2503.20783): ``A = r - mean(r)`` over the group, on sampled tokens."""
 
+    trains: ClassVar[tuple[str, ...]] = ("rl",)
+    group_relative: ClassVar[bool] = True
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "trl", "prime_rl"})
+
     type: Literal["grpo"] = Field("grpo", description="Algorithm name.")
     std_normalize: bool = Field(
         False, description="Divide by the group's sample std + eps (classic GRPO, 2402.03300)."
@@ -117,6 +177,10 @@ class GRPOAdvantage(_TurnShaping):
 class MaxRLAdvantage(_TurnShaping):
     """MaxRL (arXiv 2602.02710): ``A = (r - mean) / (mean + eps)``, 0 when mean <= 0."""
 
+    trains: ClassVar[tuple[str, ...]] = ("rl",)
+    group_relative: ClassVar[bool] = True
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "prime_rl"})
+
     type: Literal["max_rl"] = Field("max_rl", description="Algorithm name.")
     eps: float = Field(1e-6, gt=0, description="Epsilon of the mean division.")
 
@@ -124,11 +188,15 @@ class MaxRLAdvantage(_TurnShaping):
 class RewardAdvantage(_Advantage):
     """``A = r``: the raw reward, no baseline (REINFORCE)."""
 
+    trains: ClassVar[tuple[str, ...]] = ("rl",)
+
     type: Literal["reward"] = Field("reward", description="Algorithm name.")
 
 
 class CustomAdvantage(_Advantage):
     """A user function ``fn(group, **kwargs) -> list[list[float]]`` of per-token advantages."""
+
+    trains: ClassVar[tuple[str, ...]] = ("rl",)
 
     type: Literal["custom"] = Field("custom", description="Algorithm name.")
     import_path: str = Field(
@@ -143,6 +211,10 @@ class CustomAdvantage(_Advantage):
 
 class OPDAdvantage(_Advantage):
     """On-policy distillation: reverse KL to a frozen teacher's prefill log-probs."""
+
+    trains: ClassVar[tuple[str, ...]] = ("ref_kl",)
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "prime_rl"})
+    model_slot: ClassVar[str | None] = "advantage.model"
 
     type: Literal["opd"] = Field("opd", description="Algorithm name.")
     model: ModelReference | None = Field(
@@ -165,6 +237,10 @@ class OPDAdvantage(_Advantage):
 class OPSDAdvantage(_Advantage):
     """On-policy self-distillation (SDFT setting): the reference scores the sample behind a
     demonstration (a successful sibling's completion or ``rollout.metadata['reference']``)."""
+
+    trains: ClassVar[tuple[str, ...]] = ("ref_kl",)
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "prime_rl"})
+    model_slot: ClassVar[str | None] = "advantage.model"
 
     type: Literal["opsd"] = Field("opsd", description="Algorithm name.")
     model: ModelReference = Field(
@@ -224,6 +300,10 @@ class SDPOAdvantage(_SelfDistillation):
     """SDPO (arXiv 2601.20802): Dr.GRPO on every rollout + JSD to the hinted policy at error
     sites."""
 
+    trains: ClassVar[tuple[str, ...]] = ("rl", "jsd")
+    group_relative: ClassVar[bool] = True
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "trl"})
+
     renames: ClassVar[dict[str, str]] = {"alpha": "alpha_sdpo", "jsd_beta": "sdpo_jsd_beta"}
     loss_fields: ClassVar[tuple[str, ...]] = ("sdpo_jsd_beta",)
 
@@ -235,6 +315,10 @@ class SDPOAdvantage(_SelfDistillation):
 
 class SFTAdvantage(_Advantage):
     """Cross-entropy on tokens sampled from a frozen source (teacher distillation)."""
+
+    trains: ClassVar[tuple[str, ...]] = ("ce",)
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "prime_rl"})
+    model_slot: ClassVar[str | None] = "sampling.source"
 
     type: Literal["sft"] = Field("sft", description="Algorithm name.")
     ce_weight: float = Field(1.0, gt=0, description="ce weight on each sampled token.")
@@ -250,7 +334,9 @@ class RoleWeight(BaseModel):
 
 #: Built-in environments whose rollouts carry no per-token roles (``Rollout.token_roles``):
 #: single-turn, every completion token is sampled, so there is no observation for echo's ce.
-ENVS_WITHOUT_ROLE_ATTRIBUTION = frozenset({"python_functions"})
+ENVS_WITHOUT_ROLE_ATTRIBUTION = frozenset(
+    name for name, env in ENVIRONMENTS.items() if not env.role_attribution
+)
 
 
 class EchoFilter(BaseModel):
@@ -281,6 +367,10 @@ class EchoAdvantage(_TurnShaping):
     at least one role with a positive ``alpha``; otherwise ``ce`` would train nothing, and
     that is rejected at validation instead of running as plain grpo.
     """
+
+    trains: ClassVar[tuple[str, ...]] = ("rl", "ce")
+    group_relative: ClassVar[bool] = True
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "prime_rl"})
 
     type: Literal["echo"] = Field("echo", description="Algorithm name.")
     roles: dict[str, RoleWeight] = Field(
@@ -338,6 +428,8 @@ class _PairFields(_Advantage):
 class ReplayDPOAdvantage(_PairFields):
     """Trace-replay DPO (Composer channel 3) on teacher-consensus preference pairs."""
 
+    trains: ClassVar[tuple[str, ...]] = ("dpo",)
+
     renames: ClassVar[dict[str, str]] = {
         "loss": "dpo_variant",
         "weight": "beta_replay",
@@ -357,6 +449,10 @@ class ReplayDPOAdvantage(_PairFields):
 class ComposerAdvantage(_SelfDistillation, _PairFields):
     """The full recipe: Dr.GRPO + alpha_sdpo * SDPO jsd + beta_replay * trace-replay DPO."""
 
+    trains: ClassVar[tuple[str, ...]] = ("rl", "jsd", "dpo")
+    group_relative: ClassVar[bool] = True
+    backends: ClassVar[frozenset[str]] = frozenset({"native", "trl"})
+
     renames: ClassVar[dict[str, str]] = {
         "alpha": "alpha_sdpo",
         "jsd_beta": "sdpo_jsd_beta",
@@ -374,18 +470,176 @@ class ComposerAdvantage(_SelfDistillation, _PairFields):
     )
 
 
+#: The built-in algorithms: ``type`` -> config class.
+BUILTIN_ADVANTAGES: dict[str, type[_Advantage]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (
+        GRPOAdvantage,
+        MaxRLAdvantage,
+        RewardAdvantage,
+        CustomAdvantage,
+        OPDAdvantage,
+        OPSDAdvantage,
+        SDPOAdvantage,
+        SFTAdvantage,
+        EchoAdvantage,
+        ReplayDPOAdvantage,
+        ComposerAdvantage,
+    )
+}
+#: Built-in types whose advantage is relative to the group (``group_relative``).
+GROUP_RELATIVE = frozenset(n for n, c in BUILTIN_ADVANTAGES.items() if c.group_relative)
+#: Built-in types that train ``rl`` and so need the sampler's log-probs of the policy.
+RL_TYPES = frozenset(n for n, c in BUILTIN_ADVANTAGES.items() if c.needs_policy_logprobs())
+
+
+class UserAdvantage(_Advantage):
+    """The config of a user's algorithm: subclass it, declare what the algorithm trains
+    (``trains``, and ``group_relative`` when its advantage is relative to the group) and add
+    the algorithm's options as fields; name it as the ``config_class`` of the ``Algorithm``
+    subclass. ``type`` is that class's import path, as the run config writes it::
+
+        [envs.algorithm.advantage]
+        type = "my_pkg.algos:LeaveOneOut"
+        scale = 2.0
+
+    A user's algorithm trains in the native loop only (``backends`` stays ``{"native"}``).
+    """
+
+    type: str = Field(
+        pattern=IMPORT_PATH_PATTERN,
+        description="'package.module:Class' of the Algorithm subclass.",
+    )
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if cls.backends != {"native"}:
+            raise TypeError(
+                f"{cls.__name__}.backends = {sorted(cls.backends)}: a user's algorithm trains "
+                "in the native loop only; leave backends out"
+            )
+
+
+def user_algorithm(path: str) -> Any:
+    """The ``Algorithm`` subclass ``'package.module:Class'`` names (imported now).
+
+    Raises:
+        ValueError: one line naming ``path`` and the fix: not a built-in name nor an import
+            path, a module that does not import, no such class, not an ``Algorithm``
+            subclass, or no ``config_class`` of its own (a :class:`UserAdvantage` subclass
+            declaring ``trains``).
+    """
+    fix = "set type to a built-in algorithm or to 'package.module:Class' of an Algorithm subclass"
+    if not re.fullmatch(IMPORT_PATH_PATTERN, path):
+        close = difflib.get_close_matches(path, list(BUILTIN_ADVANTAGES), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"type {path!r} is neither a built-in algorithm ({', '.join(BUILTIN_ADVANTAGES)}) "
+            f"nor 'package.module:Class' of an Algorithm subclass{hint}; set one of those"
+        )
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module: name it, in one line
+        raise ValueError(
+            f"type {path!r}: module {module_name!r} does not import "
+            f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}); "
+            f"{fix}"
+        ) from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ValueError(f"type {path!r}: module {module_name!r} has no {attr!r}; {fix}")
+    # the class's own module imported the algorithm base if it subclasses it: read it from
+    # there (the config layer imports no runtime code)
+    base = sys.modules.get("composer_replication.algo.base")
+    if base is None or not (isinstance(cls, type) and issubclass(cls, base.Algorithm)):
+        raise ValueError(
+            f"type {path!r} is not an Algorithm subclass "
+            f"(composer_replication.algo.Algorithm); {fix}"
+        )
+    config_class = getattr(cls, "config_class", None)
+    if not (isinstance(config_class, type) and issubclass(config_class, UserAdvantage)):
+        shown = getattr(config_class, "__name__", repr(config_class))
+        raise ValueError(
+            f"type {path!r}: {attr}.config_class is {shown}; give {attr} a config_class "
+            "of its own, a subclass of composer_replication.config.advantage.UserAdvantage "
+            "declaring what it trains (e.g. trains = ('rl',))"
+        )
+    if not config_class.trains:
+        raise ValueError(
+            f"type {path!r}: {config_class.__name__} declares no trains; declare the loss "
+            "components its samples carry weights for, e.g. trains = ('rl',)"
+        )
+    from composer_replication.config.components import component_names
+
+    unknown = sorted(set(config_class.trains) - set(component_names()))
+    if unknown:
+        raise ValueError(
+            f"type {path!r}: {config_class.__name__}.trains names unknown loss components "
+            f"{unknown}; use some of {component_names()} (or register one: "
+            "config.components.register_component)"
+        )
+    return cls
+
+
+def _user_config(kind: str, value: Any) -> UserAdvantage:
+    """``value`` (a raw table) validated by the config class of the user algorithm ``kind``;
+    its first error becomes one line naming the field."""
+    config_class = user_algorithm(kind).config_class
+    try:
+        return config_class.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = str(first.get("msg", "")).removeprefix("Value error, ")
+        shown = "" if isinstance(first.get("input"), dict) else f" (got {first.get('input')!r})"
+        raise ValueError(
+            f"type {kind!r}: {where + ': ' if where else ''}{message}{shown}"
+        ) from None
+
+
+#: The union's tag of every user algorithm (a built-in one is tagged by its ``type``).
+_USER_TAG = "package.module:Class"
+
+
+def _advantage_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind is None:
+        return None
+    return kind if kind in BUILTIN_ADVANTAGES else _USER_TAG
+
+
+def _resolve_user_type(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A table whose ``type`` is no built-in name is validated by the config class of the
+    algorithm it names; a user config object must be that class's."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind not in BUILTIN_ADVANTAGES:
+        value = _user_config(kind, value)
+    elif isinstance(value, UserAdvantage):
+        config_class = user_algorithm(value.type).config_class
+        if not isinstance(value, config_class):
+            raise ValueError(
+                f"type {value.type!r} takes a {config_class.__name__} config, got "
+                f"{type(value).__name__}; build it as {config_class.__name__}(...)"
+            )
+    return handler(value)
+
+
+_MEMBERS = (
+    *(Annotated[cls, Tag(name)] for name, cls in BUILTIN_ADVANTAGES.items()),
+    Annotated[SerializeAsAny[UserAdvantage], Tag(_USER_TAG)],
+)
+
 AdvantageConfig = Annotated[
-    GRPOAdvantage
-    | MaxRLAdvantage
-    | RewardAdvantage
-    | CustomAdvantage
-    | OPDAdvantage
-    | OPSDAdvantage
-    | SDPOAdvantage
-    | SFTAdvantage
-    | EchoAdvantage
-    | ReplayDPOAdvantage
-    | ComposerAdvantage,
-    Field(discriminator="type"),
+    Union[_MEMBERS],  # noqa: UP007 - a union built from the declarations
+    Discriminator(
+        _advantage_tag,
+        custom_error_type="advantage_type_missing",
+        custom_error_message="advantage.type is missing: name the algorithm (a built-in one, "
+        "e.g. 'grpo', or 'package.module:Class')",
+    ),
+    WrapValidator(_resolve_user_type),
 ]
-"""The per-algorithm config, selected by its ``type``."""
+"""The per-algorithm config, selected by its ``type``: a built-in name, or the import path
+of a user's ``Algorithm`` subclass (validated by its ``config_class``)."""

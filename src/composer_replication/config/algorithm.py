@@ -8,20 +8,21 @@ Shape (as PRIME-RL's algorithm configs after its PR #2746)::
     group_size = 4
     [advantage]
     type = "grpo"              # grpo | max_rl | reward | custom | opd | opsd | sdpo | sft
-                               # | echo | replay_dpo | composer; then the type's own fields
+                               # | echo | replay_dpo | composer | "pkg.mod:Class" (a user's
+                               # Algorithm subclass); then the type's own fields
 
 A top-level ``model`` (alias ``teacher``) is shorthand that folds into the slot the type
 declares (opd / opsd -> ``advantage.model``, sft -> ``sampling.source``); after folding it
 is None, so ``to_toml`` writes the canonical form. Validation at config time, each error
 saying what to change:
 - opd against ``"policy"`` (or without a teacher) -> rejected: the KL is 0;
-- a frozen sampling source feeding an rl type -> rejected: no policy log-probs to form
-  the importance ratio;
+- a frozen sampling source feeding a type that trains ``rl`` (``needs_policy_logprobs``)
+  -> rejected: no policy log-probs to form the importance ratio;
 - sft sampling from ``"policy"`` -> rejected;
 - ``"reference"`` (reference solutions as demonstrations) feeding anything but sft ->
   rejected; its group is the one demonstration (``group_size`` 1 when left out, another
   value rejected);
-- a group-relative type with ``group_size = 1`` -> a loud ``UserWarning`` (all
+- a ``group_relative`` type with ``group_size = 1`` -> a loud ``UserWarning`` (all
   advantages are 0);
 - a frozen reference without ``base_url`` / ``local_path`` -> parse error.
 """
@@ -35,12 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from composer_replication.config.advantage import (
-    GROUP_RELATIVE,
-    RL_TYPES,
-    AdvantageConfig,
-    GRPOAdvantage,
-)
+from composer_replication.config.advantage import AdvantageConfig, GRPOAdvantage
 from composer_replication.config.references import (
     REFERENCE_SOLUTIONS,
     ModelReference,
@@ -53,9 +49,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 needs the tomli backport
     import tomli as tomllib
-
-# Where the top-level `model` shorthand lands, per advantage type.
-_MODEL_SLOTS = {"opd": "advantage.model", "opsd": "advantage.model", "sft": "sampling.source"}
 
 
 class SamplingConfig(BaseModel):
@@ -128,13 +121,13 @@ class AlgorithmConfig(BaseModel):
             )
         if source == REFERENCE_SOLUTIONS:
             self._one_demonstration_per_task()
-        if adv.type in RL_TYPES and is_frozen(source):
+        if adv.needs_policy_logprobs() and is_frozen(source):
             raise ValueError(
                 f"advantage type {adv.type!r} trains the rl component, which needs the "
                 f"policy's own sampling log-probs; the frozen source {source.name!r} has none: "
                 "set sampling.source = 'policy', or use type = 'sft' to imitate that model"
             )
-        if adv.type in GROUP_RELATIVE and self.sampling.group_size == 1:
+        if adv.group_relative and self.sampling.group_size == 1:
             warnings.warn(
                 f"advantage type {adv.type!r} is group-relative, but sampling.group_size = 1: "
                 "every advantage is 0 and the rl component learns nothing. Set "
@@ -158,7 +151,7 @@ class AlgorithmConfig(BaseModel):
     def _fold_model_shorthand(self) -> None:
         if self.model is None:
             return
-        slot = _MODEL_SLOTS.get(self.advantage.type)
+        slot = self.advantage.model_slot
         if slot is None:
             raise ValueError(
                 f"top-level model (teacher) has no slot in advantage type "

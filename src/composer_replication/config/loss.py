@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from composer_replication.config.advantage import IMPORT_PATH_PATTERN
 from composer_replication.config.deprecation import rename_deprecated
-from composer_replication.loss_components import BUILTIN_NAMES, component_names
+from composer_replication.config.components import BUILTIN_NAMES, component_names
 
-#: The built-in loss components (every registered one: ``loss_components.component_names``).
+#: The built-in loss components (every registered one: ``config.components.component_names``).
 COMPONENTS = BUILTIN_NAMES
 
 #: Old spelling -> current name.

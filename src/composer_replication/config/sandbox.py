@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from composer_replication.config.environments import ENVIRONMENTS
+
 __all__ = ["SANDBOX_ENVIRONMENTS", "DockerSandboxConfig"]
 
 
@@ -16,7 +18,7 @@ class _Strict(BaseModel):
 # Docker's size strings: bytes, or a number with a b/k/m/g unit ("512m", "1g").
 _DOCKER_SIZE = r"^[0-9]+[bkmgBKMG]?$"
 #: the environments whose sandboxes ``sandbox`` selects (a 'pkg.mod:factory' builds its own)
-SANDBOX_ENVIRONMENTS = ("python_functions", "feature_deletion")
+SANDBOX_ENVIRONMENTS = tuple(name for name, env in ENVIRONMENTS.items() if env.sandbox)
 
 
 class DockerSandboxConfig(_Strict):

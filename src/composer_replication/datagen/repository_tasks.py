@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from composer_replication.config.environments import builtin_environment
 from composer_replication.datagen.feature_deletion import AgentBudgets, generate_tasks
 from composer_replication.envs.fd_tools import DEFAULT_TOOLS
 
@@ -198,11 +199,12 @@ def resolve_repository_options(
     ``task_file`` of that repository's tasks; other options, or other environments, as
     they are."""
     options = dict(options)
-    if name != "feature_deletion" or "repo" not in options:
+    builtin = builtin_environment(name)
+    if builtin is None or not builtin.repository_tasks or "repo" not in options:
         return options
     if "task_file" in options:
         raise ValueError(
-            "feature_deletion options name both repo and task_file; keep one (repo generates "
+            f"{name} options name both repo and task_file; keep one (repo generates "
             "the tasks, task_file reads tasks datagen wrote)"
         )
     generation = {k: options.pop(k) for k in GENERATION_OPTIONS if k in options}

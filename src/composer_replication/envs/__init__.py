@@ -1,8 +1,9 @@
 """Environments: tasks, rollouts and rewards.
 
-``build_environment(env_config)`` constructs an environment by name: ``python_functions``
-(the embedded default), ``feature_deletion`` (tasks from ``composer-replication datagen``),
-or ``"pkg.module:factory"`` for a user environment (called with the config's options).
+``build_environment(env_config)`` constructs an environment by name: a built-in one
+(``config.environments.ENVIRONMENTS``: ``python_functions``, the embedded default, and
+``feature_deletion``, tasks from ``composer-replication datagen``), or
+``"pkg.module:factory"`` for a user environment (called with the config's options).
 Evaluation-only suites (HumanEval) are refused with a ``ValueError``.
 ``env_config.sandbox`` picks the built-in environments' sandbox backend: ``"local"`` (their
 default factory) or ``"docker"`` (a ``DockerSandboxFactory`` from ``env_config.docker``).
@@ -14,6 +15,8 @@ import importlib
 import inspect
 from typing import Any
 
+from composer_replication.config.environments import BUILTIN_ENVIRONMENTS, builtin_environment
+from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS
 from composer_replication.envs.base import (
     DemonstratingEnvironment,
     Environment,
@@ -44,14 +47,10 @@ def build_environment(env_config: Any) -> Environment:
     check_trainable_environment(name)  # benchmarks (HumanEval) are evaluation only
     if getattr(env_config, "sandbox", "local") == "docker":
         options["sandbox_factory"] = _docker_sandbox_factory(name, env_config, options)
-    if name == "python_functions":
-        from composer_replication.envs.python_functions import PythonFunctionsEnv
-
-        return _construct(name, PythonFunctionsEnv, options)
-    if name == "feature_deletion":
-        from composer_replication.envs.feature_deletion import FeatureDeletionEnv
-
-        return _construct(name, FeatureDeletionEnv, options)
+    builtin = builtin_environment(name)
+    if builtin is not None:
+        module, _, attr = builtin.cls.partition(":")
+        return _construct(name, getattr(importlib.import_module(module), attr), options)
     if ":" in name:
         module, _, attr = name.partition(":")
         factory = getattr(importlib.import_module(module), attr)
@@ -70,7 +69,7 @@ def build_environment(env_config: Any) -> Environment:
             )
         return env
     raise ValueError(
-        f"unknown environment {name!r}; use python_functions, feature_deletion or "
+        f"unknown environment {name!r}; use {', '.join(BUILTIN_ENVIRONMENTS)} or "
         "'pkg.module:factory'"
     )
 
@@ -94,9 +93,8 @@ def _construct(name: str, cls: Any, options: dict[str, Any]) -> Any:
 
 def _docker_sandbox_factory(name: str, env_config: Any, options: dict[str, Any]) -> Any:
     """The built-in environment's Docker factory, from the config's ``docker`` table."""
-    from composer_replication.config.run import SANDBOX_ENVIRONMENTS
-
-    if name not in SANDBOX_ENVIRONMENTS:
+    builtin = builtin_environment(name)
+    if builtin is None or not builtin.sandbox:
         raise ValueError(
             f"sandbox = 'docker' applies to {', '.join(SANDBOX_ENVIRONMENTS)}, not {name!r}; "
             "an environment factory builds its own sandboxes"
@@ -113,5 +111,4 @@ def _docker_sandbox_factory(name: str, env_config: Any, options: dict[str, Any])
             "e.g. docker = { image = 'python:3.11-slim' }"
         )
     settings = docker.sandbox_kwargs() if hasattr(docker, "sandbox_kwargs") else dict(docker)
-    module = importlib.import_module(f"composer_replication.envs.{name}")
-    return module.docker_sandbox_factory(settings)
+    return importlib.import_module(builtin.module).docker_sandbox_factory(settings)

@@ -12,7 +12,7 @@ calls :func:`micro_batch_losses` on a :class:`~composer_replication.wire.MicroBa
 The assembler returns each component's UNNORMALISED sum (``rl``, ``ce``, ``ref_kl``,
 ``jsd``, ``dpo``, and any registered one); it runs the shared forward and head once, then
 calls each declared component's ``compute`` function
-(:mod:`composer_replication.loss_components`) on a :class:`ComponentInputs`. The caller divides by the component's token (pair) count, which packing
+(:mod:`composer_replication.config.components`) on a :class:`ComponentInputs`. The caller divides by the component's token (pair) count, which packing
 already counted on the host (``MicroBatch.counts``), over whatever span it normalises
 (one batch, or every micro-batch of an optimizer step). Nothing here reads the device.
 
@@ -32,7 +32,7 @@ import torch
 
 from composer_replication.callables import load_callable
 from composer_replication.config.loss import LossConfig
-from composer_replication.loss_components import loss_components
+from composer_replication.config.components import loss_components
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.divergence import (
     DIVERGENCE_KNOBS,

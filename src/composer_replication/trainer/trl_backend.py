@@ -11,11 +11,13 @@
   SDPO feedback (``last_feedback``);
 - objective: Dr. GRPO (``make_dr_grpo_config``); per step ``tasks_per_step`` prompts x
   ``group_size`` completions of ``max_new_tokens``, one optimizer step per generation;
-- Composer channels: the weights from the algorithm config (``composer`` -> ``alpha_sdpo``,
-  ``beta_replay`` and ``advantage.pairs_path``, else the shipped pairs; ``sdpo`` ->
-  ``alpha_sdpo`` only; ``grpo`` -> neither), every loss setting from the run's resolved
-  ``[loss]`` table under the same names (``sdpo_jsd_beta``, ``sdpo_wrapper``,
-  ``replay_dpo_beta``, ``dpo_variant``, ...); a scheduled TAID ``t`` follows the logged
+- algorithms: those whose config declares the ``trl`` backend (``backends``: grpo, sdpo,
+  composer); the Composer channels they train (``trains``) take the weights from the
+  algorithm config (``jsd`` -> ``alpha_sdpo``, ``dpo`` -> ``beta_replay`` and
+  ``advantage.pairs_path``, else the shipped pairs), a channel they do not train weight 0;
+  every loss setting comes from the run's resolved ``[loss]`` table under the same names
+  (``sdpo_jsd_beta``, ``sdpo_wrapper``, ``replay_dpo_beta``, ``dpo_variant``, ...:
+  :data:`TRAINER_LOSS_SETTINGS`); a scheduled TAID ``t`` follows the logged
   ``loss/jsd``; the channels are logged as the native loop logs them (``loss/rl``,
   ``loss/jsd``, ``loss/dpo``), so the report's loss plot has the same curves;
 - the run lifecycle of the native loop (:mod:`.lifecycle`): held-out pass@1 before
@@ -156,40 +158,40 @@ def train_prompt_dataset(env: PythonFunctionsEnv, split: HeldoutSplit) -> Any:
 
 
 def _composer_settings(run_config: RunConfig) -> dict[str, Any]:
-    """Trainer kwargs (channel weights, loss settings, hint source) of the run."""
+    """Trainer kwargs (channel weights, loss settings, hint source) of the run.
+
+    Read from the algorithm's declarations, never its name: it must declare the ``trl``
+    backend; each Composer channel it trains (``jsd``, ``dpo``) is weighted by its config's
+    channel weight (``CHANNEL_WEIGHTS``), a channel it does not train by 0; the loss
+    settings are the run's ``[loss]`` (:data:`TRAINER_LOSS_SETTINGS`).
+    """
+    from composer_replication.config.advantage import BUILTIN_ADVANTAGES
+    from composer_replication.config.run import CHANNEL_WEIGHTS
+
     advantage = run_config.envs[0].algorithm.advantage
-    kind = advantage.type
-    if kind not in ("grpo", "sdpo", "composer"):
+    if "trl" not in advantage.backends:
+        runs = [n for n, c in BUILTIN_ADVANTAGES.items() if "trl" in c.backends]
         raise ValueError(
-            f"the trl backend runs the grpo, sdpo and composer algorithms, not {kind!r}; "
+            f"the trl backend runs the {', '.join(runs)} algorithms, not {advantage.type!r}; "
             "use --backend native for it"
         )
-    if kind == "grpo":
-        return {"alpha_sdpo": 0.0, "beta_replay": 0.0}
-    if advantage.teacher != "policy":
+    teacher = advantage.teacher_mode
+    if teacher is not None and teacher[0] != "policy":
         raise ValueError(
-            f"advantage.teacher={advantage.teacher!r}: the trl backend's SDPO teacher is the live "
+            f"advantage.teacher={teacher[0]!r}: the trl backend's SDPO teacher is the live "
             "policy; set teacher = 'policy' or use --backend native"
         )
-    from composer_replication.trainer.composer_trainer import default_hint
-
     loss = run_config.loss
-    hint_fn = {"generator": default_hint, "feedback": lambda text: text, "none": None}
     out: dict[str, Any] = {
-        "alpha_sdpo": advantage.alpha_sdpo,
-        "beta_replay": getattr(advantage, "beta_replay", 0.0),
-        "hint_fn": hint_fn[advantage.hint_source],
-        "sdpo_jsd_beta": loss.sdpo_jsd_beta,
-        "sdpo_temperature": loss.sdpo_temperature,
-        "sdpo_token_clip": loss.sdpo_token_clip,
-        "sdpo_wrapper": loss.sdpo_wrapper,
-        "taid_t": loss.taid_t,
-        "entropy_opd_h_max": loss.entropy_opd_h_max,
-        "replay_dpo_beta": loss.replay_dpo_beta,
-        "dpo_variant": loss.dpo_variant,
-        "simpo_beta": loss.simpo_beta,
-        "simpo_gamma": loss.simpo_gamma,
+        field: getattr(advantage, field) if component in advantage.trains else 0.0
+        for component, field in CHANNEL_WEIGHTS.items()
     }
+    out.update({name: getattr(loss, name) for name in TRAINER_LOSS_SETTINGS})
+    if "jsd" in advantage.trains:
+        from composer_replication.trainer.composer_trainer import default_hint
+
+        hint_fn = {"generator": default_hint, "feedback": lambda text: text, "none": None}
+        out["hint_fn"] = hint_fn[advantage.hint_source]
     if out["sdpo_wrapper"] == "taid" and out["taid_t"] is None:
         from composer_replication.ops.taid import TAIDScheduler
 
@@ -292,24 +294,26 @@ def tasks_per_process(tasks_per_step: int, processes: int) -> int:
     return tasks_per_step // processes
 
 
-#: ``[loss]`` settings the trl backend applies: the SDPO and DPO channels' knobs (passed to
-#: the trainer) and ``temperature`` (which must equal the sampling temperature, trl's own).
+#: ``[loss]`` settings passed to ``ComposerReplicationTrainer`` under their own names (the
+#: SDPO and DPO channels' knobs): every run gives them from its ``LossConfig``, so the
+#: trainer's own keyword defaults never apply.
+TRAINER_LOSS_SETTINGS = (
+    "sdpo_jsd_beta",
+    "sdpo_temperature",
+    "sdpo_token_clip",
+    "sdpo_wrapper",
+    "taid_t",
+    "entropy_opd_h_max",
+    "replay_dpo_beta",
+    "dpo_variant",
+    "simpo_beta",
+    "simpo_gamma",
+)
+#: ``[loss]`` settings the trl backend applies: those it passes to the trainer, the TAID
+#: schedule's ends (a scheduled ``taid_t``) and ``temperature`` (which must equal the
+#: sampling temperature, trl's own).
 TRL_APPLIED_LOSS_SETTINGS = frozenset(
-    {
-        "temperature",
-        "sdpo_jsd_beta",
-        "sdpo_temperature",
-        "sdpo_token_clip",
-        "sdpo_wrapper",
-        "taid_t",
-        "taid_t_start",
-        "taid_t_end",
-        "entropy_opd_h_max",
-        "replay_dpo_beta",
-        "dpo_variant",
-        "simpo_beta",
-        "simpo_gamma",
-    }
+    {*TRAINER_LOSS_SETTINGS, "taid_t_start", "taid_t_end", "temperature"}
 )
 
 

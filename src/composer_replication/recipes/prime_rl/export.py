@@ -6,11 +6,13 @@ One ``[[orchestrator.train.source]]`` per environment, each with its own ``algo`
 ``[loss]`` knobs. PRIME-RL runs verifiers tasksets: each source names the taskset by our
 environment's name, and a verifiers taskset of that id must exist on the PRIME-RL side.
 
-Algorithms map by name: grpo, max_rl, opd (the teacher's endpoint), opsd, sft (the frozen
-sampling source), echo (the role weights). The rest have no PRIME-RL equivalent and are
-never dropped silently: :class:`UnsupportedAlgorithmError` lists every environment that
-cannot be exported and why. ``drop_unsupported=True`` exports ``composer`` as its Dr.GRPO
-channel (``grpo``) and names what was dropped (a TOML comment and a warning line).
+The algorithms whose config declares the ``prime_rl`` backend (``backends``: grpo, max_rl,
+opd, opsd, sft, echo) map onto PRIME-RL's algorithm tables here (opd: the teacher's
+endpoint, sft: the frozen sampling source, echo: the role weights). The rest have no
+PRIME-RL equivalent and are never dropped silently: :class:`UnsupportedAlgorithmError` lists
+every environment that cannot be exported and why. ``drop_unsupported=True`` exports
+``composer`` as its Dr.GRPO channel (``grpo``) and names what was dropped (a TOML comment
+and a warning line).
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer_replication.config.advantage import DEFAULT_DEMO_TEMPLATE
+from composer_replication.config.advantage import (
+    BUILTIN_ADVANTAGES,
+    DEFAULT_DEMO_TEMPLATE,
+    ComposerAdvantage,
+)
 from composer_replication.config.references import (
     REFERENCE_SOLUTIONS,
     FrozenEndpoint,
@@ -29,8 +35,8 @@ from composer_replication.config.run import EnvConfig, RunConfig
 from composer_replication.config.toml_writer import dumps, dumps_array_of_tables
 from composer_replication.recipes.prime_rl.composer_loss import IMPORT_PATH
 
-#: PRIME-RL algorithm types this export writes.
-PRIME_RL_TYPES = ("grpo", "max_rl", "opd", "opsd", "sft", "echo")
+#: The algorithm types this export writes: those that declare the ``prime_rl`` backend.
+PRIME_RL_TYPES = tuple(n for n, c in BUILTIN_ADVANTAGES.items() if "prime_rl" in c.backends)
 #: The hub id of our embedded default policy (SmolLM2-135M-Instruct).
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: PRIME-RL's echo role table.
@@ -38,6 +44,7 @@ _ECHO_ROLES = ("system", "user", "assistant", "tool")
 #: PRIME-RL's fixed ref_kl loss settings (mask_low, kl_tau), not configurable there.
 _PRIME_RL_REF_KL = (0.2, 1e-3)
 
+#: Why an algorithm without the ``prime_rl`` backend has no PRIME-RL form (the message).
 _NO_EQUIVALENT = {
     "sdpo": "its jsd channel is a full-vocabulary JSD to the hinted policy; PRIME-RL's loss "
     "hook receives the sampled tokens' log-probs only, no logits",
@@ -162,19 +169,22 @@ _MAPPERS: dict[str, Callable[[EnvConfig, str, list[str]], dict[str, Any]]] = {
 
 
 def _algo(env: EnvConfig, where: str, drop: bool, problems: list[str], notes: list[str]) -> dict:
-    kind = env.algorithm.type
-    if kind == "composer" and drop:
-        adv = env.algorithm.advantage
+    adv = env.algorithm.advantage
+    kind = adv.type
+    if isinstance(adv, ComposerAdvantage) and drop:
         notes.append(
             f"{where}: composer exported as grpo (its Dr.GRPO channel); dropped the jsd channel "
             f"(alpha_sdpo = {adv.alpha_sdpo}) and the trace-replay DPO channel "
             f"(beta_replay = {adv.beta_replay}), which PRIME-RL's loss hook cannot compute"
         )
         return {"type": "grpo"}
-    if kind in _NO_EQUIVALENT:
-        problems.append(
-            f"{where}: algorithm {kind!r} has no PRIME-RL equivalent: {_NO_EQUIVALENT[kind]}"
+    if "prime_rl" not in adv.backends:
+        why = _NO_EQUIVALENT.get(
+            kind,
+            "it does not declare the prime_rl backend (a user's algorithm trains in the "
+            "native loop only); train it with composer-replication train",
         )
+        problems.append(f"{where}: algorithm {kind!r} has no PRIME-RL equivalent: {why}")
         return {}
     return _MAPPERS[kind](env, where, problems)
 
