@@ -1,10 +1,16 @@
-"""Modules that moved keep their first public paths: the same module objects under both.
+"""The one table of module paths that are not where their code lives: the same module objects.
 
-``import composer_replication.ingestion.claude_code`` (a path users already import) finds
+``import composer_replication.ingestion.claude_code`` (a path of the seed API) finds
 :mod:`composer_replication.traces.ingestion.claude_code` and registers that very module
-object under the old name too, lazily and without a second copy: classes, functions and
+object under the seed's name too, lazily and without a second copy: classes, functions and
 module state are identical under both names (``isinstance`` and ``monkeypatch`` work
 across them).
+
+- :data:`SEED_PATHS`: the seed API's module paths whose code lives in the layout's
+  packages. They are the public contract and stay, silently.
+- :data:`MOVED`: earlier paths of modules that moved. The first import of each warns
+  (``DeprecationWarning``) with the path to use instead; they are removed in
+  :data:`REMOVED_IN`.
 """
 
 from __future__ import annotations
@@ -13,35 +19,52 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from types import ModuleType
 from typing import Any
 
-#: old module path -> current path (submodules follow their package).
-MOVED: dict[str, str] = {
+#: the release that drops the old paths (the one after ``composer_replication.__version__``)
+REMOVED_IN = "0.2.0"
+
+#: seed API path -> where the module lives (submodules follow their package); permanent.
+SEED_PATHS: dict[str, str] = {
     "composer_replication.ingestion": "composer_replication.traces.ingestion",
     "composer_replication.teacher_replay": "composer_replication.traces.teacher_replay",
     "composer_replication.replaysim": "composer_replication.traces.replaysim",
-    "composer_replication.trace_cli": "composer_replication.traces.cli",
     "composer_replication.datagen.sandbox": "composer_replication.sandbox",
     "composer_replication.datagen.docker_sandbox": "composer_replication.sandbox.docker",
-    "composer_replication.trainer.ranks": "composer_replication.distributed.ranks",
     "composer_replication.trainer.components": "composer_replication.ops.token_losses",
-    "composer_replication.datagen.fd_tasks": "composer_replication.envs.fd_tasks",
-    "composer_replication.datagen.hack_monitor": "composer_replication.safety.hack_monitor",
-    "composer_replication.datagen.scrub": "composer_replication.sandbox.scrub",
     "composer_replication.distillation.dpo": "composer_replication.ops.dpo",
     "composer_replication.distillation.simpo": "composer_replication.ops.simpo",
     "composer_replication.distillation.taid": "composer_replication.ops.taid",
     "composer_replication.distillation.entropy_aware_opd": "composer_replication.ops.entropy_aware_opd",
 }
 
+#: earlier module path -> current path (submodules follow their package); deprecated.
+MOVED: dict[str, str] = {
+    "composer_replication.trace_cli": "composer_replication.traces.cli",
+    "composer_replication.trainer.ranks": "composer_replication.distributed.ranks",
+    "composer_replication.datagen.fd_tasks": "composer_replication.envs.fd_tasks",
+    "composer_replication.datagen.hack_monitor": "composer_replication.safety.hack_monitor",
+    "composer_replication.datagen.scrub": "composer_replication.sandbox.scrub",
+}
+
+
+# old paths that have warned in this process
+_warned: set[str] = set()
+
 
 def current_name(name: str) -> str | None:
-    """The current path of module ``name`` if it lies under a moved path, else None."""
-    for old, new in MOVED.items():
+    """The current path of module ``name`` if it lies under a seed or moved path, else None."""
+    for old, new in (*SEED_PATHS.items(), *MOVED.items()):
         if name == old or name.startswith(old + "."):
             return new + name[len(old) :]
     return None
+
+
+def deprecated(name: str) -> bool:
+    """Whether ``name`` lies under a moved path (not a seed API path)."""
+    return any(name == old or name.startswith(old + ".") for old in MOVED)
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -55,7 +78,17 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: Any) -> ModuleType:
         # The module itself, not a copy: its attributes (__name__, __spec__) stay the
         # current ones, and the import system stores it under the old name as well.
-        return importlib.import_module(current_name(spec.name) or spec.name)
+        new = current_name(spec.name) or spec.name
+        # once per path (sys.modules answers later imports); seed API paths never warn
+        if deprecated(spec.name) and spec.name not in _warned:
+            _warned.add(spec.name)
+            warnings.warn(
+                f"{spec.name} is deprecated and will be removed in composer-replication "
+                f"{REMOVED_IN}; import {new} instead",
+                DeprecationWarning,
+                stacklevel=2,  # the import statement (the warnings module skips importlib)
+            )
+        return importlib.import_module(new)
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run: the module executed when it was imported under its own name."""

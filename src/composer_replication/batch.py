@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.padding import pad_id_of, pad_rows
+
 if TYPE_CHECKING:
     import torch
 
@@ -179,7 +181,7 @@ def build_batch(
         raise ValueError(f"max_length={max_length} is too small; use at least 8 tokens")
     import torch
 
-    pad_id = _pad_id(tokenizer)
+    pad_id = pad_id_of(tokenizer)
     batch: dict[str, torch.Tensor] = {}
     student = [
         _encode(tokenizer, system_prompt, ex.prompt, ex.response, max_length) for ex in examples
@@ -240,15 +242,6 @@ def _reference_logprobs(batch: dict[str, Any], ref_model: Any | None, seed: int)
     return out
 
 
-def _pad_id(tokenizer: Any) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    if pad is None:
-        raise ValueError("tokenizer has neither a pad nor an eos token id; set tokenizer.pad_token")
-    return int(pad)
-
-
 def _encode_prompt(tokenizer: Any, system_prompt: str, prompt: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         messages = [
@@ -297,23 +290,21 @@ def _pad_rows(
     device: Any,
     prompt_width: int | None,
 ) -> dict[str, torch.Tensor]:
-    """Rows as (N, W) tensors: right-padded, or with prompts left-padded to
-    ``prompt_width`` (responses then start in one column) when it is given."""
+    """(prompt, response) rows as (N, W) tensors: right-padded, or with prompts left-padded
+    to ``prompt_width`` (responses then start in one column) when it is given."""
     import torch
 
     if prompt_width is None:
-        width = max(len(p) + len(r) for p, r in rows)
+        ids, attn = pad_rows([p + r for p, r in rows], pad_id)
+        resp, _ = pad_rows([[0] * len(p) + [1] * len(r) for p, r in rows])
     else:
-        width = prompt_width + max(len(r) for _, r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    resp = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (prompt_ids, response_ids) in enumerate(rows):
-        n_p, n_r = len(prompt_ids), len(response_ids)
-        start = 0 if prompt_width is None else prompt_width - n_p
-        ids[i, start : start + n_p + n_r] = torch.tensor(prompt_ids + response_ids)
-        attn[i, start : start + n_p + n_r] = 1
-        resp[i, start + n_p : start + n_p + n_r] = 1
+        prompt_ids, prompt_attn = pad_rows(
+            [p for p, _ in rows], pad_id, left=True, width=prompt_width
+        )
+        response_ids, response_attn = pad_rows([r for _, r in rows], pad_id)
+        ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attn = torch.cat([prompt_attn, response_attn], dim=1)
+        resp = torch.cat([torch.zeros_like(prompt_attn), response_attn], dim=1)
     return {
         f"{prefix}input_ids": ids.to(device),
         f"{prefix}attention_mask": attn.to(device),

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.forward_tokens import ForwardLoad
 from composer_replication.config.components import LossComponent, loss_components
+from composer_replication.forward_tokens import ForwardLoad
+from composer_replication.padding import pad_lists, pad_rows
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 if TYPE_CHECKING:
@@ -238,10 +239,6 @@ class PairRows:
         return replace(self, **moved)
 
 
-def _padded(rows: Sequence[Sequence[int]], width: int, value: int) -> list[list[int]]:
-    return [[*row, *([value] * (width - len(row)))] for row in rows]
-
-
 def pair_key(pair: DPOPairTokens) -> tuple[Any, ...]:
     """What makes two pairs the same training signal: both sides' token ids and response
     masks (prompt, chosen and rejected tokens), and the cached reference log-probs."""
@@ -305,9 +302,9 @@ def pair_rows(pairs: Sequence[DPOPairTokens], weights: Sequence[float] | None = 
     ]
     weights = [p.weight for p in pairs] if weights is None else list(weights)
     return PairRows(
-        input_ids=torch.tensor(_padded(seqs, width, 0), **host),
-        attention_mask=torch.tensor(_padded([[1] * len(s) for s in seqs], width, 0), **host),
-        response_mask=torch.tensor(_padded(masks, width, 0), **host),
+        input_ids=torch.tensor(pad_lists(seqs, width, 0), **host),
+        attention_mask=torch.tensor(pad_lists([[1] * len(s) for s in seqs], width, 0), **host),
+        response_mask=torch.tensor(pad_lists(masks, width, 0), **host),
         head_rows=torch.tensor(head_rows, **host),
         weights=torch.tensor(weights, dtype=torch.float64, device="cpu"),
         tokens=[list(s) for s in seqs],
@@ -548,11 +545,7 @@ def _to_micro_batch(group: list[TrainingSample], pad_id: int) -> MicroBatch:
     rows = [s for s in group if s.n_tokens]
     width = max((s.n_tokens for s in rows), default=0)
     host = {"dtype": torch.long, "device": "cpu"}
-    ids = torch.full((len(rows), width), pad_id, **host)
-    attn = torch.zeros(len(rows), width, **host)
-    for i, sample in enumerate(rows):
-        ids[i, : sample.n_tokens] = torch.tensor(sample.input_ids, **host)
-        attn[i, : sample.n_tokens] = 1
+    ids, attn = pad_rows([s.input_ids for s in rows], pad_id, width=width)
     f32 = torch.float32
     loss_mask = _stream_tensor(rows, "loss_mask", width, f32)
     streams = {

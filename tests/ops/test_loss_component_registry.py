@@ -108,3 +108,45 @@ def test_bad_declarations_and_streams_are_refused_in_one_line():
         pack_samples([sample], max_tokens=100, split=None)
     with pytest.raises(ValueError, match="unknown components"):
         LossConfig(coefficients={"nobody": 1.0})
+
+
+def test_the_term_and_its_algorithm_train_through_the_loop(tmp_path, tiny_dir):
+    """The example module's algorithm, named by import path, stamps the new stream; the native
+    loop trains it with no other change and reports it (no rl credit: tokens/rl is 0)."""
+    import sys
+    from pathlib import Path
+
+    from composer_replication.config import RunConfig
+    from composer_replication.trainer.loop import Trainer
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from scripted_env import ScriptedEnv
+
+    config = RunConfig.from_toml(f'''
+steps = 2
+output_dir = "{tmp_path / "run"}"
+[model]
+source = "{tiny_dir}"
+[eval]
+at_start = false
+every = 2
+max_tasks = 1
+samples_per_task = 1
+temperature = 0
+[[envs]]
+name = "scripted"
+tasks_per_step = 2
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 6
+[envs.algorithm.advantage]
+type = "tests.examples.unlikelihood_term:UnlikelihoodOnFailures"
+below = 1.0
+''')
+    trainer = Trainer(config, environments={"scripted": ScriptedEnv(rising=False)})
+    result = trainer.run()
+    rows = [r for r in result.metrics if "tokens/unlikelihood" in r]
+    assert len(rows) == 2
+    for row in rows:  # every sampled token of every (failed, reward 0.5) rollout
+        assert row["tokens/unlikelihood"] > 0 and row["loss/unlikelihood"] > 0
+        assert row["tokens/rl"] == 0.0

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from composer_replication.sandbox.base import GuardSpec
+from composer_replication.sandbox.behaviour_guard import GUARD_ENV, GUARD_PLUGIN
+from composer_replication.sandbox.process import ProcessOutcome
 from composer_replication.sandbox.pytest_support import (
+    JUNIT_PREFIX,
+    SYSTEM_PYTHON,
     build_pytest_argv,
     bundle_distributions,
+    entry_for_tests,
+    guard_site_dir,
     interpreter_bin_dir,
     parse_junit,
     pytest_bundle_dir,
+    result_of_tests,
+    sandbox_python,
 )
 
 REPORT = [
@@ -137,3 +147,90 @@ def test_the_python_shim_starts_a_virtualenv_as_itself(tmp_path: Path) -> None:
             check=True,
         )
         assert out.stdout.strip() == str(venv)
+
+
+# --- the entry every backend executes, and its result -------------------------------------
+GUARD = GuardSpec(protected=("tests/test_calc.py",), candidates=("calc.py",))
+
+
+def _report_name(argv: list[str]) -> str:
+    (option,) = [a for a in argv if a.startswith("--junitxml=")]
+    return option.removeprefix("--junitxml=")
+
+
+def test_an_entry_on_the_host_writes_its_report_into_the_workdir(tmp_path: Path) -> None:
+    entry = entry_for_tests("pytest -q", ["t.py"], python="/py", workdir=tmp_path)
+    junit = _report_name(entry.argv)
+    assert entry.argv == ["/py", "-m", "pytest", *REPORT[:3], f"--junitxml={junit}", *REPORT[4:],
+                          "-q", "t.py"]  # fmt: skip
+    assert entry.report == tmp_path / Path(junit).name and str(entry.report) == junit
+    assert entry.report.name.startswith(JUNIT_PREFIX)
+    assert (entry.env, entry.guarded) == ({}, False)
+    # a fresh report name per run
+    assert entry_for_tests("pytest", [], python="/py", workdir=tmp_path).report != entry.report
+
+
+def test_a_guarded_entry_on_the_host_sets_the_guard_variables(tmp_path: Path) -> None:
+    entry = entry_for_tests(
+        "pytest", [], python="/py", workdir=tmp_path, guard=GUARD, with_bundle=True
+    )
+    assert entry.guarded and entry.argv[:3] == ["/py", "-m", "pytest"]
+    assert entry.env["PYTHONPATH"] == f"{guard_site_dir()}:{pytest_bundle_dir()}"
+    assert entry.env["PYTEST_PLUGINS"] == GUARD_PLUGIN
+    assert json.loads(entry.env[GUARD_ENV])["root"] == str(tmp_path)
+
+
+def test_a_guarded_entry_in_a_container_wraps_the_command(tmp_path: Path) -> None:
+    entry = entry_for_tests(
+        "python -m pytest", ["t.py"], python="python", workdir=tmp_path, inside="/src",
+        guard=GUARD, guard_mount="/guard",
+    )  # fmt: skip
+    junit = _report_name(entry.argv)
+    assert junit.startswith(f"/src/{JUNIT_PREFIX}")  # the path the container sees
+    assert entry.report == tmp_path / Path(junit).name  # read on the host
+    assert entry.argv[:2] == ["sh", "-c"] and entry.argv[3:6] == ["sh", "/guard", GUARD_PLUGIN]
+    assert entry.argv[6:9] == ["python", "-m", "pytest"] and entry.argv[-1] == "t.py"
+    assert set(entry.env) == {GUARD_ENV}  # the image keeps its own PYTHONPATH
+    assert json.loads(entry.env[GUARD_ENV])["root"] == "/src"
+
+
+def test_a_command_that_is_not_pytest_has_no_report(tmp_path: Path) -> None:
+    entry = entry_for_tests("make test", ["x"], python="/py", workdir=tmp_path)
+    assert (entry.argv, entry.report) == (["make", "test", "x"], None)
+    result = result_of_tests(entry, _outcome(2, b"boom"), timeout_s=5, isolated=True)
+    assert (result.passed, result.failed, result.errors, result.exit_code) == (0, 0, 0, 2)
+    assert result.output == "boom\n[exit code 2]" and result.isolated
+
+
+def _outcome(exit_code: int | None, output: bytes, stopped: str | None = None) -> ProcessOutcome:
+    return ProcessOutcome(exit_code, output, len(output), False, False, 0.5, stopped=stopped)
+
+
+def test_the_result_reads_and_removes_the_report(tmp_path: Path) -> None:
+    entry = entry_for_tests("pytest", [], python="/py", workdir=tmp_path, guard=GUARD)
+    assert entry.report is not None
+    entry.report.write_text(JUNIT)
+    result = result_of_tests(
+        entry, _outcome(1, b"out\n"), timeout_s=5, isolated=False, infrastructure_error=None
+    )
+    assert (result.passed, result.failed, result.errors, result.skipped) == (2, 2, 1, 1)
+    assert result.exit_code == 1 and result.duration_s == 0.5 and not result.isolated
+    assert result.output == "out\n\n[exit code 1]" and result.behaviour_flags == ()
+    assert not entry.report.exists()
+
+
+def test_a_missing_report_or_a_stopped_run_fails_closed(tmp_path: Path) -> None:
+    entry = entry_for_tests("pytest", [], python="/py", workdir=tmp_path)
+    assert result_of_tests(entry, _outcome(0, b""), timeout_s=5, isolated=True).errors == 1
+    assert entry.report is not None
+    entry.report.write_text(JUNIT)
+    stopped = result_of_tests(entry, _outcome(None, b"", "over quota"), timeout_s=5, isolated=True)
+    assert (stopped.passed, stopped.errors) == (0, 1)
+    assert stopped.output == "\n[stopped: over quota; process group killed]"
+
+
+def test_the_sandbox_python_is_the_system_one_where_it_runs() -> None:
+    if os.access(SYSTEM_PYTHON, os.X_OK):
+        assert sandbox_python() == SYSTEM_PYTHON
+    else:
+        assert os.access(sandbox_python(), os.X_OK)

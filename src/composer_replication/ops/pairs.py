@@ -26,6 +26,7 @@ from composer_replication.model_parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.dpo import dpo_loss
 from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
 from composer_replication.ops.simpo import simpo_loss
+from composer_replication.padding import pad_rows
 from composer_replication.wire import DPOPairTokens, PairRows, pair_rows, to_device
 
 if TYPE_CHECKING:
@@ -99,20 +100,6 @@ def pair_loss_settings(
     return PairLossSettings(
         variant=dpo_variant, beta=replay_dpo_beta, simpo_beta=simpo_beta, simpo_gamma=simpo_gamma
     )
-
-
-def pad_rows(
-    seqs: Sequence[Sequence[int]], value: int = 0, *, left: bool = False, device: Any = None
-) -> tuple[Tensor, Tensor]:
-    """(N, W) rows padded with ``value`` (right, or left) and their 0/1 mask of real entries."""
-    width = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), int(value), dtype=torch.long, device="cpu")
-    mask = torch.zeros((len(seqs), width), dtype=torch.long, device="cpu")
-    for i, seq in enumerate(seqs):
-        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
-        ids[i, cols] = torch.as_tensor(list(seq), dtype=torch.long, device="cpu")
-        mask[i, cols] = 1
-    return ids.to(device), mask.to(device)
 
 
 def sequence_logps(

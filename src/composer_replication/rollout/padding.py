@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from composer_replication.padding import stacked_pad
 from composer_replication.rollout.uploads import to_device_async
 
 __all__ = ["left_pad"]
@@ -16,14 +17,9 @@ def left_pad(
     prompts: Sequence[Sequence[int]], pad_id: int, *, device: Any = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) left-padded ids and attention mask on ``device``: built on the host as one
-    (2, B, T) tensor and moved in one non-blocking copy (:func:`.uploads.to_device_async`)."""
+    (2, B, T) tensor (:func:`composer_replication.padding.stacked_pad`) and moved in one
+    non-blocking copy (:func:`.uploads.to_device_async`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    both = torch.zeros((2, len(prompts), width), dtype=torch.long, device="cpu")
-    both[0].fill_(pad_id)
-    for i, p in enumerate(prompts):
-        both[0, i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long, device="cpu")
-        both[1, i, width - len(p) :] = 1
-    both = to_device_async(both, device)
+    both = to_device_async(stacked_pad(prompts, pad_id, left=True), device)
     return both[0], both[1]

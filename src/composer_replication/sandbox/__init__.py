@@ -29,36 +29,29 @@ Modules: `protocol` (``Sandbox``, ``FakeSandbox``), `base` (records and command 
 shared by the backends), `local` + `bwrap` (the bubblewrap backend), `docker`, `process`
 (one child process with limits), `pytest_support` (pytest inside a sandbox), `workdir`,
 `cgroups`, `uid_pool`, `quota_volume` (the workdir quota as a tmpfs), `behaviour_guard` (the audit hook of guarded test runs), `files`.
-Names load lazily: importing the package imports neither docker nor the backends.
+Importing the package imports the backends but not the docker SDK (``sandbox.docker`` loads it
+on first use).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from composer_replication.sandbox.base import (
+    SANDBOX_DENYLIST,
+    GuardSpec,
+    TestRunResult,
+    is_command_allowed,
+)
+from composer_replication.sandbox.docker import DockerSandbox
+from composer_replication.sandbox.local import LocalSubprocessSandbox
+from composer_replication.sandbox.protocol import FakeSandbox, Sandbox
 
-_LAZY: dict[str, str] = {
-    "SANDBOX_DENYLIST": "composer_replication.sandbox.base",
-    "TestRunResult": "composer_replication.sandbox.base",
-    "GuardSpec": "composer_replication.sandbox.base",
-    "is_command_allowed": "composer_replication.sandbox.base",
-    "Sandbox": "composer_replication.sandbox.protocol",
-    "FakeSandbox": "composer_replication.sandbox.protocol",
-    "LocalSubprocessSandbox": "composer_replication.sandbox.local",
-    "DockerSandbox": "composer_replication.sandbox.docker",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:  # AttributeError lets `import composer_replication.sandbox.x` work
-        raise AttributeError(f"module 'composer_replication.sandbox' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__ = [
+    "SANDBOX_DENYLIST",
+    "DockerSandbox",
+    "FakeSandbox",
+    "GuardSpec",
+    "LocalSubprocessSandbox",
+    "Sandbox",
+    "TestRunResult",
+    "is_command_allowed",
+]

@@ -14,7 +14,12 @@ import os
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.sandbox.process import exec_suffix
+
+if TYPE_CHECKING:
+    from composer_replication.sandbox.process import ProcessOutcome
 
 __all__ = [
     "SANDBOX_DENYLIST",
@@ -217,6 +222,24 @@ class CommandLog:
             return None
         text = denied_message(command)
         entry.update(allowed=False, output=text, exit_code=None, timed_out=False)
+        self._trajectory.append(entry)
+        return text
+
+    def _record_exec(
+        self, entry: dict[str, Any], outcome: ProcessOutcome, timeout_s: float, **extra: Any
+    ) -> str:
+        """Record a command that ran (``entry`` completed from its ``outcome`` and the
+        backend's ``extra`` fields); return the text the agent sees."""
+        text = outcome.text() + exec_suffix(outcome, timeout_s)
+        entry.update(
+            allowed=True,
+            output=text,
+            exit_code=outcome.exit_code,
+            timed_out=outcome.timed_out,
+            output_bytes=outcome.total_bytes,
+            duration_s=outcome.duration_s,
+            **extra,
+        )
         self._trajectory.append(entry)
         return text
 

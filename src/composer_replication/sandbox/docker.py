@@ -48,7 +48,6 @@ from composer_replication.sandbox.base import (
     TestRunResult,
     action_command,
 )
-from composer_replication.sandbox.behaviour_guard import parse_guard_flags
 from composer_replication.sandbox.docker_daemon import (
     LABEL,
     OWNER_HOST_LABEL,
@@ -62,15 +61,14 @@ from composer_replication.sandbox.docker_daemon import (
     reap_leaked,
     runsc_available,
 )
-from composer_replication.sandbox.process import OutputCapture, ProcessOutcome, exec_suffix
+from composer_replication.sandbox.process import OutputCapture, ProcessOutcome
 from composer_replication.sandbox.pytest_support import (
-    JUNIT_PREFIX,
-    JunitReport,
-    build_pytest_argv,
+    SANDBOX_ENV,
+    entry_for_tests,
     guard_config,
     guard_site_dir,
     guarded_command,
-    parse_junit,
+    result_of_tests,
 )
 from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import hand_over
@@ -218,11 +216,7 @@ class DockerSandbox(CommandLog):
             "memswap_limit": self.memswap_limit,
             "nano_cpus": self.nano_cpus,
             "labels": dict(LABEL),
-            "environment": {
-                "HOME": "/tmp",
-                "PYTHONDONTWRITEBYTECODE": "1",
-                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-            },
+            "environment": dict(SANDBOX_ENV),
             "init": True,  # reaps orphans inside the container
             "ipc_mode": "private",
         }
@@ -359,18 +353,7 @@ class DockerSandbox(CommandLog):
         refusal = self._refusal(entry, command)
         if refusal is not None:
             return refusal
-        outcome = self._run(["sh", "-c", command])
-        text = outcome.text() + exec_suffix(outcome, self.exec_timeout_s)
-        entry.update(
-            allowed=True,
-            output=text,
-            exit_code=outcome.exit_code,
-            timed_out=outcome.timed_out,
-            output_bytes=outcome.total_bytes,
-            duration_s=outcome.duration_s,
-        )
-        self._trajectory.append(entry)
-        return text
+        return self._record_exec(entry, self._run(["sh", "-c", command]), self.exec_timeout_s)
 
     #: ``run_tests`` takes ``guard=`` (the behaviour guard runs in this backend).
     supports_behaviour_guard = True
@@ -407,35 +390,19 @@ class DockerSandbox(CommandLog):
         the runtime or pytest is refused and comes back as ``behaviour_flags``. An image
         whose Python has no audit hooks is a ``RuntimeError`` (never an unguarded run).
         """
-        name = f"{JUNIT_PREFIX}{uuid.uuid4().hex}.xml"
-        argv, is_pytest = build_pytest_argv(
+        entry = entry_for_tests(
             test_command,
-            list(tests),
+            tests,
             python=self.python,
-            junit_path=str(PurePosixPath(self.container_workdir) / name),
+            workdir=self.workdir,
+            inside=self.container_workdir,
+            guard=guard,
+            guard_mount=GUARD_MOUNT,
         )
-        environment = None
         if guard is not None:
             self._check_guard_support()
-            argv, environment = self.guarded_run(argv, guard)
-        outcome = self._run(argv, environment)
-        report = JunitReport()
-        if is_pytest:
-            report = parse_junit(self.workdir / name) or JunitReport(errors=1)
-            (self.workdir / name).unlink(missing_ok=True)
-        result = TestRunResult(
-            passed=report.passed,
-            failed=report.failed,
-            errors=report.errors,
-            skipped=report.skipped,
-            outcomes=dict(report.outcomes),
-            exit_code=outcome.exit_code,
-            output=outcome.text() + exec_suffix(outcome, self.exec_timeout_s),
-            timed_out=outcome.timed_out,
-            isolated=True,
-            duration_s=outcome.duration_s,
-            behaviour_flags=tuple(parse_guard_flags(outcome.text())) if guard is not None else (),
-        )
+        outcome = self._run(entry.argv, entry.env)
+        result = result_of_tests(entry, outcome, timeout_s=self.exec_timeout_s, isolated=True)
         return self._record_tests(test_command, tests, result)
 
     reap_leaked = staticmethod(reap_leaked)

@@ -56,13 +56,10 @@ the pytest bundle (see `pytest_support`) is put on PYTHONPATH read-only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import sys
-import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,7 +72,6 @@ from composer_replication.sandbox.base import (
     TestRunResult,
     action_command,
 )
-from composer_replication.sandbox.behaviour_guard import parse_guard_flags
 from composer_replication.sandbox.bwrap import (
     BASE_PATH,
     DEFAULT_HIDE_PATHS,
@@ -92,13 +88,12 @@ from composer_replication.sandbox.process import (
     with_start_marker,
 )
 from composer_replication.sandbox.pytest_support import (
-    JUNIT_PREFIX,
-    JunitReport,
-    build_pytest_argv,
-    guard_environment,
+    SANDBOX_ENV,
+    entry_for_tests,
     interpreter_bin_dir,
-    parse_junit,
     pytest_bundle_dir,
+    result_of_tests,
+    sandbox_python,
     support_root,
 )
 from composer_replication.sandbox.quota_volume import (
@@ -123,12 +118,6 @@ log = logging.getLogger(__name__)
 
 # (python, uid, isolated) -> whether that interpreter imports pytest on its own.
 _OWN_PYTEST: dict[tuple[str, int | None, bool], bool] = {}
-
-
-def _default_python() -> str:
-    if os.access("/usr/bin/python3", os.X_OK):
-        return "/usr/bin/python3"
-    return shutil.which("python3") or sys.executable
 
 
 class LocalSubprocessSandbox(CommandLog):
@@ -245,7 +234,7 @@ class LocalSubprocessSandbox(CommandLog):
             self.quota_enforcement = "measured" if reason else "volume"
             self.quota_volume_unavailable = reason
         self._volume: QuotaVolume | None = None
-        self.python = python or _default_python()
+        self.python = python or sandbox_python()
         self.pytest_from = pytest_from
         self.denylist = denylist
         self.extra_env = dict(env or {})
@@ -295,12 +284,10 @@ class LocalSubprocessSandbox(CommandLog):
     def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {
             "PATH": f"{interpreter_bin_dir(self.python)}:{BASE_PATH}",
-            "HOME": "/tmp",
+            **SANDBOX_ENV,
             "TMPDIR": "/tmp",
             "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONUNBUFFERED": "1",
-            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
         }
         if self._use_bundle:
             env["PYTHONPATH"] = str(pytest_bundle_dir())
@@ -491,20 +478,14 @@ class LocalSubprocessSandbox(CommandLog):
             return refusal
         self._ensure_booted()
         outcome = self._refused() if self.over_quota else self._run(["/bin/sh", "-c", command])
-        text = outcome.text() + exec_suffix(outcome, self.exec_timeout_s)
-        entry.update(
-            allowed=True,
-            output=text,
-            exit_code=outcome.exit_code,
+        return self._record_exec(
+            entry,
+            outcome,
+            self.exec_timeout_s,
             infrastructure_error=self.last_infrastructure_error,
-            timed_out=outcome.timed_out,
-            output_bytes=outcome.total_bytes,
             truncated=outcome.truncated,
-            duration_s=outcome.duration_s,
             stopped=outcome.stopped,
         )
-        self._trajectory.append(entry)
-        return text
 
     #: ``run_tests`` takes ``guard=`` (the behaviour guard runs in this backend).
     supports_behaviour_guard = True
@@ -523,35 +504,21 @@ class LocalSubprocessSandbox(CommandLog):
         the runtime is refused and comes back as ``behaviour_flags``.
         """
         self._ensure_booted()
-        junit = self.workdir / f"{JUNIT_PREFIX}{uuid.uuid4().hex}.xml"
-        argv, is_pytest = build_pytest_argv(
-            test_command, list(tests), python=self.python, junit_path=str(junit)
+        entry = entry_for_tests(
+            test_command,
+            tests,
+            python=self.python,
+            workdir=self.workdir,
+            guard=guard,
+            with_bundle=self._use_bundle,
         )
-        guard_env = None
-        if guard is not None:
-            guard_env = guard_environment(guard, self.workdir, with_bundle=self._use_bundle)
-        outcome = self._refused() if self.over_quota else self._run(argv, extra_env=guard_env)
-        report: JunitReport | None = None
-        if is_pytest:
-            report = parse_junit(junit) or JunitReport(errors=1)  # no report: fail closed
-            with contextlib.suppress(OSError):
-                junit.unlink()
-        if outcome.stopped:  # killed part-way: whatever report exists is not a verdict
-            report = JunitReport(errors=1)
-        report = report or JunitReport()
-        result = TestRunResult(
-            passed=report.passed,
-            failed=report.failed,
-            errors=report.errors,
-            skipped=report.skipped,
-            outcomes=dict(report.outcomes),
-            exit_code=outcome.exit_code,
-            output=outcome.text() + exec_suffix(outcome, self.exec_timeout_s),
-            timed_out=outcome.timed_out,
+        outcome = self._refused() if self.over_quota else self._run(entry.argv, extra_env=entry.env)
+        result = result_of_tests(
+            entry,
+            outcome,
+            timeout_s=self.exec_timeout_s,
             isolated=self.isolated,
-            duration_s=outcome.duration_s,
             infrastructure_error=self.last_infrastructure_error,
-            behaviour_flags=tuple(parse_guard_flags(outcome.text())) if guard is not None else (),
         )
         return self._record_tests(test_command, tests, result, stopped=outcome.stopped)
 

@@ -18,6 +18,7 @@ parsed with `xml.etree` and mapped back to pytest node ids.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import importlib.metadata as metadata
 import json
@@ -27,20 +28,30 @@ import shutil
 import sys
 import tempfile
 import threading
+import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+from composer_replication.sandbox.base import TestRunResult
+from composer_replication.sandbox.process import exec_suffix
 
 if TYPE_CHECKING:
     from composer_replication.sandbox.base import GuardSpec
+    from composer_replication.sandbox.process import ProcessOutcome
 
 __all__ = [
     "JUNIT_PREFIX",
+    "SANDBOX_ENV",
+    "SYSTEM_PYTHON",
     "JunitReport",
+    "TestsEntry",
     "build_pytest_argv",
     "bundle_distributions",
+    "entry_for_tests",
     "guard_config",
     "guard_environment",
     "guard_site_dir",
@@ -48,6 +59,8 @@ __all__ = [
     "interpreter_bin_dir",
     "parse_junit",
     "pytest_bundle_dir",
+    "result_of_tests",
+    "sandbox_python",
     "support_root",
 ]
 
@@ -56,6 +69,16 @@ _SUPPORT_ROOT: Path | None = None
 # A junit file larger than this is not parsed (it is produced inside the sandbox).
 _MAX_JUNIT_BYTES = 64 * 1024 * 1024
 _PYTHON_NAMES = ("python", "python3")
+
+#: The interpreter a sandbox runs tests with unless told otherwise: the system one, which the
+#: sandbox's unprivileged uid can read (a pyenv or venv interpreter under /root it cannot).
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+#: What every backend sets for its commands: a home in the private /tmp, no bytecode
+#: written into the workdir, no pytest plugins picked up from the interpreter's packages.
+SANDBOX_ENV = MappingProxyType(
+    {"HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+)
 
 
 def bundle_distributions(root: str = "pytest") -> list[metadata.Distribution]:
@@ -136,6 +159,13 @@ def pytest_bundle_dir() -> Path:
             _populate(site)
             (site / ".complete").touch(mode=0o644)
     return site
+
+
+def sandbox_python() -> str:
+    """``SYSTEM_PYTHON`` where it runs, else ``python3`` on PATH, else this interpreter."""
+    if os.access(SYSTEM_PYTHON, os.X_OK):
+        return SYSTEM_PYTHON
+    return shutil.which("python3") or sys.executable
 
 
 def guard_site_dir() -> Path:
@@ -348,4 +378,97 @@ def parse_junit(path: str | os.PathLike[str]) -> JunitReport | None:
         errors=counts["error"],
         skipped=counts["skipped"],
         outcomes=outcomes,
+    )
+
+
+@dataclass(frozen=True)
+class TestsEntry:
+    """What a backend executes to run a task's tests, and where their report lands.
+
+    Attributes:
+        argv: The command inside the sandbox (interpreter, pytest options, test ids; behind
+            the guard's shell where the guard is bound into the sandbox).
+        env: The variables the run adds to the backend's environment (the guard's).
+        report: The junit report as the host sees it; None when the command is not
+            pytest (judged by its exit code alone).
+        guarded: The run is under the behaviour guard.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    argv: list[str]
+    env: dict[str, str]
+    report: Path | None
+    guarded: bool
+
+
+def entry_for_tests(
+    test_command: str,
+    tests: Sequence[str],
+    *,
+    python: str,
+    workdir: Path,
+    inside: str | None = None,
+    guard: GuardSpec | None = None,
+    guard_mount: str | None = None,
+    with_bundle: bool = False,
+) -> TestsEntry:
+    """The entry of one test run (:func:`build_pytest_argv` with a fresh report name).
+
+    ``workdir`` is the host directory; ``inside`` the same directory as the run sees it
+    (a container's bind target; default: the same path). With ``guard``, the run is under
+    the behaviour guard: where the sandbox binds ``guard_site_dir()`` at ``guard_mount``
+    (a container, whose image may set ``PYTHONPATH``), the command is wrapped by
+    :func:`guarded_command`; otherwise the backend sets the run's environment whole and
+    :func:`guard_environment` gives its variables (``with_bundle``: the pytest bundle after
+    the guard on ``PYTHONPATH``).
+    """
+    name = f"{JUNIT_PREFIX}{uuid.uuid4().hex}.xml"
+    root = inside if inside is not None else os.fspath(workdir)
+    argv, is_pytest = build_pytest_argv(
+        test_command, list(tests), python=python, junit_path=str(PurePosixPath(root) / name)
+    )
+    env: dict[str, str] = {}
+    if guard is not None and guard_mount is not None:
+        argv, env = guarded_command(argv, guard_mount), guard_config(guard, root)
+    elif guard is not None:
+        env = guard_environment(guard, root, with_bundle=with_bundle)
+    report = Path(workdir) / name if is_pytest else None
+    return TestsEntry(argv=argv, env=env, report=report, guarded=guard is not None)
+
+
+def result_of_tests(
+    entry: TestsEntry,
+    outcome: ProcessOutcome,
+    *,
+    timeout_s: float,
+    isolated: bool,
+    infrastructure_error: str | None = None,
+) -> TestRunResult:
+    """The result of a run of ``entry``: its junit report read (and removed) where pytest
+    ran, a run without a report or one stopped part-way counted as an error (fail closed),
+    and the guard's flags read from the output of a guarded run."""
+    from composer_replication.sandbox.behaviour_guard import parse_guard_flags
+
+    report: JunitReport | None = None
+    if entry.report is not None:
+        report = parse_junit(entry.report) or JunitReport(errors=1)
+        with contextlib.suppress(OSError):
+            entry.report.unlink()
+    if outcome.stopped:  # killed part-way: whatever report exists is not a verdict
+        report = JunitReport(errors=1)
+    report = report or JunitReport()
+    return TestRunResult(
+        passed=report.passed,
+        failed=report.failed,
+        errors=report.errors,
+        skipped=report.skipped,
+        outcomes=dict(report.outcomes),
+        exit_code=outcome.exit_code,
+        output=outcome.text() + exec_suffix(outcome, timeout_s),
+        timed_out=outcome.timed_out,
+        isolated=isolated,
+        duration_s=outcome.duration_s,
+        infrastructure_error=infrastructure_error,
+        behaviour_flags=tuple(parse_guard_flags(outcome.text())) if entry.guarded else (),
     )

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_replication.atomic_io import build_dir_atomically
+from composer_replication.sandbox.pytest_support import SYSTEM_PYTHON
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -79,7 +80,7 @@ __all__ = [
     "declares_dependencies",
 ]
 
-DEFAULT_PYTHON = "/usr/bin/python3"
+DEFAULT_PYTHON = SYSTEM_PYTHON
 #: Written last into a complete environment; its JSON records what was installed.
 MARKER = ".composer-replication-env.json"
 _METADATA_FILES = ("pyproject.toml", "setup.cfg", "setup.py")

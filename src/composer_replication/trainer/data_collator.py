@@ -74,6 +74,7 @@ import torch
 from composer_replication.algo.context import augment_messages, render_prompt
 from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
 from composer_replication.hint_generator import HintContext, classify_error
+from composer_replication.padding import pad_rows
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = [
@@ -654,14 +655,8 @@ class ComposerDataCollator:
         self, rows: Sequence[tuple[list[int], list[int]]], prefix: str
     ) -> dict[str, torch.Tensor]:
         """(ids, turn marks) rows, right-padded; the response mask is where a mark is >= 0."""
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((len(rows), width), self.config.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        resp = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (row, marks) in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attn[i, : len(row)] = 1
-            resp[i, : len(row)] = torch.tensor([int(m >= 0) for m in marks], dtype=torch.long)
+        ids, attn = pad_rows([row for row, _ in rows], self.config.pad_token_id)
+        resp, _ = pad_rows([[int(m >= 0) for m in marks] for _, marks in rows], width=ids.shape[1])
         return {
             f"{prefix}input_ids": ids,
             f"{prefix}attention_mask": attn,

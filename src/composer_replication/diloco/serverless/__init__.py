@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.diloco.serverless.base import (
     RANK_ENV,
@@ -20,17 +20,22 @@ from composer_replication.diloco.serverless.base import (
     ReplicaHandle,
     ServerlessExecutor,
 )
+from composer_replication.diloco.serverless.eks import EKSExecutor
+from composer_replication.diloco.serverless.hf_jobs import HFJobsExecutor
+from composer_replication.diloco.serverless.local import LocalProcessExecutor
+from composer_replication.diloco.serverless.modal import ModalExecutor
+from composer_replication.diloco.serverless.sagemaker import SageMakerExecutor
 
-_LAZY: dict[str, str] = {
+# The object-store all-reduce and manager import torch: name -> module, loaded on first use.
+_TORCH_NAMES: dict[str, str] = {
     "ObjectStoreAllReduce": "composer_replication.diloco.serverless.object_store",
     "ObjectStoreManager": "composer_replication.diloco.serverless.manager",
     "MockManager": "composer_replication.diloco.serverless.manager",
-    "LocalProcessExecutor": "composer_replication.diloco.serverless.local",
-    "EKSExecutor": "composer_replication.diloco.serverless.eks",
-    "SageMakerExecutor": "composer_replication.diloco.serverless.sagemaker",
-    "ModalExecutor": "composer_replication.diloco.serverless.modal",
-    "HFJobsExecutor": "composer_replication.diloco.serverless.hf_jobs",
 }
+
+if TYPE_CHECKING:
+    from composer_replication.diloco.serverless.manager import MockManager, ObjectStoreManager
+    from composer_replication.diloco.serverless.object_store import ObjectStoreAllReduce
 
 __all__ = [
     "RANK_ENV",
@@ -50,7 +55,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module = _TORCH_NAMES.get(name)
     if module is None:
         raise AttributeError(
             f"module 'composer_replication.diloco.serverless' has no attribute {name!r}"
@@ -61,4 +66,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_TORCH_NAMES))
