@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.examples import unlikelihood_term  # registers the "unlikelihood" component
 
-from composer_replication.config.loss import LossConfig
 from composer_replication.config.components import (
     BUILTIN_NAMES,
     LossComponent,
@@ -14,10 +14,10 @@ from composer_replication.config.components import (
     loss_components,
     register_component,
 )
+from composer_replication.config.loss import LossConfig
 from composer_replication.ops.assembler import micro_batch_losses
 from composer_replication.trainer.step import train_step
 from composer_replication.wire import TrainingSample, pack_samples
-from tests.examples import unlikelihood_term  # registers the "unlikelihood" component
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from composer_replication.config.advantage import IMPORT_PATH_PATTERN
-from composer_replication.config.deprecation import rename_deprecated
 from composer_replication.config.components import BUILTIN_NAMES, component_names
+from composer_replication.config.deprecation import rename_deprecated
 
 #: The built-in loss components (every registered one: ``config.components.component_names``).
 COMPONENTS = BUILTIN_NAMES
+
+#: The knobs of the self-distillation channel (the jsd component), named alike in
+#: ``compose_loss``, ``ComposerReplicationTrainer`` and the ``[loss]`` table.
+DIVERGENCE_KNOBS = (
+    "sdpo_jsd_beta",
+    "sdpo_temperature",
+    "sdpo_token_clip",
+    "sdpo_wrapper",
+    "taid_t",
+    "entropy_opd_h_max",
+)
+#: The knobs of the trace-replay channel (the dpo component), named alike there too.
+PAIR_KNOBS = ("dpo_variant", "replay_dpo_beta", "simpo_beta", "simpo_gamma")
 
 #: Old spelling -> current name.
 LOSS_RENAMES = {

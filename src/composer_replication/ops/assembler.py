@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.callables import load_callable
-from composer_replication.config.loss import LossConfig
 from composer_replication.config.components import loss_components
+from composer_replication.config.loss import LossConfig
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.divergence import (
     DIVERGENCE_KNOBS,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.config.loss import DIVERGENCE_KNOBS
 from composer_replication.ops.head import default_head_chunk_rows
 from composer_replication.ops.jsd import jsd_from_hidden, teacher_head
 
@@ -39,16 +40,6 @@ if TYPE_CHECKING:
 DIVERGENCES = ("jsd", "taid", "entropy_opd")
 #: The public ``sdpo_wrapper`` names of the kinds.
 SDPO_WRAPPERS = {"none": "jsd", "taid": "taid", "entropy_opd": "entropy_opd"}
-#: The knobs of the self-distillation channel, named alike in ``compose_loss``,
-#: ``ComposerReplicationTrainer`` and the run config's ``[loss]`` table.
-DIVERGENCE_KNOBS = (
-    "sdpo_jsd_beta",
-    "sdpo_temperature",
-    "sdpo_token_clip",
-    "sdpo_wrapper",
-    "taid_t",
-    "entropy_opd_h_max",
-)
 
 __all__ = [
     "DIVERGENCES",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.config.loss import PAIR_KNOBS
 from composer_replication.model_parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.dpo import dpo_loss
 from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 PAIR_VARIANTS = ("dpo", "simpo")
 #: The knobs of the trace-replay channel, named alike in ``compose_loss``,
 #: ``ComposerReplicationTrainer`` and the run config's ``[loss]`` table.
-PAIR_KNOBS = ("dpo_variant", "replay_dpo_beta", "simpo_beta", "simpo_gamma")
 
 __all__ = [
     "PAIR_KNOBS",

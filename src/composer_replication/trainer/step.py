@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.config.loss import COMPONENTS, LossConfig
 from composer_replication.config.components import component_names
+from composer_replication.config.loss import COMPONENTS, LossConfig
 from composer_replication.forward_tokens import ForwardTokens, counting_forward_tokens
 from composer_replication.model_parts import lm_head_weight
 from composer_replication.ops.assembler import micro_batch_losses

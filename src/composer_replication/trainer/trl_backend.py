@@ -40,6 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.config.loss import DIVERGENCE_KNOBS, PAIR_KNOBS
+
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
     from composer_replication.envs.python_functions import PythonFunctionsEnv
@@ -297,18 +299,7 @@ def tasks_per_process(tasks_per_step: int, processes: int) -> int:
 #: ``[loss]`` settings passed to ``ComposerReplicationTrainer`` under their own names (the
 #: SDPO and DPO channels' knobs): every run gives them from its ``LossConfig``, so the
 #: trainer's own keyword defaults never apply.
-TRAINER_LOSS_SETTINGS = (
-    "sdpo_jsd_beta",
-    "sdpo_temperature",
-    "sdpo_token_clip",
-    "sdpo_wrapper",
-    "taid_t",
-    "entropy_opd_h_max",
-    "replay_dpo_beta",
-    "dpo_variant",
-    "simpo_beta",
-    "simpo_gamma",
-)
+TRAINER_LOSS_SETTINGS = (*DIVERGENCE_KNOBS, *PAIR_KNOBS)
 #: ``[loss]`` settings the trl backend applies: those it passes to the trainer, the TAID
 #: schedule's ends (a scheduled ``taid_t``) and ``temperature`` (which must equal the
 #: sampling temperature, trl's own).
