@@ -308,7 +308,7 @@ def hf_sample(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: 
     """transformers' ``generate`` at temperature 1 (no top-k / top-p); kept tokens."""
     import torch
 
-    from composer_replication.rollout.generate import left_pad
+    from composer_replication.rollout.padding import left_pad
 
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, tokenizer.pad_token_id, device=device)
@@ -334,11 +334,10 @@ def hf_sample(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: 
 def ours_sample(
     model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, options: Any
 ) -> int:
-    from composer_replication.rollout.generate import SamplingSettings, decode_options, generate
+    from composer_replication.rollout.generate import SamplingSettings, generate
 
     settings = SamplingSettings(max_new_tokens=new_tokens, temperature=1.0)
-    with decode_options(options):
-        rows = generate(model, tokenizer, prompts, settings, max_rows=len(prompts))
+    rows = generate(model, tokenizer, prompts, settings, decode=options, max_rows=len(prompts))
     return sum(len(r.completion_ids) for r in rows)
 
 

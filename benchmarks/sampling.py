@@ -46,7 +46,7 @@ def hf_generate(model, tokenizer, prompts, settings, eos_ids):
     at the first EOS or stop string as ours are."""
     import torch
 
-    from composer_replication.rollout.generate import left_pad
+    from composer_replication.rollout.padding import left_pad
 
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     greedy = settings.temperature == 0
@@ -274,12 +274,11 @@ def engine_side(ns, model, tok, ours_rate) -> None:
     """The same settings through the engine, then the default job's steps (see the doc)."""
     import tempfile
 
-    from composer_replication.config.inference import InferenceConfig
+    from composer_replication.config.inference import VllmInferenceConfig
     from composer_replication.inference.engine import PolicyEngine
     from composer_replication.models import embedded_model_dir
 
-    config = InferenceConfig(
-        engine="vllm",
+    config = VllmInferenceConfig(
         python=ns.engine_python,
         optimization_level=ns.optimization_level,
         max_model_len=2048,

@@ -22,7 +22,7 @@ def test_train_help_keeps_every_word_of_its_options():
     # rich reads "[name]" as markup and drops it: option help must not depend on brackets
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
-    assert "sized by the config's engine table" in result.output
+    assert "sized by the config's roles table" in result.output
 
 
 @pytest.mark.parametrize("group", ["", "diloco"])

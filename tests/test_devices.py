@@ -227,7 +227,6 @@ def test_the_static_decode_loop_creates_no_stray_tensor(tiny):
     from composer_replication.rollout.generate import (
         DecodeOptions,
         SamplingSettings,
-        decode_options,
         generate,
         seeded_rows,
     )
@@ -238,11 +237,12 @@ def test_the_static_decode_loop_creates_no_stray_tensor(tiny):
     settings = SamplingSettings(max_new_tokens=20, temperature=1.0, stop_strings=("\n",))
     greedy = SamplingSettings(max_new_tokens=6, temperature=0.0)
     prompts = [[1, 2, 3], [4, 5], [1, 2, 3], [6] * 9, [12, 13], [14], [15, 16, 17], [18]] * 2
-    with decode_options(DecodeOptions(loop="static", sync_every=3)), _strays_fail():
-        out = generate(model, tokenizer, prompts, settings)
+    static = DecodeOptions(loop="static", sync_every=3)
+    with _strays_fail():
+        out = generate(model, tokenizer, prompts, settings, decode=static)
         with seeded_rows(5):
-            seeded = generate(model, tokenizer, prompts, settings, max_rows=5)
-        plain = generate(model, tokenizer, prompts[:3], greedy)
+            seeded = generate(model, tokenizer, prompts, settings, max_rows=5, decode=static)
+        plain = generate(model, tokenizer, prompts[:3], greedy, decode=static)
     assert len(out) == len(seeded) == len(prompts)
     assert all(len(g.completion_ids) <= 20 for g in out + seeded)
     assert [len(g.completion_ids) for g in plain] == [6, 6, 6]

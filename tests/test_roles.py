@@ -25,6 +25,7 @@ def _classes():
     """(protocol, implementation) for every implementation the package has."""
     from composer_replication.distributed.fsdp import NoSharding
     from composer_replication.envs.python_functions import PythonFunctionsEnv
+    from composer_replication.inference.in_process import InProcessEngine
     from composer_replication.inference.sampler import EngineSampler
     from composer_replication.recipes.monarch.engine import (
         RemoteGrader,
@@ -47,6 +48,9 @@ def _classes():
         (roles.PolicyWeights, NoSharding),
         (roles.PolicyWeights, _WholeCopy),
         (roles.Evaluator, RunLifecycle),
+        # (PolicyEngine's sampler starts its server when read, which isinstance does:
+        # tests/inference/test_inference_engines.py checks it against the protocol)
+        (roles.InferenceEngine, InProcessEngine),
         (SplitEnvironment, PythonFunctionsEnv),
         (DemonstratingEnvironment, PythonFunctionsEnv),
     ]
@@ -103,6 +107,7 @@ def instances(tmp_path_factory, tiny):
     """One object of every implementation (none of them calls out when built)."""
     from composer_replication.distributed.fsdp import NoSharding
     from composer_replication.envs.python_functions import PythonFunctionsEnv
+    from composer_replication.inference.in_process import InProcessEngine
     from composer_replication.inference.sampler import EngineSampler
     from composer_replication.recipes.monarch.engine import (
         RemoteGrader,
@@ -128,6 +133,7 @@ def instances(tmp_path_factory, tiny):
         NoSharding: NoSharding(),
         _WholeCopy: _WholeCopy(),
         RunLifecycle: RunLifecycle(config, backend="native"),
+        InProcessEngine: InProcessEngine(model),
     }
 
 

@@ -157,10 +157,14 @@ def train(
     backend: str = typer.Option(
         "native", help="Training backend: native (this framework's loop) or trl (GRPOTrainer)."
     ),
-    engine: str | None = typer.Option(
+    placement: str | None = typer.Option(
         None,
+        "--placement",
         help="Where the native loop's roles run: in_process (default) or monarch (actors on "
-        "Monarch processes, sized by the config's engine table); unset: the config's engine table.",
+        "Monarch processes, sized by the config's roles table); unset: the config's roles table.",
+    ),
+    engine: str | None = typer.Option(
+        None, "--engine", help="Old spelling of --placement.", hidden=True
     ),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks of errors."),
     nproc: int = typer.Option(
@@ -191,12 +195,17 @@ def train(
         if resume and resume_or_start:
             raise ValueError("--resume and --resume-or-start exclude each other; pass one")
         cfg = _run_config(config, list(set_), output_dir, backend, resume or resume_or_start)
-        if engine is not None and engine != cfg.engine.type:
-            from composer_replication.config.engine import engine_config
+        if engine is not None and placement is not None and engine != placement:
+            raise ValueError(f"--engine {engine} contradicts --placement {placement}; keep one")
+        placement = placement or engine
+        if placement is not None and placement != cfg.roles.placement:
+            from composer_replication.config.roles import roles_config
 
-            cfg = cfg.model_copy(update={"engine": engine_config(engine)})
-        if cfg.engine.type != "in_process" and backend != "native":
-            raise ValueError(f"engine {cfg.engine.type} runs the native loop; drop --backend trl")
+            cfg = cfg.model_copy(update={"roles": roles_config(placement)})
+        if cfg.roles.placement != "in_process" and backend != "native":
+            raise ValueError(
+                f"placement {cfg.roles.placement} runs the native loop; drop --backend trl"
+            )
         from composer_replication.preflight import check_resume, check_run
 
         check_run(cfg)
@@ -214,7 +223,7 @@ def train(
     quiet_library_progress_bars()  # in a log file, one plain line per step instead
     console.print(
         f"[bold]train[/bold] ({backend} backend"
-        f"{', monarch engine' if cfg.engine.type == 'monarch' else ''}): {cfg.model.source} on "
+        f"{', roles on monarch' if cfg.roles.placement == 'monarch' else ''}): {cfg.model.source} on "
         f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "
         f"{cfg.steps} steps -> {cfg.output_dir}"
     )
@@ -225,7 +234,7 @@ def train(
             from composer_replication.trainer.trl_backend import train_with_trl
 
             result = train_with_trl(cfg, console=console)
-        elif cfg.engine.type == "monarch":
+        elif cfg.roles.placement == "monarch":
             from composer_replication.recipes.monarch.engine import train as train_on_monarch
 
             result = train_on_monarch(cfg, resume=resume, console=console)
@@ -406,6 +415,11 @@ def evaluate(
     import math
 
     from composer_replication.atomic_io import write_text_atomic
+    from composer_replication.config.environments import (
+        ENVIRONMENTS,
+        builtin_environment,
+        eval_max_new_tokens,
+    )
     from composer_replication.errors import UsageError
     from composer_replication.outputs import check_output
     from composer_replication.preflight import check_env_name, check_model_source
@@ -436,18 +450,18 @@ def evaluate(
             raise UsageError(f"--timeout {timeout}: give a finite number of seconds")
         if suite == "heldout":
             check_env_name(env, "--env")
-            if (
-                env == "feature_deletion"
-                and config is None
-                and (task_file is None) == (repo is None)
-            ):
+            builtin = builtin_environment(env)
+            takes_tasks = builtin is not None and builtin.repository_tasks
+            if takes_tasks and config is None and (task_file is None) == (repo is None):
                 raise UsageError(
-                    "--env feature_deletion needs its tasks: pass --task-file (what datagen "
+                    f"--env {env} needs its tasks: pass --task-file (what datagen "
                     "wrote) or --repo (a repository folder, or 'smallkit'), one of them"
                 )
-            if env != "feature_deletion" and (task_file is not None or repo is not None):
+            if not takes_tasks and (task_file is not None or repo is not None):
+                with_tasks = [n for n, e in ENVIRONMENTS.items() if e.repository_tasks]
                 raise UsageError(
-                    "--task-file and --repo choose feature_deletion tasks; add --env feature_deletion"
+                    f"--task-file and --repo choose {' or '.join(with_tasks)} tasks; add "
+                    f"--env {with_tasks[0]}"
                 )
             if repo is not None:
                 from composer_replication.datagen.repository_tasks import repository_path
@@ -498,7 +512,7 @@ def evaluate(
                 samples or 4,
                 temperature,
                 greedy,
-                max_new_tokens or (256 if env == "feature_deletion" else 80),
+                max_new_tokens or eval_max_new_tokens(env),
                 seed,
                 limit,
                 heldout_fraction,

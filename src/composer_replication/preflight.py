@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from composer_replication.config.environments import BUILTIN_ENVIRONMENTS
 from composer_replication.errors import UsageError
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
     "check_run",
 ]
 
-BUILTIN_ENVIRONMENTS = ("python_functions", "feature_deletion")
 _MODEL_FIX = (
     "give a Hugging Face model directory (e.g. a run's final_model), a .gguf file or 'embedded'"
 )
@@ -204,7 +204,7 @@ def check_run(config: Any) -> None:
         check_env_name(env.name, f"envs.{i}.name")
     check_pairs_files(config)
     check_loss_function(config.loss)
-    check_engine(config.engine.type)
+    check_engine(config.roles.placement)
     check_inference_engine(config.inference)
     check_trackers(config.trackers)
     if config.model.source == "embedded":
@@ -355,14 +355,14 @@ def check_inference_engine(inference: Any) -> None:
         raise UsageError(str(err)) from None
 
 
-def check_engine(engine: str) -> None:
-    """The packages an engine needs are installed (found, not imported)."""
+def check_engine(placement: str) -> None:
+    """The packages the roles' placement needs are installed (found, not imported)."""
     import importlib.util
 
-    if engine == "monarch" and importlib.util.find_spec("monarch") is None:
+    if placement == "monarch" and importlib.util.find_spec("monarch") is None:
         raise UsageError(
-            "engine monarch needs torchmonarch: pip install 'composer-replication[monarch]' "
-            "(or --engine in_process)"
+            "the roles on monarch need torchmonarch: pip install "
+            "'composer-replication[monarch]' (or --placement in_process)"
         )
 
 

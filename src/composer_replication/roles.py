@@ -20,6 +20,9 @@ the protocol's.
   ``recipes.monarch.engine.RemoteLearner`` (on the trainer process).
 - :class:`Evaluator`: a sampler in, its held-out pass@1 out (the kill switch's signal).
   ``trainer.lifecycle.RunLifecycle``.
+- :class:`InferenceEngine`: what samples the live policy, and how its weights follow the
+  optimizer. ``inference.in_process.InProcessEngine`` (the policy in this process, or its
+  sample-ahead copy) and ``inference.engine.PolicyEngine`` (a vLLM server).
 
 This module imports nothing at run time beyond ``typing``: every layer may use it.
 """
@@ -35,7 +38,15 @@ if TYPE_CHECKING:
     from composer_replication.rollout.types import Rollout
     from composer_replication.wire import MicroBatch
 
-__all__ = ["Evaluator", "Grader", "Learner", "PolicyWeights", "Sampler", "protocol_methods"]
+__all__ = [
+    "Evaluator",
+    "Grader",
+    "InferenceEngine",
+    "Learner",
+    "PolicyWeights",
+    "Sampler",
+    "protocol_methods",
+]
 
 
 @runtime_checkable
@@ -138,6 +149,45 @@ class Evaluator(Protocol):
     def evaluate(self, sampler: Sampler, tokenizer: Any, tasks: Sequence[Any]) -> float:
         """Held-out pass@1 of ``sampler`` over ``tasks`` (one
         ``trainer.lifecycle.HeldoutTasks`` per environment)."""
+        ...
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Samples the live policy for the controller; its weights follow the optimizer.
+
+    Policy version ``v`` is the policy after ``v`` optimizer steps. ``sampler`` samples the
+    current weights in the controller's thread (evaluation, a step sampled in turn);
+    :meth:`sampling_ahead` is what samples a batch in the rollout queue's thread while the
+    policy trains. The controller calls :meth:`start` once its weights are final for the
+    run's first step, :meth:`after_step` after each optimizer step (while nothing samples
+    ahead) and :meth:`stop` on every exit path.
+    """
+
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler of the policy's current weights."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """The policy version the next batch sampled ahead is sampled by."""
+        ...
+
+    def start(self, policy: Any, version: int) -> None:
+        """The run begins (or resumes) with ``policy`` at ``version``."""
+        ...
+
+    def sampling_ahead(self) -> AbstractContextManager[Sampler]:
+        """Around one batch sampled ahead, in the rollout queue's thread: its sampler."""
+        ...
+
+    def after_step(self, policy: Any, version: int) -> dict[str, float]:
+        """``policy`` took its ``version``-th optimizer step; the sync's metrics."""
+        ...
+
+    def stop(self) -> None:
+        """Release what the engine holds (servers, weight copies); idempotent."""
         ...
 
 

@@ -66,7 +66,6 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
         DecodeOptions,
         InProcessSampler,
         SamplingSettings,
-        decode_options,
         seeded_rows,
     )
 
@@ -81,7 +80,7 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
             return out
 
     model, tok = tiny_policy(seed=5)
-    sampler = TimedSampler(model)
+    sampler = TimedSampler(model, decode=DecodeOptions(loop="static", sync_every=2))
     env = PythonFunctionsEnv(grading_workers=0, grading_stall_s=0.05)
     assert env.grading_workers >= 1
     task_ids = env.task_ids()[:3]
@@ -100,11 +99,7 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
         return real_grade(task, text)
 
     monkeypatch.setattr(env, "grade", grade)
-    with (
-        caplog.at_level(logging.WARNING),
-        decode_options(DecodeOptions(loop="static", sync_every=2)),
-        seeded_rows(1),
-    ):
+    with caplog.at_level(logging.WARNING), seeded_rows(1):
         groups = env.rollouts(sampler, tok, task_ids, group_size=4, sampling=settings)
     lengths = sorted(len(r.completion_ids) for g in groups for r in g)
     assert lengths[0] < lengths[-1] - 4  # rows ended at different windows

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from composer_replication.config.inference import InferenceConfig
+from composer_replication.config.inference import inference_config
 from composer_replication.errors import UsageError
 from composer_replication.inference import server as engine_server
 from composer_replication.inference.server import EngineServer, EngineStartError, endpoint_problem
@@ -35,15 +35,15 @@ def test_a_dead_url_is_refused_before_anything_loads_and_when_the_engine_starts(
     url = f"http://127.0.0.1:{_closed_port()}"
     assert "connection refused" in endpoint_problem(url)
     assert "unknown" in endpoint_problem("http://no-such-host.invalid:8000")
-    config = InferenceConfig(engine="vllm", url=url)
+    config = inference_config(engine="vllm", url=url)
     with pytest.raises(UsageError, match=r"connection refused\); start the engine server there"):
         check_inference_engine(config)
     with pytest.raises(UsageError, match=r"inference\.url="):
         EngineServer(config, tmp_path, log_path=tmp_path / "engine.log").start()
-    missing = InferenceConfig(engine="vllm", python=str(tmp_path / "no-venv" / "bin" / "python"))
+    missing = inference_config(engine="vllm", python=str(tmp_path / "no-venv" / "bin" / "python"))
     with pytest.raises(UsageError, match="make vllm-env"):
         check_inference_engine(missing)
-    check_inference_engine(InferenceConfig())  # in process: nothing to check
+    check_inference_engine(inference_config())  # in process: nothing to check
 
 
 def test_a_slow_engine_is_waited_for_with_a_line_every_few_seconds(tmp_path, monkeypatch):
@@ -53,7 +53,7 @@ def test_a_slow_engine_is_waited_for_with_a_line_every_few_seconds(tmp_path, mon
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
         assert endpoint_problem(url) is None
         monkeypatch.setattr(engine_server, "PROGRESS_EVERY_S", 0.3)
-        config = InferenceConfig(engine="vllm", url=url, startup_timeout_s=1.5)
+        config = inference_config(engine="vllm", url=url, startup_timeout_s=1.5)
         lines: list[str] = []
         engine = EngineServer(config, tmp_path, log_path=tmp_path / "engine.log")
         with pytest.raises(EngineStartError, match="not healthy after 2 s"):

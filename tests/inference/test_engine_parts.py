@@ -10,9 +10,14 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from composer_replication.config.inference import InferenceConfig
+from composer_replication.config.inference import inference_config
 from composer_replication.config.run import RunConfig
-from composer_replication.inference.engine import build_policy_engine, engine_model_dir
+from composer_replication.inference.engine import (
+    build_inference_engine,
+    build_policy_engine,
+    engine_model_dir,
+)
+from composer_replication.inference.in_process import InProcessEngine
 from composer_replication.inference.server import (
     EXTENSION_DIR,
     EngineServer,
@@ -29,15 +34,51 @@ def test_config_defaults_and_errors():
     cfg = RunConfig.default(["inference.engine=vllm", "inference.port=8123"]).inference
     assert (cfg.engine, cfg.port) == ("vllm", 8123)
     with pytest.raises(ValidationError, match="must start with http"):
-        InferenceConfig(url="127.0.0.1:8000")
+        inference_config(engine="vllm", url="127.0.0.1:8000")
     with pytest.raises(ValidationError, match="command is empty"):
-        InferenceConfig(command=[])
-    with pytest.raises(ValidationError):
-        InferenceConfig(engine="sglang")
+        inference_config(engine="vllm", command=[])
+    with pytest.raises(ValidationError, match=r"inference\.engine must be 'in_process' or 'vllm'"):
+        inference_config(engine="sglang")
 
 
-def test_in_process_builds_no_engine(tmp_path):
-    assert build_policy_engine(InferenceConfig(), model_source="embedded", run_dir=tmp_path) is None
+def test_each_engine_keeps_its_own_settings():
+    """Shared settings on both, the decode loop's only in process, the server's only on
+    vLLM; the other engine's setting is refused in one line naming the engine it is for."""
+    from composer_replication.errors import user_error
+
+    in_process = RunConfig.default(["inference.decode_loop=static", "inference.async_level=1"])
+    assert type(in_process.inference).__name__ == "InProcessInferenceConfig"
+    assert (in_process.inference.decode_loop, in_process.inference.async_level) == ("static", 1)
+    assert not hasattr(in_process.inference, "url")
+    vllm = RunConfig.from_toml('[inference]\nengine = "vllm"\nport = 8123\nasync_level = 2\n')
+    assert type(vllm.inference).__name__ == "VllmInferenceConfig"
+    assert (vllm.inference.port, vllm.inference.async_level) == (8123, 2)
+    assert not hasattr(vllm.inference, "decode_loop")
+    assert RunConfig.model_validate(vllm.model_dump()) == vllm  # round trip keeps the engine
+    with pytest.raises(ValidationError) as wrong:
+        RunConfig.default(["inference.url=http://127.0.0.1:8000"])
+    line = user_error(wrong.value)
+    assert "\n" not in line
+    assert "inference.url is a setting of engine = 'vllm', not of engine = 'in_process'" in line
+    with pytest.raises(ValidationError) as wrong:
+        RunConfig.default(["inference.engine=vllm", "inference.sync_every=4"])
+    line = user_error(wrong.value)
+    assert "inference.sync_every is a setting of engine = 'in_process'" in line
+    assert "not of engine = 'vllm'" in line
+
+
+def test_in_process_builds_the_in_process_engine(tmp_path):
+    from composer_replication.rollout.generate import DecodeOptions
+
+    policy = tiny_model(seed=0)
+    config = inference_config(decode_loop="general", sync_every=5, compile_decode=True)
+    engine = build_inference_engine(
+        config, policy=policy, model_source="embedded", run_dir=tmp_path
+    )
+    assert isinstance(engine, InProcessEngine)
+    assert engine.sampler.model is policy
+    assert engine.sampler.decode == DecodeOptions(loop="general", sync_every=5, compile=True)
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
 def test_model_dir_must_be_a_plain_hf_dir(tmp_path):
@@ -50,7 +91,7 @@ def test_model_dir_must_be_a_plain_hf_dir(tmp_path):
 def test_server_command_line_binds_loopback_and_loads_the_extension(tmp_path):
     python = tmp_path / "python"
     python.write_text("")
-    cfg = InferenceConfig(engine="vllm", python=str(python), extra_args=["--seed", "3"])
+    cfg = inference_config(engine="vllm", python=str(python), extra_args=["--seed", "3"])
     argv = server_argv(cfg, "/models/m", 8555)
     assert argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(argv[3::2], argv[4::2]))
@@ -67,14 +108,14 @@ def test_server_command_line_binds_loopback_and_loads_the_extension(tmp_path):
 
 
 def test_missing_engine_python_names_the_fix(tmp_path):
-    cfg = InferenceConfig(engine="vllm", python=str(tmp_path / "nope" / "python"))
+    cfg = inference_config(engine="vllm", python=str(tmp_path / "nope" / "python"))
     with pytest.raises(FileNotFoundError, match="make vllm-env"):
         server_argv(cfg, "/m", 1)
 
 
 def test_server_that_dies_reports_its_log_tail(tmp_path):
     script = "import sys; print('engine failed: no such model', flush=True); sys.exit(3)"
-    cfg = InferenceConfig(
+    cfg = inference_config(
         engine="vllm", command=[sys.executable, "-c", script], startup_timeout_s=60
     )
     server = EngineServer(cfg, tmp_path, log_path=tmp_path / "engine.log")
@@ -86,7 +127,7 @@ def test_server_that_dies_reports_its_log_tail(tmp_path):
 
 def test_server_that_never_answers_times_out_and_is_killed(tmp_path):
     script = "import time; print('loading', flush=True); time.sleep(600)"
-    cfg = InferenceConfig(
+    cfg = inference_config(
         engine="vllm", command=[sys.executable, "-c", script], startup_timeout_s=2
     )
     server = EngineServer(cfg, tmp_path, log_path=tmp_path / "engine.log")
@@ -126,12 +167,12 @@ def test_engine_state_dict_of_lora_policy_is_merged_under_hf_names(tmp_path):
 
 
 def test_adapter_sync_turns_on_runtime_lora_at_a_supported_rank(tmp_path):
-    cfg = InferenceConfig(engine="vllm", command=["serve"], lora_sync="adapter", max_lora_rank=12)
+    cfg = inference_config(engine="vllm", command=["serve"], lora_sync="adapter", max_lora_rank=12)
     server = EngineServer(cfg, tmp_path, log_path=tmp_path / "log")
     argv = server_argv(cfg, tmp_path, 1, lora_rank=server.lora_rank)
     i = argv.index("--enable-lora")
     assert argv[i : i + 5] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]
-    merged = InferenceConfig(engine="vllm", command=["serve"])
+    merged = inference_config(engine="vllm", command=["serve"])
     assert EngineServer(merged, tmp_path, log_path=tmp_path / "log").lora_rank is None
     assert "--enable-lora" not in server_argv(merged, tmp_path, 1)
 
@@ -157,7 +198,7 @@ def _build_on_rank(rank: int, store_path: str, model_dir: str, out_dir: str) -> 
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        cfg = InferenceConfig(engine="vllm")
+        cfg = inference_config(engine="vllm")
         build_policy_engine(cfg, model_source=model_dir, run_dir=out_dir)
         message = "built"
     except ValueError as err:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from composer_replication.algo import AlgorithmConfig, build_algorithm
-from composer_replication.config.inference import InferenceConfig
+from composer_replication.config.inference import inference_config
 from composer_replication.inference.engine import PolicyEngine
 from composer_replication.models import embedded_model_dir, load_policy
 from composer_replication.rollout.generate import SamplingSettings
@@ -49,7 +49,7 @@ def policy_and_tokenizer():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("engine-run")
-    config = InferenceConfig(
+    config = inference_config(
         engine="vllm",
         python=str(ENGINE_PYTHON),
         max_model_len=1024,
@@ -408,7 +408,7 @@ def test_a_frozen_opd_teacher_is_served_by_an_engine_of_its_own(engine, tmp_path
 @pytest.fixture(scope="module")
 def lora_engine(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora-engine-run")
-    config = InferenceConfig(
+    config = inference_config(
         engine="vllm",
         python=str(ENGINE_PYTHON),
         max_model_len=1024,

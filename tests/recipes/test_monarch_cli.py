@@ -1,4 +1,5 @@
-"""``composer-replication train --engine monarch``: the real embedded model, one short step."""
+"""``composer-replication train --placement monarch`` (formerly ``--engine``): the real embedded
+model, one short step."""
 
 from __future__ import annotations
 
@@ -16,13 +17,19 @@ from composer_replication.cli import app
 from composer_replication.config import RunConfig
 
 
-def test_an_unknown_engine_is_a_usage_error(tmp_path):
-    result = CliRunner().invoke(
-        app, ["train", "--engine", "ray", "--output-dir", str(tmp_path / "run")]
-    )
+@pytest.mark.parametrize("flag", ["--placement", "--engine"])
+def test_an_unknown_placement_is_a_usage_error(tmp_path, flag):
+    result = CliRunner().invoke(app, ["train", flag, "ray", "--output-dir", str(tmp_path / "run")])
     assert result.exit_code == 2
-    assert "unknown engine 'ray'" in result.output
+    assert "unknown placement 'ray' of the roles" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_the_old_and_new_flags_must_agree(tmp_path):
+    argv = ["train", "--engine", "monarch", "--placement", "in_process"]
+    result = CliRunner().invoke(app, [*argv, "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert "--engine monarch contradicts --placement in_process" in result.output
 
 
 def test_monarch_engine_refuses_the_trl_backend(tmp_path):
@@ -44,8 +51,8 @@ output_dir = "{tmp_path / "run"}"
 every = 1
 max_tasks = 1
 samples_per_task = 1
-[engine]
-type = "monarch"
+[roles]
+placement = "monarch"
 generators = 1
 rewarders = 1
 [[envs]]
@@ -58,14 +65,14 @@ max_new_tokens = 8
 type = "grpo"
 """)
     assert RunConfig.from_toml(path).model.source == "embedded"
-    assert RunConfig.from_toml(path).engine.generators == 1
+    assert RunConfig.from_toml(path).roles.generators == 1
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "composer_replication.cli",
             "train",
-            "--engine",
+            "--placement",
             "monarch",
             str(path),
         ],
@@ -74,7 +81,7 @@ type = "grpo"
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "monarch engine" in done.stdout
+    assert "roles on monarch" in done.stdout
     rows = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]

@@ -69,7 +69,7 @@ type = "{algo}"
 ''')
 
 
-MONARCH = '[engine]\ntype = "monarch"\ngenerators = 2\nrewarders = 1\ncall_timeout_s = 120'
+MONARCH = '[roles]\nplacement = "monarch"\ngenerators = 2\nrewarders = 1\ncall_timeout_s = 120'
 
 
 def _metrics(run_dir):
@@ -222,14 +222,29 @@ def test_a_killed_generator_ends_the_run_with_its_name(tmp_path, tiny_dir):
     assert (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_engine_config_is_validated():
+def test_roles_config_is_validated():
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="generators"):
-        RunConfig.model_validate({"engine": {"type": "monarch", "generators": 0}})
-    with pytest.raises(ValidationError, match="engine"):
-        RunConfig.model_validate({"engine": {"type": "ray"}})
-    assert RunConfig().engine.type == "in_process"
+        RunConfig.model_validate({"roles": {"placement": "monarch", "generators": 0}})
+    with pytest.raises(ValidationError, match="roles"):
+        RunConfig.model_validate({"roles": {"placement": "ray"}})
+    assert RunConfig().roles.placement == "in_process"
+
+
+def test_the_old_engine_table_still_loads_with_a_warning():
+    from composer_replication.config import ConfigDeprecationWarning
+
+    with pytest.warns(ConfigDeprecationWarning, match=r"'engine' is deprecated, write 'roles'"):
+        old = RunConfig.from_toml('[engine]\ntype = "monarch"\ngenerators = 3\n')
+    new = RunConfig.from_toml('[roles]\nplacement = "monarch"\ngenerators = 3\n')
+    assert old == new and old.roles.generators == 3
+    with pytest.warns(ConfigDeprecationWarning):
+        assert RunConfig.default(["engine.type=monarch"]).roles.placement == "monarch"
+    with pytest.raises(ValueError, match="contradicts"):
+        RunConfig.model_validate(
+            {"engine": {"type": "monarch"}, "roles": {"placement": "in_process"}}
+        )
 
 
 def test_sampling_ahead_is_refused_with_the_monarch_engine(tmp_path, tiny_dir):
@@ -238,6 +253,6 @@ def test_sampling_ahead_is_refused_with_the_monarch_engine(tmp_path, tiny_dir):
         update={"inference": config.inference.model_copy(update={"async_level": 1})}
     )
     with pytest.raises(
-        ValueError, match=r"async_level = 1 with engine monarch.*set async_level = 0"
+        ValueError, match=r"async_level = 1 with the roles on monarch.*set async_level = 0"
     ):
         MonarchTrainer(config)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_replication.rollout.generate import SamplingSettings, generate, left_pad
+from composer_replication.rollout.generate import SamplingSettings, generate
+from composer_replication.rollout.padding import left_pad
 
 
 def _recompute(model, prompt, completion, temperature):

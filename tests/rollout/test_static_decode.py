@@ -12,8 +12,8 @@ from composer_replication.rollout.decode import DecodeStats, decode_rows
 from composer_replication.rollout.decode_buckets import bucket_rows
 from composer_replication.rollout.generate import (
     DecodeOptions,
+    InProcessSampler,
     SamplingSettings,
-    decode_options,
     generate,
     seeded_rows,
 )
@@ -103,11 +103,14 @@ def test_unsupported_models_say_why():
     assert "model type 'gpt2'" in supports(gpt2)
     with pytest.raises(ValueError, match="static decoder cannot run this model: model type"):
         DecoderWeights(gpt2, torch.float32)
-    with (
-        decode_options(DecodeOptions(loop="static")),
-        pytest.raises(ValueError, match="decode_loop = 'static' cannot decode this model"),
-    ):
-        generate(gpt2, _FakeTokenizer(), [[1, 2]], SamplingSettings(max_new_tokens=2))
+    with pytest.raises(ValueError, match="decode_loop = 'static' cannot decode this model"):
+        generate(
+            gpt2,
+            _FakeTokenizer(),
+            [[1, 2]],
+            SamplingSettings(max_new_tokens=2),
+            decode=DecodeOptions(loop="static"),
+        )
 
 
 class _FakeTokenizer:
@@ -189,10 +192,32 @@ def test_generate_takes_the_static_loop_when_asked(tiny):
     settings = SamplingSettings(max_new_tokens=20, temperature=1.0, stop_strings=("\n",))
     with seeded_rows(3):
         general = generate(model, tok, prompts, settings)
-        with decode_options(DecodeOptions(loop="static", sync_every=4)):
-            static = generate(model, tok, prompts, settings)
+        static = generate(
+            model, tok, prompts, settings, decode=DecodeOptions(loop="static", sync_every=4)
+        )
     assert [g.completion_ids for g in static] == [g.completion_ids for g in general]
     assert [g.text for g in static] == [g.text for g in general]
+
+
+def test_a_sampler_decodes_with_the_loop_it_carries(tiny):
+    """The options travel with the sampler, not with the calling thread: a sampler built
+    for the static loop takes it in a thread that set nothing, one built for the general
+    loop never does."""
+    import threading
+
+    from composer_replication.rollout.static_decode import decoder_for
+
+    model, tok = tiny
+    settings = SamplingSettings(max_new_tokens=6, temperature=1.0)
+    static = InProcessSampler(model, decode=DecodeOptions(loop="static", sync_every=3))
+    general = InProcessSampler(model, decode=DecodeOptions(loop="general"))
+    worker = threading.Thread(target=static.sample_batch, args=(tok, [[1, 2, 3]], settings))
+    worker.start()
+    worker.join()
+    general.sample_batch(tok, [[1, 2, 3]], settings)
+    assert static.decode_loops == {"static": 1}
+    assert general.decode_loops == {"general": 1}
+    assert decoder_for(model, sync_every=3).sync_every == 3  # the kept decoder's window
 
 
 def test_autocast_runs_the_products_in_its_dtype(tiny):
@@ -201,10 +226,10 @@ def test_autocast_runs_the_products_in_its_dtype(tiny):
     model, tok = tiny
     prompts = _prompts(4, seed=1)
     settings = SamplingSettings(max_new_tokens=8, temperature=0.0)
-    with decode_options(DecodeOptions(loop="static")):
-        full = generate(model, tok, prompts, settings)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            half = generate(model, tok, prompts, settings)
+    static = DecodeOptions(loop="static")
+    full = generate(model, tok, prompts, settings, decode=static)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = generate(model, tok, prompts, settings, decode=static)
     from composer_replication.rollout.static_decode import decoder_for
 
     decoder = decoder_for(model, compute_dtype=torch.bfloat16, sync_every=16)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from composer_replication.config.inference import InferenceConfig
+from composer_replication.config.inference import inference_config
 from composer_replication.rollout.types import Rollout, mark_frozen_source
 from composer_replication.trainer.rollout_queue import RolloutQueue, drop_stale
 
@@ -146,24 +146,24 @@ def test_drop_stale_on_policy_rollouts_are_kept():
 
 def test_async_config_is_checked():
     with pytest.raises(ValueError, match="raise max_off_policy_steps"):
-        InferenceConfig(engine="vllm", async_level=3, max_off_policy_steps=2)
+        inference_config(engine="vllm", async_level=3, max_off_policy_steps=2)
     with pytest.raises(ValueError, match="async_level"):
-        InferenceConfig(async_level="sometimes")
-    assert InferenceConfig(engine="vllm", async_level=1).max_off_policy_steps == 8
-    assert InferenceConfig(async_level=1).resolved_async_level("cpu") == 1  # in process too
+        inference_config(async_level="sometimes")
+    assert inference_config(engine="vllm", async_level=1).max_off_policy_steps == 8
+    assert inference_config(async_level=1).resolved_async_level("cpu") == 1  # in process too
 
 
 def test_auto_async_level_samples_ahead_on_a_gpu_only():
-    auto = InferenceConfig()
+    auto = inference_config()
     assert auto.async_level == "auto"
     assert auto.resolved_async_level("cuda") == 1
     assert auto.resolved_async_level("cpu") == 0
     assert auto.resolved_async_level("cuda", distributed=True) == 0  # in-process ranks
-    assert InferenceConfig(engine="vllm").resolved_async_level("cuda", distributed=True) == 1
-    assert InferenceConfig(max_off_policy_steps=0).resolved_async_level("cuda") == 0
-    assert InferenceConfig(async_level=0).resolved_async_level("cuda") == 0
+    assert inference_config(engine="vllm").resolved_async_level("cuda", distributed=True) == 1
+    assert inference_config(max_off_policy_steps=0).resolved_async_level("cuda") == 0
+    assert inference_config(async_level=0).resolved_async_level("cuda") == 0
     with pytest.raises(ValueError, match="under torchrun set async_level = 0"):
-        InferenceConfig(async_level=1).resolved_async_level("cuda", distributed=True)
+        inference_config(async_level=1).resolved_async_level("cuda", distributed=True)
 
 
 def test_a_job_sees_the_submitting_threads_context():

@@ -17,8 +17,11 @@ class ConfigDeprecationWarning(FutureWarning):
     """A config used an old field name (shown to users by default)."""
 
 
-def rename_deprecated(data: Any, renames: Mapping[str, str], where: str) -> Any:
-    """``data`` (raw validator input) with the old keys of ``renames`` moved to the new ones.
+def rename_deprecated(
+    data: Any, renames: Mapping[str, str], where: str, *, advice: str = ""
+) -> Any:
+    """``data`` (raw validator input) with the old keys of ``renames`` moved to the new ones;
+    ``advice`` ends each warning (say what else changed with the name).
 
     Non-dict inputs pass through (pydantic validates model instances itself).
     """
@@ -35,12 +38,28 @@ def rename_deprecated(data: Any, renames: Mapping[str, str], where: str) -> Any:
                 f"keep only {new}"
             )
         warnings.warn(
-            f"{where}: {old!r} is deprecated, write {new!r} instead",
+            f"{where}: {old!r} is deprecated, write {new!r} instead{advice}",
             ConfigDeprecationWarning,
             stacklevel=6,
         )
         out[new] = value
     return out
+
+
+def fold_engine_table(data: Any) -> Any:
+    """A run config's raw data with the old ``[engine] type = X`` table as
+    ``[roles] placement = X`` (the table says where the roles run), warning once."""
+    if not isinstance(data, dict) or "engine" not in data:
+        return data
+    table = data["engine"]
+    if isinstance(table, dict) and "type" in table:
+        table = {"placement": table["type"], **{k: v for k, v in table.items() if k != "type"}}
+    return rename_deprecated(
+        {**data, "engine": table},
+        {"engine": "roles"},
+        "run config",
+        advice=" (its 'type' is now 'placement': [roles] placement = 'in_process' | 'monarch')",
+    )
 
 
 def fold_run_level_spellings(config: Any) -> None:

@@ -1,30 +1,145 @@
 """The ``[inference]`` section: who samples the policy's rollouts.
 
 ``engine = "in_process"`` (the default) samples with the live policy in the training
-process. ``engine = "vllm"`` samples through a vLLM OpenAI-compatible server: started by
-the run on loopback from the engine's own virtualenv (``python``) or a ``command``, or one
-already running at ``url``. After every optimizer step the trainer writes the policy's
-weights once and the engine reloads them in place (a versioned sync).
+process, with the decode loop its own fields choose. ``engine = "vllm"`` samples through a
+vLLM OpenAI-compatible server: started by the run on loopback from the engine's own
+virtualenv (``python``) or a ``command``, or one already running at ``url``. After every
+optimizer step the trainer writes the policy's weights once and the engine reloads them in
+place (a versioned sync).
+
+The section is a union keyed on ``engine``: the settings both share (how far to sample
+ahead) sit in a base, each engine's own settings only on its config, and a setting given
+for the other engine is refused naming the engine it belongs to.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+__all__ = [
+    "DEFAULT_ENGINE_PYTHON",
+    "INFERENCE_ENGINES",
+    "InProcessInferenceConfig",
+    "InferenceConfig",
+    "VllmInferenceConfig",
+    "inference_config",
+]
 
 DEFAULT_ENGINE_PYTHON = ".venv-vllm/bin/python"
 
 
-class InferenceConfig(BaseModel):
-    """How rollouts are sampled: in process or through a vLLM server."""
+class _SharedInferenceConfig(BaseModel):
+    """The settings of every engine: how far sampling runs ahead of training."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    engine: Literal["in_process", "vllm"] = Field(
+    async_level: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Steps sampled ahead of training: 0 samples each step's rollouts before "
+        "training on them; k > 0 samples the next k steps' rollouts while the trainer runs "
+        "(in process: from a copy of the weights refreshed after each optimizer step, on its "
+        "own CUDA stream), so a step trains on rollouts of the policy k versions older; "
+        "'auto': 1 on a GPU, 0 on a CPU (where sampling and training share the cores).",
+    )
+    max_off_policy_steps: int = Field(
+        8,
+        ge=0,
+        description="Rollouts sampled more than this many policy versions before the weights "
+        "that train on them are dropped (and counted in rollouts/stale_dropped).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_other_engines_fields(cls, data: Any) -> Any:
+        # a setting of the other engine would be ignored silently: say whose it is
+        if not isinstance(data, dict):
+            return data
+        own = cls.model_fields
+        for name, config in INFERENCE_ENGINES.items():
+            if config is cls:
+                continue
+            for key in data:
+                if key not in own and key in config.model_fields:
+                    engine = data.get("engine", "in_process")
+                    raise ValueError(
+                        f"inference.{key} is a setting of engine = {name!r}, not of "
+                        f"engine = {engine!r}: set inference.engine = {name!r} or remove {key}"
+                    )
+        return data
+
+    @model_validator(mode="after")
+    def _check_lag(self) -> Any:
+        if self.async_level != "auto" and self.async_level > self.max_off_policy_steps:
+            raise ValueError(
+                f"inference.async_level={self.async_level} > max_off_policy_steps="
+                f"{self.max_off_policy_steps}: every batch would be dropped as too old; raise "
+                "max_off_policy_steps to at least async_level"
+            )
+        return self
+
+    def resolved_async_level(self, device_type: str, *, distributed: bool = False) -> int:
+        """The steps to sample ahead for a policy on ``device_type`` ('auto' resolved: 1 on a
+        GPU, 0 on a CPU; 0 under several in-process ranks, whose sampling is collective).
+
+        Raises ``ValueError`` for an explicit level the in-process engine cannot run: under
+        torchrun the ranks' sharded weights are gathered for sampling, a collective that
+        cannot run beside the training step's."""
+        if self.async_level == "auto":
+            if device_type == "cpu" or (distributed and self.engine == "in_process"):
+                return 0
+            return min(1, self.max_off_policy_steps)
+        if self.async_level and distributed and self.engine == "in_process":
+            raise ValueError(
+                f"inference.async_level={self.async_level} with the in-process engine runs in "
+                "one process only; under torchrun set async_level = 0 or engine = 'vllm'"
+            )
+        return self.async_level
+
+
+class InProcessInferenceConfig(_SharedInferenceConfig):
+    """The live policy samples in the training process, with these decode settings."""
+
+    engine: Literal["in_process"] = Field(
         "in_process",
         description="'in_process': the live policy samples in the training process; 'vllm': "
         "a vLLM server samples and receives the weights after each optimizer step.",
+    )
+    decode_loop: Literal["auto", "static", "general"] = Field(
+        "auto",
+        description="In-process decode loop: 'static' keeps the batch on the device (static "
+        "KV cache, device-side sampling, one host read every sync_every tokens, a CUDA graph "
+        "per step on a GPU); 'general' is the host-driven loop with prompt-lookup drafts and "
+        "rows joining as others finish (fastest on a CPU); 'auto' picks static on a GPU for "
+        "a Llama-family model, general otherwise.",
+    )
+    sync_every: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Static decode loop: decode steps between two host reads of the batch "
+        "(finished rows are found and trimmed then).",
+    )
+    compile_decode: bool = Field(
+        False,
+        description="Static decode loop: compile the decode step with torch.compile (fused "
+        "kernels; the first call of each shape compiles, tens of seconds on a GPU).",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="Static decode loop on a GPU: replay each decode step as a captured CUDA "
+        "graph (one launch per token instead of one per operator).",
+    )
+
+
+class VllmInferenceConfig(_SharedInferenceConfig):
+    """A vLLM server samples; the trainer syncs the policy's weights to it after each step."""
+
+    engine: Literal["vllm"] = Field(
+        "vllm",
+        description="'vllm': a vLLM server samples and receives the weights after each "
+        "optimizer step.",
     )
     python: str = Field(
         DEFAULT_ENGINE_PYTHON,
@@ -100,49 +215,9 @@ class InferenceConfig(BaseModel):
         "references, sft sources) are served by engine servers of their own; false loads "
         "them in the training process.",
     )
-    async_level: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
-        "auto",
-        description="Steps sampled ahead of training: 0 samples each step's rollouts before "
-        "training on them; k > 0 samples the next k steps' rollouts while the trainer runs "
-        "(in process: from a copy of the weights refreshed after each optimizer step, on its "
-        "own CUDA stream), so a step trains on rollouts of the policy k versions older; "
-        "'auto': 1 on a GPU, 0 on a CPU (where sampling and training share the cores).",
-    )
-    max_off_policy_steps: int = Field(
-        8,
-        ge=0,
-        description="Rollouts sampled more than this many policy versions before the weights "
-        "that train on them are dropped (and counted in rollouts/stale_dropped).",
-    )
-
-    decode_loop: Literal["auto", "static", "general"] = Field(
-        "auto",
-        description="In-process decode loop: 'static' keeps the batch on the device (static "
-        "KV cache, device-side sampling, one host read every sync_every tokens, a CUDA graph "
-        "per step on a GPU); 'general' is the host-driven loop with prompt-lookup drafts and "
-        "rows joining as others finish (fastest on a CPU); 'auto' picks static on a GPU for "
-        "a Llama-family model, general otherwise.",
-    )
-    sync_every: int = Field(
-        16,
-        ge=1,
-        le=1024,
-        description="Static decode loop: decode steps between two host reads of the batch "
-        "(finished rows are found and trimmed then).",
-    )
-    compile_decode: bool = Field(
-        False,
-        description="Static decode loop: compile the decode step with torch.compile (fused "
-        "kernels; the first call of each shape compiles, tens of seconds on a GPU).",
-    )
-    cuda_graphs: bool = Field(
-        True,
-        description="Static decode loop on a GPU: replay each decode step as a captured CUDA "
-        "graph (one launch per token instead of one per operator).",
-    )
 
     @model_validator(mode="after")
-    def _check(self) -> InferenceConfig:
+    def _check_server(self) -> VllmInferenceConfig:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(
                 f"inference.url={self.url!r} must start with http:// or https:// "
@@ -150,28 +225,38 @@ class InferenceConfig(BaseModel):
             )
         if self.command is not None and not self.command:
             raise ValueError("inference.command is empty: give the argv or leave it unset")
-        if self.async_level != "auto" and self.async_level > self.max_off_policy_steps:
-            raise ValueError(
-                f"inference.async_level={self.async_level} > max_off_policy_steps="
-                f"{self.max_off_policy_steps}: every batch would be dropped as too old; raise "
-                "max_off_policy_steps to at least async_level"
-            )
         return self
 
-    def resolved_async_level(self, device_type: str, *, distributed: bool = False) -> int:
-        """The steps to sample ahead for a policy on ``device_type`` ('auto' resolved: 1 on a
-        GPU, 0 on a CPU; 0 under several in-process ranks, whose sampling is collective).
 
-        Raises ``ValueError`` for an explicit level the in-process engine cannot run: under
-        torchrun the ranks' sharded weights are gathered for sampling, a collective that
-        cannot run beside the training step's."""
-        if self.async_level == "auto":
-            if device_type == "cpu" or (distributed and self.engine == "in_process"):
-                return 0
-            return min(1, self.max_off_policy_steps)
-        if self.async_level and distributed and self.engine == "in_process":
-            raise ValueError(
-                f"inference.async_level={self.async_level} with the in-process engine runs in "
-                "one process only; under torchrun set async_level = 0 or engine = 'vllm'"
-            )
-        return self.async_level
+#: each ``[inference] engine`` and its config
+INFERENCE_ENGINES: dict[str, type[_SharedInferenceConfig]] = {
+    "in_process": InProcessInferenceConfig,
+    "vllm": VllmInferenceConfig,
+}
+
+
+def _engine_of(data: Any) -> str:
+    """The ``engine`` a raw ``[inference]`` table or a config names (in_process when unset)."""
+    if isinstance(data, dict):
+        return str(data.get("engine", "in_process"))
+    return str(getattr(data, "engine", "in_process"))
+
+
+#: ``[inference]``: one of the engines' configs, chosen by its ``engine`` field
+InferenceConfig = Annotated[
+    Annotated[InProcessInferenceConfig, Tag("in_process")]
+    | Annotated[VllmInferenceConfig, Tag("vllm")],
+    Discriminator(
+        _engine_of,
+        custom_error_type="inference_engine",
+        custom_error_message="inference.engine must be 'in_process' or 'vllm'",
+    ),
+]
+
+
+def inference_config(**fields: Any) -> InProcessInferenceConfig | VllmInferenceConfig:
+    """The ``[inference]`` config of ``fields`` (``engine`` picks the class, in_process
+    when unset), validated as a run config's would be."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(InferenceConfig).validate_python(fields)

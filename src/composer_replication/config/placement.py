@@ -1,16 +1,26 @@
-"""Names of where a policy lives and in which precision: pure data, checked at config time.
+"""Names of where things run: a policy's device and precision, and the processes a run's
+roles execute in. Pure data, checked at config time.
 
 ``device``: ``"auto"`` (a CUDA GPU when one is visible, else the CPU), ``"cpu"``,
 ``"cuda"`` (the current GPU; under ``torchrun`` each rank's ``LOCAL_RANK`` GPU) or
 ``"cuda:N"``. ``dtype``: ``"auto"`` (mixed precision on a GPU that supports bfloat16,
 float32 otherwise; see :mod:`composer_replication.devices`) or a parameter dtype name.
+``[roles] placement``: ``"in_process"`` (every role in the calling process) or
+``"monarch"`` (the roles as actors on Monarch processes; :mod:`.roles`).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["DEVICE_SPEC", "DTYPE_NAMES", "check_device_spec", "check_dtype_spec"]
+__all__ = [
+    "DEVICE_SPEC",
+    "DTYPE_NAMES",
+    "ROLE_PLACEMENTS",
+    "check_device_spec",
+    "check_dtype_spec",
+    "check_role_placement",
+]
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -49,3 +59,17 @@ def check_dtype_spec(spec: str) -> str:
             f"supports it, float32 otherwise) or one of: {', '.join(sorted(DTYPE_NAMES))}"
         )
     return value
+
+
+#: where a run's roles can execute (``[roles] placement``)
+ROLE_PLACEMENTS = ("in_process", "monarch")
+
+
+def check_role_placement(name: str) -> str:
+    """``name`` when it is one of :data:`ROLE_PLACEMENTS`; ``ValueError`` naming it
+    otherwise."""
+    if name not in ROLE_PLACEMENTS:
+        raise ValueError(
+            f"unknown placement {name!r} of the roles; choose one of {', '.join(ROLE_PLACEMENTS)}"
+        )
+    return name

@@ -33,18 +33,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from composer_replication.config.advantage import ComposerAdvantage
 from composer_replication.config.algorithm import AlgorithmConfig, SamplingConfig
-from composer_replication.config.deprecation import fold_run_level_spellings
+from composer_replication.config.deprecation import fold_engine_table, fold_run_level_spellings
 from composer_replication.config.diloco import DiLoCoConfig
-from composer_replication.config.engine import EngineConfig, InProcessEngineConfig
 from composer_replication.config.evaluation_only import (
     EVALUATION_ONLY_ENVIRONMENTS as EVALUATION_ONLY_ENVIRONMENTS,
 )
 from composer_replication.config.evaluation_only import check_trainable_environment
 from composer_replication.config.filters import FiltersConfig
-from composer_replication.config.inference import InferenceConfig
+from composer_replication.config.inference import InferenceConfig, InProcessInferenceConfig
 from composer_replication.config.loss import LossConfig
 from composer_replication.config.placement import check_device_spec, check_dtype_spec
 from composer_replication.config.references import REFERENCE_SOLUTIONS
+from composer_replication.config.roles import InProcessRoles, RolesConfig
 from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS, DockerSandboxConfig
 from composer_replication.config.shorthands import (
     SHORTHAND,
@@ -427,13 +427,13 @@ class RunConfig(_Strict):
         default_factory=DiLoCoConfig,
         description="DiLoCo outer loop across replicas (off by default).",
     )
-    engine: EngineConfig = Field(
-        default_factory=InProcessEngineConfig,
-        description="Where the roles run: in_process (the native loop) or monarch (actors on "
-        "a Monarch process mesh).",
+    roles: RolesConfig = Field(
+        default_factory=InProcessRoles,
+        description="Where the roles run (placement): in_process (the native loop) or monarch "
+        "(actors on a Monarch process mesh). Formerly [engine] type.",
     )
     inference: InferenceConfig = Field(
-        default_factory=InferenceConfig,
+        default_factory=InProcessInferenceConfig,
         description="Who samples the policy's rollouts: in process (default) or a vLLM server.",
     )
     trackers: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
@@ -452,6 +452,12 @@ class RunConfig(_Strict):
         # a run-level [advantage] table is write-only: it becomes the advantage of every
         # environment that gives none of its own (see config.shorthands)
         return fold_run_advantage(data, lambda: _default_env_data(with_advantage=False))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_engine_table(cls, data: Any) -> Any:
+        # [engine] type = X is the old spelling of [roles] placement = X
+        return fold_engine_table(data)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

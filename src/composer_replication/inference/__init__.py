@@ -1,5 +1,7 @@
-"""Inference engines for the policy's rollouts: a vLLM server on loopback, its token-in /
-token-out sampler and the versioned weight sync (``[inference] engine = "vllm"``)."""
+"""Inference engines for the policy's rollouts (:class:`~composer_replication.roles.
+InferenceEngine`): the policy in process (``[inference] engine = "in_process"``), or a vLLM
+server on loopback, its token-in / token-out sampler and the versioned weight sync
+(``engine = "vllm"``)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ _EXPORTS = {
     "EngineSampler": "composer_replication.inference.sampler",
     "EngineServer": "composer_replication.inference.server",
     "EngineStartError": "composer_replication.inference.server",
+    "InProcessEngine": "composer_replication.inference.in_process",
     "PolicyEngine": "composer_replication.inference.engine",
     "WeightSync": "composer_replication.inference.weight_sync",
+    "build_inference_engine": "composer_replication.inference.engine",
     "build_policy_engine": "composer_replication.inference.engine",
     "engine_model_dir": "composer_replication.inference.engine",
     "engine_state_dict": "composer_replication.inference.weight_sync",

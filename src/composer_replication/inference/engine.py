@@ -1,4 +1,5 @@
-"""The policy's inference engine for one run: the server, its sampler and the weight sync.
+"""The policy's inference engine for one run: the server, its sampler and the weight sync;
+and :func:`build_inference_engine`, the engine a run's ``[inference]`` config names.
 
 ``PolicyEngine`` starts the server on first use (``sampler``), pushes the policy after
 every optimizer step (``after_step``) and stops the server in ``stop`` / on leaving its
@@ -9,6 +10,8 @@ starts on version 0, the weights of ``[model] source``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +20,8 @@ from composer_replication.inference.server import EngineServer
 from composer_replication.inference.weight_sync import WeightSync
 
 if TYPE_CHECKING:
-    from composer_replication.config.inference import InferenceConfig
+    from composer_replication.config.inference import InferenceConfig, VllmInferenceConfig
+    from composer_replication.roles import InferenceEngine
 
 
 def engine_model_dir(source: str) -> Path:
@@ -41,7 +45,7 @@ class PolicyEngine:
 
     def __init__(
         self,
-        config: InferenceConfig,
+        config: VllmInferenceConfig,
         *,
         model_dir: str | Path,
         run_dir: str | Path,
@@ -80,6 +84,18 @@ class PolicyEngine:
     def version(self) -> int:
         return self._sampler.policy_version if self._sampler else 0
 
+    def start(self, policy: Any, version: int) -> None:
+        """A started server serves ``[model] source``, which is only version 0 of a new run;
+        a resumed run's weights, or anything a running server (``url``) may serve, are
+        pushed now."""
+        if version or self.config.url:
+            self.after_step(policy, version)
+
+    @contextmanager
+    def sampling_ahead(self) -> Iterator[EngineSampler]:
+        """The server's sampler (sampling ahead needs nothing more: it is another process)."""
+        yield self.sampler
+
     def after_step(self, policy: Any, version: int) -> dict[str, float]:
         """Push the policy as ``version`` (the optimizer steps it has taken); metrics."""
         sampler = self.sampler
@@ -104,12 +120,40 @@ class PolicyEngine:
         self.stop()
 
 
-def build_policy_engine(
-    config: InferenceConfig, *, model_source: str, run_dir: str | Path, seed: int | None = None
-) -> PolicyEngine | None:
-    """The run's engine, or None when the policy samples in process."""
+def build_inference_engine(
+    config: InferenceConfig,
+    *,
+    policy: Any,
+    model_source: str,
+    run_dir: str | Path,
+    seed: int | None = None,
+    sample_ahead: bool = False,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> InferenceEngine:
+    """The run's engine: the policy in process (its decode options from ``config``;
+    ``sample_ahead``: a copy of the weights samples ahead, under ``autocast``), or a vLLM
+    server (:func:`build_policy_engine`)."""
     if config.engine == "in_process":
-        return None
+        from composer_replication.inference.in_process import InProcessEngine
+        from composer_replication.rollout.generate import DecodeOptions
+
+        return InProcessEngine(
+            policy,
+            decode=DecodeOptions.of(config),
+            sample_ahead=sample_ahead,
+            autocast=autocast,
+        )
+    return build_policy_engine(config, model_source=model_source, run_dir=run_dir, seed=seed)
+
+
+def build_policy_engine(
+    config: VllmInferenceConfig,
+    *,
+    model_source: str,
+    run_dir: str | Path,
+    seed: int | None = None,
+) -> PolicyEngine:
+    """The vLLM engine of a run (one training process only)."""
     world = _training_world_size()
     if world > 1:
         raise ValueError(

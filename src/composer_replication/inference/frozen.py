@@ -4,23 +4,26 @@ With ``[inference] engine = "vllm"`` and ``serve_frozen = true`` (the default), 
 model a run config gives by ``local_path`` (``advantage.model`` of opd / opsd,
 ``sampling.source`` of sft) is served by an engine server of its own, started like the
 policy's (loopback, the engine's virtualenv, stopped on every exit path) but never synced:
-its weights do not change. The references are rewritten to that server's endpoint, so the
-algorithms score (vLLM ``prompt_logprobs``) and sample through the same endpoint clients
-they use for any OpenAI-compatible server. One server per distinct ``local_path``.
+its weights do not change. :meth:`FrozenEngines.start` answers which endpoint serves each
+``local_path``, and :func:`served` gives an environment's config that reads the model there,
+so the algorithms score (vLLM ``prompt_logprobs``) and sample through the same endpoint
+clients they use for any OpenAI-compatible server. One server per distinct ``local_path``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.config.references import FrozenEndpoint, LocalFrozenModel
 from composer_replication.inference.engine import engine_model_dir
 from composer_replication.inference.server import SERVED_MODEL_NAME, EngineServer
 
 if TYPE_CHECKING:
-    from composer_replication.config.run import RunConfig
+    from composer_replication.config.run import EnvConfig, RunConfig
 
-__all__ = ["FrozenEngines", "local_frozen_paths"]
+__all__ = ["FrozenEngines", "local_frozen_paths", "served"]
 
 #: where an environment's algorithm names a frozen model (in its model_dump)
 _REFERENCE_SLOTS = (("sampling", "source"), ("advantage", "model"))
@@ -65,9 +68,8 @@ class FrozenEngines:
             and bool(local_frozen_paths(config))
         )
 
-    def start(self) -> RunConfig:
-        """Start one server per frozen ``local_path``; the config with those references
-        pointing at their servers."""
+    def start(self) -> dict[str, FrozenEndpoint]:
+        """Start one server per frozen ``local_path``; the endpoint that serves each path."""
         engine_config = self.config.inference.model_copy(
             update={"url": None, "port": 0, "lora_sync": "merged", "async_level": 0}
         )
@@ -88,16 +90,36 @@ class FrozenEngines:
         except BaseException:
             self.stop()
             raise
-        data = self.config.model_dump(mode="json")
-        for env in data["envs"]:
-            for parent, key in _references(env):
-                reference = parent[key]
-                server = self.servers.get(reference.get("local_path", ""))
-                if server is not None:
-                    parent[key] = {"name": SERVED_MODEL_NAME, "base_url": f"{server.base_url}/v1"}
-        return type(self.config).model_validate(data)
+        return {
+            path: FrozenEndpoint(name=SERVED_MODEL_NAME, base_url=f"{server.base_url}/v1")
+            for path, server in self.servers.items()
+        }
 
     def stop(self) -> None:
         for server in self.servers.values():
             server.stop()
         self.servers.clear()
+
+
+def served(env_config: EnvConfig, endpoints: Mapping[str, FrozenEndpoint]) -> EnvConfig:
+    """``env_config`` with every frozen model it loads from a served ``local_path``
+    (``sampling.source``, ``advantage.model``) read from that path's endpoint instead."""
+
+    def swapped(reference: Any) -> Any:
+        if isinstance(reference, LocalFrozenModel) and reference.local_path in endpoints:
+            return endpoints[reference.local_path]
+        return reference
+
+    algorithm = env_config.algorithm
+    updates: dict[str, Any] = {}
+    source = swapped(algorithm.sampling.source)
+    if source is not algorithm.sampling.source:
+        updates["sampling"] = algorithm.sampling.model_copy(update={"source": source})
+    advantage = algorithm.advantage
+    if "model" in type(advantage).model_fields:
+        model = swapped(advantage.model)
+        if model is not advantage.model:
+            updates["advantage"] = advantage.model_copy(update={"model": model})
+    if not updates:
+        return env_config
+    return env_config.model_copy(update={"algorithm": algorithm.model_copy(update=updates)})

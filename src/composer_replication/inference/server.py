@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from composer_replication.config.inference import InferenceConfig
+    from composer_replication.config.inference import VllmInferenceConfig
 
 SERVED_MODEL_NAME = "policy"
 EXTENSION_DIR = Path(__file__).resolve().parent / "engine_ext"
@@ -97,7 +97,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _cpu_flags(config: InferenceConfig) -> list[str]:
+def _cpu_flags(config: VllmInferenceConfig) -> list[str]:
     """Whole prefills on a machine without CUDA: the CPU build cannot rewind a seeded
     request's generator after a partial (chunked) prefill and fails the whole engine
     ("RuntimeError: CPU Generator does not use offset") once a batch's prompts exceed one
@@ -110,7 +110,7 @@ def _cpu_flags(config: InferenceConfig) -> list[str]:
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
 
 
-def engine_python(config: InferenceConfig) -> Path:
+def engine_python(config: VllmInferenceConfig) -> Path:
     """The engine's interpreter (``inference.python``, relative to the working directory).
 
     Raises:
@@ -129,7 +129,7 @@ def engine_python(config: InferenceConfig) -> Path:
 
 
 def server_argv(
-    config: InferenceConfig, model_dir: str | Path, port: int, *, lora_rank: int | None = None
+    config: VllmInferenceConfig, model_dir: str | Path, port: int, *, lora_rank: int | None = None
 ) -> list[str]:
     """The command line of the server (launcher + model + loopback address + engine flags);
     ``lora_rank`` turns on runtime LoRA adapters of up to that rank."""
@@ -183,7 +183,7 @@ def _supported_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above the engine's largest (512)")
 
 
-def server_env(config: InferenceConfig) -> dict[str, str]:
+def server_env(config: VllmInferenceConfig) -> dict[str, str]:
     env = dict(os.environ)
     # our package's venv must not leak into the engine's interpreter
     for key in ("VIRTUAL_ENV", "PYTHONHOME"):
@@ -206,7 +206,7 @@ class EngineServer:
 
     def __init__(
         self,
-        config: InferenceConfig,
+        config: VllmInferenceConfig,
         model_dir: str | Path,
         *,
         log_path: str | Path,

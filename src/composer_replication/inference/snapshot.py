@@ -7,7 +7,8 @@ own, so its kernels run beside the training step's). After each optimizer step, 
 is sampling, the trainer copies the new weights into it in place (no reallocation: a static
 decode loop's captured graphs keep pointing at the same buffers) and bumps its version, which
 every rollout it samples carries. The cost is one more copy of the parameters (not of the
-gradients or optimizer state).
+gradients or optimizer state). :class:`~.in_process.InProcessEngine` samples it, with the
+run's decode options.
 """
 
 from __future__ import annotations
@@ -39,13 +40,6 @@ class PolicySnapshot:
         device = module_device(policy)
         # its own stream on a GPU: sampling kernels interleave with the training step's
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    @property
-    def sampler(self) -> Any:
-        """The :class:`~composer_replication.roles.Sampler` of the snapshot's weights."""
-        from composer_replication.rollout.generate import InProcessSampler
-
-        return InProcessSampler(self.model)
 
     def refresh(self, policy: Any, version: int) -> None:
         """Copy ``policy``'s parameters and buffers into the snapshot (same names, shapes and

@@ -50,7 +50,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.rollout.chat_renderer import TOOL_RESULT_PREFIX, ChatRenderer
-from composer_replication.rollout.generate import Generation, InProcessSampler, SamplingSettings
+from composer_replication.rollout.generate import (
+    DecodeOptions,
+    Generation,
+    InProcessSampler,
+    SamplingSettings,
+)
 from composer_replication.rollout.scripted import SampleFn, ScriptedSampler
 from composer_replication.rollout.tool_calls import (
     FINISH_TOOL,
@@ -113,10 +118,10 @@ def sampler_step(sampler: Sampler, tokenizer: Any) -> SampleFn:
     return sample
 
 
-def policy_sampler(policy: Any, tokenizer: Any) -> SampleFn:
+def policy_sampler(policy: Any, tokenizer: Any, decode: DecodeOptions | None = None) -> SampleFn:
     """The default sampling step: one batched ``generate`` call with ``policy`` (a model in
-    this process)."""
-    return sampler_step(InProcessSampler(policy), tokenizer)
+    this process), decoded as ``decode`` says (default options: None)."""
+    return sampler_step(InProcessSampler(policy, decode=decode), tokenizer)
 
 
 @dataclass
@@ -409,6 +414,7 @@ def run_agent_rollouts(
     tool_format: ToolFormat | None = None,
     scheduling: str = "async",
     on_done: Callable[[int, Rollout], None] | None = None,
+    decode: DecodeOptions | None = None,
 ) -> list[Rollout]:
     """Run every episode to its end; one unscored ``Rollout`` per episode, in order.
 
@@ -435,6 +441,8 @@ def run_agent_rollouts(
             "barrier" (every call of a turn returns before any episode samples again).
         on_done: Called as ``on_done(index, rollout)`` when episode ``index`` ends (from
             this thread), e.g. to start grading it.
+        decode: The decode loop of the default sampling step (a ``sample_fn`` built from
+            a sampler carries its own).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns} must be >= 1")
@@ -453,7 +461,7 @@ def run_agent_rollouts(
     tool_format = tool_format or TextToolFormat(())
     chat_tools = tool_format.chat_tools
     loop = _Loop(
-        sample=sample_fn or policy_sampler(policy, tokenizer),
+        sample=sample_fn or policy_sampler(policy, tokenizer, decode),
         sampling=sampling,
         tool_format=tool_format,
         renderer=ChatRenderer(tokenizer, chat_tools),

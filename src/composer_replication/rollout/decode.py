@@ -61,6 +61,7 @@ __all__ = [
     "DecodeStats",
     "DecodedRow",
     "PromptLookup",
+    "StopMatcher",
     "decode_rows",
     "draft_positions",
     "forward_cost",
@@ -107,17 +108,21 @@ class DecodeStats:
     compactions: int = 0
 
 
-class _StopMatcher:
-    """Per row: the decoded text of the new tokens, checked for any stop string."""
+class StopMatcher:
+    """Per row: the decoded text of the new tokens, checked for any stop string after each
+    token (both decode loops). A token's piece is decoded once and cached by its id."""
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(stop_strings)
         self.longest = max((len(s) for s in self.stop_strings), default=0)
+        self.pieces: dict[int, str] = {}
 
     def hit(self, text: str, token: int) -> tuple[str, bool]:
         """``text`` extended by ``token``'s piece, and whether a stop string now ends in it."""
-        piece = self.tokenizer.decode([token])
+        piece = self.pieces.get(token)
+        if piece is None:
+            piece = self.pieces[token] = self.tokenizer.decode([token])
         text += piece
         # only a match that includes the new piece can be new
         window = text[-(self.longest + len(piece)) :]
@@ -314,7 +319,7 @@ def decode_rows(
         draft_token_budget, max_rows = 0, None
     max_rows = len(prompts) if max_rows is None else min(max_rows, len(prompts))
     eos = set(int(e) for e in eos_ids)
-    matcher = _StopMatcher(tokenizer, stop_strings) if stop_strings else None
+    matcher = StopMatcher(tokenizer, stop_strings) if stop_strings else None
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     texts = [""] * len(prompts)

@@ -9,8 +9,8 @@ log-probs are then reported at temperature 1). A LoRA policy samples with its ad
 merged into the base weights (:func:`~composer_replication.model_parts.lora_merged`), as an
 inference engine would; the base weights are restored exactly afterwards.
 
-Two decode loops sample in process (:class:`DecodeOptions`, set for a block by
-:func:`decode_options`): the general one above, and on a GPU the static one
+Two decode loops sample in process (:class:`DecodeOptions`, handed to :func:`generate` and
+carried by :class:`InProcessSampler`): the general one above, and on a GPU the static one
 (:mod:`.static_decode`: the batch stays on the device, the host reads it once every
 ``sync_every`` tokens, each step is one CUDA graph).
 
@@ -21,7 +21,10 @@ Inside :func:`reuse_prompt_states` a prompt is prefilled once however many calls
 it. Inside :func:`seeded_rows` each row draws its random numbers from its own generator, seeded
 from the context's seed, the row's prompt and its occurrence among equal prompts of the
 call: a task's group samples the same completions whichever batch (or data-parallel rank)
-it is sampled in. Outside it, rows draw from torch's global generator.
+it is sampled in. Outside it, rows draw from torch's global generator. Both are context
+variables because they scope one collection (a step's batch, an evaluation) across the
+environments that sample it, not a setting of the sampler: the decode options, which are,
+travel with the sampler instead.
 """
 
 from __future__ import annotations
@@ -29,12 +32,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class DecodeOptions:
 
     @classmethod
     def of(cls, inference: Any) -> DecodeOptions:
-        """The options an ``InferenceConfig`` sets."""
+        """The options an in-process ``[inference]`` config sets."""
         return cls(
             loop=inference.decode_loop,
             sync_every=inference.sync_every,
@@ -61,9 +62,6 @@ class DecodeOptions:
 
 
 _ROW_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("row_seed", default=None)
-_DECODE: contextvars.ContextVar[DecodeOptions | None] = contextvars.ContextVar(
-    "decode_options", default=None
-)
 _PROMPT_STATES: contextvars.ContextVar[Any] = contextvars.ContextVar("prompt_states", default=None)
 
 
@@ -76,16 +74,6 @@ def seeded_rows(seed: int) -> Iterator[None]:
         yield
     finally:
         _ROW_SEED.reset(token)
-
-
-@contextlib.contextmanager
-def decode_options(options: DecodeOptions) -> Iterator[None]:
-    """In-process sampling in the block uses ``options``."""
-    token = _DECODE.set(options)
-    try:
-        yield
-    finally:
-        _DECODE.reset(token)
 
 
 def static_loop_applies(model: Any, options: DecodeOptions) -> bool:
@@ -174,35 +162,29 @@ class Generation:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_id: int, *, device: Any = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`.padding.left_pad` (imported here when called: this module loads without
-    torch)."""
-    from composer_replication.rollout.padding import left_pad as pad
-
-    return pad(prompts, pad_id, device=device)
-
-
 def generate(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[Sequence[int]],
     settings: SamplingSettings | None = None,
     *,
+    decode: DecodeOptions | None = None,
     generator_seed: int | None = None,
     max_rows: int | None = None,
     on_row_done: Callable[[int, Generation], None] | None = None,
+    loops: Counter[str] | None = None,
 ) -> list[Generation]:
     """Sample one completion per prompt with ``model`` (a torch model in this process), in
-    one batched call. A sampler of another kind is called through its own ``sample_batch``
+    one batched call, with the decode loop ``decode`` chooses (None: the default options).
+    A sampler of another kind is called through its own ``sample_batch``
     (:class:`~composer_replication.roles.Sampler`); :class:`InProcessSampler` is this
     function in that shape.
 
     ``max_rows``: in process, at most this many rows decode at once and the others join as
     rows finish (None: all at once). ``on_row_done(index, generation)`` is called once per
     prompt as soon as its completion is known: while the rest of the batch still decodes
-    in the static loop, after the call otherwise (a grader can start on it at once)."""
+    in the static loop, after the call otherwise (a grader can start on it at once).
+    ``loops``: the loop that ran ('static' or 'general') is counted in it."""
     import torch
 
     settings = settings or SamplingSettings()
@@ -230,8 +212,11 @@ def generate(
     model.eval()
     try:
         with torch.no_grad(), lora_merged(model):
-            options = _DECODE.get() or DecodeOptions()
-            if static_loop_applies(model, options):
+            options = decode or DecodeOptions()
+            static = static_loop_applies(model, options)
+            if loops is not None:
+                loops["static" if static else "general"] += 1
+            if static:
                 done = None
                 if on_row_done is not None:
 
@@ -266,11 +251,17 @@ class InProcessSampler:
 
     ``live``: the model is the policy being trained (False: a frozen local model, e.g. an
     sft source given by ``local_path``). The sampled log-probs are always the model's own.
+    ``decode``: the decode loop and its settings (``[inference]``'s, for the policy).
+    ``decode_loops`` counts the calls each loop ran ('static' / 'general').
     """
 
-    def __init__(self, model: Any, *, live: bool = True) -> None:
+    def __init__(
+        self, model: Any, *, live: bool = True, decode: DecodeOptions | None = None
+    ) -> None:
         self.model = model
         self.samples_from_live_policy = live
+        self.decode = decode or DecodeOptions()
+        self.decode_loops: Counter[str] = Counter()
 
     def sample_batch(
         self,
@@ -282,7 +273,14 @@ class InProcessSampler:
         on_row_done: Callable[[int, Generation], None] | None = None,
     ) -> list[Generation]:
         return generate(
-            self.model, tokenizer, prompts, settings, max_rows=max_rows, on_row_done=on_row_done
+            self.model,
+            tokenizer,
+            prompts,
+            settings,
+            decode=self.decode,
+            max_rows=max_rows,
+            on_row_done=on_row_done,
+            loops=self.decode_loops,
         )
 
     def __repr__(self) -> str:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from composer_replication.rollout.decode import DecodedRow, DecodeStats
+from composer_replication.rollout.decode import DecodedRow, DecodeStats, StopMatcher
 from composer_replication.rollout.decode_buckets import Bucket, StepRunner, bucket_rows, draw
 from composer_replication.rollout.llama_decoder import (
     BlockKernels,
@@ -136,25 +136,6 @@ class _Window:
     slot_rows: list[int | None]
     host: torch.Tensor
     event: Any
-
-
-class _StopText:
-    """Per row, the text of its new tokens (piece by piece, pieces cached per token id),
-    checked for stop strings after each token."""
-
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop_strings = tuple(stop_strings)
-        self.longest = max((len(s) for s in self.stop_strings), default=0)
-        self.pieces: dict[int, str] = {}
-
-    def hit(self, text: str, token: int) -> tuple[str, bool]:
-        piece = self.pieces.get(token)
-        if piece is None:
-            piece = self.pieces[token] = self.tokenizer.decode([token])
-        text += piece
-        window = text[-(self.longest + len(piece)) :]
-        return text, any(s in window for s in self.stop_strings)
 
 
 class StaticDecoder:
@@ -282,7 +263,7 @@ class StaticDecoder:
             raise ValueError(f"max_rows={max_rows} must be >= 1 (or None for every row at once)")
         stats = stats if stats is not None else DecodeStats()
         self.weights.refresh(model)
-        stopper = _StopText(tokenizer, stop_strings) if stop_strings else None
+        stopper = StopMatcher(tokenizer, stop_strings) if stop_strings else None
         results: list[DecodedRow | None] = [None] * len(prompts)
         wave = len(prompts) if max_rows is None else max_rows
         with torch.no_grad():
@@ -358,7 +339,7 @@ class StaticDecoder:
         max_new_tokens: int,
         temperature: float,
         eos: frozenset[int],
-        stopper: _StopText | None,
+        stopper: StopMatcher | None,
         row_seeds: Sequence[int] | None,
         stats: DecodeStats,
         on_row_done: Callable[[int, DecodedRow], None] | None,

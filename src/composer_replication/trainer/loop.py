@@ -30,18 +30,13 @@ from composer_replication.distributed.data_parallel import (
     merge_rollout_stats,
     start_data_parallel,
 )
-from composer_replication.inference.engine import build_policy_engine
-from composer_replication.inference.frozen import FrozenEngines
+from composer_replication.inference.engine import build_inference_engine
+from composer_replication.inference.frozen import FrozenEngines, served
+from composer_replication.inference.in_process import InProcessEngine
 from composer_replication.inference.snapshot import PolicySnapshot
 from composer_replication.rollout.agent import episode_metrics
 from composer_replication.rollout.decode_memory import release_decode_buffers
-from composer_replication.rollout.generate import (
-    DecodeOptions,
-    InProcessSampler,
-    decode_options,
-    derived_seed,
-    seeded_rows,
-)
+from composer_replication.rollout.generate import derived_seed, seeded_rows
 from composer_replication.rollout.types import stamp_policy_version
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.checkpoint import CheckpointManager
@@ -92,13 +87,14 @@ class Trainer:
         self.split = HeldoutSplit(
             heldout_fraction=config.heldout_fraction, salt=config.heldout_salt
         )
-        # frozen models the engine serves: their references point at those servers
+        # frozen models the engine serves: the environments read them at their endpoints
         self.frozen_engines = None
-        env_configs = config.envs
+        endpoints: dict[str, Any] = {}
         if FrozenEngines.wanted(config):
             self.frozen_engines = FrozenEngines(config, log_dir=run_dir or config.output_dir)
-            env_configs = self.frozen_engines.start().envs
+            endpoints = self.frozen_engines.start()
         try:
+            env_configs = [served(env_cfg, endpoints) for env_cfg in config.envs]
             self.runtimes = self._build_runtimes(env_configs, environments)
         except BaseException:
             self._stop_frozen_engines()
@@ -115,24 +111,30 @@ class Trainer:
         self.run_dir = self.life.run_dir
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.step = 0
-        # the inference engine that samples the policy (None: it samples in this process)
-        self.engine = build_policy_engine(
+        # steps sampled ahead of training ('auto' resolved for the policy's device), the
+        # queue that samples them, and what a resumed run takes first: the batches pending
+        # at its checkpoint (sampled ones, or the tasks of an older checkpoint)
+        self.async_level = self.steps_sampled_ahead()
+        # what samples the policy: in this process (a copy of the weights when sampling
+        # ahead) or a vLLM server
+        self.engine: roles.InferenceEngine = build_inference_engine(
             config.inference,
+            policy=self.policy,
             model_source=config.model.source,
             run_dir=self.run_dir,
             seed=config.seed,
-        )
-        # steps sampled ahead of training ('auto' resolved for the policy's device), the
-        # queue that samples them, the weights that sample them in process, and what a
-        # resumed run takes first: the batches pending at its checkpoint (sampled ones, or
-        # the tasks of an older checkpoint)
-        self.async_level = config.inference.resolved_async_level(
-            module_device(self.policy).type, distributed=self.ranks.distributed
+            sample_ahead=self.async_level > 0,
+            autocast=lambda: autocast_for(self.config, self.policy, self.ranks),
         )
         self.rollout_queue: RolloutQueue | None = None
-        self.snapshot: PolicySnapshot | None = None
         self._pending_tasks: deque[list[list[str]]] = deque()
         self._pending_batches: deque[tuple[list[list[str]], list[list[list[Rollout]]]]] = deque()
+
+    def steps_sampled_ahead(self) -> int:
+        """``[inference] async_level`` resolved for the policy's device and ranks."""
+        return self.config.inference.resolved_async_level(
+            module_device(self.policy).type, distributed=self.ranks.distributed
+        )
 
     @property
     def sync(self) -> Any:
@@ -144,8 +146,13 @@ class Trainer:
 
     @property
     def live_sampler(self) -> roles.Sampler:
-        """What samples the live policy: the engine's sampler, or the policy in process."""
-        return InProcessSampler(self.policy) if self.engine is None else self.engine.sampler
+        """What samples the live policy (the engine's sampler)."""
+        return self.engine.sampler
+
+    @property
+    def snapshot(self) -> PolicySnapshot | None:
+        """The copy of the weights that samples ahead in process (None otherwise)."""
+        return self.engine.snapshot if isinstance(self.engine, InProcessEngine) else None
 
     def _build_runtimes(
         self, env_configs: list[Any], environments: dict[str, Environment] | None
@@ -433,10 +440,8 @@ class Trainer:
         train_s = time.perf_counter() - t0
         if self.rollout_queue is not None:
             self.rollout_queue.wait_idle()  # one policy version per sampled batch
-        if self.engine is not None:  # the engine samples the next step with these weights
-            row.update(self.engine.after_step(self.policy, self.step))
-        elif self.snapshot is not None:  # so does the in-process sampler's copy
-            self.snapshot.refresh(self.policy, self.step)
+        # the engine samples the next step with these weights
+        row.update(self.engine.after_step(self.policy, self.step))
         row.update(metrics)
         row.update(
             {
@@ -459,23 +464,18 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def run(self, *, resume: bool = False) -> RunResult:
-        with self.life.exclusive(), decode_options(DecodeOptions.of(self.config.inference)):
+        with self.life.exclusive():
             return self._run(resume=resume)
 
     def _run(self, *, resume: bool) -> RunResult:
         resumed = resume and self.resume()
         self.life.begin(resumed=resumed)
-        if self.engine is not None and (resumed or self.config.inference.url):
-            # a started engine serves [model] source, which is only version 0 of a new run;
-            # a running one (url) may serve anything
-            self.engine.after_step(self.policy, self.step)
+        self.engine.start(self.policy, self.step)
         if not resumed:
             with self.learner.weights.gathered():
                 self.life.evaluate_start(self.live_sampler, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.async_level:
-            if self.engine is None:
-                self.snapshot = PolicySnapshot(self.policy, version=self.step)
             self.rollout_queue = RolloutQueue(
                 self._sample_ahead, self._sampler_version, depth=self.async_level
             )
@@ -491,27 +491,20 @@ class Trainer:
             if self.rollout_queue is not None:
                 self.rollout_queue.close()
                 self.rollout_queue = None
-            self.snapshot = None  # its memory goes with it
-            if self.engine is not None:
-                self.engine.stop()
+            self.engine.stop()
             self._stop_frozen_engines()
             progress.close()
             self.life.write_report()
         return self.life.finish(final_policy(self.policy, self.ranks), self.tokenizer, self.step)
 
     def _sample_ahead(self, tasks: list[list[str]], index: int) -> list[list[list[Rollout]]]:
-        """One batch sampled in the rollout queue's thread: by the engine, or in process by
-        the snapshot (under the run's autocast, which is per thread, and on its stream)."""
-        if self.snapshot is None:
-            return self.run_rollouts(tasks, batch_index=index)
-        with self.snapshot.sampling(), autocast_for(self.config, self.policy, self.ranks):
-            return self.run_rollouts(tasks, batch_index=index, live_sampler=self.snapshot.sampler)
+        """One batch sampled in the rollout queue's thread, by the engine's sampler for it."""
+        with self.engine.sampling_ahead() as sampler:
+            return self.run_rollouts(tasks, batch_index=index, live_sampler=sampler)
 
     def _sampler_version(self) -> int:
         """The policy version the sampler of the next batch serves."""
-        if self.engine is not None:
-            return self.engine.version
-        return self.snapshot.version if self.snapshot is not None else self.step
+        return self.engine.version
 
     def _loop(self, progress: ProgressBar) -> None:
         while self.step < self.config.steps:

@@ -86,7 +86,7 @@ class RolloutQueue:
                     stamp_policy_version(group, version)
             return groups
 
-        # the job sees this thread's context (decode options, row seeds)
+        # the job sees this thread's context (row seeds, kept prompt states)
         future = self._executor.submit(contextvars.copy_context().run, job)
         self._batches.append(_Batch(tasks, future, time.perf_counter()))
 

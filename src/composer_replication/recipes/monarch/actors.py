@@ -32,7 +32,7 @@ import torch
 
 from composer_replication.envs.base import SplitEnvironment
 from composer_replication.roles import Learner, protocol_methods
-from composer_replication.rollout.generate import InProcessSampler
+from composer_replication.rollout.generate import DecodeOptions, InProcessSampler
 from composer_replication.rollout.types import stamp_policy_version
 from composer_replication.trainer.checkpoint import trainable_state
 from monarch.actor import Actor, endpoint
@@ -99,12 +99,14 @@ def _policy_runtimes(config: RunConfig) -> tuple[Any, Any, list[EnvRuntime]]:
 
 
 class GeneratorActor(Actor):
-    """Sampler: samples rollouts of its share of a step's tasks with the newest weights."""
+    """Sampler: samples rollouts of its share of a step's tasks with the newest weights,
+    with the decode options it is built with (the run's ``[inference]`` settings)."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, decode: DecodeOptions | None = None) -> None:
         self.config = config
         self.policy, self.tokenizer, self.runtimes = _policy_runtimes(config)
         self.policy.eval()
+        self.sampler = InProcessSampler(self.policy, decode=decode)
         self.version = 0  # the initial weights are version 0 everywhere
 
     @endpoint
@@ -135,7 +137,7 @@ class GeneratorActor(Actor):
             torch.manual_seed(shard_seed(self.config.seed, step, env_index, shard))
             groups = rt.sampler.rollouts(
                 rt.env,
-                InProcessSampler(self.policy),
+                self.sampler,
                 self.tokenizer,
                 task_ids,
                 graded=not is_split_environment(rt.env),
@@ -143,6 +145,11 @@ class GeneratorActor(Actor):
         for group in groups:
             stamp_policy_version(group, self.version)
         return groups
+
+    @endpoint
+    def decode_loops(self) -> dict[str, int]:
+        """How many sampling calls each decode loop ran here ('static' / 'general')."""
+        return dict(self.sampler.decode_loops)
 
     @endpoint
     def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -223,6 +230,11 @@ class TrainerActor(Actor):
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, trainable weights by name)."""
         return self.version, trainable_state(self.policy)
+
+    @endpoint
+    def decode_loops(self) -> dict[str, int]:
+        """How many sampling calls each decode loop ran here ('static' / 'general')."""
+        return dict(self.sampler.decode_loops)
 
     @endpoint
     def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:

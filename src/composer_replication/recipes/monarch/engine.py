@@ -1,4 +1,5 @@
-"""The Monarch engine: the native loop's controller with its roles on Monarch processes.
+"""The Monarch placement (``[roles] placement = "monarch"``): the native loop's controller
+with its roles on Monarch processes.
 
 The controller is :class:`~composer_replication.trainer.loop.Trainer` itself (curriculum,
 held-out split, the algorithms' assign/score, evaluation through the run lifecycle, the
@@ -17,7 +18,7 @@ kill switch, metrics, report, summary); only two of its parts move out of proces
   policy). Checkpoints are written by the trainer process (model, optimizer, schedule) with
   the controller's state (the learner's own among it).
 
-Every actor call waits at most ``engine.call_timeout_s``; a dead process (its calls fail
+Every actor call waits at most ``roles.call_timeout_s``; a dead process (its calls fail
 with Monarch's supervision error within seconds) or a silent one ends the run with
 :class:`ActorFailedError` naming the actor. Nothing is replaced: the last checkpoint and
 ``--resume`` continue the run.
@@ -31,10 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.diloco.integration import NO_SYNC
+from composer_replication.rollout.generate import DecodeOptions
 from composer_replication.trainer.loop import Trainer
 
 if TYPE_CHECKING:
-    from composer_replication.config.engine import MonarchEngineConfig
+    from composer_replication.config.roles import MonarchRoles
     from composer_replication.config.run import RunConfig
     from composer_replication.rollout.types import Rollout
     from composer_replication.trainer.lifecycle import RunResult
@@ -72,9 +74,19 @@ def shares(items: list[Any], n: int) -> list[list[Any]]:
 
 
 class RoleMesh:
-    """The run's actor processes on this host: generators, rewarders, one trainer."""
+    """The run's actor processes on this host: generators, rewarders, one trainer.
 
-    def __init__(self, config: RunConfig, run_dir: Path, engine: MonarchEngineConfig) -> None:
+    ``decode``: the decode options every generator samples with (the run's in-process
+    ``[inference]`` settings), handed to each when it is built."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run_dir: Path,
+        roles: MonarchRoles,
+        *,
+        decode: DecodeOptions | None = None,
+    ) -> None:
         import monarch.actor
         from composer_replication.recipes.monarch.actors import (
             GeneratorActor,
@@ -83,7 +95,7 @@ class RoleMesh:
         )
         from monarch.actor import this_host
 
-        self.engine = engine
+        self.roles = roles
         self.failures: list[str] = []
         # Monarch's default answer to a dead actor is to exit the controller; record it
         # instead, so the failed call raises here with the actor's name.
@@ -92,20 +104,22 @@ class RoleMesh:
         host = this_host()
         self.meshes: list[Any] = []
         try:
-            gen_procs = self._procs(host, "generators", engine.generators)
-            self.generators = gen_procs.spawn("generator", GeneratorActor, config)
-            rew_procs = self._procs(host, "rewarders", engine.rewarders)
+            gen_procs = self._procs(host, "generators", roles.generators)
+            self.generators = gen_procs.spawn(
+                "generator", GeneratorActor, config, decode or DecodeOptions()
+            )
+            rew_procs = self._procs(host, "rewarders", roles.rewarders)
             self.rewarders = rew_procs.spawn("rewarder", RewarderActor, config)
             trainer_procs = self._procs(host, "trainer", 1)
             self.trainer = trainer_procs.spawn("trainer", TrainerActor, config, str(run_dir))
             self.pids = {
                 **{
                     f"generator {k}": self.get(self.generator(k).pid.call_one(), f"generator {k}")
-                    for k in range(engine.generators)
+                    for k in range(roles.generators)
                 },
                 **{
                     f"rewarder {k}": self.get(self.rewarder(k).pid.call_one(), f"rewarder {k}")
-                    for k in range(engine.rewarders)
+                    for k in range(roles.rewarders)
                 },
                 "trainer": self.get(self.trainer.pid.call_one(), "trainer"),
             }
@@ -126,12 +140,12 @@ class RoleMesh:
 
     def get(self, future: Any, actor: str) -> Any:
         """The call's result, or :class:`ActorFailedError` naming ``actor``."""
-        timeout = self.engine.call_timeout_s
+        timeout = self.roles.call_timeout_s
         try:
             return future.get(timeout=timeout)
         except TimeoutError as exc:
             raise ActorFailedError(
-                actor, f"no answer within {timeout:g} s (engine.call_timeout_s)"
+                actor, f"no answer within {timeout:g} s (roles.call_timeout_s)"
             ) from exc
         except Exception as exc:  # Monarch's SupervisionError / ActorError
             raise ActorFailedError(actor, f"failed: {exc}") from exc
@@ -143,7 +157,7 @@ class RoleMesh:
         environments) graded across the rewarders."""
         pending = [
             (k, share, self.generator(k).sample.call_one(env_index, share, step, k))
-            for k, share in enumerate(shares(task_ids, self.engine.generators))
+            for k, share in enumerate(shares(task_ids, self.roles.generators))
             if share
         ]
         groups = [g for k, _, fut in pending for g in self.get(fut, f"generator {k}")]
@@ -155,7 +169,7 @@ class RoleMesh:
         """Send the learner's weights of ``version`` to every generator and wait for all."""
         futures = [
             self.generator(k).load_weights.call_one(state, version)
-            for k in range(self.engine.generators)
+            for k in range(self.roles.generators)
         ]
         for k, fut in enumerate(futures):
             held = self.get(fut, f"generator {k}")
@@ -194,7 +208,7 @@ class RemoteGrader:
         mesh = self.mesh
         graded = [
             (k, mesh.rewarder(k).grade.call_one(self.env_index, [list(g) for g in share]))
-            for k, share in enumerate(shares(list(groups), mesh.engine.rewarders))
+            for k, share in enumerate(shares(list(groups), mesh.roles.rewarders))
             if share
         ]
         return [g for k, fut in graded for g in mesh.get(fut, f"rewarder {k}")]
@@ -253,38 +267,41 @@ class MonarchTrainer(Trainer):
         run_dir: str | Path | None = None,
         console: Any | None = None,
     ) -> None:
-        engine = config.engine
-        if engine.type != "monarch":
+        roles = config.roles
+        if roles.placement != "monarch":
             raise ValueError(
-                f"engine.type = {engine.type!r}: MonarchTrainer needs [engine] type = "
-                '"monarch" (or --engine monarch)'
+                f"roles.placement = {roles.placement!r}: MonarchTrainer needs [roles] placement "
+                '= "monarch" (or --placement monarch)'
             )
         if config.diloco.enabled:
             raise ValueError(
-                "diloco.enabled with engine monarch: DiLoCo runs with the in_process engine; "
-                "set diloco.enabled = false or engine.type = in_process"
+                "diloco.enabled with the roles on monarch: DiLoCo runs with the roles in "
+                "process; set diloco.enabled = false or roles.placement = in_process"
             )
         if config.inference.engine != "in_process":
             raise ValueError(
-                f"inference.engine = {config.inference.engine!r} with engine monarch: the "
-                "generator processes sample in process; set inference.engine = in_process"
+                f"inference.engine = {config.inference.engine!r} with the roles on monarch: "
+                "the generator processes sample in process; set inference.engine = in_process"
             )
         if config.inference.async_level not in ("auto", 0):
             raise ValueError(
-                f"inference.async_level = {config.inference.async_level} with engine monarch: "
-                "the generator processes sample each step in turn; set async_level = 0"
+                f"inference.async_level = {config.inference.async_level} with the roles on "
+                "monarch: the generator processes sample each step in turn; set async_level = 0"
             )
         try:
             import monarch.actor  # noqa: F401
         except ImportError as exc:
             raise RuntimeError(
-                "engine monarch needs torchmonarch: pip install 'composer-replication[monarch]'"
+                "the roles on monarch need torchmonarch: pip install "
+                "'composer-replication[monarch]'"
             ) from exc
         super().__init__(config, run_dir=run_dir, console=console)
-        self.mesh = RoleMesh(config, self.run_dir, engine)
+        self.mesh = RoleMesh(config, self.run_dir, roles, decode=DecodeOptions.of(config.inference))
         self.learner: RemoteLearner = RemoteLearner(self.mesh, self.policy)
         self.split_envs = [_is_split(rt.env) for rt in self.runtimes]
-        self.async_level = 0  # the generators sample each step in turn ('auto' included)
+
+    def steps_sampled_ahead(self) -> int:
+        return 0  # the generators sample each step in turn ('auto' included)
 
     def run_rollouts(
         self, tasks: list[list[str]], *, batch_index: int | None = None
