@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer_replication.padding import pad_id_of
+
 
 @dataclass(frozen=True)
 class DecodeOptions:
@@ -188,9 +190,7 @@ def generate(
     import torch
 
     settings = settings or SamplingSettings()
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
+    pad_id = pad_id_of(tokenizer)
     eos_ids = _eos_ids(model, tokenizer)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
