@@ -335,7 +335,15 @@ def check_cache_dir() -> None:
 def check_inference_engine(inference: Any) -> None:
     """``inference.engine = "vllm"``: the server it names can be had, before the model loads:
     something listens at ``url``, or the engine's interpreter exists (``command`` is the
-    user's own launcher, found when it runs)."""
+    user's own launcher, found when it runs). A user's engine: its factory imports."""
+    if ":" in inference.engine:
+        from composer_replication.callables import load_callable
+
+        try:
+            load_callable(inference.engine, "inference.engine (a user's engine factory)")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        return
     if inference.engine != "vllm":
         return
     if inference.url:

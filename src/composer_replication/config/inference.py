@@ -7,9 +7,13 @@ virtualenv (``python``) or a ``command``, or one already running at ``url``. Aft
 optimizer step the trainer writes the policy's weights once and the engine reloads them in
 place (a versioned sync).
 
-The section is a union keyed on ``engine``: the settings both share (how far to sample
+``engine = "package.module:factory"`` is a user's engine: ``factory(config, *, policy,
+model_source, run_dir, seed, sample_ahead, autocast)`` returns an object with the
+``roles.InferenceEngine`` methods, and ``options`` holds its own settings.
+
+The section is a union keyed on ``engine``: the settings all share (how far to sample
 ahead) sit in a base, each engine's own settings only on its config, and a setting given
-for the other engine is refused naming the engine it belongs to.
+for another engine is refused naming the engine it belongs to.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from composer_replication.config.advantage import IMPORT_PATH_PATTERN
+
 __all__ = [
     "DEFAULT_ENGINE_PYTHON",
     "INFERENCE_ENGINES",
     "InProcessInferenceConfig",
     "InferenceConfig",
+    "UserInferenceConfig",
     "VllmInferenceConfig",
     "inference_config",
 ]
@@ -228,33 +235,56 @@ class VllmInferenceConfig(_SharedInferenceConfig):
         return self
 
 
-#: each ``[inference] engine`` and its config
+class UserInferenceConfig(_SharedInferenceConfig):
+    """A user's engine, named by import path: ``factory(config, *, policy, model_source,
+    run_dir, seed, sample_ahead, autocast)`` returns a ``roles.InferenceEngine``."""
+
+    engine: str = Field(
+        ...,
+        pattern=IMPORT_PATH_PATTERN,
+        description="'package.module:factory' of the engine (called with this config and the "
+        "run's policy; it returns an object with the roles.InferenceEngine methods).",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="The engine's own settings (the factory reads them)."
+    )
+
+
+#: what ``engine`` names -> its config (a user's engine: any 'package.module:factory')
 INFERENCE_ENGINES: dict[str, type[_SharedInferenceConfig]] = {
     "in_process": InProcessInferenceConfig,
     "vllm": VllmInferenceConfig,
+    "package.module:factory": UserInferenceConfig,
 }
 
 
 def _engine_of(data: Any) -> str:
-    """The ``engine`` a raw ``[inference]`` table or a config names (in_process when unset)."""
+    """The union's tag of a raw ``[inference]`` table or a config: the engine it names
+    (in_process when unset), ``user`` for an import path."""
     if isinstance(data, dict):
-        return str(data.get("engine", "in_process"))
-    return str(getattr(data, "engine", "in_process"))
+        engine = str(data.get("engine", "in_process"))
+    else:
+        engine = str(getattr(data, "engine", "in_process"))
+    return "user" if ":" in engine else engine
 
 
 #: ``[inference]``: one of the engines' configs, chosen by its ``engine`` field
 InferenceConfig = Annotated[
     Annotated[InProcessInferenceConfig, Tag("in_process")]
-    | Annotated[VllmInferenceConfig, Tag("vllm")],
+    | Annotated[VllmInferenceConfig, Tag("vllm")]
+    | Annotated[UserInferenceConfig, Tag("user")],
     Discriminator(
         _engine_of,
         custom_error_type="inference_engine",
-        custom_error_message="inference.engine must be 'in_process' or 'vllm'",
+        custom_error_message="inference.engine must be 'in_process', 'vllm' or "
+        "'package.module:factory' of a user's engine",
     ),
 ]
 
 
-def inference_config(**fields: Any) -> InProcessInferenceConfig | VllmInferenceConfig:
+def inference_config(
+    **fields: Any,
+) -> InProcessInferenceConfig | VllmInferenceConfig | UserInferenceConfig:
     """The ``[inference]`` config of ``fields`` (``engine`` picks the class, in_process
     when unset), validated as a run config's would be."""
     from pydantic import TypeAdapter

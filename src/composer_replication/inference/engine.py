@@ -131,8 +131,19 @@ def build_inference_engine(
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> InferenceEngine:
     """The run's engine: the policy in process (its decode options from ``config``;
-    ``sample_ahead``: a copy of the weights samples ahead, under ``autocast``), or a vLLM
-    server (:func:`build_policy_engine`)."""
+    ``sample_ahead``: a copy of the weights samples ahead, under ``autocast``), a vLLM
+    server (:func:`build_policy_engine`), or a user's (``engine = "package.module:factory"``,
+    called with ``config`` and the keyword arguments here)."""
+    if ":" in config.engine:
+        return _user_engine(
+            config,
+            policy=policy,
+            model_source=model_source,
+            run_dir=run_dir,
+            seed=seed,
+            sample_ahead=sample_ahead,
+            autocast=autocast,
+        )
     if config.engine == "in_process":
         from composer_replication.inference.in_process import InProcessEngine
         from composer_replication.rollout.generate import DecodeOptions
@@ -144,6 +155,37 @@ def build_inference_engine(
             autocast=autocast,
         )
     return build_policy_engine(config, model_source=model_source, run_dir=run_dir, seed=seed)
+
+
+#: how a user's engine factory is called, for the messages that blame it
+USER_ENGINE_CALL = (
+    "factory(config, *, policy, model_source, run_dir, seed, sample_ahead, autocast) "
+    "returning an object with the roles.InferenceEngine methods"
+)
+
+
+def _user_engine(config: Any, **kwargs: Any) -> InferenceEngine:
+    """A user's engine from its factory; a factory that fails, or returns something that is
+    not an engine, is one line naming ``inference.engine`` and how it is called."""
+    from composer_replication import roles
+    from composer_replication.callables import load_callable
+    from composer_replication.errors import UsageError, user_code_error
+
+    what = f"inference.engine = {config.engine!r}"
+    factory = load_callable(config.engine, "inference.engine (a user's engine factory)")
+    try:
+        engine = factory(config, **kwargs)
+    except Exception as err:  # the user's code: blame it, in one line
+        raise user_code_error(what, err, f"it is called as {USER_ENGINE_CALL}") from err
+    # looked up on the class: reading a property could start the engine
+    needed = (*roles.protocol_methods(roles.InferenceEngine), "sampler", "version")
+    missing = [name for name in needed if not hasattr(type(engine), name)]
+    if missing:
+        raise UsageError(
+            f"{what} returned {type(engine).__name__}, which lacks {', '.join(missing)}; "
+            f"the factory is called as {USER_ENGINE_CALL}"
+        )
+    return engine
 
 
 def build_policy_engine(

@@ -375,7 +375,7 @@ class Trainer:
                 flagged += sum(1 for r in group if r.hack_flags)
                 errors += sum(1 for r in sampled_group if r.error)
                 n_rollouts += len(sampled_group)
-                stamp_policy_version(sampled_group, self.step)
+                stamp_policy_version(sampled_group, self.engine.version)
                 sampled_rollouts += sampled_group
                 for r in sampled_group:
                     sampled_tokens += sum(r.completion_mask or ())

@@ -232,11 +232,6 @@ class TrainerActor(Actor):
         return self.version, trainable_state(self.policy)
 
     @endpoint
-    def decode_loops(self) -> dict[str, int]:
-        """How many sampling calls each decode loop ran here ('static' / 'general')."""
-        return dict(self.sampler.decode_loops)
-
-    @endpoint
     def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         return completion_logprobs(self.policy, prompt_ids, completion_ids)
 

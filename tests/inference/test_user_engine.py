@@ -1,0 +1,94 @@
+"""A user's inference engine, named by import path in ``[inference]``: the loop builds it
+from its factory, samples through it and hands it every optimizer step, never asking what
+it is. The engine is one module (tests/examples/lagged_engine.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from tests.examples.lagged_engine import LaggedEngine
+
+from composer_replication.config import RunConfig
+from composer_replication.errors import UsageError
+from composer_replication.rollout.types import POLICY_VERSION_KEY
+from composer_replication.trainer.loop import Trainer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+from scripted_env import ScriptedEnv
+
+ENGINE = "tests.examples.lagged_engine:lagged_engine"
+
+
+def _config(tmp_path, tiny_dir, engine: str = ENGINE, every: int = 2) -> RunConfig:
+    return RunConfig.from_toml(f'''
+steps = 3
+output_dir = "{tmp_path / "run"}"
+[model]
+source = "{tiny_dir}"
+[inference]
+engine = "{engine}"
+options = {{ every = {every} }}
+[eval]
+at_start = false
+every = 3
+max_tasks = 1
+samples_per_task = 1
+temperature = 0
+[[envs]]
+name = "scripted"
+tasks_per_step = 2
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 6
+[envs.algorithm.advantage]
+type = "grpo"
+''')
+
+
+def test_a_user_engine_samples_and_follows_the_optimizer_its_own_way(tmp_path, tiny_dir):
+    trainer = Trainer(_config(tmp_path, tiny_dir), environments={"scripted": ScriptedEnv()})
+    assert type(trainer.engine) is LaggedEngine and trainer.engine.every == 2
+    versions: list[set[int]] = []
+    real_assign = trainer.assign
+
+    def recording_assign(tasks, env_groups, t0):
+        out = real_assign(tasks, env_groups, t0)  # stamps each rollout with its version
+        versions.append(
+            {r.metadata[POLICY_VERSION_KEY] for groups in env_groups for g in groups for r in g}
+        )
+        return out
+
+    trainer.assign = recording_assign
+    result = trainer.run()
+    assert result.steps == 3
+    # the copy takes the weights after step 2 only: steps 1 and 2 sample version 0, step 3
+    # version 2
+    assert trainer.engine.synced_at == [2]
+    assert versions == [{0}, {0}, {2}]
+    rows = [r for r in result.metrics if "engine/synced" in r]
+    assert [r["engine/synced"] for r in rows] == [0.0, 1.0, 0.0]
+    assert all(r["tokens/rl"] > 0 for r in rows)
+    assert trainer.engine.copy is None  # stopped with the run
+
+
+def test_a_bad_user_engine_is_one_line_naming_it(tmp_path, tiny_dir):
+    from composer_replication.preflight import check_inference_engine
+
+    missing = _config(tmp_path, tiny_dir, engine="tests.examples.lagged_engine:nope")
+    with pytest.raises(
+        UsageError,
+        match=r"inference.engine \(a user's engine factory\): cannot import 'tests.examples.lagged_engine:nope'",
+    ):
+        check_inference_engine(missing.inference)
+    # the factory raises (the class is not a factory): its error, and how it is called
+    raising = _config(tmp_path, tiny_dir, engine="tests.examples.lagged_engine:LaggedEngine")
+    with pytest.raises(UsageError, match=r"raised TypeError: .*\(it is called as factory\(config"):
+        Trainer(raising, environments={"scripted": ScriptedEnv()})
+    # the factory returns something that is not an engine
+    other = _config(tmp_path, tiny_dir, engine="builtins:dict")
+    with pytest.raises(UsageError, match=r"returned dict, which lacks after_step, "):
+        Trainer(other, environments={"scripted": ScriptedEnv()})
+    with pytest.raises(ValueError, match=r"options.every = 0 must be >= 1"):
+        Trainer(_config(tmp_path, tiny_dir, every=0), environments={"scripted": ScriptedEnv()})
