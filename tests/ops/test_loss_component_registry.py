@@ -13,11 +13,21 @@ from composer_replication.config.components import (
     component_names,
     loss_components,
     register_component,
+    unregister_component,
 )
 from composer_replication.config.loss import LossConfig
 from composer_replication.ops.assembler import micro_batch_losses
 from composer_replication.trainer.step import train_step
 from composer_replication.wire import TrainingSample, pack_samples
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unlikelihood_registered():
+    """The example term is registered for this module's tests only: other tests see the
+    built-in components alone (their counts and metrics list every registered one)."""
+    register_component(unlikelihood_term.UNLIKELIHOOD)
+    yield
+    unregister_component(unlikelihood_term.UNLIKELIHOOD.name)
 
 
 @pytest.fixture(scope="module")
