@@ -86,7 +86,7 @@ def rl_samples(n_seq: int, seq_len: int, vocab: int, *, n_prompt: int) -> list:
     alternating sign (seeded: the same batch in every process)."""
     import torch
 
-    from composer_replication.wire import TrainingSample
+    from composer_replication.samples.wire import TrainingSample
 
     gen = torch.Generator().manual_seed(0)
     samples = []

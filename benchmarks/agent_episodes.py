@@ -27,9 +27,9 @@ from _measure import check_count, check_seconds, machine_line
 
 def one_step(scheduling: str, args: argparse.Namespace) -> float:
     """Wall seconds of one step's episodes under ``scheduling``."""
-    from composer_replication.models import tiny_policy
+    from composer_replication.inference.decoding.generate import SamplingSettings, generate
+    from composer_replication.model.loading import tiny_policy
     from composer_replication.rollout.agent import Episode, ScriptedSampler, run_agent_rollouts
-    from composer_replication.rollout.generate import SamplingSettings, generate
     from composer_replication.rollout.tool_calls import format_tool_call
 
     model, tokenizer = tiny_policy(seed=0)

@@ -53,11 +53,11 @@ def _state_bytes(policy, optimizer) -> int:
 def worker(rank: int, world: int, port: int, n_seq: int, seq_len: int, steps: int) -> dict:
     import torch
 
-    from composer_replication.cpu_allocator import set_mmap_threshold
     from composer_replication.distributed.ranks import RankGroup
-    from composer_replication.models import load_policy
+    from composer_replication.model.cpu_allocator import set_mmap_threshold
+    from composer_replication.model.loading import load_policy
+    from composer_replication.samples.wire import pack_samples
     from composer_replication.trainer.step import train_step
-    from composer_replication.wire import pack_samples
 
     set_mmap_threshold(256 << 10)  # peak RSS counts live tensors, not the heap's free blocks
     torch.set_num_threads(2 // world)

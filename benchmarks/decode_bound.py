@@ -80,8 +80,8 @@ def decode_forward_seconds(model, rows: int, cached: int, repeats: int) -> float
     attention mask, position ids, logits of the new position only)."""
     import torch
 
-    from composer_replication.rollout.kv_cache import new_cache
-    from composer_replication.rollout.packed_linear import packed_linears
+    from composer_replication.inference.decoding.kv_cache import new_cache
+    from composer_replication.inference.decoding.packed_linear import packed_linears
 
     steps = repeats + 1  # the first is a warm-up
     prompt = torch.randint(0, model.config.vocab_size, (rows, cached))
@@ -119,7 +119,7 @@ def main() -> None:
 
     import torch
 
-    from composer_replication.models import load_policy
+    from composer_replication.model.loading import load_policy
 
     torch.set_num_threads(ns.threads)
     model, _ = load_policy(None)

@@ -28,7 +28,7 @@ import torch
 
 from composer_replication.diloco.integration import ObjectStoreDiLoCo
 from composer_replication.diloco.serverless.object_store import ObjectStoreAllReduce
-from composer_replication.models import tiny_model
+from composer_replication.model.loading import tiny_model
 
 SMOLLM2_PARAMS = 134_515_008
 

@@ -48,7 +48,7 @@ On a GPU machine without network: the package needs pydantic (its configs), carr
 wheels, and ``--random-weights`` needs SmolLM2's tokenizer files in a folder
 (``--tokenizer``): ``tokenizer.json``, ``tokenizer_config.json`` and
 ``chat_template.jinja`` of the embedded model's directory
-(``composer_replication.models.embedded_model_dir()``). Run with ``PYTHONPATH=src``.
+(``composer_replication.model.loading.embedded_model_dir()``). Run with ``PYTHONPATH=src``.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def make_model_dir(args: argparse.Namespace, where: Path) -> str:
     shape (or the quick shape), or 'embedded'."""
     if not args.random_weights:
         return "embedded"
-    from composer_replication.models import load_tokenizer, save_checkpoint, tiny_model
+    from composer_replication.model.loading import load_tokenizer, save_checkpoint, tiny_model
 
     shape = QUICK_SHAPE if args.quick else SMOLLM2_135M
     model = tiny_model(seed=0, **shape)
@@ -139,7 +139,7 @@ def load_model(source: str, device: Any) -> tuple[Any, Any]:
     """The policy as training holds it: float32 master weights on ``device``."""
     import torch
 
-    from composer_replication.models import load_policy
+    from composer_replication.model.loading import load_policy
 
     model, tokenizer = load_policy(source, dtype=torch.float32, device=device)
     return model.eval(), tokenizer
@@ -308,7 +308,7 @@ def hf_sample(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: 
     """transformers' ``generate`` at temperature 1 (no top-k / top-p); kept tokens."""
     import torch
 
-    from composer_replication.rollout.padding import left_pad
+    from composer_replication.inference.decoding.padding import left_pad
 
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, tokenizer.pad_token_id, device=device)
@@ -334,7 +334,7 @@ def hf_sample(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: 
 def ours_sample(
     model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, options: Any
 ) -> int:
-    from composer_replication.rollout.generate import SamplingSettings, generate
+    from composer_replication.inference.decoding.generate import SamplingSettings, generate
 
     settings = SamplingSettings(max_new_tokens=new_tokens, temperature=1.0)
     rows = generate(model, tokenizer, prompts, settings, decode=options, max_rows=len(prompts))
@@ -383,7 +383,7 @@ def section_sampling(
 ) -> dict[str, Any]:
     """Sampling throughput of every side at each batch size (``only``: just these sides);
     ``budget``: sides past it are skipped (each side's first call is its warm-up)."""
-    from composer_replication.rollout.generate import DecodeOptions
+    from composer_replication.inference.decoding.generate import DecodeOptions
 
     model, tokenizer = load_model(source, device)
     new_tokens = 16 if args.quick else 128
@@ -573,7 +573,7 @@ def section_train(
     import torch
 
     from composer_replication.config.run import RunConfig
-    from composer_replication.wire import pack_samples
+    from composer_replication.samples.wire import pack_samples
 
     base = [f"model.source={source}", f"model.device={device}"]
     configs = {

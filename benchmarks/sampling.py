@@ -46,7 +46,7 @@ def hf_generate(model, tokenizer, prompts, settings, eos_ids):
     at the first EOS or stop string as ours are."""
     import torch
 
-    from composer_replication.rollout.padding import left_pad
+    from composer_replication.inference.decoding.padding import left_pad
 
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     greedy = settings.temperature == 0
@@ -89,7 +89,7 @@ def hf_generate(model, tokenizer, prompts, settings, eos_ids):
 
 
 def ours(model, tokenizer, prompts, settings, max_rows=None):
-    from composer_replication.rollout.generate import generate
+    from composer_replication.inference.decoding.generate import generate
 
     return [
         (g.completion_ids, g.logprobs)
@@ -101,9 +101,9 @@ def ours_without_drafts(model, tokenizer, prompts, settings, max_rows=None):
     """Our decode loop with prompt-lookup drafts off (one token per row per forward)."""
     import torch
 
-    from composer_replication.rollout.decode import decode_rows
-    from composer_replication.rollout.generate import _eos_ids
-    from composer_replication.rollout.packed_linear import packed_linears
+    from composer_replication.inference.decoding.decode import decode_rows
+    from composer_replication.inference.decoding.generate import _eos_ids
+    from composer_replication.inference.decoding.packed_linear import packed_linears
 
     with torch.no_grad(), packed_linears(model, batch_hint=min(len(prompts), max_rows or 10**9)):
         rows = decode_rows(
@@ -190,8 +190,8 @@ def main() -> None:
     import torch
 
     from composer_replication.envs.python_functions import STOP_STRINGS
-    from composer_replication.models import load_policy
-    from composer_replication.rollout.generate import SamplingSettings, _eos_ids
+    from composer_replication.inference.decoding.generate import SamplingSettings, _eos_ids
+    from composer_replication.model.loading import load_policy
 
     torch.set_num_threads(ns.threads)
     model, tok = load_policy(None)
@@ -276,7 +276,7 @@ def engine_side(ns, model, tok, ours_rate) -> None:
 
     from composer_replication.config.inference import VllmInferenceConfig
     from composer_replication.inference.engine import PolicyEngine
-    from composer_replication.models import embedded_model_dir
+    from composer_replication.model.loading import embedded_model_dir
 
     config = VllmInferenceConfig(
         python=ns.engine_python,

@@ -8,7 +8,7 @@ the very same rl component. Printed: time and peak extra memory (RSS) ratios, an
 loss values (they must agree). ``--checkpointing`` turns on activation checkpointing in both
 (what a CPU run with long sequences would use), which leaves the LM head as the largest
 memory consumer. Both workers fix glibc's mmap threshold at 256 KiB
-(:mod:`composer_replication.cpu_allocator`; a run turns it on with
+(:mod:`composer_replication.model.cpu_allocator`; a run turns it on with
 ``malloc_mmap_threshold``) so that peak RSS counts live tensors rather than freed blocks the
 heap kept; ``--glibc-defaults`` measures with glibc's dynamic threshold.
 
@@ -37,7 +37,7 @@ from _measure import check_count, gib, machine_line, measure, rl_samples, run_ca
 
 
 def _batch(n_seq: int, seq_len: int, vocab: int):
-    from composer_replication.wire import pack_samples
+    from composer_replication.samples.wire import pack_samples
 
     samples = rl_samples(n_seq, seq_len, vocab, n_prompt=64)
     (mb,) = pack_samples(samples, max_tokens=n_seq * seq_len)
@@ -74,8 +74,8 @@ def worker(
 ) -> dict:
     import torch
 
-    from composer_replication.cpu_allocator import set_mmap_threshold
-    from composer_replication.models import load_policy
+    from composer_replication.model.cpu_allocator import set_mmap_threshold
+    from composer_replication.model.loading import load_policy
     from composer_replication.trainer.step import LossConfig, train_step
 
     if mmap_threshold:
@@ -113,10 +113,10 @@ def composer_case(repeats: int) -> None:
     import torch
 
     from composer_replication.config import RunConfig
-    from composer_replication.shared_prefix import prefix_sharing
+    from composer_replication.model.shared_prefix import prefix_sharing
+    from composer_replication.samples.wire import pack_samples
     from composer_replication.trainer.loop import Trainer
     from composer_replication.trainer.step import train_step
-    from composer_replication.wire import pack_samples
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(RunConfig.default([f"output_dir={tmp}/run"]))
@@ -192,7 +192,7 @@ def composer_case(repeats: int) -> None:
 @contextlib.contextmanager
 def _packed_limit(limit: int | None):
     """Within the block, the packed forward takes at most ``limit`` tokens (None: as is)."""
-    from composer_replication import shared_prefix
+    from composer_replication.model import shared_prefix
 
     saved = shared_prefix.PACKED_MAX_TOKENS
     if limit is not None:
@@ -235,7 +235,7 @@ def main() -> None:
     if ns.worker:
         print(json.dumps(worker(**json.loads(ns.args))))
         return
-    from composer_replication.cpu_allocator import DEFAULT_MMAP_THRESHOLD
+    from composer_replication.model.cpu_allocator import DEFAULT_MMAP_THRESHOLD
 
     script = os.path.abspath(__file__)
     threshold = 0 if ns.glibc_defaults else DEFAULT_MMAP_THRESHOLD

@@ -104,14 +104,14 @@ def trl_worker(args: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from composer_replication.envs.python_functions import PythonFunctionsEnv
-    from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.setup import seed_everything, setup_policy
-    from composer_replication.trainer.trl_backend import (
+    from composer_replication.backends.trl.run import (
         PythonFunctionsReward,
         grpo_config_from_run,
         train_prompt_dataset,
     )
+    from composer_replication.envs.python_functions import PythonFunctionsEnv
+    from composer_replication.safety import HeldoutSplit
+    from composer_replication.trainer.setup import seed_everything, setup_policy
 
     cfg = run_config(args, tempfile.mkdtemp(prefix="bench-trl-"))
     seed_everything(cfg.seed)

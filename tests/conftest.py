@@ -49,7 +49,7 @@ def sandbox_factory() -> Callable[[Path], LocalSubprocessSandbox]:
 @pytest.fixture(scope="session")
 def tokenizer():
     """The embedded model's tokenizer (the tiny model shares its vocabulary)."""
-    from composer_replication.models import load_tokenizer
+    from composer_replication.model.loading import load_tokenizer
 
     return load_tokenizer()
 
@@ -58,7 +58,7 @@ def tokenizer():
 def tiny(tokenizer):
     """(the tiny random Llama of seed 0 in eval mode, the tokenizer); one per test module,
     so a module may change it (most copy it first)."""
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     return tiny_model(seed=0).eval(), tokenizer
 
@@ -66,7 +66,7 @@ def tiny(tokenizer):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """The tiny random model with the real tokenizer, saved as a Hugging Face directory."""
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tok = tiny_policy(seed=0)
     return str(save_checkpoint(model, tmp_path_factory.mktemp("tiny") / "model", tokenizer=tok))

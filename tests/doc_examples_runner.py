@@ -28,7 +28,7 @@ def _preload() -> None:
     import transformers  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    from composer_replication.models import load_tokenizer
+    from composer_replication.model.loading import load_tokenizer
 
     load_tokenizer()  # reads the embedded tokenizer's files once
 

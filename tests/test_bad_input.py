@@ -39,7 +39,7 @@ def _state(i: int) -> dict:
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A workspace of inputs and prepared outputs every case must leave as they are."""
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     root = tmp_path_factory.mktemp("bad_input")
     (root / "session.jsonl").write_bytes(SESSION.read_bytes())

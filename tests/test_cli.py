@@ -58,7 +58,7 @@ def test_lazy_exports_resolve():
 
 
 def test_smoke_runs_a_real_step_on_a_saved_tiny_model(tmp_path):
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
     from composer_replication.smoke import run_smoke
 
     model, tokenizer = tiny_policy(seed=0)
@@ -73,7 +73,7 @@ def test_smoke_runs_a_real_step_on_a_saved_tiny_model(tmp_path):
 
 
 def test_smoke_command_prints_components(tmp_path):
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     path = save_checkpoint(model, tmp_path / "tiny", tokenizer=tokenizer)
@@ -86,7 +86,7 @@ def test_smoke_command_prints_components(tmp_path):
 def test_eval_heldout_prints_greedy_and_sampled_scores(tmp_path):
     import json
 
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     path = str(save_checkpoint(model, tmp_path / "tiny", tokenizer=tokenizer))

@@ -161,7 +161,7 @@ def test_the_config_package_imports_no_runtime_code():
 def test_trl_presets_build_on_this_machine_without_device_flags(tmp_path):
     import torch
 
-    from composer_replication.trainer.po_presets import make_dr_grpo_config, make_po_config
+    from composer_replication.backends.trl.po_presets import make_dr_grpo_config, make_po_config
 
     args = make_dr_grpo_config(output_dir=str(tmp_path), report_to="none")
     has_gpu = torch.cuda.is_available()

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from composer_replication.cpu_allocator import ENV_VARIABLE, set_mmap_threshold
+from composer_replication.model.cpu_allocator import ENV_VARIABLE, set_mmap_threshold
 
 glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"),
@@ -23,7 +23,7 @@ _PROBE = textwrap.dedent(
     """
     import json, os, sys
     import torch
-    from composer_replication.cpu_allocator import set_mmap_threshold
+    from composer_replication.model.cpu_allocator import set_mmap_threshold
 
     def rss():
         with open("/proc/self/statm") as fh:

@@ -32,15 +32,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from composer_replication.config.run import ModelConfig
-from composer_replication.devices import (
+from composer_replication.model.devices import (
     Precision,
     autocast,
     module_device,
     resolve_device,
     resolve_precision,
 )
+from composer_replication.samples.wire import TrainingSample, pack_samples
 from composer_replication.trainer.step import train_step
-from composer_replication.wire import TrainingSample, pack_samples
 
 sys.path.insert(0, str(Path(__file__).parent / "trainer"))
 from test_step import _jsd_sample, _pair, _rl_sample
@@ -131,7 +131,7 @@ def test_resolve_precision():
 
 def test_setup_policy_places_the_policy_with_sdpa(tmp_path, tiny):
     from composer_replication.config.run import RunConfig
-    from composer_replication.models import save_checkpoint, tiny_model
+    from composer_replication.model.loading import save_checkpoint, tiny_model
     from composer_replication.trainer.setup import setup_policy
 
     source = save_checkpoint(tiny_model(seed=0), tmp_path / "m", tokenizer=tiny[1])
@@ -185,7 +185,7 @@ def test_step_creates_no_stray_tensor(tiny):
 def test_sampler_scorer_kl_and_teachers_create_no_stray_tensor(tiny):
     from composer_replication.algo.advantage import grpo_advantages, max_rl_advantages
     from composer_replication.algo.scoring import LocalPrefillScorer
-    from composer_replication.rollout.generate import (
+    from composer_replication.inference.decoding.generate import (
         SamplingSettings,
         generate,
         reuse_prompt_states,
@@ -224,7 +224,7 @@ def test_sampler_scorer_kl_and_teachers_create_no_stray_tensor(tiny):
 def test_the_static_decode_loop_creates_no_stray_tensor(tiny):
     """The static loop's buffers, draws, windows and trimming follow the model's device;
     its host-side tensors are built on the host explicitly."""
-    from composer_replication.rollout.generate import (
+    from composer_replication.inference.decoding.generate import (
         DecodeOptions,
         SamplingSettings,
         generate,

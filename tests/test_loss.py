@@ -214,7 +214,7 @@ def test_build_batch_keys_and_alignment(tiny):
 
 @pytest.mark.slow
 def test_compose_loss_on_embedded_smollm2():
-    from composer_replication.models import load_policy
+    from composer_replication.model.loading import load_policy
 
     model, tokenizer = load_policy()
     model.train()

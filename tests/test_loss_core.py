@@ -20,8 +20,8 @@ from composer_replication.distillation import (
 )
 from composer_replication.loss import compose_loss
 from composer_replication.opsd import generalized_jsd_loss
+from composer_replication.samples.wire import DPOPairTokens, TrainingSample, pack_samples
 from composer_replication.trainer.step import train_step
-from composer_replication.wire import DPOPairTokens, TrainingSample, pack_samples
 
 PROMPT = [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093]
 HINTED = [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093, 198, 19161, 803, 24, 81]
@@ -99,8 +99,8 @@ def _trl_inputs():
 def _trl_trainer(model, tokenizer, tmp_path, **kwargs):
     from datasets import Dataset
 
-    from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
-    from composer_replication.trainer.po_presets import make_dr_grpo_config
+    from composer_replication.backends.trl.po_presets import make_dr_grpo_config
+    from composer_replication.backends.trl.trainer import ComposerReplicationTrainer
 
     def zero_reward(prompts, completions, **kw):
         return [0.0] * len(completions)

@@ -8,7 +8,7 @@ import pytest
 
 from composer_replication.config import RunConfig
 from composer_replication.errors import UsageError
-from composer_replication.memory_estimate import (
+from composer_replication.model.memory_estimate import (
     EMBEDDED_SHAPE,
     ModelShape,
     estimate_learner_memory,
@@ -24,7 +24,7 @@ GPU_TOML = Path(__file__).parents[1] / "configs" / "runs" / "gpu.toml"
 
 
 def test_parameter_counts_match_the_models():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     # per layer: q 4096 + k 2048 + v 2048 + o 4096 + 3 x 8192 + norms 128; embeddings 16384
     assert SMALL.n_parameters == 2 * 36_992 + 16_384 + 64 == 90_432

@@ -1,4 +1,4 @@
-"""Tests for composer_replication.models: locating, converting, loading and saving policies.
+"""Tests for composer_replication.model.loading: locating, converting, loading and saving policies.
 
 The embedded model's conversion takes ~30 s, so tests that need it share the real user cache
 (`cache_dir()`) and rely on its idempotency; tests that redirect the cache never convert.
@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from composer_replication.atomic_io import build_dir_atomically
-from composer_replication.models import (
+from composer_replication.model.loading import (
     EMBEDDED,
     EMBEDDED_GGUF_FILE,
     EMBEDDED_MODEL_NAME,
@@ -54,7 +54,7 @@ def _siblings(path: Path) -> list[str]:
 
 def test_importing_models_does_not_import_torch_or_transformers():
     code = (
-        "import sys, composer_replication.models; "
+        "import sys, composer_replication.model.loading; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -128,7 +128,7 @@ def test_embedded_model_dir_reuses_an_existing_cache_entry(monkeypatch, tmp_path
     entry = tmp_path / "embedded" / f"{EMBEDDED_MODEL_NAME}-{digest[:12]}"
     entry.mkdir(parents=True)
     (entry / "marker").write_text("kept")
-    with caplog.at_level(logging.INFO, logger="composer_replication.models"):
+    with caplog.at_level(logging.INFO, logger="composer_replication.model.loading"):
         assert embedded_model_dir() == entry
         assert embedded_model_dir() == entry
     assert [p.name for p in entry.iterdir()] == ["marker"]

@@ -9,21 +9,21 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from composer_replication import packed_attention
-from composer_replication.forward_tokens import counting_forward_tokens
-from composer_replication.model_parts import last_hidden_states
-from composer_replication.models import tiny_model
-from composer_replication.ops.pairs import pad_rows
-from composer_replication.packed_attention import (
+from composer_replication.model import packed_attention
+from composer_replication.model.loading import tiny_model
+from composer_replication.model.packed_attention import (
     packed_attention as packed_attention_fn,
 )
-from composer_replication.packed_attention import (
+from composer_replication.model.packed_attention import (
     packed_block_mask,
     packed_layout,
     sequence_ranges,
     visible,
 )
-from composer_replication.shared_prefix import prefix_sharing
+from composer_replication.model.parts import last_hidden_states
+from composer_replication.model.shared_prefix import prefix_sharing
+from composer_replication.ops.pairs import pad_rows
+from composer_replication.samples.forward_tokens import counting_forward_tokens
 
 
 @pytest.fixture
@@ -205,8 +205,8 @@ def test_on_meta_the_packed_path_builds_everything_on_the_models_device(packing_
 
 
 def test_the_padding_fraction_is_padded_over_computed_positions():
+    from composer_replication.samples.wire import TrainingSample, pack_samples
     from composer_replication.trainer.step import train_step
-    from composer_replication.wire import TrainingSample, pack_samples
 
     def sample(n_prompt: int, n_completion: int, first: int) -> TrainingSample:
         ids = list(range(first, first + n_prompt + n_completion))

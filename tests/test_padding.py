@@ -1,4 +1,4 @@
-"""composer_replication.padding against hand-computed rows, widths and masks."""
+"""composer_replication.samples.padding against hand-computed rows, widths and masks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from composer_replication.padding import pad_id_of, pad_lists, pad_rows, padded_width, stacked_pad
+from composer_replication.samples.padding import (
+    pad_id_of,
+    pad_lists,
+    pad_rows,
+    padded_width,
+    stacked_pad,
+)
 
 
 def test_pad_id_is_the_pad_token_else_eos():
@@ -65,6 +71,6 @@ def test_stacked_pad_holds_ids_and_mask_in_one_host_tensor():
 
 
 def test_importing_the_module_does_not_import_torch():
-    code = "import sys, composer_replication.padding; print('torch' in sys.modules)"
+    code = "import sys, composer_replication.samples.padding; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

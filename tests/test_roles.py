@@ -25,6 +25,7 @@ def _classes():
     """(protocol, implementation) for every implementation the package has."""
     from composer_replication.distributed.fsdp import NoSharding
     from composer_replication.envs.python_functions import PythonFunctionsEnv
+    from composer_replication.inference.decoding.generate import InProcessSampler
     from composer_replication.inference.in_process import InProcessEngine
     from composer_replication.inference.sampler import EngineSampler
     from composer_replication.recipes.monarch.engine import (
@@ -33,7 +34,6 @@ def _classes():
         _WholeCopy,
     )
     from composer_replication.rollout.endpoint_sampler import EndpointSampler
-    from composer_replication.rollout.generate import InProcessSampler
     from composer_replication.trainer.learner import Learner
     from composer_replication.trainer.lifecycle import RunLifecycle
 
@@ -107,6 +107,7 @@ def instances(tmp_path_factory, tiny):
     """One object of every implementation (none of them calls out when built)."""
     from composer_replication.distributed.fsdp import NoSharding
     from composer_replication.envs.python_functions import PythonFunctionsEnv
+    from composer_replication.inference.decoding.generate import InProcessSampler
     from composer_replication.inference.in_process import InProcessEngine
     from composer_replication.inference.sampler import EngineSampler
     from composer_replication.recipes.monarch.engine import (
@@ -115,7 +116,6 @@ def instances(tmp_path_factory, tiny):
         _WholeCopy,
     )
     from composer_replication.rollout.endpoint_sampler import EndpointSampler
-    from composer_replication.rollout.generate import InProcessSampler
     from composer_replication.trainer.learner import Learner
     from composer_replication.trainer.lifecycle import RunLifecycle
 
@@ -144,9 +144,9 @@ def test_every_implementation_is_an_instance_of_its_role(index, instances):
 
 
 def test_samplers_say_whether_they_sample_the_live_policy(instances):
+    from composer_replication.inference.decoding.generate import InProcessSampler
     from composer_replication.inference.sampler import EngineSampler
     from composer_replication.rollout.endpoint_sampler import EndpointSampler
-    from composer_replication.rollout.generate import InProcessSampler
 
     assert instances[InProcessSampler].samples_from_live_policy is True
     assert InProcessSampler(object(), live=False).samples_from_live_policy is False

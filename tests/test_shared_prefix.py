@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_replication import packed_attention, shared_prefix
-from composer_replication.forward_tokens import counting_forward_tokens
-from composer_replication.model_parts import AdapterDisabled, last_hidden_states
-from composer_replication.models import tiny_model
+from composer_replication.model import packed_attention, shared_prefix
+from composer_replication.model.loading import tiny_model
+from composer_replication.model.parts import AdapterDisabled, last_hidden_states
+from composer_replication.model.shared_prefix import prefix_tree, token_trie, tree_forward_tokens
 from composer_replication.ops.pairs import pad_rows
-from composer_replication.shared_prefix import prefix_tree, token_trie, tree_forward_tokens
+from composer_replication.samples.forward_tokens import counting_forward_tokens
 
 SYSTEM = list(range(100, 140))  # 40 tokens every row starts with
 TASK_A = list(range(200, 230))
@@ -191,7 +191,7 @@ def test_the_shared_forward_computes_fewer_tokens(monkeypatch):
 def test_a_gpu_takes_one_forward_where_the_packed_one_does_not_apply(monkeypatch):
     """Off the devices where a forward per segment pays (a GPU), rows the packed forward
     cannot take run in one padded forward: one launch of the layers, not one per segment."""
-    import composer_replication.model_parts as model_parts
+    import composer_replication.model.parts as model_parts
 
     model = _model()
     ids, mask = pad_rows(_rows())
@@ -237,7 +237,7 @@ def test_the_packed_forward_holds_for_eager_attention_and_gives_way_where_it_can
 def _composer_samples():
     """A group of four rollouts of one prompt with hinted teacher contexts, and two trace
     pairs of one agent prompt: every stream of the composer step over shared prefixes."""
-    from composer_replication.wire import DPOPairTokens, TrainingSample
+    from composer_replication.samples.wire import DPOPairTokens, TrainingSample
 
     gen = torch.Generator().manual_seed(5)
 
@@ -273,9 +273,9 @@ def _composer_step_inputs(model):
     """A composer step's inputs for ``model``: its frozen initial teacher (the policy is then
     moved away from it and from its reference), the composer samples packed into one
     micro-batch, and the loss settings."""
+    from composer_replication.samples.wire import pack_samples
     from composer_replication.trainer.step import LossConfig
     from composer_replication.trainer.teachers import TeacherModels
-    from composer_replication.wire import pack_samples
 
     teachers = TeacherModels(model, mode="initial")
     with torch.no_grad():
@@ -286,7 +286,7 @@ def _composer_step_inputs(model):
 
 
 def test_the_composer_step_is_the_same_with_shared_prefixes(sharing_path):
-    from composer_replication.shared_prefix import prefix_sharing, prefix_sharing_enabled
+    from composer_replication.model.shared_prefix import prefix_sharing, prefix_sharing_enabled
     from composer_replication.trainer.step import train_step
 
     model = tiny_model(seed=1).double().train()
@@ -319,7 +319,7 @@ def _grads_of(model):
 
 
 def test_leaves_of_very_different_lengths_take_separate_batches():
-    from composer_replication.shared_prefix import BATCH_OVERHEAD_TOKENS, length_batches
+    from composer_replication.model.shared_prefix import BATCH_OVERHEAD_TOKENS, length_batches
 
     lengths = [45, 140, 44, 45, 139]  # from start 40: tails 5, 100, 4, 5, 99
     # one batch: 5 x 100 padded tokens; two: 3 x 5 + 2 x 100 and one more forward

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from composer_replication.config import RunConfig
-from composer_replication.devices import set_tf32
+from composer_replication.model.devices import set_tf32
 
 
 @pytest.fixture(autouse=True)
@@ -52,11 +52,11 @@ def test_setting_up_a_cpu_policy_leaves_the_flags_alone(monkeypatch):
 
     calls = []
     monkeypatch.setattr(
-        "composer_replication.devices.set_tf32",
+        "composer_replication.model.devices.set_tf32",
         lambda enabled, device: calls.append((enabled, device.type)) or set_tf32(enabled, device),
     )
     monkeypatch.setattr(
-        "composer_replication.models.load_policy", lambda *a, **k: (_Policy(), None)
+        "composer_replication.model.loading.load_policy", lambda *a, **k: (_Policy(), None)
     )
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = (False, False)
     config = RunConfig.default(["model.device=cpu", "model.lora=null"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from composer_replication.rollout import Rollout
-from composer_replication.wire import DPOPairTokens, TrainingSample, pack_samples
+from composer_replication.samples.wire import DPOPairTokens, TrainingSample, pack_samples
 
 
 def _rl(n: int, start: int = 10) -> TrainingSample:
@@ -194,7 +194,7 @@ def test_repeated_pairs_merge_with_summed_weights_and_every_copy_counted():
 
 @pytest.fixture(scope="module")
 def policy():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     return tiny_model(seed=0, vocab_size=256).double().train()
 

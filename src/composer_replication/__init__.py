@@ -33,10 +33,10 @@ _LAZY: dict[str, str] = {
     "TraceState": "composer_replication.traces.teacher_replay",
     "extract_dpo_pairs": "composer_replication.traces.teacher_replay",
     "replay_trace": "composer_replication.traces.teacher_replay",
-    "ComposerReplicationTrainer": "composer_replication.trainer.composer_trainer",
-    "PO_OBJECTIVES": "composer_replication.trainer.po_presets",
-    "make_dr_grpo_config": "composer_replication.trainer.po_presets",
-    "make_po_config": "composer_replication.trainer.po_presets",
+    "ComposerReplicationTrainer": "composer_replication.backends.trl.trainer",
+    "PO_OBJECTIVES": "composer_replication.backends.trl.po_presets",
+    "make_dr_grpo_config": "composer_replication.backends.trl.po_presets",
+    "make_po_config": "composer_replication.backends.trl.po_presets",
 }
 
 # True when the optional torchft dependency (DiLoCo) is importable.
@@ -72,6 +72,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from composer_replication.backends.trl.po_presets import (
+        PO_OBJECTIVES,
+        make_dr_grpo_config,
+        make_po_config,
+    )
+    from composer_replication.backends.trl.trainer import ComposerReplicationTrainer
     from composer_replication.batch import build_batch
     from composer_replication.loss import LossComponents, compose_loss
     from composer_replication.opsd import generalized_jsd_loss
@@ -88,12 +94,6 @@ if TYPE_CHECKING:
         TraceState,
         extract_dpo_pairs,
         replay_trace,
-    )
-    from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
-    from composer_replication.trainer.po_presets import (
-        PO_OBJECTIVES,
-        make_dr_grpo_config,
-        make_po_config,
     )
 
 

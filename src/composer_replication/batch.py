@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.padding import pad_id_of, pad_rows
+from composer_replication.samples.padding import pad_id_of, pad_rows
 
 if TYPE_CHECKING:
     import torch
@@ -224,7 +224,7 @@ def _reference_logprobs(batch: dict[str, Any], ref_model: Any | None, seed: int)
         response = batch[f"dpo_{side}_response_mask"].clone()
         response[:, 0] = 0  # the first token has no log-prob
         if ref_model is not None:
-            from composer_replication.model_parts import last_hidden_states, lm_head_weight
+            from composer_replication.model.parts import last_hidden_states, lm_head_weight
             from composer_replication.ops.head import token_logprobs_from_hidden
 
             with torch.no_grad():

@@ -231,7 +231,7 @@ def train(
 
     try:
         if backend == "trl":
-            from composer_replication.trainer.trl_backend import train_with_trl
+            from composer_replication.backends.trl.run import train_with_trl
 
             result = train_with_trl(cfg, console=console)
         elif cfg.roles.placement == "monarch":

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.envs import build_environment, pass_at_1
-from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.safety import HeldoutSplit
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def heldout_rollouts(
     """
     import torch
 
-    from composer_replication.rollout.generate import derived_seed, seeded_rows
+    from composer_replication.inference.decoding.generate import derived_seed, seeded_rows
 
     with torch.random.fork_rng(devices=[]), seeded_rows(derived_seed(int(seed), "heldout")):
         torch.manual_seed(seed)
@@ -75,10 +75,10 @@ def evaluation_rollouts(
     (temperature 0) answer per task (the samples' first answers when ``temperature`` is 0).
 
     Both sample the same prompts, which are prefilled once
-    (:func:`~composer_replication.rollout.generate.reuse_prompt_states`): the policy does not
+    (:func:`~composer_replication.inference.decoding.generate.reuse_prompt_states`): the policy does not
     change in between.
     """
-    from composer_replication.rollout.generate import reuse_prompt_states
+    from composer_replication.inference.decoding.generate import reuse_prompt_states
 
     settings = dict(max_new_tokens=max_new_tokens, seed=seed)
     with reuse_prompt_states():
@@ -203,14 +203,14 @@ def evaluate_model(
     from types import SimpleNamespace
 
     from composer_replication.evals.pass_at_k import reported_ks
-    from composer_replication.models import load_policy
-    from composer_replication.rollout.generate import InProcessSampler
+    from composer_replication.inference.decoding.generate import InProcessSampler
+    from composer_replication.model.loading import load_policy
 
     if split not in ("heldout", "train", "all"):
         raise ValueError(f"split={split!r} must be heldout, train or all")
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be >= 1 (or None for every task of the split)")
-    from composer_replication.devices import resolve_device
+    from composer_replication.model.devices import resolve_device
 
     policy, tokenizer = load_policy(
         None if model_source == "embedded" else model_source, device=resolve_device(device)

@@ -1,7 +1,7 @@
 """The three-channel Composer loss on one batch, through the one loss assembler.
 
 ``compose_loss`` converts its padded batch into training samples
-(:mod:`composer_replication.padded_batch`) and runs
+(:mod:`composer_replication.ops.padded`) and runs
 :func:`composer_replication.ops.assembler.micro_batch_losses`, the call the native trainer
 step and the trl trainer make: the channels are its ``ce``, ``jsd`` and ``dpo`` components,
 each divided by its own token (pair) count.
@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.config.loss import LossConfig, loss_default
-from composer_replication.model_parts import AdapterDisabled
+from composer_replication.model.parts import AdapterDisabled
 from composer_replication.ops.assembler import pair_settings_of
 from composer_replication.ops.divergence import (
     DIVERGENCE_KNOBS,
     SDPO_WRAPPERS,
     divergence_settings,
 )
+from composer_replication.ops.padded import padded_losses, padded_samples
 from composer_replication.ops.pairs import (
     PAIR_KNOBS,
     fill_reference_logps,
@@ -47,7 +48,6 @@ from composer_replication.ops.pairs import (
     PAIR_VARIANTS as DPO_VARIANTS,
 )
 from composer_replication.ops.self_distillation import aligned_from_masks
-from composer_replication.padded_batch import padded_losses, padded_samples
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -106,7 +106,7 @@ def check_env_name(name: str, where: str = "environment") -> None:
 
 def check_device(spec: str, where: str = "model.device") -> None:
     """The device resolves here (a GPU that is asked for is visible)."""
-    from composer_replication.devices import resolve_device
+    from composer_replication.model.devices import resolve_device
 
     try:
         resolve_device(spec)
@@ -213,9 +213,9 @@ def check_run(config: Any) -> None:
 
 
 def _model_shape(source: str) -> Any:
-    """The :class:`~composer_replication.memory_estimate.ModelShape` of a model source, or
+    """The :class:`~composer_replication.model.memory_estimate.ModelShape` of a model source, or
     None where it cannot be read without loading (a GGUF file, a hub id, an odd config)."""
-    from composer_replication.memory_estimate import EMBEDDED_SHAPE, ModelShape
+    from composer_replication.model.memory_estimate import EMBEDDED_SHAPE, ModelShape
 
     if source == "embedded":
         return EMBEDDED_SHAPE
@@ -227,7 +227,7 @@ def _model_shape(source: str) -> Any:
 
 
 def learner_memory_settings(config: Any) -> dict[str, Any]:
-    """:func:`~composer_replication.memory_estimate.estimate_learner_memory`'s settings
+    """:func:`~composer_replication.model.memory_estimate.estimate_learner_memory`'s settings
     (all but the shape and the tokens) from a run config, as ``train`` runs it on a GPU."""
     import os
 
@@ -260,7 +260,7 @@ replication.memory_estimate`, 10% of the memory kept spare); returns the estimat
 
     ``available``: bytes of GPU memory to fit (default: what is free on the run's CUDA
     device, ``torch.cuda.mem_get_info``; on a CPU the check is skipped)."""
-    from composer_replication.memory_estimate import (
+    from composer_replication.model.memory_estimate import (
         DEFAULT_RESERVE,
         GIB,
         estimate_learner_memory,
@@ -269,7 +269,7 @@ replication.memory_estimate`, 10% of the memory kept spare); returns the estimat
     )
 
     if available is None:
-        from composer_replication.devices import resolve_device
+        from composer_replication.model.devices import resolve_device
 
         try:
             device = resolve_device(config.model.device)

@@ -34,9 +34,9 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Generic, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from composer_replication.rollout.generate import Generation, SamplingSettings
+    from composer_replication.inference.decoding.generate import Generation, SamplingSettings
     from composer_replication.rollout.types import Rollout
-    from composer_replication.wire import MicroBatch
+    from composer_replication.samples.wire import MicroBatch
 
 __all__ = [
     "Evaluator",

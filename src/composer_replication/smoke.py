@@ -39,7 +39,7 @@ def run_smoke(
 ) -> SmokeReport:
     """Run ``steps`` AdamW steps of ``compose_loss`` on ``build_batch``'s smoke batch.
 
-    ``model_source`` is anything :func:`composer_replication.models.load_policy` accepts
+    ``model_source`` is anything :func:`composer_replication.model.loading.load_policy` accepts
     (None: the embedded SmolLM2-135M-Instruct). Returns a :class:`SmokeReport` whose
     ``steps`` holds ``steps + 1`` rows of components: before the first step and after each.
     """
@@ -51,7 +51,7 @@ def run_smoke(
 
     from composer_replication.batch import build_batch
     from composer_replication.loss import compose_loss
-    from composer_replication.models import load_policy
+    from composer_replication.model.loading import load_policy
 
     torch.manual_seed(seed)
     start = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from composer_replication.models import tiny_model
+from composer_replication.model.loading import tiny_model
 
 
 @pytest.fixture(scope="session")

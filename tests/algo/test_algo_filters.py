@@ -14,7 +14,7 @@ from composer_replication.algo.filters import (
 )
 from composer_replication.config import RunConfig
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import DPOPairTokens, TrainingSample, pack_samples
+from composer_replication.samples.wire import DPOPairTokens, TrainingSample, pack_samples
 
 MESSAGES = [{"role": "user", "content": "Write add(a, b)."}]
 CRASH = 'Traceback (most recent call last):\n  File "t.py", line 2\nZeroDivisionError: x'

@@ -8,7 +8,7 @@ from composer_replication.algo import AlgorithmConfig, build_algorithm
 from composer_replication.algo.custom import CustomAlgorithm
 from composer_replication.algo.echo import EchoAlgorithm
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import pack_samples
+from composer_replication.samples.wire import pack_samples
 
 PROMPT = [5, 6, 7]
 

@@ -27,7 +27,7 @@ def _run(advantage: str, loss: str = "") -> RunConfig:
 
 
 def test_the_trl_backend_runs_what_declares_it():
-    from composer_replication.trainer.trl_backend import _composer_settings
+    from composer_replication.backends.trl.run import _composer_settings
 
     runs = [n for n, c in BUILTIN_ADVANTAGES.items() if "trl" in c.backends]
     assert runs == ["grpo", "sdpo", "composer"]
@@ -43,12 +43,12 @@ def test_the_trl_backend_runs_what_declares_it():
 
 
 def test_the_trl_trainer_gets_every_loss_setting_from_the_run():
-    from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
-    from composer_replication.trainer.trl_backend import (
+    from composer_replication.backends.trl.run import (
         TRAINER_LOSS_SETTINGS,
         TRL_APPLIED_LOSS_SETTINGS,
         _composer_settings,
     )
+    from composer_replication.backends.trl.trainer import ComposerReplicationTrainer
 
     # the names are the trainer's keyword arguments and LossConfig's fields alike
     parameters = {

@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 
-from composer_replication.datagen.curriculum import DifficultyCurriculum
+from composer_replication.envs.curriculum import DifficultyCurriculum
 from composer_replication.safety.holdout import HeldoutLeakError, HeldoutSplit
 
 IDS = ["easy", "hard", "mid", "new"]

@@ -25,7 +25,7 @@ from composer_replication.datagen.repository_tasks import (
 )
 from composer_replication.envs.fd_tasks import read_jsonl_records
 from composer_replication.envs.feature_deletion import FeatureDeletionEnv
-from composer_replication.models import CACHE_ENV_VAR
+from composer_replication.model.loading import CACHE_ENV_VAR
 from composer_replication.safety import HeldoutSplit
 from composer_replication.sandbox.workdir import make_shared_tempdir
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from composer_replication.diloco import make_diloco_outer_loop, make_torchft_manager
-from composer_replication.models import tiny_model
+from composer_replication.model.loading import tiny_model
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ def test_manager_surface(tmp_path: Path) -> None:
 def test_torchft_diloco_over_the_object_store(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
     from composer_replication.diloco import make_diloco_outer_loop
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     world, sync_every, steps = 2, 3, 6
     snapshots: list[dict[int, torch.Tensor]] = [{} for _ in range(world)]

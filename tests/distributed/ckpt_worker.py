@@ -31,8 +31,8 @@ def _trained_policy(lora: bool, ranks):
 
     from composer_replication.distributed import shard_policy, sum_counts_over_ranks
     from composer_replication.distributed.fsdp import GatheredWeights
+    from composer_replication.samples.wire import pack_samples
     from composer_replication.trainer.step import train_step
-    from composer_replication.wire import pack_samples
 
     policy = build_policy(lora)
     shard_policy(policy)

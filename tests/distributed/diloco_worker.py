@@ -28,7 +28,7 @@ def inner_update(policy, replica: int, step: int) -> None:
 def run(replica: int, replicas: int, shard: int, shards: int, port: int, store: str, out: str):
     from composer_replication.diloco.integration import ObjectStoreDiLoCo, shard_rendezvous
     from composer_replication.diloco.serverless.object_store import ObjectStoreAllReduce
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     torch.set_num_threads(1)
     policy = tiny_model(seed=replica)  # replicas start apart: the initial broadcast aligns them

@@ -22,7 +22,7 @@ def samples():
     # and the other the pair forwards
     from test_step import _jsd_sample, _pair, _rl_sample
 
-    from composer_replication.wire import TrainingSample
+    from composer_replication.samples.wire import TrainingSample
 
     rl = [
         _rl_sample(10 + i, n_prompt=3 + i % 3, n_completion=4 + 3 * i, adv=0.5 - 0.3 * i)
@@ -32,7 +32,7 @@ def samples():
 
 
 def build_policy(lora: bool):
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     model = tiny_model(seed=0)
     if lora:
@@ -55,8 +55,8 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
         sum_counts_over_ranks,
     )
     from composer_replication.distributed.fsdp import GatheredWeights, NoSharding
+    from composer_replication.samples.wire import pack_samples
     from composer_replication.trainer.step import train_step
-    from composer_replication.wire import pack_samples
 
     torch.set_num_threads(1)
     policy = build_policy(lora)

@@ -159,7 +159,7 @@ type = "grpo"
 def test_train_on_two_ranks_from_the_command_line(tmp_path):
     """`composer-replication train --nproc 2`: each rank samples its own share of every
     step's tasks, held-out tasks reach no rank's training, rank 0 writes the run."""
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tok = tiny_policy(seed=0)
     tiny_dir = str(save_checkpoint(model, tmp_path / "tiny", tokenizer=tok))

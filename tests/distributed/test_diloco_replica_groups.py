@@ -47,7 +47,7 @@ def test_a_replica_of_two_sharded_ranks_equals_a_one_process_replica(tmp_path, r
     sys.path.insert(0, str(WORKER.parent))
     whole = _run(tmp_path, replicas, shards=1)  # replicas x 1 rank
     sharded = _run(tmp_path, replicas, shards=2)  # replicas x 2 ranks
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     start = dict(tiny_model(seed=0).named_parameters())
     for replica in range(replicas):
@@ -67,7 +67,7 @@ def test_train_with_two_ranks_per_diloco_replica(tmp_path):
     sys.path.insert(0, str(WORKER.parent))
     from test_data_parallel import _run_config, train_on_two_ranks
 
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tok = tiny_policy(seed=0)
     toml = _run_config(tmp_path, str(save_checkpoint(model, tmp_path / "tiny", tokenizer=tok)))

@@ -26,9 +26,9 @@ from composer_replication.envs.feature_deletion import (
     resolve_in_workdir,
     write_file,
 )
-from composer_replication.models import tiny_policy
+from composer_replication.inference.decoding.generate import InProcessSampler, SamplingSettings
+from composer_replication.model.loading import tiny_policy
 from composer_replication.rollout.agent import ScriptedSampler
-from composer_replication.rollout.generate import InProcessSampler, SamplingSettings
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
 from composer_replication.safety.hack_monitor import Manifest
 from composer_replication.sandbox.local import LocalSubprocessSandbox

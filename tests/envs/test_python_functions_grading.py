@@ -61,13 +61,13 @@ def test_completions_are_graded_while_the_batch_still_decodes(monkeypatch, caplo
     import logging
     import time
 
-    from composer_replication.models import tiny_policy
-    from composer_replication.rollout.generate import (
+    from composer_replication.inference.decoding.generate import (
         DecodeOptions,
         InProcessSampler,
         SamplingSettings,
         seeded_rows,
     )
+    from composer_replication.model.loading import tiny_policy
 
     started, ended = [], []
 

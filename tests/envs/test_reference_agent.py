@@ -28,7 +28,7 @@ from composer_replication.envs.reference_agent import (
     with_recovery,
     without_reply,
 )
-from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import parse_tool_call
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir

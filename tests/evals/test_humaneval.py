@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from composer_replication.evals import humaneval as he
-from composer_replication.rollout.generate import Generation
+from composer_replication.inference.decoding.generate import Generation
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ class ScriptedSampler:
 
 @pytest.mark.integration
 def test_scores_end_to_end_with_known_answers(problems):
-    from composer_replication.models import load_tokenizer
+    from composer_replication.model.loading import load_tokenizer
 
     first = problems[:3]
     right = {p.entry_point: _fenced(p) for p in first}
@@ -202,8 +202,8 @@ def test_bad_settings_are_refused_before_any_work(problems):
 def test_sampling_is_seeded_and_leaves_the_callers_rng_alone(problems):
     import torch
 
-    from composer_replication.models import tiny_policy
-    from composer_replication.rollout.generate import InProcessSampler
+    from composer_replication.inference.decoding.generate import InProcessSampler
+    from composer_replication.model.loading import tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     policy = InProcessSampler(model)
@@ -220,7 +220,7 @@ def test_sampling_is_seeded_and_leaves_the_callers_rng_alone(problems):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tok = tiny_policy(seed=0)
     return str(save_checkpoint(model, tmp_path_factory.mktemp("tiny") / "model", tokenizer=tok))

@@ -19,7 +19,7 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
-from composer_replication.rollout.generate import InProcessSampler
+from composer_replication.inference.decoding.generate import InProcessSampler
 
 
 class LaggedEngine:

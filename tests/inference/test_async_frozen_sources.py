@@ -76,7 +76,7 @@ class RecordingReferences(PythonFunctionsEnv):
 def models(tmp_path_factory):
     """Policy, opd source and opd teacher: three tiny Llamas the CPU engine can serve
     (head size 64), with the real tokenizer."""
-    from composer_replication.models import load_tokenizer, save_checkpoint, tiny_model
+    from composer_replication.model.loading import load_tokenizer, save_checkpoint, tiny_model
 
     root = tmp_path_factory.mktemp("models")
     tokenizer = load_tokenizer()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from composer_replication.inference.decoding.generate import DecodeOptions
 from composer_replication.inference.in_process import InProcessEngine
-from composer_replication.rollout.generate import DecodeOptions
 from composer_replication.trainer.loop import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
@@ -100,9 +100,9 @@ def test_a_monarch_generator_decodes_with_the_configured_loop(tmp_path, tiny_dir
 def test_agent_episodes_decode_with_the_loop_their_sampler_carries(loop):
     """Episodes run from a thread that set nothing (as a rollout queue's worker): every turn
     of every episode samples with the loop of the sampler they were given."""
-    from composer_replication.models import tiny_policy
+    from composer_replication.inference.decoding.generate import InProcessSampler, SamplingSettings
+    from composer_replication.model.loading import tiny_policy
     from composer_replication.rollout.agent import Episode, run_agent_rollouts, sampler_step
-    from composer_replication.rollout.generate import InProcessSampler, SamplingSettings
 
     model, tok = tiny_policy(seed=0)
     sampler = InProcessSampler(model, decode=DecodeOptions(loop=loop, sync_every=3))

@@ -26,7 +26,7 @@ from composer_replication.inference.server import (
     server_env,
 )
 from composer_replication.inference.weight_sync import engine_state_dict, write_weights
-from composer_replication.models import tiny_model
+from composer_replication.model.loading import tiny_model
 
 
 def test_config_defaults_and_errors():
@@ -68,7 +68,7 @@ def test_each_engine_keeps_its_own_settings():
 
 
 def test_in_process_builds_the_in_process_engine(tmp_path):
-    from composer_replication.rollout.generate import DecodeOptions
+    from composer_replication.inference.decoding.generate import DecodeOptions
 
     policy = tiny_model(seed=0)
     config = inference_config(decode_loop="general", sync_every=5, compile_decode=True)

@@ -13,11 +13,11 @@ import torch
 from composer_replication import roles
 from composer_replication.config.references import FrozenEndpoint
 from composer_replication.config.run import RunConfig
+from composer_replication.inference.decoding.generate import DecodeOptions
 from composer_replication.inference.engine import PolicyEngine
 from composer_replication.inference.frozen import served
 from composer_replication.inference.in_process import InProcessEngine
-from composer_replication.models import tiny_model
-from composer_replication.rollout.generate import DecodeOptions
+from composer_replication.model.loading import tiny_model
 
 
 @pytest.mark.parametrize("engine", [InProcessEngine, PolicyEngine])

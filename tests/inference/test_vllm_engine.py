@@ -16,11 +16,11 @@ import torch
 
 from composer_replication.algo import AlgorithmConfig, build_algorithm
 from composer_replication.config.inference import inference_config
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.inference.engine import PolicyEngine
-from composer_replication.models import embedded_model_dir, load_policy
-from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.model.loading import embedded_model_dir, load_policy
+from composer_replication.samples.wire import pack_samples
 from composer_replication.trainer.step import train_step
-from composer_replication.wire import pack_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(

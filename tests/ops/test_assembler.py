@@ -10,8 +10,8 @@ import torch
 
 from composer_replication.config.loss import LossConfig
 from composer_replication.ops.assembler import micro_batch_losses, rl_loss_of
+from composer_replication.samples.wire import TrainingSample, pack_samples
 from composer_replication.trainer.step import train_step
-from composer_replication.wire import TrainingSample, pack_samples
 
 CUSTOM = '''
 import torch
@@ -38,7 +38,7 @@ def user_module(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def policy():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     return tiny_model(seed=0).double().train()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.model.parts import last_hidden_states, lm_head_weight
 from composer_replication.ops import (
     cross_entropy_from_hidden,
     jsd_from_hidden,
@@ -149,7 +149,7 @@ def test_bad_inputs_raise():
 
 
 def test_tiny_model_hidden_path_equals_model_logits():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     model = tiny_model(seed=1).double()
     ids = torch.randint(

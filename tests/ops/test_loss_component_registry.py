@@ -17,8 +17,8 @@ from composer_replication.config.components import (
 )
 from composer_replication.config.loss import LossConfig
 from composer_replication.ops.assembler import micro_batch_losses
+from composer_replication.samples.wire import TrainingSample, pack_samples
 from composer_replication.trainer.step import train_step
-from composer_replication.wire import TrainingSample, pack_samples
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,7 +32,7 @@ def _unlikelihood_registered():
 
 @pytest.fixture(scope="module")
 def policy():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     return tiny_model(seed=0).double().train()
 

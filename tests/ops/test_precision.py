@@ -177,10 +177,10 @@ def test_jsd_values_and_gradients_under_bf16_autocast(beta):
 def test_pair_logprobs_under_bf16_autocast():
     """A model with no decoder layers (embedding, final norm, tied head): the head's matmul
     is the only one, so the bound on the summed log-probs is the head's alone."""
-    from composer_replication.model_parts import last_hidden_states, lm_head_weight
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
+    from composer_replication.model.parts import last_hidden_states, lm_head_weight
     from composer_replication.ops.pairs import pair_logps
-    from composer_replication.wire import DPOPairTokens, pair_rows
+    from composer_replication.samples.wire import DPOPairTokens, pair_rows
 
     model = tiny_model(seed=3, num_hidden_layers=0, vocab_size=512)
     gen = torch.Generator().manual_seed(4)

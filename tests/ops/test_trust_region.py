@@ -15,8 +15,8 @@ from composer_replication.ops.trust_region import (
     ref_kl_sample_metrics,
     ref_kl_step_metrics,
 )
+from composer_replication.samples.wire import TrainingSample, pack_samples
 from composer_replication.trainer.step import train_step
-from composer_replication.wire import TrainingSample, pack_samples
 
 STEP_KEYS = {f"{name}/mean" for name in REF_KL_SAMPLE_METRICS}
 
@@ -126,7 +126,7 @@ def test_step_metrics_average_samples_not_tokens():
 
 @pytest.fixture(scope="module")
 def base_model():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     return tiny_model(seed=0).double()
 

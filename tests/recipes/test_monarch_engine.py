@@ -150,8 +150,8 @@ def test_generators_sample_their_share_with_the_share_seed(monarch_run):
     """Each generator's rollouts are exactly in-process sampling of its contiguous share
     under torch.manual_seed(shard_seed(seed, step, env, share)), graded by the rewarder as
     in-process grading would, tagged with the version of the weights that sampled them."""
+    from composer_replication.inference.decoding.generate import InProcessSampler
     from composer_replication.recipes.monarch.actors import shard_seed
-    from composer_replication.rollout.generate import InProcessSampler
 
     mon = monarch_run
     tasks = mon.pick_tasks(1)
@@ -179,7 +179,7 @@ def test_generators_sample_their_share_with_the_share_seed(monarch_run):
 def test_weights_reach_the_generators(monarch_run):
     """After a step, a generator's log-probs of a fixed completion equal the trainer's
     recomputation with the new weights; before the sync they were the old ones."""
-    from composer_replication.wire import pack_samples
+    from composer_replication.samples.wire import pack_samples
 
     mon, mesh = monarch_run, monarch_run.mesh
     prompt, completion = [5, 6, 7, 8], [9, 10, 11]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from composer_replication.hint_generator import classify_error
-from composer_replication.models import load_tokenizer
+from composer_replication.inference.decoding.generate import SamplingSettings, generate
+from composer_replication.model.loading import load_tokenizer
 from composer_replication.rollout.agent import (
     ChatRenderer,
     Episode,
@@ -22,7 +23,6 @@ from composer_replication.rollout.agent import (
     policy_sampler,
     run_agent_rollouts,
 )
-from composer_replication.rollout.generate import SamplingSettings, generate
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
 
 PROMPT = [

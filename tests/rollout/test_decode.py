@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_replication.rollout.decode import decode_rows, sample_categorical
-from composer_replication.rollout.generate import SamplingSettings, generate
-from composer_replication.rollout.packed_linear import packed_linear_available, packed_linears
+from composer_replication.inference.decoding.decode import decode_rows, sample_categorical
+from composer_replication.inference.decoding.generate import SamplingSettings, generate
+from composer_replication.inference.decoding.packed_linear import (
+    packed_linear_available,
+    packed_linears,
+)
 
 
 def _decode(model, tok, prompts, max_new_tokens, temperature):
@@ -153,7 +156,7 @@ def test_sample_categorical_draws_the_distribution():
 
 
 def test_decode_places_its_inputs_on_the_model_device(tiny):
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     model = tiny_model(seed=0).to("meta").eval()
     seen: list[set[str]] = []
@@ -211,7 +214,7 @@ def test_seeded_rows_sample_a_group_the_same_in_any_batch(tiny):
     """Inside ``seeded_rows`` a row's completion depends on the seed, its prompt and its
     place in its group only: the same in a batch of its own and among other prompts (what
     makes ranks sample exactly what one process would)."""
-    from composer_replication.rollout.generate import row_seeds, seeded_rows
+    from composer_replication.inference.decoding.generate import row_seeds, seeded_rows
 
     model, tok = tiny
     a, b = [5, 6, 7, 8], [9, 10]
@@ -248,7 +251,7 @@ def test_row_generators_must_match_the_rows():
 
 
 def test_prompt_lookup_drafts_what_followed_the_last_ngram():
-    from composer_replication.rollout.decode import PromptLookup
+    from composer_replication.inference.decoding.decode import PromptLookup
 
     lookup = PromptLookup([1, 2, 3, 4, 5, 1, 2], n=2)
     assert lookup.draft(3) == [3, 4, 5]  # "1 2" was followed by 3 4 5
@@ -267,7 +270,7 @@ def sharp(tiny):
     """The tiny model with its final norm scaled up: peaked next-token distributions, so
     sampled rows fall into repetitions (as a trained model copies its prompt) and drafts
     get kept at a temperature above 0."""
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     # seed 5: its sharpened rows end at different steps (EOS), which the joining tests need
     sharp = tiny_model(seed=5)
@@ -291,8 +294,8 @@ def _repetitive_prompts(tok):
 def test_drafts_change_no_token_and_save_forwards(sharp, temperature):
     """Drafts decide how many tokens a forward yields, never which: with the same row
     seeds, decoding with drafts samples exactly what one token per forward samples."""
-    from composer_replication.rollout.decode import DecodeStats
-    from composer_replication.rollout.generate import row_seeds
+    from composer_replication.inference.decoding.decode import DecodeStats
+    from composer_replication.inference.decoding.generate import row_seeds
 
     model, tok = sharp
     prompts = _repetitive_prompts(tok)
@@ -330,7 +333,7 @@ def test_drafts_change_no_token_and_save_forwards(sharp, temperature):
 def test_drafted_decoding_compacts_its_cache_and_matches_the_full_forward(sharp):
     """Rejected drafts fill the cache with masked positions; compaction drops them without
     changing any later token or log-prob."""
-    from composer_replication.rollout.decode import DecodeStats
+    from composer_replication.inference.decoding.decode import DecodeStats
 
     model, tok = sharp
     prompts = _repetitive_prompts(tok)
@@ -375,9 +378,9 @@ def test_draft_budget_must_not_be_negative(tiny):
 def test_prompt_states_are_reused_and_change_no_sample(tiny):
     """Inside ``reuse_prompt_states`` a prompt is prefilled once over several calls, and
     the rows sample what they sample without it."""
-    from composer_replication.rollout.decode import DecodeStats
-    from composer_replication.rollout.generate import reuse_prompt_states, seeded_rows
-    from composer_replication.rollout.kv_cache import PromptStates
+    from composer_replication.inference.decoding.decode import DecodeStats
+    from composer_replication.inference.decoding.generate import reuse_prompt_states, seeded_rows
+    from composer_replication.inference.decoding.kv_cache import PromptStates
 
     model, tok = tiny
     a, b = [5, 6, 7, 8, 9], [9, 10]
@@ -421,8 +424,8 @@ def test_rows_join_as_others_finish_and_sample_the_same(sharp, temperature):
     """With ``max_rows`` only that many rows decode at once; the rest join as rows finish
     (their prompts' states appended to the running batch) and sample exactly what they
     sample all in one batch."""
-    from composer_replication.rollout.decode import DecodeStats
-    from composer_replication.rollout.generate import row_seeds
+    from composer_replication.inference.decoding.decode import DecodeStats
+    from composer_replication.inference.decoding.generate import row_seeds
 
     model, tok = sharp
     base = _repetitive_prompts(tok)
@@ -459,7 +462,11 @@ def test_rows_join_as_others_finish_and_sample_the_same(sharp, temperature):
 
 
 def test_forward_cost_and_the_drafts_worth_checking():
-    from composer_replication.rollout.decode import FORWARD_COST, draft_positions, forward_cost
+    from composer_replication.inference.decoding.decode import (
+        FORWARD_COST,
+        draft_positions,
+        forward_cost,
+    )
 
     for tokens, cost in FORWARD_COST:
         assert forward_cost(tokens) == pytest.approx(cost)

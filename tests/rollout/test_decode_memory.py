@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from composer_replication.rollout.decode_memory import release_decode_buffers
-from composer_replication.rollout.static_decode import decoder_for, static_decode_rows
+from composer_replication.inference.decoding.decode_memory import release_decode_buffers
+from composer_replication.inference.decoding.static_decode import decoder_for, static_decode_rows
 
 
 def _greedy(model, prompts):
@@ -14,7 +14,7 @@ def _greedy(model, prompts):
 
 
 def test_release_frees_the_kept_buckets_of_the_named_devices_only():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     model = tiny_model(seed=0, vocab_size=256).eval()
     prompts = [[1, 5, 9, 11], [1, 7, 3]]

@@ -10,10 +10,10 @@ import pytest
 from composer_replication.config.algorithm import SamplingConfig
 from composer_replication.config.references import FrozenEndpoint, LocalFrozenModel
 from composer_replication.envs.python_functions import PythonFunctionsEnv, reference_demonstration
+from composer_replication.inference.decoding.generate import InProcessSampler, SamplingSettings
 from composer_replication.rollout.demonstrations import ReferenceSolutions
 from composer_replication.rollout.endpoint_sampler import EndpointSampler
 from composer_replication.rollout.env_sampler import EnvSampler
-from composer_replication.rollout.generate import InProcessSampler, SamplingSettings
 from composer_replication.testing import CompletionsServer
 
 REPLY = "```python\ndef f():\n    return 1\n```"

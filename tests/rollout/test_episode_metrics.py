@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import (
     END_REASONS,
     Episode,
@@ -17,7 +18,6 @@ from composer_replication.rollout.agent import (
     episode_metrics,
     run_agent_rollouts,
 )
-from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
 from composer_replication.rollout.types import Rollout
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composer_replication.rollout.generate import SamplingSettings, generate
-from composer_replication.rollout.padding import left_pad
+from composer_replication.inference.decoding.generate import SamplingSettings, generate
+from composer_replication.inference.decoding.padding import left_pad
 
 
 def _recompute(model, prompt, completion, temperature):
@@ -84,7 +84,7 @@ def test_lora_policy_samples_merged_and_keeps_its_base_weights_exact(tiny):
 
     from peft import LoraConfig, get_peft_model
 
-    from composer_replication.model_parts import lora_merged
+    from composer_replication.model.parts import lora_merged
 
     model, tok = tiny
     policy = get_peft_model(

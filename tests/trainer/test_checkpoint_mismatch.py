@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from composer_replication.errors import UsageError
-from composer_replication.models import tiny_model
+from composer_replication.model.loading import tiny_model
 from composer_replication.trainer.checkpoint import load_trainable_state
 
 

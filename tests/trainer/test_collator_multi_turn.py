@@ -10,14 +10,14 @@ import math
 import pytest
 import torch
 
-from composer_replication.loss import compose_loss, sdpo_tokens
-from composer_replication.opsd import generalized_jsd_loss
-from composer_replication.traces.ingestion.render import render_tool_call
-from composer_replication.trainer.data_collator import (
+from composer_replication.backends.trl.data_collator import (
     CollatorConfig,
     ComposerDataCollator,
     TraceExample,
 )
+from composer_replication.loss import compose_loss, sdpo_tokens
+from composer_replication.opsd import generalized_jsd_loss
+from composer_replication.traces.ingestion.render import render_tool_call
 
 BASE_KEYS = {"input_ids", "attention_mask", "response_mask", "labels", "rewards"}
 SDPO_KEYS = {

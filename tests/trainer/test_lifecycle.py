@@ -42,7 +42,7 @@ def test_hack_tripwire_off_and_state_round_trip(tmp_path):
 def test_finish_raises_after_writing_model_and_summary(tmp_path):
     import json
 
-    from composer_replication.models import tiny_policy
+    from composer_replication.model.loading import tiny_policy
     from composer_replication.safety import CollapseStopError
 
     life = _life(tmp_path, hack_fraction_stop=0.1, hack_patience=1)

@@ -374,8 +374,8 @@ def test_two_diloco_replicas_train_through_an_object_store(tmp_path, tiny_dir):
 
 def test_evaluation_sampling_is_seeded_and_leaves_training_rng_alone(tmp_path, tiny_dir):
     from composer_replication.evaluate import heldout_rollouts
-    from composer_replication.models import load_policy
-    from composer_replication.rollout.generate import InProcessSampler
+    from composer_replication.inference.decoding.generate import InProcessSampler
+    from composer_replication.model.loading import load_policy
 
     model, tok = load_policy(tiny_dir)
     policy = InProcessSampler(model)
@@ -395,7 +395,7 @@ def test_evaluation_sampling_is_seeded_and_leaves_training_rng_alone(tmp_path, t
     assert tokens(first) != tokens(other)
     # a run's step and seed (the row-seed context training samples under) change nothing:
     # every evaluation of a run, and `eval` afterwards, draws the same numbers
-    from composer_replication.rollout.generate import derived_seed, seeded_rows
+    from composer_replication.inference.decoding.generate import derived_seed, seeded_rows
 
     with seeded_rows(derived_seed(7, "rollouts", 3)):
         inside_a_run = heldout_rollouts(env, policy, tok, env.ids, seed=5, **kwargs)

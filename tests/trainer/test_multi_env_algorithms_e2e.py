@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from composer_replication.config import RunConfig
-from composer_replication.models import load_checkpoint, save_checkpoint, tiny_policy
+from composer_replication.model.loading import load_checkpoint, save_checkpoint, tiny_policy
 from composer_replication.trainer.loop import train
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -19,8 +19,8 @@ import pytest
 from composer_replication.config import RunConfig
 from composer_replication.config.algorithm import AlgorithmConfig
 from composer_replication.envs.python_functions import PythonFunctionsEnv, reference_demonstration
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.demonstrations import ReferenceSolutions
-from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.safety import HeldoutSplit
 from composer_replication.trainer.loop import train
 

@@ -16,7 +16,7 @@ import pytest
 
 from composer_replication.config import RunConfig
 from composer_replication.envs.python_functions import PythonFunctionsEnv
-from composer_replication.rollout.generate import InProcessSampler
+from composer_replication.inference.decoding.generate import InProcessSampler
 from composer_replication.rollout.types import Rollout
 from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
 from composer_replication.trainer.loop import train

@@ -69,7 +69,7 @@ def test_train_refuses_a_directory_another_run_holds_and_leaves_it_as_it_was(
     tmp_path: Path,
 ) -> None:
     from composer_replication.cli import app
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     save_checkpoint(model, tmp_path / "tiny", tokenizer=tokenizer)

@@ -11,14 +11,14 @@ import torch
 from composer_replication.ops.dpo import dpo_loss
 from composer_replication.ops.token_losses import ce_loss, rl_loss
 from composer_replication.opsd import generalized_jsd_loss
+from composer_replication.samples.wire import DPOPairTokens, TrainingSample, pack_samples
 from composer_replication.trainer.step import LossConfig, component_counts, train_step
 from composer_replication.trainer.teachers import TeacherModels
-from composer_replication.wire import DPOPairTokens, TrainingSample, pack_samples
 
 
 @pytest.fixture(scope="module")
 def base_model():
-    from composer_replication.models import tiny_model
+    from composer_replication.model.loading import tiny_model
 
     return tiny_model(seed=0).double()
 
@@ -334,7 +334,7 @@ def test_lora_initial_policy_is_the_adapter_free_base(base_model):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    from composer_replication.model_parts import AdapterDisabled, last_hidden_states
+    from composer_replication.model.parts import AdapterDisabled, last_hidden_states
     from composer_replication.trainer.setup import kl_to_initial, kl_to_initial_sum
 
     original = copy.deepcopy(base_model).eval()

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from composer_replication.config.run import RunConfig
-from composer_replication.model_parts import last_hidden_states
+from composer_replication.model.parts import last_hidden_states
 from composer_replication.ops.pairs import fill_reference_logps, pad_rows
 from composer_replication.ops.self_distillation import aligned_from_index
+from composer_replication.samples.wire import TrainingSample, pack_samples
 from composer_replication.testing.host_reads import HostReads
 from composer_replication.trainer.learner import Learner, adamw_kernel
 from composer_replication.trainer.setup import kl_to_initial_sum
 from composer_replication.trainer.step import COMPONENTS, train_step
-from composer_replication.wire import TrainingSample, pack_samples
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_step import _jsd_sample, _pair, _rl_sample
@@ -142,7 +142,7 @@ def test_hidden_states_planned_from_host_tokens_equal_the_read_ones(tiny, path, 
     rows = [[*prompt, 40, 41, 42], [*prompt, 50], list(range(60, 67)), [*prompt, 70, 71]]
     ids, attention = pad_rows(rows)
     if path == "tree":  # the packed forward gives way to a forward per shared segment
-        monkeypatch.setattr("composer_replication.shared_prefix.PACKED_MAX_TOKENS", 0)
+        monkeypatch.setattr("composer_replication.model.shared_prefix.PACKED_MAX_TOKENS", 0)
     share = path != "plain"
     want = last_hidden_states(tiny[0], ids, attention, share_prefixes=share)
     with HostReads() as reads:

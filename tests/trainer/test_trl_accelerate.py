@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from composer_replication.config import RunConfig
-from composer_replication.trainer.trl_backend import (
+from composer_replication.backends.trl.run import (
     grpo_config_from_run,
     launched_processes,
     tasks_per_process,
 )
+from composer_replication.config import RunConfig
 
 RUN_TOML = """
 seed = 7
@@ -94,7 +94,7 @@ def test_accelerate_launch_two_processes_trains_one_run(tmp_path):
         and not Path(sys.executable).with_name("accelerate").exists()
     ):
         pytest.skip("the accelerate launcher is not installed beside this interpreter")
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     save_checkpoint(model, tmp_path / "tiny", tokenizer=tokenizer)

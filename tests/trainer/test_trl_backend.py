@@ -10,17 +10,17 @@ import time
 import pytest
 import torch
 
-from composer_replication.config import RunConfig
-from composer_replication.envs.python_functions import PythonFunctionsEnv
-from composer_replication.safety import HeldoutSplit
-from composer_replication.trainer.composer_trainer import default_hint
-from composer_replication.trainer.trl_backend import (
+from composer_replication.backends.trl.run import (
     PythonFunctionsReward,
     _composer_settings,
     grpo_config_from_run,
     train_prompt_dataset,
     train_with_trl,
 )
+from composer_replication.backends.trl.trainer import default_hint
+from composer_replication.config import RunConfig
+from composer_replication.envs.python_functions import PythonFunctionsEnv
+from composer_replication.safety import HeldoutSplit
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_other_environments_are_rejected():
 
 @pytest.mark.slow
 def test_train_with_trl_end_to_end(tmp_path):
-    from composer_replication.models import save_checkpoint, tiny_policy
+    from composer_replication.model.loading import save_checkpoint, tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     model_dir = save_checkpoint(model, tmp_path / "tiny", tokenizer=tokenizer)
@@ -191,9 +191,9 @@ pairs_path = "{pairs}"
 def test_lifecycle_callback_evaluates_on_schedule_and_stops_when_the_guard_fires(tmp_path):
     from types import SimpleNamespace
 
+    from composer_replication.backends.trl.run import _LifecycleCallback
     from composer_replication.rollout.types import Rollout
     from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
-    from composer_replication.trainer.trl_backend import _LifecycleCallback
 
     class OneTaskEnv:
         def rollouts(self, policy, tokenizer, ids, *, group_size, sampling):
@@ -237,9 +237,9 @@ def test_the_guard_gets_the_exact_kl_to_the_initial_policy_of_the_last_rollouts(
     the same sum written out by hand."""
     from types import SimpleNamespace
 
-    from composer_replication.models import tiny_model
+    from composer_replication.backends.trl.run import _LifecycleCallback
+    from composer_replication.model.loading import tiny_model
     from composer_replication.trainer.lifecycle import RunLifecycle
-    from composer_replication.trainer.trl_backend import _LifecycleCallback
 
     policy = tiny_model(seed=0)
     base = _config()
@@ -283,9 +283,9 @@ def test_the_guard_gets_the_exact_kl_to_the_initial_policy_of_the_last_rollouts(
 def test_lifecycle_callback_ends_a_trl_run_whose_time_budget_is_spent(tmp_path):
     from types import SimpleNamespace
 
+    from composer_replication.backends.trl.run import _LifecycleCallback
     from composer_replication.rollout.types import Rollout
     from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
-    from composer_replication.trainer.trl_backend import _LifecycleCallback
 
     class OneTaskEnv:
         def rollouts(self, policy, tokenizer, ids, *, group_size, sampling):
@@ -314,9 +314,9 @@ def test_lifecycle_callback_stops_a_trl_run_whose_completions_game_the_grader(tm
     """The hack tripwire holds under trl too: the reward function's flags become metrics."""
     from types import SimpleNamespace
 
+    from composer_replication.backends.trl.run import PythonFunctionsReward, _LifecycleCallback
     from composer_replication.envs.python_functions import PythonFunctionsEnv
     from composer_replication.trainer.lifecycle import RunLifecycle
-    from composer_replication.trainer.trl_backend import PythonFunctionsReward, _LifecycleCallback
 
     env = PythonFunctionsEnv()
     task = env.tasks["pf-001-sum-list"]
@@ -387,9 +387,9 @@ _CUSTOM_LOSS = ("type", "import_path", "kwargs")
 def test_every_loss_setting_is_applied_or_refused_by_each_backend(name):
     """The trl backend applies its own set of [loss] settings and refuses any other at
     start, in one line naming it (the native step takes the whole LossConfig)."""
+    from composer_replication.backends.trl.run import TRL_APPLIED_LOSS_SETTINGS, _check_run
     from composer_replication.config.loss import LossConfig
     from composer_replication.config.run import RunConfig
-    from composer_replication.trainer.trl_backend import TRL_APPLIED_LOSS_SETTINGS, _check_run
 
     assert set(_NON_DEFAULT_LOSS) == set(LossConfig.model_fields)  # no setting left untested
     value = _NON_DEFAULT_LOSS[name]

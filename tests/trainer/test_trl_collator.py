@@ -9,16 +9,16 @@ import math
 import pytest
 import torch
 
-from composer_replication.hint_generator import dispatch
-from composer_replication.loss import compose_loss
-from composer_replication.traces.ingestion.render import render_tool_call
-from composer_replication.trainer.data_collator import (
+from composer_replication.backends.trl.data_collator import (
     CollatorConfig,
     ComposerDataCollator,
     TokenizerLike,
     TraceExample,
     TraceTurn,
 )
+from composer_replication.hint_generator import dispatch
+from composer_replication.loss import compose_loss
+from composer_replication.traces.ingestion.render import render_tool_call
 
 BASE_KEYS = {"input_ids", "attention_mask", "response_mask", "labels", "rewards"}
 SDPO_KEYS = {
@@ -192,7 +192,7 @@ def test_missing_reward_and_bad_records_raise():
 
 
 def test_real_tokenizer_batch_feeds_compose_loss():
-    from composer_replication.models import tiny_policy
+    from composer_replication.model.loading import tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     cfg = CollatorConfig(pad_token_id=tokenizer.pad_token_id, hint_generator=dispatch)

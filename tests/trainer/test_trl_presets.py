@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import trl
 
-from composer_replication.trainer.po_presets import (
+from composer_replication.backends.trl.po_presets import (
     PO_OBJECTIVES,
     PO_PAPERS,
     make_dr_grpo_config,

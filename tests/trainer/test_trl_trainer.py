@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from composer_replication.envs.python_functions import PythonFunctionsEnv
-from composer_replication.loss import compose_loss
-from composer_replication.safety import HeldoutSplit
-from composer_replication.trainer.composer_trainer import (
+from composer_replication.backends.trl.po_presets import make_dr_grpo_config
+from composer_replication.backends.trl.run import PythonFunctionsReward, train_prompt_dataset
+from composer_replication.backends.trl.trainer import (
     ComposerReplicationTrainer,
     default_hint,
 )
-from composer_replication.trainer.po_presets import make_dr_grpo_config
-from composer_replication.trainer.trl_backend import PythonFunctionsReward, train_prompt_dataset
+from composer_replication.envs.python_functions import PythonFunctionsEnv
+from composer_replication.loss import compose_loss
+from composer_replication.safety import HeldoutSplit
 
 ALPHA, BETA, JSD_BETA, DPO_BETA = 0.5, 0.5, 0.5, 0.1
 
@@ -95,7 +95,7 @@ def _dpo_batch(inputs):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from composer_replication.models import tiny_policy
+    from composer_replication.model.loading import tiny_policy
 
     model, tokenizer = tiny_policy(seed=0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

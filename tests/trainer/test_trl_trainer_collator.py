@@ -10,11 +10,11 @@ import warnings
 import pytest
 import torch
 
+from composer_replication.backends.trl.data_collator import CollatorConfig, ComposerDataCollator
+from composer_replication.backends.trl.po_presets import make_dr_grpo_config
+from composer_replication.backends.trl.trainer import ComposerReplicationTrainer, TraceReward
 from composer_replication.hint_generator import dispatch
 from composer_replication.loss import compose_loss
-from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer, TraceReward
-from composer_replication.trainer.data_collator import CollatorConfig, ComposerDataCollator
-from composer_replication.trainer.po_presets import make_dr_grpo_config
 
 
 def seed_trace(i: int, *, tool_error: bool) -> dict:
@@ -40,7 +40,7 @@ TRACES = [seed_trace(i, tool_error=i < 3) for i in range(4)]
 def documented(tmp_path_factory):
     from datasets import Dataset
 
-    from composer_replication.models import tiny_policy
+    from composer_replication.model.loading import tiny_policy
 
     my_model, tok = tiny_policy(seed=0)
     ds = Dataset.from_list(TRACES)

@@ -23,7 +23,7 @@ from composer_replication.callables import load_callable
 from composer_replication.config.advantage import CustomAdvantage
 from composer_replication.errors import UsageError, user_code_error
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 @dataclass(frozen=True)

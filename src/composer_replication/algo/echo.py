@@ -33,7 +33,7 @@ from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.callables import load_callable
 from composer_replication.config.advantage import EchoAdvantage
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 class EchoAlgorithm(Algorithm):

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 #: Per-token weight streams of the components other than rl.
 OTHER_COMPONENT_STREAMS = ("ce_weights", "ref_kl_weights", "jsd_weights")

@@ -11,7 +11,7 @@ from composer_replication.algo.advantage import grpo_advantages, length_penalty
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.config.advantage import GRPOAdvantage
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 class GRPOAlgorithm(Algorithm):

@@ -10,7 +10,7 @@ from composer_replication.algo.advantage import max_rl_advantages
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.config.advantage import MaxRLAdvantage
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 class MaxRLAlgorithm(Algorithm):

@@ -29,7 +29,7 @@ from composer_replication.algo.context import better_sibling, demonstration_text
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.config.advantage import OPSDAdvantage
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 class OPSDAlgorithm(Algorithm):

@@ -10,7 +10,7 @@ import math
 from composer_replication.algo.base import Algorithm, sampled
 from composer_replication.config.advantage import RewardAdvantage
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 class RewardAlgorithm(Algorithm):

@@ -78,7 +78,7 @@ class LocalPrefillScorer:
     def _score_batch(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         import torch
 
-        from composer_replication.model_parts import last_hidden_states, lm_head_weight
+        from composer_replication.model.parts import last_hidden_states, lm_head_weight
         from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
 
         width = max(len(s) for s in sequences)
@@ -223,7 +223,7 @@ def scorer_for(reference: Any) -> PrefillScorer | None:
             reference.base_url, reference.name, api_key_env=reference.api_key_env
         )
     if isinstance(reference, LocalFrozenModel):
-        from composer_replication.models import load_policy
+        from composer_replication.model.loading import load_policy
 
         model, _ = load_policy(reference.local_path)
         return LocalPrefillScorer(model)

@@ -52,7 +52,7 @@ from composer_replication.config.advantage import (
     SDPOAdvantage,
 )
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 def attach_self_distillation(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from composer_replication.algo.base import Algorithm, sampled, zeros
 from composer_replication.config.advantage import SFTAdvantage
 from composer_replication.rollout.types import Rollout
-from composer_replication.wire import TrainingSample
+from composer_replication.samples.wire import TrainingSample
 
 
 class SFTAlgorithm(Algorithm):

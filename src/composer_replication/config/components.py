@@ -2,7 +2,7 @@
 
 Every training signal reaches the trainer as per-token weights on a set of loss components
 (the built-in ``rl``, ``ce``, ``ref_kl``, ``jsd`` and ``dpo``, and any a user registers).
-The packer (:mod:`composer_replication.wire`), the per-component counts, the loss assembler
+The packer (:mod:`composer_replication.samples.wire`), the per-component counts, the loss assembler
 (:mod:`composer_replication.ops.assembler`), the step's metric names (``loss/<name>``,
 ``tokens/<name>``) and ``[loss] coefficients`` all loop over :func:`loss_components`; none
 of them names a component. Each component's mean is normalised by its own count, so

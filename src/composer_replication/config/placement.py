@@ -4,7 +4,7 @@ roles execute in. Pure data, checked at config time.
 ``device``: ``"auto"`` (a CUDA GPU when one is visible, else the CPU), ``"cpu"``,
 ``"cuda"`` (the current GPU; under ``torchrun`` each rank's ``LOCAL_RANK`` GPU) or
 ``"cuda:N"``. ``dtype``: ``"auto"`` (mixed precision on a GPU that supports bfloat16,
-float32 otherwise; see :mod:`composer_replication.devices`) or a parameter dtype name.
+float32 otherwise; see :mod:`composer_replication.model.devices`) or a parameter dtype name.
 ``[roles] placement``: ``"in_process"`` (every role in the calling process) or
 ``"monarch"`` (the roles as actors on Monarch processes; :mod:`.roles`).
 """

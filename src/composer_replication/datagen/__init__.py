@@ -34,7 +34,7 @@ _LAZY: dict[str, str] = {
     "GenerationReport": "composer_replication.datagen.feature_deletion",
     "generate_tasks": "composer_replication.datagen.feature_deletion",
     "SolvabilityValidator": "composer_replication.datagen.gates",
-    "DifficultyCurriculum": "composer_replication.datagen.curriculum",
+    "DifficultyCurriculum": "composer_replication.envs.curriculum",
 }
 
 __all__ = sorted(_LAZY)

@@ -179,7 +179,7 @@ def _budgets(
 
 def _tokenizer(model: str) -> Any:
     """The tokenizer the solvability gate counts tokens with (the agent model's)."""
-    from composer_replication.models import load_tokenizer
+    from composer_replication.model.loading import load_tokenizer
     from composer_replication.preflight import check_model_source
 
     check_model_source(model, "--model")

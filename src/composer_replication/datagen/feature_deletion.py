@@ -574,7 +574,7 @@ class _Solvers:
         self, sandbox_factory: SandboxFactory, budgets: AgentBudgets, tokenizer: Any, scratch: Path
     ) -> None:
         if tokenizer is None:
-            from composer_replication.models import load_tokenizer
+            from composer_replication.model.loading import load_tokenizer
 
             tokenizer = load_tokenizer()
         self._args = (sandbox_factory, budgets, scratch)

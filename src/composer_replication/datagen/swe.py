@@ -608,7 +608,7 @@ class _Importer:
         if self._solver is None:
             tokenizer = self.tokenizer
             if tokenizer is None:
-                from composer_replication.models import load_tokenizer
+                from composer_replication.model.loading import load_tokenizer
 
                 tokenizer = load_tokenizer()
             self._solver = ReferenceSolver(

@@ -36,8 +36,8 @@ def start_data_parallel(config: RunConfig) -> RankGroup:
     several ranks cannot run yet."""
     import torch
 
-    from composer_replication.devices import resolve_device
     from composer_replication.distributed.setup import init_from_env, launched_by_torchrun
+    from composer_replication.model.devices import resolve_device
 
     if not launched_by_torchrun():
         return RankGroup()
@@ -64,9 +64,9 @@ def shard_for_training(policy: Any, config: RunConfig) -> tuple[Any, Any]:
     """Shard ``policy`` with FSDP2 (mixed precision as ``model.dtype`` resolves); return
     its :class:`~composer_replication.distributed.fsdp.GatheredWeights` and the count
     reducer for :func:`~composer_replication.trainer.step.train_step`."""
-    from composer_replication.devices import module_device, resolve_precision
     from composer_replication.distributed.counts import sum_counts_over_ranks
     from composer_replication.distributed.fsdp import GatheredWeights, shard_policy
+    from composer_replication.model.devices import module_device, resolve_precision
 
     precision = resolve_precision(config.model.dtype, module_device(policy))
     shard_policy(policy, precision=precision)
@@ -78,7 +78,7 @@ def autocast_for(config: RunConfig, policy: Any, ranks: RankGroup) -> Any:
     when sharded); ``nullcontext()`` otherwise."""
     import contextlib
 
-    from composer_replication.devices import autocast, module_device, resolve_precision
+    from composer_replication.model.devices import autocast, module_device, resolve_precision
 
     if ranks.distributed:
         return contextlib.nullcontext()

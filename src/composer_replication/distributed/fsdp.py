@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from composer_replication.devices import Precision
+    from composer_replication.model.devices import Precision
 
 __all__ = ["GatheredWeights", "NoSharding", "gathered_policy", "shard_policy"]
 
@@ -64,7 +64,7 @@ def _tied_head_class() -> type:
 
 
 def _body_and_layers(policy: Any) -> tuple[Any, Any, list[Any]]:
-    from composer_replication.model_parts import _unwrap_peft
+    from composer_replication.model.parts import _unwrap_peft
 
     base = _unwrap_peft(policy)
     body = getattr(base, getattr(base, "base_model_prefix", "model"), None)
@@ -119,7 +119,7 @@ def gathered_policy(policy: Any, *, writer: bool) -> Any | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from composer_replication.model_parts import _unwrap_peft
+    from composer_replication.model.parts import _unwrap_peft
 
     whole = {}
     for name, value in policy.state_dict().items():
@@ -207,7 +207,7 @@ class GatheredWeights:
     def _reduce(self) -> None:
         import torch
 
-        from composer_replication.model_parts import last_hidden_states, lm_head_weight
+        from composer_replication.model.parts import last_hidden_states, lm_head_weight
 
         device = lm_head_weight(self.policy).device
         ids = torch.zeros((1, 1), dtype=torch.long, device=device)

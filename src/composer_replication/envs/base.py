@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from composer_replication.rollout.generate import SamplingSettings
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.types import Rollout
 
 if TYPE_CHECKING:

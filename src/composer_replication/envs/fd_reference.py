@@ -26,8 +26,8 @@ from composer_replication.envs.reference_agent import (
     with_recovery,
     without_reply,
 )
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import ChatRenderer, ScriptedSampler
-from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.types import DEMONSTRATION_KEY, Rollout
 
 __all__ = ["DEFAULT_REPLY_TOKENS", "ReferenceEpisodes"]

@@ -68,6 +68,7 @@ from composer_replication.envs.reference_agent import (
     ReferenceCost,
 )
 from composer_replication.envs.repository_grading import guard_spec, restore_protected
+from composer_replication.inference.decoding.generate import SamplingSettings, reuse_prompt_states
 from composer_replication.rollout.agent import (
     SCHEDULING,
     Episode,
@@ -75,7 +76,6 @@ from composer_replication.rollout.agent import (
     run_agent_rollouts,
     sampler_step,
 )
-from composer_replication.rollout.generate import SamplingSettings, reuse_prompt_states
 from composer_replication.rollout.tool_formats import TextToolFormat, ToolFormat, tool_format_for
 from composer_replication.rollout.types import Rollout
 from composer_replication.safety.hack_monitor import (

@@ -161,7 +161,7 @@ def generate_completions(
     import torch
 
     from composer_replication.envs.python_functions import STOP_STRINGS
-    from composer_replication.rollout.generate import SamplingSettings
+    from composer_replication.inference.decoding.generate import SamplingSettings
 
     if samples < 1:
         raise ValueError(f"samples={samples} must be >= 1")
@@ -463,8 +463,8 @@ def evaluate_humaneval(
     one ``pass@k`` per k, or None; ``per_problem``: task id -> greedy status, detail and
     completion, and the sampled statuses with their count of passes.
     """
-    from composer_replication.models import load_policy
-    from composer_replication.rollout.generate import InProcessSampler
+    from composer_replication.inference.decoding.generate import InProcessSampler
+    from composer_replication.model.loading import load_policy
 
     started = time.perf_counter()
     problems = load_problems(limit)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def engine_model_dir(source: str) -> Path:
     """The plain Hugging Face directory the engine loads for a ``[model] source``."""
     if source == "embedded":
-        from composer_replication.models import embedded_model_dir
+        from composer_replication.model.loading import embedded_model_dir
 
         return embedded_model_dir()
     path = Path(source).expanduser()
@@ -145,8 +145,8 @@ def build_inference_engine(
             autocast=autocast,
         )
     if config.engine == "in_process":
+        from composer_replication.inference.decoding.generate import DecodeOptions
         from composer_replication.inference.in_process import InProcessEngine
-        from composer_replication.rollout.generate import DecodeOptions
 
         return InProcessEngine(
             policy,

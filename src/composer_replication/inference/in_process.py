@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from composer_replication.inference.decoding.generate import DecodeOptions, InProcessSampler
 from composer_replication.inference.snapshot import PolicySnapshot
-from composer_replication.rollout.generate import DecodeOptions, InProcessSampler
 
 __all__ = ["InProcessEngine"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from composer_replication.rollout.generate import Generation, SamplingSettings, announced
+from composer_replication.inference.decoding.generate import Generation, SamplingSettings, announced
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "length"}
 

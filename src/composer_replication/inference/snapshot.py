@@ -29,7 +29,7 @@ class PolicySnapshot:
     def __init__(self, policy: Any, *, version: int = 0) -> None:
         import torch
 
-        from composer_replication.devices import module_device
+        from composer_replication.model.devices import module_device
 
         self.model = copy.deepcopy(policy)
         for parameter in self.model.parameters():

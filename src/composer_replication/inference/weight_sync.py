@@ -30,7 +30,7 @@ def engine_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """
     import torch
 
-    from composer_replication.model_parts import lora_merged
+    from composer_replication.model.parts import lora_merged
 
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()

@@ -1,7 +1,7 @@
 """The loss assembler: one packed micro-batch in, per-component sums out.
 
 This is the only place where the loss components meet the model. Every path that trains
-calls :func:`micro_batch_losses` on a :class:`~composer_replication.wire.MicroBatch`:
+calls :func:`micro_batch_losses` on a :class:`~composer_replication.samples.wire.MicroBatch`:
 
 - the native trainer step (:mod:`composer_replication.trainer.step`) on the micro-batches
   it packed from the algorithms' samples;
@@ -33,7 +33,7 @@ import torch
 from composer_replication.callables import load_callable
 from composer_replication.config.components import loss_components
 from composer_replication.config.loss import LossConfig
-from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.model.parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.divergence import (
     DIVERGENCE_KNOBS,
     DivergenceSettings,
@@ -70,7 +70,7 @@ from composer_replication.ops.trust_region import (
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from composer_replication.wire import MicroBatch
+    from composer_replication.samples.wire import MicroBatch
 
 __all__ = [
     "ComponentInputs",

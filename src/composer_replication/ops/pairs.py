@@ -1,7 +1,7 @@
 """Preference pairs: summed response log-probs, reference caching, and the DPO / SimPO
 reductions: the trace-replay channel's one implementation.
 
-A pair is a :class:`~composer_replication.wire.DPOPairTokens` (chosen and rejected token
+A pair is a :class:`~composer_replication.samples.wire.DPOPairTokens` (chosen and rejected token
 ids with response masks, a weight, and the reference log-probs once known). Both sides of
 a batch of pairs run in ONE forward pass (chosen rows, then rejected rows, right-padded to
 one width) on the chunked hidden-state path. The frozen reference's summed log-probs are
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.config.loss import PAIR_KNOBS
-from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.model.parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.dpo import dpo_loss
 from composer_replication.ops.head import IGNORE_INDEX, token_logprobs_from_hidden
 from composer_replication.ops.simpo import simpo_loss
-from composer_replication.padding import pad_rows
-from composer_replication.wire import DPOPairTokens, PairRows, pair_rows, to_device
+from composer_replication.samples.padding import pad_rows
+from composer_replication.samples.wire import DPOPairTokens, PairRows, pair_rows, to_device
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -142,7 +142,7 @@ def pair_logps(
     """``(chosen, rejected, n_chosen, n_rejected)``, each (P,): summed response log-probs of
     both sides (one forward pass) and their response-token counts.
 
-    ``rows``: the pairs already padded (:func:`~composer_replication.wire.pair_rows`, as a
+    ``rows``: the pairs already padded (:func:`~composer_replication.samples.wire.pair_rows`, as a
     packed micro-batch carries them); built here otherwise."""
     device = lm_head_weight(model).device
     rows = (pair_rows(pairs) if rows is None else rows).to(device)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.model_parts import last_hidden_states, lm_head_weight
+from composer_replication.model.parts import last_hidden_states, lm_head_weight
 from composer_replication.ops.divergence import DivergenceSettings, token_divergence
 
 if TYPE_CHECKING:

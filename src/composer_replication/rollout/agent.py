@@ -49,13 +49,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.rollout.chat_renderer import TOOL_RESULT_PREFIX, ChatRenderer
-from composer_replication.rollout.generate import (
+from composer_replication.inference.decoding.generate import (
     DecodeOptions,
     Generation,
     InProcessSampler,
     SamplingSettings,
 )
+from composer_replication.rollout.chat_renderer import TOOL_RESULT_PREFIX, ChatRenderer
 from composer_replication.rollout.scripted import SampleFn, ScriptedSampler
 from composer_replication.rollout.tool_calls import (
     FINISH_TOOL,

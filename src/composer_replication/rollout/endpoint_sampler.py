@@ -16,8 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.inference.decoding.generate import (
+    Generation,
+    InProcessSampler,
+    SamplingSettings,
+)
 from composer_replication.rollout.demonstrations import ReferenceSolutions
-from composer_replication.rollout.generate import Generation, InProcessSampler, SamplingSettings
 
 if TYPE_CHECKING:
     from composer_replication.roles import Sampler
@@ -124,7 +128,7 @@ def frozen_source(reference: Any) -> Sampler | ReferenceSolutions:
     if reference == REFERENCE_SOLUTIONS:
         return ReferenceSolutions()
     if isinstance(reference, LocalFrozenModel):
-        from composer_replication.models import load_policy
+        from composer_replication.model.loading import load_policy
 
         path = reference.local_path
         model, _ = load_policy(None if path == "embedded" else path)

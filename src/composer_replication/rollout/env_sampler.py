@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.envs.base import DemonstratingEnvironment, SplitEnvironment
+from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.demonstrations import ReferenceSolutions
-from composer_replication.rollout.generate import SamplingSettings
 from composer_replication.rollout.types import Rollout, mark_frozen_source
 
 if TYPE_CHECKING:

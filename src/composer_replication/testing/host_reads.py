@@ -29,7 +29,7 @@ waits whatever the flag). On a machine without a GPU, run the code with ``device
 its copies reach the dispatcher with the device and flag the CUDA path would give them
 (a copy from the CPU to the CPU is no upload); there a flagged copy from pageable memory
 cannot be told from one from pinned memory (pinning needs CUDA), so the code must pin on
-its CUDA path, as :func:`~composer_replication.rollout.uploads.to_device_async` does. Not
+its CUDA path, as :func:`~composer_replication.inference.decoding.uploads.to_device_async` does. Not
 seen: an index given as a Python list on a device tensor (``x[[1, 2]]``), whose index
 tensor is made and moved inside the operator.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.trainer.po_presets import (
+from composer_replication.backends.trl.po_presets import (
     PO_OBJECTIVES,
     make_dr_grpo_config,
     make_po_config,
@@ -18,12 +18,12 @@ from composer_replication.trainer.po_presets import (
 __all__ = ["PO_OBJECTIVES", "ComposerReplicationTrainer", "make_dr_grpo_config", "make_po_config"]
 
 if TYPE_CHECKING:
-    from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
+    from composer_replication.backends.trl.trainer import ComposerReplicationTrainer
 
 
 def __getattr__(name: str) -> Any:
     if name == "ComposerReplicationTrainer":  # imports trl, transformers and torch: on first use
-        from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
+        from composer_replication.backends.trl.trainer import ComposerReplicationTrainer
 
         globals()[name] = ComposerReplicationTrainer  # the next access is a plain lookup
         return ComposerReplicationTrainer

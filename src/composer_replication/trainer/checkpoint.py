@@ -106,7 +106,7 @@ def _state_on_model_device(model: Any) -> torch.device:
     """The model's device as the default device, for ``set_optimizer_state_dict``: it takes a
     zero-gradient step to create the state it fills, and before torch 2.13 Adam creates its
     step counter there without a device (it then follows any default device, not the model)."""
-    from composer_replication.devices import module_device
+    from composer_replication.model.devices import module_device
 
     return torch.device(module_device(model))
 

@@ -24,7 +24,7 @@ from composer_replication.trainer.teachers import TeacherModels
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
     from composer_replication.distributed.ranks import RankGroup
-    from composer_replication.wire import MicroBatch
+    from composer_replication.samples.wire import MicroBatch
 
 __all__ = ["Learner", "adamw_kernel"]
 

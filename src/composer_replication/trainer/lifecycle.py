@@ -396,7 +396,7 @@ class RunLifecycle:
     def finish(self, policy: Any, tokenizer: Any, steps: int) -> RunResult:
         """Final model, summary and result; raises ``CollapseStopError`` if the kill switch
         fired (after writing both, so the stopped model sits next to its metrics)."""
-        from composer_replication.models import save_checkpoint
+        from composer_replication.model.loading import save_checkpoint
         from composer_replication.safety import CollapseStopError
 
         stopped = None if self.stopped is None else self.stopped.reason

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from composer_replication import roles
 from composer_replication.algo.filters import TruncationFilter, ZeroAdvantageFilter
-from composer_replication.devices import module_device
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.distributed.data_parallel import (
     autocast_for,
@@ -30,22 +29,23 @@ from composer_replication.distributed.data_parallel import (
     merge_rollout_stats,
     start_data_parallel,
 )
+from composer_replication.inference.decoding.decode_memory import release_decode_buffers
+from composer_replication.inference.decoding.generate import derived_seed, seeded_rows
 from composer_replication.inference.engine import build_inference_engine
 from composer_replication.inference.frozen import FrozenEngines, served
 from composer_replication.inference.in_process import InProcessEngine
 from composer_replication.inference.snapshot import PolicySnapshot
+from composer_replication.model.devices import module_device
 from composer_replication.rollout.agent import episode_metrics
-from composer_replication.rollout.decode_memory import release_decode_buffers
-from composer_replication.rollout.generate import derived_seed, seeded_rows
 from composer_replication.rollout.types import stamp_policy_version
 from composer_replication.safety import HeldoutSplit
+from composer_replication.samples.wire import pack_samples
 from composer_replication.trainer.checkpoint import CheckpointManager
 from composer_replication.trainer.learner import Learner
 from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle, RunResult
 from composer_replication.trainer.rollout_queue import RolloutQueue, drop_stale
 from composer_replication.trainer.runtime import EnvRuntime, build_runtime
 from composer_replication.trainer.setup import ProgressBar, seed_everything, setup_policy
-from composer_replication.wire import pack_samples
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
@@ -78,7 +78,7 @@ class Trainer:
         self.config = config
         self.console = console
         if config.malloc_mmap_threshold is not None:
-            from composer_replication.cpu_allocator import set_mmap_threshold
+            from composer_replication.model.cpu_allocator import set_mmap_threshold
 
             set_mmap_threshold(config.malloc_mmap_threshold)
         seed_everything(config.seed)

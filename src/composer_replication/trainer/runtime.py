@@ -18,9 +18,9 @@ from composer_replication.rollout.env_sampler import EnvSampler
 if TYPE_CHECKING:
     from composer_replication.algo.base import Algorithm
     from composer_replication.config.run import EnvConfig
-    from composer_replication.datagen.curriculum import DifficultyCurriculum
     from composer_replication.envs.base import Environment
-    from composer_replication.rollout.generate import SamplingSettings
+    from composer_replication.envs.curriculum import DifficultyCurriculum
+    from composer_replication.inference.decoding.generate import SamplingSettings
     from composer_replication.safety.holdout import HeldoutSplit
 
 
@@ -80,9 +80,9 @@ def build_runtime(
     first use (``datagen.repository_tasks``; ``say`` hears its progress)."""
     from composer_replication.algo import build_algorithm
     from composer_replication.config.references import REFERENCE_SOLUTIONS
-    from composer_replication.datagen.curriculum import DifficultyCurriculum
     from composer_replication.datagen.repository_tasks import resolve_repository_options
     from composer_replication.envs import DemonstratingEnvironment, build_environment
+    from composer_replication.envs.curriculum import DifficultyCurriculum
 
     if env is None:
         options = resolve_repository_options(

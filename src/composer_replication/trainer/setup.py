@@ -27,9 +27,9 @@ def seed_everything(seed: int) -> None:
 def setup_policy(config: RunConfig) -> tuple[Any, Any]:
     """Load the policy onto its device in its parameter dtype (and apply LoRA), as
     configured (``model.device`` / ``model.dtype`` / ``model.tf32``:
-    :mod:`composer_replication.devices`)."""
-    from composer_replication.devices import resolve_device, resolve_precision, set_tf32
-    from composer_replication.models import load_policy
+    :mod:`composer_replication.model.devices`)."""
+    from composer_replication.model.devices import resolve_device, resolve_precision, set_tf32
+    from composer_replication.model.loading import load_policy
 
     device = resolve_device(config.model.device)
     precision = resolve_precision(config.model.dtype, device)
@@ -102,7 +102,7 @@ def kl_to_initial_sum(
     """:func:`kl_to_initial`'s sum over the trainable positions and their number (what
     data-parallel ranks add up)."""
     from composer_replication.integrations.altered_minds.kl_logging import token_kl_sum
-    from composer_replication.model_parts import last_hidden_states, lm_head_weight
+    from composer_replication.model.parts import last_hidden_states, lm_head_weight
     from composer_replication.ops.jsd import jsd_from_hidden
 
     total, count = None, 0

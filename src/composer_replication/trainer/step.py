@@ -12,7 +12,7 @@ and the trl trainer make); the step only normalises, weights and backpropagates 
 
 The step keeps a GPU busy: it never reads device values on the host mid-step (each read
 waits for all queued work). Counts, row indices and pair rows come from packing (see
-:class:`~composer_replication.wire.MicroBatch`), micro-batches move to the device without
+:class:`~composer_replication.samples.wire.MicroBatch`), micro-batches move to the device without
 blocking, and every metric stays a device sum until one transfer at the end
 (:class:`StepSums`).
 """
@@ -27,19 +27,19 @@ import torch
 
 from composer_replication.config.components import component_names
 from composer_replication.config.loss import COMPONENTS, LossConfig
-from composer_replication.forward_tokens import ForwardTokens, counting_forward_tokens
-from composer_replication.model_parts import lm_head_weight
+from composer_replication.model.parts import lm_head_weight
 from composer_replication.ops.assembler import micro_batch_losses
 from composer_replication.ops.pairs import UncachedReferences
 from composer_replication.ops.trust_region import (
     REF_KL_SAMPLE_METRICS,
     ref_kl_metrics_from_sums,
 )
+from composer_replication.samples.forward_tokens import ForwardTokens, counting_forward_tokens
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from composer_replication.wire import MicroBatch
+    from composer_replication.samples.wire import MicroBatch
 
 __all__ = [
     "COMPONENTS",
@@ -149,7 +149,7 @@ def train_step(
 
     Args:
         policy: the trainable causal LM.
-        batches: micro-batches from :func:`composer_replication.wire.pack_samples`.
+        batches: micro-batches from :func:`composer_replication.samples.wire.pack_samples`.
         config: component settings (default :class:`LossConfig`).
         teacher: model for the jsd teacher forward (default: ``policy``, under no_grad).
         reference: frozen initial policy, for DPO reference log-probs a pair lacks

@@ -7,7 +7,7 @@
 
 The frozen initial copy doubles as the DPO reference model. For a LoRA policy no copy is
 made: the base weights under the adapters are the initial policy
-(:class:`~composer_replication.model_parts.AdapterDisabled`), which saves a whole model's
+(:class:`~composer_replication.model.parts.AdapterDisabled`), which saves a whole model's
 memory and stays the true initial policy across resumes.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from composer_replication.model_parts import AdapterDisabled
+from composer_replication.model.parts import AdapterDisabled
 
 TEACHER_MODES = ("policy", "initial", "ema")
 

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.envs.base import SplitEnvironment
+from composer_replication.inference.decoding.generate import DecodeOptions, InProcessSampler
 from composer_replication.roles import Learner, protocol_methods
-from composer_replication.rollout.generate import DecodeOptions, InProcessSampler
 from composer_replication.rollout.types import stamp_policy_version
 from composer_replication.trainer.checkpoint import trainable_state
 from monarch.actor import Actor, endpoint
@@ -161,7 +161,7 @@ def completion_logprobs(
     policy: Any, prompt_ids: Sequence[int], completion_ids: Sequence[int]
 ) -> list[float]:
     """Per-token log-probs (temperature 1) of a completion given its prompt."""
-    from composer_replication.model_parts import last_hidden_states, lm_head_weight
+    from composer_replication.model.parts import last_hidden_states, lm_head_weight
     from composer_replication.ops.head import token_logprobs_from_hidden
 
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.long)

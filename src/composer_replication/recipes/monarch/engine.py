@@ -32,15 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.diloco.integration import NO_SYNC
-from composer_replication.rollout.generate import DecodeOptions
+from composer_replication.inference.decoding.generate import DecodeOptions
 from composer_replication.trainer.loop import Trainer
 
 if TYPE_CHECKING:
     from composer_replication.config.roles import MonarchRoles
     from composer_replication.config.run import RunConfig
     from composer_replication.rollout.types import Rollout
+    from composer_replication.samples.wire import MicroBatch
     from composer_replication.trainer.lifecycle import RunResult
-    from composer_replication.wire import MicroBatch
 
 __all__ = [
     "ActorFailedError",

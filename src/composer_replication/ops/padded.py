@@ -2,7 +2,7 @@
 
 ``loss.compose_loss`` takes a dict of padded (B, T) tensors, and the trl trainer's inputs
 are padded the same way. Both convert their rows into
-:class:`~composer_replication.wire.TrainingSample` s here (padding dropped, positions
+:class:`~composer_replication.samples.wire.TrainingSample` s here (padding dropped, positions
 re-indexed), pack them, and run :func:`composer_replication.ops.assembler.micro_batch_losses`
 on every micro-batch, the call the native trainer step makes: one implementation of the
 loss for every path.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_replication.config.loss import LossConfig
 from composer_replication.ops.assembler import micro_batch_losses
-from composer_replication.wire import DPOPairTokens, TrainingSample, pack_samples
+from composer_replication.samples.wire import DPOPairTokens, TrainingSample, pack_samples
 
 if TYPE_CHECKING:
     from torch import Tensor

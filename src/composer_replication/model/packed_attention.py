@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: Devices where learner forwards run packed by default (the CPU keeps the dense-mask
-#: trie of :mod:`composer_replication.shared_prefix`: its math-reference attention here
+#: trie of :mod:`composer_replication.model.shared_prefix`: its math-reference attention here
 #: would materialise the same (N, N) mask per layer, for no gain).
 PACKING_DEVICES: tuple[str, ...] = ("cuda",)
 #: Devices whose FlexAttention kernel has a backward: attention runs compiled there, and
@@ -309,7 +309,7 @@ def packed_forward(
     token summed over the rows that hold it, as in the row-by-row forward. ``budget``: the
     packed sequences' token bound (default :data:`PACKED_SEQUENCE_TOKENS`).
     """
-    from composer_replication.wire import to_device
+    from composer_replication.samples.wire import to_device
 
     if getattr(body.config, "_attn_implementation", None) == "sdpa":
         _install_sdpa_dispatch()

@@ -6,7 +6,7 @@ batch, a preallocated KV cache) with the linear layers on packed oneDNN weights 
 sampler's distribution is exactly ``softmax(logits / temperature)`` and the log-probs
 returned here are the ones the trainer's importance ratio compares against. ``temperature=0`` is greedy decoding (its
 log-probs are then reported at temperature 1). A LoRA policy samples with its adapters
-merged into the base weights (:func:`~composer_replication.model_parts.lora_merged`), as an
+merged into the base weights (:func:`~composer_replication.model.parts.lora_merged`), as an
 inference engine would; the base weights are restored exactly afterwards.
 
 Two decode loops sample in process (:class:`DecodeOptions`, handed to :func:`generate` and
@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer_replication.padding import pad_id_of
+from composer_replication.samples.padding import pad_id_of
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def seeded_rows(seed: int) -> Iterator[None]:
 def static_loop_applies(model: Any, options: DecodeOptions) -> bool:
     """Whether ``options`` send ``model``'s sampling through the static loop ('static' on a
     model it cannot run is an error naming why)."""
-    from composer_replication.rollout.static_decode import static_decoding_supported
+    from composer_replication.inference.decoding.static_decode import static_decoding_supported
 
     if options.loop == "general":
         return False
@@ -99,9 +99,9 @@ def reuse_prompt_states(*, outer: bool = False) -> Iterator[Any]:
     kept and later calls start from it, and a prompt that extends a kept one (an agent's
     next turn) prefills only its new tokens. Only while the policy's weights stay as they
     are (an evaluation, one collection of episodes); yields the
-    :class:`~composer_replication.rollout.kv_cache.PromptStates`. ``outer``: inside another
+    :class:`~composer_replication.inference.decoding.kv_cache.PromptStates`. ``outer``: inside another
     such block, keep using its store."""
-    from composer_replication.rollout.kv_cache import PromptStates
+    from composer_replication.inference.decoding.kv_cache import PromptStates
 
     current = _PROMPT_STATES.get()
     if outer and current is not None:
@@ -197,7 +197,7 @@ def generate(
     if generator_seed is not None:
         torch.manual_seed(generator_seed)
     context_seed = _ROW_SEED.get()
-    from composer_replication.model_parts import lora_merged
+    from composer_replication.model.parts import lora_merged
 
     common = {
         "max_new_tokens": settings.max_new_tokens,
@@ -226,8 +226,8 @@ def generate(
                 rows = _static_rows(model, prompts, options, {**common, "on_row_done": done})
                 on_row_done = None  # every row was announced as it finished
             else:
-                from composer_replication.rollout.decode import decode_rows
-                from composer_replication.rollout.packed_linear import packed_linears
+                from composer_replication.inference.decoding.decode import decode_rows
+                from composer_replication.inference.decoding.packed_linear import packed_linears
 
                 hint = min(len(prompts), max_rows or len(prompts))
                 with packed_linears(model, batch_hint=hint):
@@ -316,7 +316,7 @@ def _static_rows(
     dtype (as the trainer's forward does), with autocast itself off inside."""
     import torch
 
-    from composer_replication.rollout.static_decode import static_decode_rows
+    from composer_replication.inference.decoding.static_decode import static_decode_rows
 
     device = next(model.parameters()).device
     compute_dtype = None

@@ -46,9 +46,14 @@ from typing import Any
 
 import torch
 
-from composer_replication.rollout.decode import DecodedRow, DecodeStats, StopMatcher
-from composer_replication.rollout.decode_buckets import Bucket, StepRunner, bucket_rows, draw
-from composer_replication.rollout.llama_decoder import (
+from composer_replication.inference.decoding.decode import DecodedRow, DecodeStats, StopMatcher
+from composer_replication.inference.decoding.decode_buckets import (
+    Bucket,
+    StepRunner,
+    bucket_rows,
+    draw,
+)
+from composer_replication.inference.decoding.llama_decoder import (
     BlockKernels,
     DecoderWeights,
     attention_inputs,
@@ -56,8 +61,8 @@ from composer_replication.rollout.llama_decoder import (
     prefill_forward,
     supports,
 )
-from composer_replication.rollout.padding import left_pad
-from composer_replication.rollout.uploads import to_device_async
+from composer_replication.inference.decoding.padding import left_pad
+from composer_replication.inference.decoding.uploads import to_device_async
 
 __all__ = [
     "SYNC_EVERY",

@@ -11,10 +11,10 @@ through the cache into the prefix's computation, summed over the rows that used 
 the row-by-row forward. Values agree with it up to float rounding (different matmul shapes).
 
 Two ways to compute it here, both only for right-padded rows (as
-:func:`composer_replication.wire.pack_samples` and :func:`composer_replication.ops.pairs.pad_rows`
+:func:`composer_replication.samples.wire.pack_samples` and :func:`composer_replication.ops.pairs.pad_rows`
 build them; anything else takes the plain forward). On a GPU, rows whose tokens the host
 holds take neither: they run packed without padding or an (N, N) mask
-(:mod:`composer_replication.packed_attention`).
+(:mod:`composer_replication.model.packed_attention`).
 
 - one packed forward (:func:`packed_prefix_forward`, the default where it applies): the rows'
   distinct prefixes form a token trie (:func:`token_trie`), its N nodes are one sequence
@@ -393,7 +393,7 @@ def packed_prefix_forward(
     token summed over the rows that hold it, as in the row-by-row forward. ``additive``:
     give the mask as 0 / dtype-min floats (eager attention) instead of booleans (SDPA).
     """
-    from composer_replication.wire import to_device
+    from composer_replication.samples.wire import to_device
 
     n_rows, width = shape
     n_tokens = len(trie)

@@ -6,7 +6,7 @@ stops feeding the GPU once per upload. Copied from pinned (page-locked) memory w
 ``non_blocking=True``, the copy is queued on the current stream, ordered before every
 kernel that reads its result, and the host goes on.
 
-:func:`~composer_replication.wire.to_device` does the same for the trainer's batches, but
+:func:`~composer_replication.samples.wire.to_device` does the same for the trainer's batches, but
 copies to any other device with ``non_blocking=False`` and reuses an already pinned tensor
 as it is. :func:`to_device_async` always stages through a private pinned buffer (the
 caller may write its tensor again at once) and passes ``non_blocking=True`` to every

@@ -26,7 +26,7 @@ def release_decode_buffers(device_types: Sequence[str] = ("cuda",)) -> int:
     """Free the buffers and graphs of every kept static decoder whose model is on one of
     ``device_types`` (a host's memory is not short: a CPU decoder keeps its buffers by
     default); returns how many decoders were released."""
-    static = sys.modules.get("composer_replication.rollout.static_decode")
+    static = sys.modules.get("composer_replication.inference.decoding.static_decode")
     if static is None:  # never imported in this process: nothing was allocated
         return 0
     released = static.release_decoders(device_types)

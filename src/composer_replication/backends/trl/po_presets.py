@@ -182,7 +182,7 @@ def _check_against_trl(config_cls: type, knobs: Mapping[str, Any], label: str) -
     if missing:
         raise AssertionError(
             f"{label}: the installed trl ({_trl_version()}) GRPOConfig has no field(s) "
-            f"{missing}; pin trl==1.16.* or update composer_replication.trainer.po_presets"
+            f"{missing}; pin trl==1.16.* or update composer_replication.backends.trl.po_presets"
         )
     loss_type = knobs.get("loss_type")
     documented = str(fields["loss_type"].metadata.get("help", ""))

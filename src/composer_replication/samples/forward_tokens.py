@@ -3,7 +3,7 @@ budgets a micro-batch by (:class:`ForwardLoad`, from its samples' token lists); 
 what they computed and how much of it was padding (the step's ``tokens/forward`` and
 ``tokens/padding_fraction`` metrics).
 
-Every forward of :func:`composer_replication.model_parts.last_hidden_states` records its
+Every forward of :func:`composer_replication.model.parts.last_hidden_states` records its
 positions here from host lists (the rows' lengths, the packed layout's size), never from a
 device tensor: reading one back would make the host wait for the device. A forward whose
 row lengths the host does not know (a 2-D mask without ``row_tokens``) records nothing.
@@ -119,7 +119,7 @@ class DistinctTokens:
 def forward_rows(
     sample: Any,
 ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """The rows ``sample`` (a :class:`~composer_replication.wire.TrainingSample`) adds to a
+    """The rows ``sample`` (a :class:`~composer_replication.samples.wire.TrainingSample`) adds to a
     micro-batch's three forwards: its student row, its
     teacher context (a sample with live jsd weight) and its pair's two sides."""
     student = [sample.input_ids] if sample.n_tokens else []
@@ -150,7 +150,7 @@ class ForwardLoad:
 
     @property
     def tokens(self) -> int:
-        """The tokens so far (what :func:`composer_replication.wire.pack_samples` holds to
+        """The tokens so far (what :func:`composer_replication.samples.wire.pack_samples` holds to
         ``max_tokens``)."""
         return sum(trie.size for trie in self.tries)
 

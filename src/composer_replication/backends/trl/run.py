@@ -190,7 +190,7 @@ def _composer_settings(run_config: RunConfig) -> dict[str, Any]:
     }
     out.update({name: getattr(loss, name) for name in TRAINER_LOSS_SETTINGS})
     if "jsd" in advantage.trains:
-        from composer_replication.trainer.composer_trainer import default_hint
+        from composer_replication.backends.trl.trainer import default_hint
 
         hint_fn = {"generator": default_hint, "feedback": lambda text: text, "none": None}
         out["hint_fn"] = hint_fn[advantage.hint_source]
@@ -205,7 +205,7 @@ def _composer_settings(run_config: RunConfig) -> dict[str, Any]:
 
 def grpo_config_from_run(run_config: RunConfig, output_dir: str | Path) -> Any:
     """The Dr. GRPO ``GRPOConfig`` equivalent to the run's optimizer and sampling settings."""
-    from composer_replication.trainer.po_presets import make_dr_grpo_config
+    from composer_replication.backends.trl.po_presets import make_dr_grpo_config
 
     env_cfg = run_config.envs[0]
     sampling, optim = env_cfg.algorithm.sampling, run_config.optim
@@ -248,7 +248,7 @@ def sampled_micro_batches(
     """Micro-batches of trl's padded rollouts (``composer_trainer.SAMPLED_KEYS``): each
     row's prompt and completion tokens, the completion trainable (what the KL to the
     initial policy is measured on). Rows without completion tokens are left out."""
-    from composer_replication.wire import TrainingSample, pack_samples
+    from composer_replication.samples.wire import TrainingSample, pack_samples
 
     prompt_ids, prompt_mask, completion_ids, completion_mask = (t.tolist() for t in sampled)
     samples = []
@@ -348,10 +348,10 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     is raised after the final model and summary are written.
     """
     from composer_replication.algo.replay_dpo import load_pair_records
+    from composer_replication.backends.trl.trainer import ComposerReplicationTrainer
     from composer_replication.envs import build_environment
-    from composer_replication.rollout.generate import InProcessSampler
+    from composer_replication.inference.decoding.generate import InProcessSampler
     from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.composer_trainer import ComposerReplicationTrainer
     from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
     from composer_replication.trainer.setup import seed_everything, setup_policy
 
@@ -418,8 +418,8 @@ class _LifecycleCallback:
         reward: PythonFunctionsReward | None = None,
         trainer: Any = None,
     ) -> None:
+        from composer_replication.inference.decoding.generate import InProcessSampler
         from composer_replication.ops.taid import TAIDScheduler
-        from composer_replication.rollout.generate import InProcessSampler
         from composer_replication.trainer.teachers import TeacherModels
 
         self.life, self.tokenizer, self.heldout = life, tokenizer, heldout

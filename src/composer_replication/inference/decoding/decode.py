@@ -48,14 +48,14 @@ from typing import Any
 import torch
 
 from composer_replication.compat import cache_kwargs
-from composer_replication.rollout.kv_cache import (
+from composer_replication.inference.decoding.kv_cache import (
     PromptStates,
     cache_capacity,
     can_relayout,
     new_cache,
     relayout,
 )
-from composer_replication.rollout.kv_cache import prompt_states as _prompt_states
+from composer_replication.inference.decoding.kv_cache import prompt_states as _prompt_states
 
 __all__ = [
     "DecodeStats",

@@ -118,22 +118,22 @@ def last_hidden_states(
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
 
     Given ``row_tokens`` on a device of
-    :data:`~composer_replication.packed_attention.PACKING_DEVICES` (a GPU), the rows run
+    :data:`~composer_replication.model.packed_attention.PACKING_DEVICES` (a GPU), the rows run
     packed end to end without padding, rows that share a prefix (a group's prompt, a pair's
     agent prompt) holding it once, under a block-sparse FlexAttention mask
-    (:mod:`composer_replication.packed_attention`). Elsewhere, shared prefixes are computed
+    (:mod:`composer_replication.model.packed_attention`). Elsewhere, shared prefixes are computed
     once in one packed forward of the distinct tokens with a dense mask where the model
     allows it, else (on the devices of :data:`SEGMENT_SHARING_DEVICES`) in a forward per
-    shared segment (:mod:`composer_replication.shared_prefix`). All give the same values up
+    shared segment (:mod:`composer_replication.model.shared_prefix`). All give the same values up
     to float rounding, gradients included. ``share_prefixes=False`` runs every row in full,
     packed side by side or padded (default: as
-    :func:`~composer_replication.shared_prefix.prefix_sharing` sets, on).
+    :func:`~composer_replication.model.shared_prefix.prefix_sharing` sets, on).
 
     ``row_tokens``: each row's real tokens as host lists, the rows right-padded (as packed
     micro-batches and pair rows are): the layout and the padding are then planned from
     them, and nothing is read back from the device (each such read makes a GPU idle). The
     positions each forward computes are recorded for
-    :func:`~composer_replication.forward_tokens.counting_forward_tokens`.
+    :func:`~composer_replication.samples.forward_tokens.counting_forward_tokens`.
     """
     if isinstance(model, AdapterDisabled):
         with model.peft_model.disable_adapter():
@@ -151,13 +151,12 @@ def last_hidden_states(
     )
     if body is None:
         raise ValueError(f"cannot find the transformer body of {type(base).__name__}")
-    from composer_replication.forward_tokens import padded_rows_tokens, record_forward
-    from composer_replication.packed_attention import (
+    from composer_replication.model.packed_attention import (
         packed_forward,
         packed_layout,
         packing_applies,
     )
-    from composer_replication.shared_prefix import (
+    from composer_replication.model.shared_prefix import (
         packed_prefix_forward,
         packed_prefix_trie,
         prefix_sharing_enabled,
@@ -165,6 +164,7 @@ def last_hidden_states(
         shared_prefix_forward,
         tree_forward_tokens,
     )
+    from composer_replication.samples.forward_tokens import padded_rows_tokens, record_forward
 
     if share_prefixes is None:
         share_prefixes = prefix_sharing_enabled()

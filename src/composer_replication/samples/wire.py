@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.config.components import LossComponent, loss_components
-from composer_replication.forward_tokens import ForwardLoad
-from composer_replication.padding import pad_lists, pad_rows
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
+from composer_replication.samples.forward_tokens import ForwardLoad
+from composer_replication.samples.padding import pad_lists, pad_rows
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
-from composer_replication.rollout.llama_decoder import BlockKernels, DecoderWeights, decode_forward
+from composer_replication.inference.decoding.llama_decoder import (
+    BlockKernels,
+    DecoderWeights,
+    decode_forward,
+)
 
 __all__ = ["MIN_BUCKET", "Bucket", "StepRunner", "bucket_rows", "decode_step", "draw"]
 

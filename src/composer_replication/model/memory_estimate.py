@@ -12,7 +12,7 @@ What it counts, in bytes (each term is a field of :class:`LearnerMemory`):
   (a mixed-precision run casts each weight once per forward);
 - frozen copies the run keeps (the initial policy of a full fine-tune: reference and KL);
 - saved activations of one micro-batch: ``micro_batch_tokens`` tokens (teacher context and
-  preference pair rows included: :func:`~composer_replication.wire.pack_samples` counts
+  preference pair rows included: :func:`~composer_replication.samples.wire.pack_samples` counts
   them against the same budget) times the bytes one token keeps per decoder layer
   (:func:`layer_bytes_per_token`), or, with gradient checkpointing, each layer's input
   plus one layer's full set (recomputed in the backward);

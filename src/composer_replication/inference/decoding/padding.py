@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from composer_replication.padding import stacked_pad
-from composer_replication.rollout.uploads import to_device_async
+from composer_replication.inference.decoding.uploads import to_device_async
+from composer_replication.samples.padding import stacked_pad
 
 __all__ = ["left_pad"]
 
@@ -17,7 +17,7 @@ def left_pad(
     prompts: Sequence[Sequence[int]], pad_id: int, *, device: Any = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) left-padded ids and attention mask on ``device``: built on the host as one
-    (2, B, T) tensor (:func:`composer_replication.padding.stacked_pad`) and moved in one
+    (2, B, T) tensor (:func:`composer_replication.samples.padding.stacked_pad`) and moved in one
     non-blocking copy (:func:`.uploads.to_device_async`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from composer_replication.compat import SUPPORTED_TRANSFORMERS, cache_kwargs
-from composer_replication.rollout.padding import left_pad
-from composer_replication.rollout.uploads import to_device_async
+from composer_replication.inference.decoding.padding import left_pad
+from composer_replication.inference.decoding.uploads import to_device_async
 
 __all__ = [
     "PREFILL_ROWS",

@@ -15,7 +15,7 @@
 Both channels come from the one loss assembler
 (:func:`composer_replication.ops.assembler.micro_batch_losses`, the call the native trainer
 step and ``loss.compose_loss`` make): their rows are converted into training samples
-(:mod:`composer_replication.padded_batch`), with the same settings under the same names.
+(:mod:`composer_replication.ops.padded`), with the same settings under the same names.
 
 Each channel is logged through trl's metrics in the native loop's vocabulary
 (``loss/rl`` for trl's GRPO loss, ``loss/jsd``, ``loss/dpo``, ``tokens/dpo`` (pairs),
@@ -78,9 +78,11 @@ from trl import GRPOTrainer
 
 from composer_replication.algo.context import augment_messages, hint_text
 from composer_replication.algo.replay_dpo import PairPool, build_pair_pool
+from composer_replication.backends.trl.data_collator import ComposerDataCollator, TraceExample
 from composer_replication.config.advantage import DEFAULT_HINT_TEMPLATE
 from composer_replication.config.loss import LossConfig, loss_default
 from composer_replication.ops.divergence import DIVERGENCE_KNOBS, divergence_settings
+from composer_replication.ops.padded import padded_losses, padded_samples
 from composer_replication.ops.pairs import (
     PAIR_KNOBS,
     fill_reference_logps,
@@ -90,11 +92,9 @@ from composer_replication.ops.pairs import (
     sequence_logps,
 )
 from composer_replication.ops.self_distillation import aligned_from_masks
-from composer_replication.padded_batch import padded_losses, padded_samples
 from composer_replication.rollout.types import Rollout
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
-from composer_replication.trainer.data_collator import ComposerDataCollator, TraceExample
-from composer_replication.wire import DPOPairTokens
+from composer_replication.samples.wire import DPOPairTokens
 
 __all__ = ["ComposerReplicationTrainer", "FeedbackRewardFunc", "TraceReward", "default_hint"]
 

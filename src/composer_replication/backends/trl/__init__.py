@@ -1,0 +1,1 @@
+"""The trl backend: ``ComposerReplicationTrainer`` (a trl GRPOTrainer with the SDPO and trace-replay channels), its data collator, the policy-optimisation presets, and the runner that trains a run config through it."""

@@ -1,0 +1,1 @@
+"""The in-process engine's decoding: ``generate`` and its samplers, the general and the static decode loops, the Llama decoder and its KV cache, decode buckets, packed linear layers, uploads to the device, and decode memory release."""
