@@ -71,3 +71,15 @@ def test_each_path_is_the_new_module_and_only_moved_paths_warn_once_naming_it():
                     f"composer-replication {REMOVED_IN}; import {new} instead",
                 ]
             ], entry
+
+
+def test_the_seed_path_of_the_data_collator_is_the_trl_backends_collator():
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "from composer_replication.trainer import data_collator as seed\n"
+        "from composer_replication.backends.trl import data_collator as backend\n"
+        "assert all(getattr(seed, n) is getattr(backend, n) for n in seed.__all__)\n"
+        "assert set(seed.__all__) >= {'CollatorConfig', 'ComposerDataCollator', 'TraceExample',"
+        " 'TraceTurn', 'TokenizerLike'}\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

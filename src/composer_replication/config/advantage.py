@@ -23,7 +23,6 @@ requirement) are requirements on the run's ``[loss]`` table: see :meth:`loss_req
 from __future__ import annotations
 
 import difflib
-import importlib
 import re
 import sys
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -538,18 +537,19 @@ def user_algorithm(path: str) -> Any:
             f"type {path!r} is neither a built-in algorithm ({', '.join(BUILTIN_ADVANTAGES)}) "
             f"nor 'package.module:Class' of an Algorithm subclass{hint}; set one of those"
         )
+    from composer_replication.callables import MissingName, import_named
+
     module_name, _, attr = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        cls = import_named(path)
+    except MissingName as exc:
+        raise ValueError(f"type {path!r}: {exc}; {fix}") from None
     except Exception as exc:  # the user's module: name it, in one line
         raise ValueError(
             f"type {path!r}: module {module_name!r} does not import "
             f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}); "
             f"{fix}"
         ) from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ValueError(f"type {path!r}: module {module_name!r} has no {attr!r}; {fix}")
     # the class's own module imported the algorithm base if it subclasses it: read it from
     # there (the config layer imports no runtime code)
     base = sys.modules.get("composer_replication.algo.base")

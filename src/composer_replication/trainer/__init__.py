@@ -1,8 +1,9 @@
-"""The trainer: loss components, the algorithm-blind step, teacher models, and the trl
-integration (``ComposerReplicationTrainer`` and the policy-optimisation presets).
+"""The native training loop: the run lifecycle, the algorithm-blind step, the learner,
+teachers, checkpoints, metrics and the rollout queue.
 
-``ComposerReplicationTrainer`` loads lazily (PEP 562): importing this package never imports
-trl.
+The package also keeps the seed API's names of the trl backend (``backends/trl``):
+``ComposerReplicationTrainer``, loaded lazily (PEP 562: importing this package never
+imports trl), and the policy-optimisation presets.
 """
 
 from __future__ import annotations
