@@ -37,7 +37,10 @@ def test_config_defaults_and_errors():
         inference_config(engine="vllm", url="127.0.0.1:8000")
     with pytest.raises(ValidationError, match="command is empty"):
         inference_config(engine="vllm", command=[])
-    with pytest.raises(ValidationError, match=r"inference\.engine must be 'in_process' or 'vllm'"):
+    with pytest.raises(
+        ValidationError,
+        match=r"inference\.engine must be 'in_process', 'vllm' or 'package\.module:factory'",
+    ):
         inference_config(engine="sglang")
 
 
