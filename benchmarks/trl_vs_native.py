@@ -115,7 +115,7 @@ def trl_worker(args: dict) -> dict:
 
     cfg = run_config(args, tempfile.mkdtemp(prefix="bench-trl-"))
     seed_everything(cfg.seed)
-    policy, tokenizer = setup_policy(cfg)
+    policy, tokenizer = setup_policy(cfg.model)
     env = PythonFunctionsEnv()
     grpo_args = grpo_config_from_run(cfg, cfg.output_dir)
     grpo_args.generation_kwargs = {"min_new_tokens": args["tokens"]}

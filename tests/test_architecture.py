@@ -232,8 +232,7 @@ def _layer_of(module: str) -> int:
 
 def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(
-        f"{module} ({LAYERS[_layer_of(module)][0]}) imports {dep} "
-        f"({LAYERS[_layer_of(dep)][0]})"
+        f"{module} ({LAYERS[_layer_of(module)][0]}) imports {dep} ({LAYERS[_layer_of(dep)][0]})"
         for module, deps in graph.items()
         for dep in deps
         if _layer_of(dep) > _layer_of(module)

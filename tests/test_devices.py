@@ -138,13 +138,13 @@ def test_setup_policy_places_the_policy_with_sdpa(tmp_path, tiny):
     config = RunConfig(model={"source": str(source), "device": "cpu", "dtype": "auto"})
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # nothing deprecated reaches the log
-        policy, _ = setup_policy(config)
+        policy, _ = setup_policy(config.model)
     assert config.model.lora is not None  # the LoRA path (peft) was the one taken
     assert module_device(policy) == torch.device("cpu")
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
     assert policy.config._attn_implementation == "sdpa"
     bf16 = RunConfig(model={"source": str(source), "device": "cpu", "dtype": "bf16", "lora": None})
-    assert {p.dtype for p in setup_policy(bf16)[0].parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in setup_policy(bf16.model)[0].parameters()} == {torch.bfloat16}
 
 
 def test_bf16_autocast_step_matches_float32(tiny):

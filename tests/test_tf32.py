@@ -60,7 +60,7 @@ def test_setting_up_a_cpu_policy_leaves_the_flags_alone(monkeypatch):
     )
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = (False, False)
     config = RunConfig.default(["model.device=cpu", "model.lora=null"])
-    setup.setup_policy(config)
+    setup.setup_policy(config.model)
     assert calls == [(True, "cpu")]
     assert _flags() == (False, False)
 

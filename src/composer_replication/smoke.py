@@ -49,9 +49,9 @@ def run_smoke(
         raise ValueError(f"lr={lr} must be > 0")
     import torch
 
-    from composer_replication.batch import build_batch
-    from composer_replication.loss import compose_loss
     from composer_replication.model.loading import load_policy
+    from composer_replication.ops.compose import compose_loss
+    from composer_replication.ops.compose_batch import build_batch
 
     torch.manual_seed(seed)
     start = time.perf_counter()

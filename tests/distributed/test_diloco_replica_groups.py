@@ -107,5 +107,5 @@ def tiny_lora_params(tmp_path):
     from composer_replication.trainer.setup import setup_policy
 
     config = RunConfig.from_toml((tmp_path / "run.toml").read_text())
-    policy, _ = setup_policy(config)
+    policy, _ = setup_policy(config.model)
     return [p for p in policy.parameters() if p.requires_grad]

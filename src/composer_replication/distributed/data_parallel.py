@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from composer_replication.distributed.ranks import RankGroup
 
 if TYPE_CHECKING:
-    from composer_replication.config.run import RunConfig
+    from composer_replication.config.run import ModelConfig, RunConfig
 
 __all__ = [
     "autocast_for",
@@ -60,7 +60,7 @@ def start_data_parallel(config: RunConfig) -> RankGroup:
     return ranks
 
 
-def shard_for_training(policy: Any, config: RunConfig) -> tuple[Any, Any]:
+def shard_for_training(policy: Any, model: ModelConfig) -> tuple[Any, Any]:
     """Shard ``policy`` with FSDP2 (mixed precision as ``model.dtype`` resolves); return
     its :class:`~composer_replication.distributed.fsdp.GatheredWeights` and the count
     reducer for :func:`~composer_replication.trainer.step.train_step`."""
@@ -68,12 +68,12 @@ def shard_for_training(policy: Any, config: RunConfig) -> tuple[Any, Any]:
     from composer_replication.distributed.fsdp import GatheredWeights, shard_policy
     from composer_replication.model.devices import module_device, resolve_precision
 
-    precision = resolve_precision(config.model.dtype, module_device(policy))
+    precision = resolve_precision(model.dtype, module_device(policy))
     shard_policy(policy, precision=precision)
     return GatheredWeights(policy), sum_counts_over_ranks
 
 
-def autocast_for(config: RunConfig, policy: Any, ranks: RankGroup) -> Any:
+def autocast_for(model: ModelConfig, policy: Any, ranks: RankGroup) -> Any:
     """bfloat16 autocast for a mixed-precision run in one process (FSDP2 casts by itself
     when sharded); ``nullcontext()`` otherwise."""
     import contextlib
@@ -83,7 +83,7 @@ def autocast_for(config: RunConfig, policy: Any, ranks: RankGroup) -> Any:
     if ranks.distributed:
         return contextlib.nullcontext()
     device = module_device(policy)
-    return autocast(resolve_precision(config.model.dtype, device), device)
+    return autocast(resolve_precision(model.dtype, device), device)
 
 
 def final_policy(policy: Any, ranks: RankGroup) -> Any:

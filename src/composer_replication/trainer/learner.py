@@ -82,7 +82,7 @@ class Learner:
             from composer_replication.distributed.counts import sum_values_over_ranks
             from composer_replication.distributed.data_parallel import shard_for_training
 
-            self.weights, self.count_reducer = shard_for_training(policy, config)
+            self.weights, self.count_reducer = shard_for_training(policy, config.model)
             self.metric_reducer = sum_values_over_ranks
         self.sync: Any = NO_SYNC
         self.params = [p for p in policy.parameters() if p.requires_grad]
@@ -93,7 +93,7 @@ class Learner:
             weight_decay=config.optim.weight_decay,
             **adamw_kernel(self.params),
         )
-        self.scheduler = make_scheduler(self.optimizer, config)
+        self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps)
         self.last_batches: list[MicroBatch] = []
 
     def update(self, batches: list[MicroBatch], step: int) -> dict[str, Any]:

@@ -82,7 +82,7 @@ class Trainer:
 
             set_mmap_threshold(config.malloc_mmap_threshold)
         seed_everything(config.seed)
-        self.policy, self.tokenizer = setup_policy(config)
+        self.policy, self.tokenizer = setup_policy(config.model)
         self.ranks = start_data_parallel(config)  # torchrun ranks; rank 0 of 1 otherwise
         self.split = HeldoutSplit(
             heldout_fraction=config.heldout_fraction, salt=config.heldout_salt
@@ -124,7 +124,7 @@ class Trainer:
             run_dir=self.run_dir,
             seed=config.seed,
             sample_ahead=self.async_level > 0,
-            autocast=lambda: autocast_for(self.config, self.policy, self.ranks),
+            autocast=lambda: autocast_for(self.config.model, self.policy, self.ranks),
         )
         self.rollout_queue: RolloutQueue | None = None
         self._pending_tasks: deque[list[list[str]]] = deque()
@@ -484,7 +484,7 @@ class Trainer:
                 self.sync = sync
                 if self._diloco_state:
                     sync.load_state_dict(self._diloco_state)
-                with autocast_for(self.config, self.policy, self.ranks):
+                with autocast_for(self.config.model, self.policy, self.ranks):
                     self._loop(progress)
         finally:
             self.sync = NO_SYNC

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from composer_replication.config.run import RunConfig
+    from composer_replication.config.run import ModelConfig, OptimConfig
 
 
 def seed_everything(seed: int) -> None:
@@ -24,22 +24,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup_policy(config: RunConfig) -> tuple[Any, Any]:
-    """Load the policy onto its device in its parameter dtype (and apply LoRA), as
-    configured (``model.device`` / ``model.dtype`` / ``model.tf32``:
+def setup_policy(model: ModelConfig) -> tuple[Any, Any]:
+    """Load the policy onto its device in its parameter dtype (and apply LoRA), as the
+    ``[model]`` section says (``device`` / ``dtype`` / ``tf32``:
     :mod:`composer_replication.model.devices`)."""
     from composer_replication.model.devices import resolve_device, resolve_precision, set_tf32
     from composer_replication.model.loading import load_policy
 
-    device = resolve_device(config.model.device)
-    precision = resolve_precision(config.model.dtype, device)
-    set_tf32(config.model.tf32, device)
-    policy, tokenizer = load_policy(config.model.source, dtype=precision.param_dtype, device=device)
-    if config.model.lora is not None:
+    device = resolve_device(model.device)
+    precision = resolve_precision(model.dtype, device)
+    set_tf32(model.tf32, device)
+    policy, tokenizer = load_policy(model.source, dtype=precision.param_dtype, device=device)
+    if model.lora is not None:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
-        lora = config.model.lora
+        lora = model.lora
         with warnings.catch_warnings():
             # peft reads transformers' deprecated is_gradient_checkpointing alias, which
             # warns once per run into every log; the setting itself is applied below
@@ -56,16 +56,17 @@ def setup_policy(config: RunConfig) -> tuple[Any, Any]:
                     task_type="CAUSAL_LM",
                 ),
             )
-    if config.model.gradient_checkpointing:
+    if model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if config.model.lora is not None:
+        if model.lora is not None:
             policy.enable_input_require_grads()
     policy.train()
     return policy, tokenizer
 
 
-def make_scheduler(optimizer: Any, config: RunConfig) -> Any:
-    warmup, total, kind = config.optim.warmup_steps, config.steps, config.optim.schedule
+def make_scheduler(optimizer: Any, optim: OptimConfig, steps: int) -> Any:
+    """The learning-rate schedule of ``[optim]`` over a run of ``steps`` steps."""
+    warmup, total, kind = optim.warmup_steps, steps, optim.schedule
 
     def factor(step: int) -> float:
         if warmup and step < warmup:

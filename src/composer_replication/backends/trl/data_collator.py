@@ -4,7 +4,7 @@ A ``TraceExample`` is an agent trace cut at its last action: the conversation be
 (``turns``), that action (``response``), its rewards, optionally the error it ran into and
 teacher preference pairs for the same state. ``ComposerDataCollator(tokenizer,
 config)(examples)`` builds the three channels' inputs (the key layout of
-:mod:`composer_replication.batch`). Examples may also be given as trace dicts
+:mod:`composer_replication.ops.compose_batch`). Examples may also be given as trace dicts
 (:meth:`TraceExample.from_dict`), the documented ``TraceExample`` TypedDict shape:
 ``trace_id``, ``turns`` (``role`` / ``content`` messages; assistant ``tool_call`` /
 ``tool_calls``; tool ``name``, ``tool_error`` / ``error`` / ``is_error`` and ``error_meta``),

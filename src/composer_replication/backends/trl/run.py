@@ -359,7 +359,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     env_cfg = run_config.envs[0]
     settings = _composer_settings(run_config)
     seed_everything(run_config.seed)
-    policy, tokenizer = setup_policy(run_config)
+    policy, tokenizer = setup_policy(run_config.model)
     env = build_environment(env_cfg)
     split = HeldoutSplit(run_config.heldout_fraction, run_config.heldout_salt)
     heldout = [

@@ -598,7 +598,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return total / max(count, 1)
 
     def _trace_sdpo_terms(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        from composer_replication.loss import sdpo_tokens
+        from composer_replication.ops.compose import sdpo_tokens
 
         mask = inputs["trace_sdpo_loss_mask"]
         rows = mask.any(dim=-1).nonzero().squeeze(-1)

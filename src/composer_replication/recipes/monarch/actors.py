@@ -89,7 +89,7 @@ def _policy_runtimes(config: RunConfig) -> tuple[Any, Any, list[EnvRuntime]]:
     from composer_replication.trainer.setup import seed_everything, setup_policy
 
     seed_everything(config.seed)
-    policy, tokenizer = setup_policy(config)
+    policy, tokenizer = setup_policy(config.model)
     split = HeldoutSplit(heldout_fraction=config.heldout_fraction, salt=config.heldout_salt)
     runtimes = [
         build_runtime(env_cfg, policy=policy, tokenizer=tokenizer, split=split, seed=config.seed)
@@ -205,7 +205,7 @@ class TrainerActor(Actor):
         from composer_replication.trainer.setup import seed_everything, setup_policy
 
         seed_everything(config.seed)
-        self.policy, _ = setup_policy(config)
+        self.policy, _ = setup_policy(config.model)
         self.learner = Learner(config, self.policy)
         self.checkpoints = CheckpointManager(run_dir, keep_last=config.checkpoint.keep_last)
         self.version = 0
