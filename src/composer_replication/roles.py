@@ -8,7 +8,7 @@ are present, and the tests also compare the implementations' method signatures w
 the protocol's.
 
 - :class:`Sampler`: prompts as token ids in, completions as token ids with their
-  sampling log-probs out. ``rollout.generate.InProcessSampler`` (a model in this
+  sampling log-probs out. ``inference.decoding.generate.InProcessSampler`` (a model in this
   process), ``inference.sampler.EngineSampler`` (the live policy on a vLLM server),
   ``rollout.endpoint_sampler.EndpointSampler`` (a frozen OpenAI-compatible endpoint).
 - :class:`Grader`: sampled rollouts in, the same rollouts with rewards, feedback and

@@ -214,7 +214,7 @@ def scorer_for(reference: Any) -> PrefillScorer | None:
     """A scorer serving a frozen reference from the config; None for ``"policy"``.
 
     A ``FrozenEndpoint`` becomes an ``EndpointPrefillScorer`` (vLLM mode); a
-    ``LocalFrozenModel`` is loaded with ``models.load_policy`` into a ``LocalPrefillScorer``.
+    ``LocalFrozenModel`` is loaded with ``model.loading.load_policy`` into a ``LocalPrefillScorer``.
     """
     from composer_replication.config.references import FrozenEndpoint, LocalFrozenModel
 

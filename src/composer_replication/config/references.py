@@ -57,7 +57,7 @@ class LocalFrozenModel(BaseModel):
     name: str = Field(min_length=1, description="A name for metrics and logs.")
     local_path: str = Field(
         min_length=1,
-        description="Directory, .gguf file, or 'embedded' (see models.load_policy).",
+        description="Directory, .gguf file, or 'embedded' (see model.loading.load_policy).",
     )
 
 
