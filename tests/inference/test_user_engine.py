@@ -16,35 +16,18 @@ from composer_replication.rollout.types import POLICY_VERSION_KEY
 from composer_replication.trainer.loop import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-from scripted_env import ScriptedEnv
+from scripted_env import ScriptedEnv, scripted_run_toml
 
 ENGINE = "tests.examples.lagged_engine:lagged_engine"
 
 
 def _config(tmp_path, tiny_dir, engine: str = ENGINE, every: int = 2) -> RunConfig:
-    return RunConfig.from_toml(f'''
-steps = 3
-output_dir = "{tmp_path / "run"}"
-[model]
-source = "{tiny_dir}"
-[inference]
-engine = "{engine}"
-options = {{ every = {every} }}
-[eval]
-at_start = false
-every = 3
-max_tasks = 1
-samples_per_task = 1
-temperature = 0
-[[envs]]
-name = "scripted"
-tasks_per_step = 2
-[envs.algorithm.sampling]
-group_size = 2
-max_new_tokens = 6
-[envs.algorithm.advantage]
-type = "grpo"
-''')
+    inference = f'[inference]\nengine = "{engine}"\noptions = {{ every = {every} }}'
+    return RunConfig.from_toml(
+        scripted_run_toml(
+            tmp_path / "run", tiny_dir, steps=3, advantage='type = "grpo"', sections=inference
+        )
+    )
 
 
 def test_a_user_engine_samples_and_follows_the_optimizer_its_own_way(tmp_path, tiny_dir):

@@ -130,29 +130,17 @@ def test_the_term_and_its_algorithm_train_through_the_loop(tmp_path, tiny_dir):
     from composer_replication.trainer.loop import Trainer
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-    from scripted_env import ScriptedEnv
+    from scripted_env import ScriptedEnv, scripted_run_toml
 
-    config = RunConfig.from_toml(f'''
-steps = 2
-output_dir = "{tmp_path / "run"}"
-[model]
-source = "{tiny_dir}"
-[eval]
-at_start = false
-every = 2
-max_tasks = 1
-samples_per_task = 1
-temperature = 0
-[[envs]]
-name = "scripted"
-tasks_per_step = 2
-[envs.algorithm.sampling]
-group_size = 2
-max_new_tokens = 6
-[envs.algorithm.advantage]
-type = "tests.examples.unlikelihood_term:UnlikelihoodOnFailures"
-below = 1.0
-''')
+    config = RunConfig.from_toml(
+        scripted_run_toml(
+            tmp_path / "run",
+            tiny_dir,
+            steps=2,
+            advantage='type = "tests.examples.unlikelihood_term:UnlikelihoodOnFailures"\n'
+            "below = 1.0",
+        )
+    )
     trainer = Trainer(config, environments={"scripted": ScriptedEnv(rising=False)})
     result = trainer.run()
     rows = [r for r in result.metrics if "tokens/unlikelihood" in r]

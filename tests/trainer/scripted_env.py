@@ -68,3 +68,30 @@ class ScriptedEnv:
 
 def make_env(**options) -> ScriptedEnv:
     return ScriptedEnv(**options)
+
+
+def scripted_run_toml(run_dir, model_dir, *, steps: int, advantage: str, sections: str = "") -> str:
+    """A small run on the scripted environment (2 tasks x 2 samples a step, one greedy
+    held-out evaluation at the end): ``advantage`` is the advantage table's body,
+    ``sections`` any further top-level tables (e.g. ``[inference]``)."""
+    return f'''
+steps = {steps}
+output_dir = "{run_dir}"
+[model]
+source = "{model_dir}"
+{sections}
+[eval]
+at_start = false
+every = {steps}
+max_tasks = 1
+samples_per_task = 1
+temperature = 0
+[[envs]]
+name = "scripted"
+tasks_per_step = 2
+[envs.algorithm.sampling]
+group_size = 2
+max_new_tokens = 6
+[envs.algorithm.advantage]
+{advantage}
+'''
