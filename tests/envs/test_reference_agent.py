@@ -24,9 +24,11 @@ from composer_replication.envs.reference_agent import (
     near_miss,
     reference_calls,
     reply_budget_problem,
+    reply_span,
     stable_share,
     with_recovery,
     without_reply,
+    without_text,
 )
 from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import parse_tool_call
@@ -283,6 +285,31 @@ def test_a_recovery_episode_misses_runs_the_tests_fixes_and_finishes():
     assert with_recovery(two, {"m.py": before}.__getitem__, max_turns=8) is None
 
 
+def test_only_the_named_text_of_a_reply_is_left_out_of_training():
+    # one character a token: the mask shows exactly which characters are trained
+    reply0, observation, reply1 = "call <new>\nbad\n</new>", "tool says", "call <new>\nbad\n</new>"
+    tokens = [ord(c) for c in reply0 + observation + reply1]
+    mask = [1] * len(reply0) + [0] * len(observation) + [1] * len(reply1)
+    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    assert reply_span(mask, 0) == (0, len(reply0))
+    assert reply_span(mask, 1) == (len(reply0) + len(observation), len(tokens))
+    assert reply_span(mask, 2) is None
+    out = without_text(mask, tokens, 1, "bad", decode)
+    kept = decode([t for t, m in zip(tokens, out) if m])
+    assert kept == reply0 + "call <new>\n\n</new>"
+    # tokens of several characters: a token that writes any of the text is left out
+    pairs = [tokens[k : k + 2] for k in range(0, len(tokens), 2)]
+    ids = list(range(len(pairs)))
+    pair_decode = lambda seq: "".join(decode(pairs[i]) for i in seq)  # noqa: E731
+    pair_mask = [int(all(mask[2 * i : 2 * i + 2])) for i in ids]
+    out = without_text(pair_mask, ids, 0, "bad", pair_decode)
+    left_out = pair_decode([i for i, m, o in zip(ids, pair_mask, out) if m and not o])
+    assert "bad" in left_out and len(left_out) <= len("bad") + 2
+    # text the reply does not hold as written: the whole reply is left out
+    assert without_text(mask, tokens, 0, "missing", decode) == without_reply(mask, 0)
+    assert without_text(mask, tokens, 3, "bad", decode) == mask
+
+
 def test_a_reply_left_out_of_training_is_the_one_named():
     mask = [0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
     assert without_reply(mask, 0) == [0, 0, 0, 0, 0, 1, 0, 1, 1, 1]
@@ -311,10 +338,12 @@ def test_recovery_demonstrations_show_the_near_miss_and_train_the_fix(generated,
     trained = tokenizer.decode([t for t, m in zip(demo.completion_ids, demo.completion_mask) if m])
     everything = tokenizer.decode(demo.completion_ids)
     # the near miss is written twice (its replace, then the fix's old) and trained once:
-    # the fix copies it, the miss itself is shown only
+    # the fix copies it; of the miss itself only the call and its old text are imitated
+    # (they are right), its wrong code is shown only
     assert everything.count("<new>\n    if values:") == 1 and "<new>\n    if values:" not in trained
     assert "<old>\n    if values:" in trained
     assert "    if not values:" in trained  # the fix is imitated
-    assert trained.count('"name": "replace"') == 1
+    assert trained.count('"name": "replace"') == 2
+    assert trained.count("<old>\n    raise NotImplementedError") == 1
     plain = FeatureDeletionEnv(generated).demonstrations(tokenizer, [TASK_ID])[0][0]
     assert "recovery" not in plain.metadata

@@ -24,7 +24,7 @@ from composer_replication.envs.reference_agent import (
     reply_budget_problem,
     stable_share,
     with_recovery,
-    without_reply,
+    without_text,
 )
 from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import ChatRenderer, ScriptedSampler
@@ -222,7 +222,7 @@ class ReferenceEpisodes:
             ],
         )
         made = {}
-        for (tid, (_, near_miss_turn)), rollout in zip(plans.items(), rollouts):
+        for (tid, (calls, near_miss_turn)), rollout in zip(plans.items(), rollouts):
             runs = [
                 e.get("info", {})
                 for e in rollout.metadata.get("events", ())
@@ -231,7 +231,14 @@ class ReferenceEpisodes:
             missed = bool(runs) and runs[0].get("target_passed", 0) < runs[0].get("n_targets", 0)
             if "reference_problem" in rollout.metadata or not missed:
                 continue
-            rollout.completion_mask = without_reply(rollout.completion_mask, near_miss_turn)
+            # the near miss's call and old text are imitated, its code is not
+            rollout.completion_mask = without_text(
+                rollout.completion_mask,
+                rollout.completion_ids,
+                near_miss_turn,
+                calls[near_miss_turn][1]["new"],
+                tokenizer.decode,
+            )
             rollout.metadata["recovery"] = True
             made[tid] = rollout
         return made

@@ -39,9 +39,11 @@ __all__ = [
     "reference_calls",
     "reference_cost",
     "reply_budget_problem",
+    "reply_span",
     "stable_share",
     "with_recovery",
     "without_reply",
+    "without_text",
 ]
 
 #: lines shown around a change when the reference agent reads it first
@@ -279,6 +281,49 @@ def stable_share(task_id: str) -> float:
     """Where ``task_id`` falls in [0, 1), the same in every run and process: tasks below a
     share ``f`` are a fixed ``f`` of them."""
     return int(hashlib.sha256(task_id.encode("utf-8")).hexdigest()[:8], 16) / 2**32
+
+
+def reply_span(mask: Sequence[int], index: int) -> tuple[int, int] | None:
+    """The token range ``[start, end)`` of reply ``index`` (0-based) of a multi-turn
+    completion whose ``mask`` is 1 on the model's replies, or None when it has fewer."""
+    reply, start = -1, None
+    for k, m in enumerate([*mask, 0]):
+        if m and (k == 0 or not mask[k - 1]):
+            reply += 1
+            if reply == index:
+                start = k
+        if start is not None and not m:
+            return start, k
+    return None
+
+
+def without_text(
+    mask: Sequence[int],
+    token_ids: Sequence[int],
+    index: int,
+    text: str,
+    decode: Callable[[Sequence[int]], str],
+) -> list[int]:
+    """``mask`` with the tokens of reply ``index`` that write ``text`` set to 0 (the last
+    place it occurs in the reply): the rest of the reply is still trained on. A near miss's
+    tool call, path and ``old`` text are right; only its code is wrong, so only the code
+    is left out. Where the reply does not hold ``text`` as written (a format that escapes
+    it) the whole reply is left out (:func:`without_reply`). ``decode``: the tokenizer's
+    ``decode``, which maps the tokens back to their characters."""
+    span = reply_span(mask, index)
+    if span is None:
+        return list(mask)
+    start, end = span
+    where = decode(token_ids[start:end]).rfind(text) if text else -1
+    if where < 0:
+        return without_reply(mask, index)
+    out, last, begin = list(mask), where + len(text), 0
+    for k in range(start, end):
+        stop = len(decode(token_ids[start : k + 1]))  # the characters up to token k
+        if stop > where and begin < last:  # token k writes some of text
+            out[k] = 0
+        begin = stop
+    return out
 
 
 def without_reply(mask: Sequence[int], index: int) -> list[int]:
