@@ -190,9 +190,10 @@ class FeatureDeletionEnv(ReferenceEpisodes):
             demonstration writes a body after its signature and docstring, as code is
             written).
         reference_recovery: The share of demonstrations (a fixed subset of the tasks) that
-            first make a near miss, see the target tests fail and fix it (the near-miss
-            turn is not trained on; ``reference_agent.with_recovery``): a warm start that
-            has seen what to do after a failing test run. 0 by default.
+            first make a near miss, see the target tests fail and fix it (of the near-miss
+            reply only the call and its old text are trained on, its code is not;
+            ``reference_agent.with_recovery``): a warm start that has seen what to do after
+            a failing test run. 0 by default.
         tool_workers: Tool calls running at once.
         generation_batch: Episodes sampled in one call at most (each turn of those ready).
         grading_workers: Attempts scored in parallel (each as soon as its episode ends).
