@@ -225,7 +225,8 @@ def test_instructions_show_text_arguments_as_blocks():
         '<tool_call>{"name": "replace", "arguments": {"path": "package/module.py"}}'
     )
     assert lines[start + 1 : start + 8] == [
-        "<old>", '    return "a"', "</old>", "<new>", '    return "b"', "</new>", "</tool_call>",
+        "<old>", "...the old text, line for line...", "</old>",
+        "<new>", "...the new text, line for line...", "</new>", "</tool_call>",
     ]  # fmt: skip
     assert lines[-1] == (
         "- replace(path, old, new): Replace old by new. Arguments: path: the file; old (text): "

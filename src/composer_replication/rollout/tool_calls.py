@@ -253,9 +253,8 @@ def tool_instructions(tools: Sequence[ToolSpec], preamble: str = "") -> str:
     with_text = next((spec for spec in tools if any(p.raw for p in spec.params)), None)
     if with_text is not None:
         raw = [p.name for p in with_text.params if p.raw]
-        texts = iter(_EXAMPLE_TEXT * len(raw))
         example = {
-            p.name: next(texts) if p.raw else "package/module.py"
+            p.name: example_text(p.name) if p.raw else "package/module.py"
             for p in with_text.params
             if p.required
         }
@@ -280,7 +279,12 @@ def tool_instructions(tools: Sequence[ToolSpec], preamble: str = "") -> str:
     return "\n".join(lines)
 
 
-_EXAMPLE_TEXT = ('    return "a"', '    return "b"')
+def example_text(name: str) -> str:
+    """What the system prompt's example writes in text argument ``name``: a placeholder
+    that reads as one, not code. A small model copies an example's code into its own edit
+    (``return "a"`` for ``old`` on held-out tasks); a placeholder it does not take for
+    code."""
+    return f"...the {name} text, line for line..."
 
 
 def _available(tool_names: Collection[str]) -> str:
