@@ -65,6 +65,7 @@ __all__ = [
     "ToolResult",
     "ToolSpec",
     "call_from_object",
+    "example_text",
     "format_tool_call",
     "parse_tool_call",
     "tool_instructions",
