@@ -92,6 +92,7 @@ def fd_run() -> Iterator[tuple[GenerationReport, Path, list[str]]]:
         sandbox_factory=_factory,
         split=SPLIT,
         only=subset,
+        environment="system",
     )
     yield report, root, subset
     shutil.rmtree(root, ignore_errors=True)
@@ -186,7 +187,12 @@ def test_gate1_rejects_a_repo_whose_suite_fails(shared_dir: Path) -> None:
     with open(repo / "tests" / "test_stats.py", "a") as fh:
         fh.write("\n\ndef test_broken_on_purpose():\n    assert 0 == 1\n")
     report = generate_tasks(
-        repo, shared_dir / "tasks.jsonl", max_tasks=5, sandbox_factory=_factory, only=["mean"]
+        repo,
+        shared_dir / "tasks.jsonl",
+        max_tasks=5,
+        sandbox_factory=_factory,
+        only=["mean"],
+        environment="system",
     )
     assert report.accepted == 0
     assert report.rejected["gate1_original_green"] == 1
@@ -203,6 +209,7 @@ def test_gate2_rejects_deleting_an_uncovered_function(shared_dir: Path) -> None:
         sandbox_factory=_factory,
         only=["reverse_words"],
         static_preselect=False,
+        environment="system",
     )
     assert report.rejected["gate2_targets_red"] == 1
     assert report.rejections == (
@@ -217,7 +224,12 @@ def test_gate2_rejects_deleting_an_uncovered_function(shared_dir: Path) -> None:
 def test_static_preselection_skips_unreferenced_functions_without_a_run(shared_dir: Path) -> None:
     repo = _copy_repo(shared_dir)
     report = generate_tasks(
-        repo, shared_dir / "t.jsonl", max_tasks=5, sandbox_factory=_factory, only=["reverse_words"]
+        repo,
+        shared_dir / "t.jsonl",
+        max_tasks=5,
+        sandbox_factory=_factory,
+        only=["reverse_words"],
+        environment="system",
     )
     assert report.rejected["not_referenced"] == 1
     assert sum(report.rejected[g] for g in GATES) == 0
@@ -232,6 +244,7 @@ def test_gate3_rejects_a_deletion_that_breaks_collection(shared_dir: Path) -> No
         sandbox_factory=_factory,
         only=["register"],
         static_preselect=False,
+        environment="system",
     )
     assert report.rejected["gate3_collection_ok"] == 1
     qualname, gate, reason = report.rejections[0]
@@ -244,5 +257,9 @@ def test_generate_tasks_validates_arguments(shared_dir: Path) -> None:
         generate_tasks(FD_REPO, shared_dir / "t.jsonl", max_tasks=0, sandbox_factory=_factory)
     with pytest.raises(ValueError, match="is not a directory"):
         generate_tasks(
-            shared_dir / "nope", shared_dir / "t.jsonl", max_tasks=1, sandbox_factory=_factory
+            shared_dir / "nope",
+            shared_dir / "t.jsonl",
+            max_tasks=1,
+            sandbox_factory=_factory,
+            environment="system",
         )

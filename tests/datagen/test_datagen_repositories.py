@@ -16,7 +16,7 @@ from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.tool_calls import format_tool_call
 from composer_replication.sandbox.local import LocalSubprocessSandbox
-from composer_replication.testing.wheels import pure_wheel
+from composer_replication.testing.wheels import pure_wheel, runner_wheels
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +72,13 @@ def test_a_unittest_suite_in_tests_py_makes_tasks_and_stays_protected(shared_dir
     repo = write(shared_dir / "calc_repo", {"calc.py": CALC, "tests.py": UNITTEST_SUITE})
     out = shared_dir / "out" / "tasks.jsonl"
     report = generate_tasks(
-        repo, out, max_tasks=5, sandbox_factory=factory, split=None, tokenizer=tokenizer
+        repo,
+        out,
+        max_tasks=5,
+        sandbox_factory=factory,
+        split=None,
+        tokenizer=tokenizer,
+        environment="system",
     )
     assert report.test_command == "python -m pytest -q tests.py"
     assert report.test_source == "unittest modules matching test*.py: tests.py"
@@ -115,6 +121,7 @@ def test_dependencies_come_from_the_repositorys_own_virtualenv(shared_dir: Path,
     house = shared_dir / "wheels"
     house.mkdir()
     pure_wheel(house, "tinydep", "1.0", "FACTOR = 7\n")
+    runner_wheels(house)
     repo = write(
         shared_dir / "deps_repo",
         {
@@ -152,7 +159,7 @@ def test_tasks_beyond_the_agents_budgets_are_rejected_with_the_reason(shared_dir
     out = shared_dir / "out" / "tasks.jsonl"
     report = generate_tasks(
         repo, out, max_tasks=5, sandbox_factory=factory, split=None, tokenizer=tokenizer,
-        budgets=AgentBudgets(max_new_tokens=24), only=["add"],
+        budgets=AgentBudgets(max_new_tokens=24), only=["add"], environment="system",
     )  # fmt: skip
     assert report.accepted == 0 and report.rejected["gate5_solvable_within_budgets"] == 1
     ((qualname, gate, reason),) = report.rejections

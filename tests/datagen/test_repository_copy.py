@@ -46,8 +46,8 @@ def test_datagen_run_twice_into_the_repository_never_copies_the_first_runs_outpu
         )
         first = generate_tasks(
             repo, repo / "gen1" / "tasks.jsonl", max_tasks=1, sandbox_factory=_factory,
-            only=["median"],
-        )  # fmt: skip
+            only=["median"], environment="system",
+    )  # fmt: skip
         assert first.accepted == 1
         workdirs = Path(first.workdirs)
         assert (workdirs / OUTPUT_MARKER).is_file()
@@ -58,8 +58,8 @@ def test_datagen_run_twice_into_the_repository_never_copies_the_first_runs_outpu
         shutil.copy(repo / "gen1" / "tasks.heldout.jsonl", repo / "old_tasks.jsonl")
         second = generate_tasks(
             repo, repo / "gen2" / "tasks.jsonl", max_tasks=1, sandbox_factory=_factory,
-            only=["mean"],
-        )  # fmt: skip
+            only=["mean"], environment="system",
+    )  # fmt: skip
         assert second.accepted == 1
         (mean_copy,) = [p for p in Path(second.workdirs).iterdir() if p.is_dir()]
         names = {str(p.relative_to(mean_copy)) for p in mean_copy.rglob("*")}

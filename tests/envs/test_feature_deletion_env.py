@@ -59,7 +59,12 @@ def generated() -> Iterator[Path]:
     repo = root / "fd_repo"
     shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
     report = generate_tasks(
-        repo, root / "out" / "tasks.jsonl", max_tasks=1, sandbox_factory=_factory, only=["median"]
+        repo,
+        root / "out" / "tasks.jsonl",
+        max_tasks=1,
+        sandbox_factory=_factory,
+        only=["median"],
+        environment="system",
     )
     assert report.accepted == 1
     yield Path(report.output)

@@ -129,6 +129,7 @@ def generated() -> Iterator[Path]:
         max_tasks=1,
         sandbox_factory=lambda path: LocalSubprocessSandbox(path, exec_timeout_s=60),
         only=["median"],
+        environment="system",
     )
     assert report.accepted == 1
     yield Path(report.output)
@@ -217,6 +218,7 @@ def test_many_reference_episodes_run_at_once_each_with_its_own_script(tokenizer,
         sandbox_factory=lambda path: LocalSubprocessSandbox(path, exec_timeout_s=60),
         split=None,
         only=["median", "mean", "shout"],
+        environment="system",
     )
     env = FeatureDeletionEnv(report.output)
     ids = list(reversed(env.task_ids()))  # any order: each episode plays its own task's script

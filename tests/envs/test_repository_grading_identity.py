@@ -52,6 +52,7 @@ def tasks() -> Iterator[Path]:
         max_tasks=1,
         sandbox_factory=lambda path: LocalSubprocessSandbox(path, exec_timeout_s=60),
         only=["median"],
+        environment="system",
     )
     assert report.accepted == 1
     yield Path(report.output)

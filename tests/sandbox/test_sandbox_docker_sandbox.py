@@ -75,6 +75,8 @@ def test_container_kwargs_carry_the_whole_lockdown(tmp_path: Path) -> None:
             "HOME": "/tmp",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "MALLOC_ARENA_MAX": "2",
+            "COMPOSER_REPLICATION_WORKTREE": "/work",
         },
         "init": True,
         "ipc_mode": "private",

@@ -183,7 +183,19 @@ def test_collection_error_is_an_error_not_a_pass(workdir: Path) -> None:
     (workdir / "tests" / "test_broken.py").write_text("import not_a_module_anywhere\n")
     result = LocalSubprocessSandbox(workdir).run_tests("python -m pytest -q", [])
     assert result.outcomes == {"tests/test_broken.py": "error"}
-    assert (result.errors, result.exit_code, result.ok) == (1, 2, False)
+    assert (result.errors, result.exit_code, result.ok) == (1, 1, False)
+
+
+def test_one_module_that_fails_to_collect_does_not_stop_the_others(workdir: Path) -> None:
+    (workdir / "tests").mkdir()
+    (workdir / "tests" / "test_broken.py").write_text("import not_a_module_anywhere\n")
+    (workdir / "tests" / "test_fine.py").write_text("def test_fine():\n    assert True\n")
+    result = LocalSubprocessSandbox(workdir).run_tests("python -m pytest -q", [])
+    assert result.outcomes == {
+        "tests/test_broken.py": "error",
+        "tests/test_fine.py::test_fine": "passed",
+    }
+    assert (result.passed, result.errors, result.ok) == (1, 1, False)
 
 
 def test_non_pytest_command_is_judged_by_exit_code(workdir: Path) -> None:

@@ -27,7 +27,8 @@ from composer_replication.sandbox.pytest_support import (
 )
 
 REPORT = [
-    "-p", "no:cacheprovider", "--color=no", "--junitxml=/w/j.xml", "-o", "junit_family=xunit1"
+    "-p", "no:cacheprovider", "--color=no", "--continue-on-collection-errors",
+    "--junitxml=/w/j.xml", "-o", "junit_family=xunit1"
 ]  # fmt: skip
 
 
@@ -161,7 +162,7 @@ def _report_name(argv: list[str]) -> str:
 def test_an_entry_on_the_host_writes_its_report_into_the_workdir(tmp_path: Path) -> None:
     entry = entry_for_tests("pytest -q", ["t.py"], python="/py", workdir=tmp_path)
     junit = _report_name(entry.argv)
-    assert entry.argv == ["/py", "-m", "pytest", *REPORT[:3], f"--junitxml={junit}", *REPORT[4:],
+    assert entry.argv == ["/py", "-m", "pytest", *REPORT[:4], f"--junitxml={junit}", *REPORT[5:],
                           "-q", "t.py"]  # fmt: skip
     assert entry.report == tmp_path / Path(junit).name and str(entry.report) == junit
     assert entry.report.name.startswith(JUNIT_PREFIX)

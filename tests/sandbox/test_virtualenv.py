@@ -1,6 +1,8 @@
-"""build_repo_environment: a venv of a repository's declared dependencies, built offline from
-a wheelhouse, reused through its marker, never holding the repository itself, failing in
-one line; and (integration) the repository's tests passing in the real sandbox with it."""
+"""build_repo_environment: a venv of what a repository's tests need, built offline from a
+wheelhouse: the repository installed from its work tree (its metadata and entry points in
+the venv, its code never), its declared test dependencies, pytest and the plugins it
+declares; reused through its marker, failing in one line; and (integration) the
+repository's tests passing in the real sandbox with it, from a copy at another path."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from composer_replication.sandbox.virtualenv import (
     build_repo_environment,
 )
 from composer_replication.sandbox.workdir import make_shared_tempdir
-from composer_replication.testing.wheels import pure_wheel
+from composer_replication.sandbox.worktree_install import site_packages
+from composer_replication.testing.wheels import pure_wheel, runner_wheels
 
 TEST_MODULE = """\
 import tinydep
@@ -48,11 +51,19 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Wheels of tinydep 1.0 and tinyextra 2.0."""
+    """Wheels of tinydep 1.0, tinyextra 2.0, pytest (with what it requires) and setuptools."""
     house = tmp_path_factory.mktemp("wheelhouse")
     pure_wheel(house, "tinydep", "1.0", "ANSWER = 21\n")
     pure_wheel(house, "tinyextra", "2.0", "BONUS = 100\n")
+    runner_wheels(house)
     return house
+
+
+RUNNER = {"iniconfig", "packaging", "pluggy", "pygments", "pytest"}
+
+
+def _names(requirements: tuple[str, ...]) -> set[str]:
+    return {spec.split("==")[0] for spec in requirements}
 
 
 def _tiny_repo(root: Path) -> Path:
@@ -115,28 +126,46 @@ def _python(env: RepoEnvironment, code: str, cwd: Path) -> subprocess.CompletedP
     )
 
 
-def test_environment_holds_the_declared_dependencies_and_not_the_repository(
-    env: RepoEnvironment, env_root: Path, tmp_path: Path
+def test_environment_holds_the_test_needs_and_the_repository_metadata_but_not_its_code(
+    env: RepoEnvironment, env_root: Path, tmp_path: Path, tiny_repo: Path
 ) -> None:
-    assert env.requirements == ("tinydep==1.0", "tinyextra==2.0")
+    assert _names(env.requirements) == {"tinydep", "tinyextra", *RUNNER}
+    assert "tinydep==1.0" in env.requirements and "tinyextra==2.0" in env.requirements
     assert env.extra == "tests"
     assert env.group is None
+    assert env.project == "tinyrepo==0.1"
+    assert env.roots == (".",)
+    assert env.note == ""
     assert env.root.parent == env_root / "shared"
     assert env.python == env.root / "bin" / "python"
     found = _python(
         env, "import tinydep, tinyextra; print(tinydep.ANSWER, tinyextra.BONUS)", tmp_path
     )
     assert found.stdout.strip() == "21 100"
-    # the repository itself is not installed: neither importable nor a distribution
-    own = _python(env, "import importlib.metadata as m; m.version('tinyrepo')", tmp_path)
-    assert "PackageNotFoundError" in own.stderr
+    # the repository is a distribution of the environment (its metadata) ...
+    own = _python(env, "import importlib.metadata as m; print(m.version('tinyrepo'))", tmp_path)
+    assert own.stdout.strip() == "0.1", own.stderr
+    # ... whose code is nowhere in it: outside a work tree there is nothing to import
     assert "ModuleNotFoundError" in _python(env, "import tinyrepo", tmp_path).stderr
+    assert not list(site_packages(env.root).glob("tinyrepo.py"))
+    # inside one, the work tree's code is imported, wherever the tree is
+    copy = tmp_path / "elsewhere" / "tree"
+    shutil.copytree(tiny_repo, copy)
+    here = _python(env, "import tinyrepo; print(tinyrepo.__file__)", copy)
+    assert here.stdout.strip() == str(copy / "tinyrepo.py"), here.stderr
+    named = subprocess.run(
+        [str(env.python), "-c", "import tinyrepo; print(tinyrepo.__file__)"],
+        cwd=tmp_path,
+        env={**os.environ, "COMPOSER_REPLICATION_WORKTREE": str(copy)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert named.stdout.strip() == str(copy / "tinyrepo.py"), named.stderr
     record = json.loads((env.root / MARKER).read_text())
-    assert record == {
-        "requirements": ["tinydep==1.0", "tinyextra==2.0"],
-        "extra": "tests",
-        "group": None,
-    }
+    assert record["requirements"] == list(env.requirements)
+    assert record["project"] == "tinyrepo==0.1"
+    assert record["sources"] == ["extras tests"]
 
 
 def test_environment_is_world_readable(env: RepoEnvironment) -> None:
@@ -169,7 +198,7 @@ def test_without_a_pip_here_the_venv_bootstraps_its_own(
 ) -> None:
     monkeypatch.setattr(virtualenv, "_host_pip", lambda: False)
     env = build_repo_environment(tiny_repo, env_root / "ensurepip", wheelhouse=wheelhouse)
-    assert env.requirements == ("tinydep==1.0", "tinyextra==2.0")
+    assert _names(env.requirements) == {"tinydep", "tinyextra", *RUNNER}
     # built in a temporary sibling, its scripts still name the final interpreter
     shebang = (env.root / "bin" / "pip").read_text().splitlines()[0]
     assert shebang == f"#!{env.root}/bin/python3"
@@ -214,26 +243,30 @@ def test_dest_root_the_sandbox_uid_cannot_reach_is_refused(tmp_path: Path) -> No
 BACKEND = """\
     import os
     import time
+    import zipfile
+
+    METADATA = (
+        "Metadata-Version: 2.1\\nName: dynrepo\\nVersion: 0.1\\n"
+        "Requires-Dist: tinydep\\nProvides-Extra: test\\n"
+        "Requires-Dist: tinyextra; extra == 'test'\\n"
+    )
 
 
-    def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         if os.environ.get("SLOW_BACKEND_PIDFILE"):
             with open(os.environ["SLOW_BACKEND_PIDFILE"], "w") as fh:
                 fh.write(str(os.getpid()))
             time.sleep(60)
-        info = os.path.join(metadata_directory, "dynrepo-0.1.dist-info")
-        os.makedirs(info)
-        with open(os.path.join(info, "METADATA"), "w") as fh:
-            fh.write(
-                "Metadata-Version: 2.1\\nName: dynrepo\\nVersion: 0.1\\n"
-                "Requires-Dist: tinydep\\nProvides-Extra: test\\n"
-                "Requires-Dist: tinyextra; extra == 'test'\\n"
+        name = "dynrepo-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as zf:
+            zf.writestr("dynrepo.py", open("dynrepo.py").read())
+            zf.writestr("dynrepo-0.1.dist-info/METADATA", METADATA)
+            zf.writestr(
+                "dynrepo-0.1.dist-info/WHEEL",
+                "Wheel-Version: 1.0\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n",
             )
-        return "dynrepo-0.1.dist-info"
-
-
-    def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-        raise RuntimeError("the environment builder must never build the repository")
+            zf.writestr("dynrepo-0.1.dist-info/RECORD", "")
+        return name
     """
 
 
@@ -250,7 +283,8 @@ def _dynamic_repo(root: Path) -> Path:
         version = "0.1"
         dynamic = ["dependencies", "optional-dependencies"]
         """
-    return _write(root / "dynrepo", {"pyproject.toml": pyproject, "backend.py": BACKEND})
+    files = {"pyproject.toml": pyproject, "backend.py": BACKEND, "dynrepo.py": "VALUE = 1\n"}
+    return _write(root / "dynrepo", files)
 
 
 def test_dependencies_only_the_build_backend_knows_are_resolved_by_pip(
@@ -258,10 +292,11 @@ def test_dependencies_only_the_build_backend_knows_are_resolved_by_pip(
 ) -> None:
     repo = _dynamic_repo(tmp_path)
     env = build_repo_environment(repo, env_root / "dynamic", wheelhouse=wheelhouse)
-    assert env.requirements == ("tinydep==1.0", "tinyextra==2.0")
+    assert _names(env.requirements) == {"tinydep", "tinyextra", *RUNNER}
     assert env.extra == "test"
-    own = _python(env, "import importlib.metadata as m; m.version('dynrepo')", tmp_path)
-    assert "PackageNotFoundError" in own.stderr
+    assert env.project == "dynrepo==0.1"
+    own = _python(env, "import importlib.metadata as m; print(m.version('dynrepo'))", tmp_path)
+    assert own.stdout.strip() == "0.1", own.stderr
 
 
 def test_timeout_kills_pip_and_its_backend(
@@ -281,24 +316,27 @@ def test_timeout_kills_pip_and_its_backend(
     assert list(dest.iterdir()) == []
 
 
-def test_failing_build_backend_is_named_with_what_it_said(
+def test_a_failing_build_backend_leaves_the_repository_out_and_says_what_it_said(
     tmp_path: Path, env_root: Path, wheelhouse: Path
 ) -> None:
     repo = _dynamic_repo(tmp_path)
     backend = repo / "backend.py"
-    backend.write_text(backend.read_text().replace("    info = ", "    1 / 0\n    info = ", 1))
-    with pytest.raises(RuntimeError) as info:
-        build_repo_environment(repo, env_root / "broken", wheelhouse=wheelhouse)
-    message = str(info.value)
-    assert "\n" not in message
-    # pip names the failed step in its own words (they vary by pip version), then the
-    # backend's last line, then our fix
-    assert message.startswith(f"cannot install the test dependencies of {repo}: pip: ")
-    assert message.endswith(
-        ": ZeroDivisionError: division by zero; the repository's build backend could not "
-        "report its metadata: fix its packaging files, or declare the dependencies "
-        "statically in pyproject.toml [project]"
+    backend.write_text(backend.read_text().replace("    name = ", "    1 / 0\n    name = ", 1))
+    lines: list[str] = []
+    env = build_repo_environment(
+        repo, env_root / "broken", wheelhouse=wheelhouse, progress=lines.append
     )
+    # the tests still get their runner; the repository is not installed, and the note says
+    # why in one line: pip's step, the backend's last line, our fix
+    assert _names(env.requirements) == RUNNER
+    assert env.project is None
+    assert "\n" not in env.note
+    assert env.note.startswith(
+        f"the repository is not installed: its build failed (cannot install the test "
+        f"dependencies of {repo}: pip: "
+    )
+    assert ": ZeroDivisionError: division by zero; the repository's build backend" in env.note
+    assert any(line.startswith("not installing dynrepo itself: ") for line in lines)
 
 
 @pytest.mark.integration
@@ -327,10 +365,10 @@ def test_repository_tests_pass_in_the_sandbox_only_with_the_environment(
 
 
 @pytest.mark.integration
-def test_repository_without_dependencies_gets_a_bare_venv_that_runs_its_tests(
-    env_root: Path, shared_dir: Path
+def test_repository_without_a_package_gets_a_venv_with_the_runner_that_runs_its_tests(
+    env_root: Path, shared_dir: Path, wheelhouse: Path
 ) -> None:
-    # tool settings only (no package declared): nothing to resolve, no pip run
+    # tool settings only (no package declared): nothing to build, only the test runner
     repo = _write(
         shared_dir / "plain",
         {
@@ -340,13 +378,16 @@ def test_repository_without_dependencies_gets_a_bare_venv_that_runs_its_tests(
         },
     )
     lines: list[str] = []
-    env = build_repo_environment(repo, env_root / "bare", progress=lines.append)
-    assert env.requirements == ()
-    assert lines == [
+    env = build_repo_environment(
+        repo, env_root / "bare", wheelhouse=wheelhouse, progress=lines.append
+    )
+    assert _names(env.requirements) == RUNNER
+    assert env.project is None and env.note == ""
+    assert lines[:2] == [
         f"creating virtualenv {env.root}",
-        "plain declares no dependencies",
-        f"environment ready: {env.root}",
+        "resolving the test dependencies of plain",
     ]
+    assert lines[-1] == f"environment ready: {env.root}"
     sandbox = LocalSubprocessSandbox(repo, exec_timeout_s=120, **env.sandbox_kwargs())
     try:
         result = sandbox.run_tests("python -m pytest -q", ())

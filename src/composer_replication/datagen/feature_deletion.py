@@ -46,6 +46,11 @@ from composer_replication.datagen.gates import (
     SolvabilityValidator,
 )
 from composer_replication.datagen.repository_copy import copy_repository, mark_output_folder
+from composer_replication.datagen.repository_environment import (
+    ENVIRONMENTS,
+    environments_path,
+    prepare_environment,
+)
 from composer_replication.datagen.test_discovery import DiscoveredTests, discover_tests
 from composer_replication.envs.fd_tasks import (
     STUB_EXCEPTION,
@@ -88,9 +93,6 @@ __all__ = [
 ]
 
 NOT_REFERENCED = "not_referenced"
-#: how a repository's tests get their dependencies: a virtualenv when it declares any
-#: ("auto"), always ("venv"), or the sandbox's own interpreter ("system")
-ENVIRONMENTS = ("auto", "venv", "system")
 ProgressCallback = Callable[[int, int, str], None]
 
 
@@ -202,12 +204,6 @@ def candidates_path(out: Path) -> Path:
     """Where a generation lists its candidates: ``<stem>.candidates.jsonl``."""
     stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
     return out.with_name(f"{stem}.candidates.jsonl")
-
-
-def environments_path(out: Path) -> Path:
-    """Where a generation keeps the repositories' virtualenvs: ``<stem>.envs``."""
-    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
-    return out.with_name(f"{stem}.envs")
 
 
 def _output_tree(out: Path) -> list[Path]:
@@ -324,9 +320,10 @@ def generate_tasks(
         copy_repository(repo_path, base, skip=own_outputs)
         discovered, no_tests = _discover(base, test_command, repo_path)
         say(f"tests: {discovered.command}  ({discovered.source})" if no_tests is None else no_tests)
-        options = _environment_options(
-            repo_path, out, environment, wheelhouse, image, discovered, say
-        )
+        test_env = prepare_environment(repo_path, out, environment, wheelhouse, image, say)
+        test_env.add_generated(base)
+        discovered = replace(discovered, command=test_env.test_command(discovered.command))
+        options = test_env.options
 
         def factory(workdir: Path) -> Any:
             return sandbox_factory(workdir, **options) if options else sandbox_factory(workdir)
@@ -437,43 +434,6 @@ def _discover(
     if test_command is not None:
         discovered = replace(discovered, command=test_command, source=given.source)
     return discovered, None
-
-
-def _environment_options(
-    repo: Path,
-    out: Path,
-    environment: str,
-    wheelhouse: str | os.PathLike[str] | None,
-    image: str | None,
-    discovered: DiscoveredTests,
-    say: Callable[[str], None],
-) -> dict[str, Any]:
-    """The sandbox keywords the repository's tests need: its image, or its virtualenv's
-    interpreter (built here, or reused), or none."""
-    if image:
-        say(f"environment: the container image {image}")
-        return {"image": image}
-    if environment == "system":
-        return {}
-    from composer_replication.sandbox.virtualenv import (
-        build_repo_environment,
-        declares_dependencies,
-    )
-
-    if environment == "auto" and not declares_dependencies(repo):
-        say("environment: the sandbox's interpreter (the repository declares no dependencies)")
-        return {}
-    try:
-        built = build_repo_environment(
-            repo, mark_output_folder(environments_path(out)), wheelhouse=wheelhouse, progress=say
-        )
-    except RuntimeError as err:
-        if environment == "venv":
-            raise
-        say(f"environment: no virtualenv ({err}); the sandbox's interpreter runs the tests")
-        return {}
-    say(f"environment: {built.root} ({', '.join(built.requirements) or 'nothing to install'})")
-    return built.sandbox_kwargs()
 
 
 def _row(

@@ -46,11 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from composer_replication.datagen.feature_deletion import (
-    ENVIRONMENTS,
     AgentBudgets,
     ProgressCallback,
     ReferenceSolver,
-    _environment_options,
     _files,
     _output_tree,
     _write_candidates,
@@ -72,6 +70,10 @@ from composer_replication.datagen.repository_checkout import (
     materialise,
 )
 from composer_replication.datagen.repository_copy import mark_output_folder
+from composer_replication.datagen.repository_environment import (
+    ENVIRONMENTS,
+    prepare_environment,
+)
 from composer_replication.datagen.test_discovery import DiscoveredTests, discover_tests
 from composer_replication.envs.fd_tasks import (
     FDTask,
@@ -487,17 +489,14 @@ class _Importer:
         scrub_tree(task_dir)
         discovered = _tests_of(task_dir, self.test_command)
         try:
-            options = _environment_options(
-                task_dir,
-                self.out,
-                self.environment,
-                self.wheelhouse,
-                self.image,
-                discovered,
-                said,
+            test_env = prepare_environment(
+                task_dir, self.out, self.environment, self.wheelhouse, self.image, said
             )
         except RuntimeError as err:  # environment="venv" and pip failed
             raise Rejected(GATE_REPOSITORY, f"no test environment: {err}") from None
+        test_env.add_generated(task_dir)
+        discovered = replace(discovered, command=test_env.test_command(discovered.command))
+        options = test_env.options
 
         def run(workdir: Path, tests: Sequence[str], gate: str) -> TestRunResult:
             return _run_tests(

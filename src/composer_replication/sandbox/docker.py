@@ -64,6 +64,7 @@ from composer_replication.sandbox.docker_daemon import (
 from composer_replication.sandbox.process import OutputCapture, ProcessOutcome
 from composer_replication.sandbox.pytest_support import (
     SANDBOX_ENV,
+    WORKTREE_ENV,
     entry_for_tests,
     guard_config,
     guard_site_dir,
@@ -216,7 +217,7 @@ class DockerSandbox(CommandLog):
             "memswap_limit": self.memswap_limit,
             "nano_cpus": self.nano_cpus,
             "labels": dict(LABEL),
-            "environment": dict(SANDBOX_ENV),
+            "environment": {**SANDBOX_ENV, WORKTREE_ENV: self.container_workdir},
             "init": True,  # reaps orphans inside the container
             "ipc_mode": "private",
         }

@@ -89,6 +89,7 @@ from composer_replication.sandbox.process import (
 )
 from composer_replication.sandbox.pytest_support import (
     SANDBOX_ENV,
+    WORKTREE_ENV,
     entry_for_tests,
     interpreter_bin_dir,
     pytest_bundle_dir,
@@ -285,6 +286,7 @@ class LocalSubprocessSandbox(CommandLog):
         env = {
             "PATH": f"{interpreter_bin_dir(self.python)}:{BASE_PATH}",
             **SANDBOX_ENV,
+            WORKTREE_ENV: str(self.workdir),
             "TMPDIR": "/tmp",
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",

@@ -47,6 +47,7 @@ __all__ = [
     "JUNIT_PREFIX",
     "SANDBOX_ENV",
     "SYSTEM_PYTHON",
+    "WORKTREE_ENV",
     "JunitReport",
     "TestsEntry",
     "build_pytest_argv",
@@ -75,10 +76,21 @@ _PYTHON_NAMES = ("python", "python3")
 SYSTEM_PYTHON = "/usr/bin/python3"
 
 #: What every backend sets for its commands: a home in the private /tmp, no bytecode
-#: written into the workdir, no pytest plugins picked up from the interpreter's packages.
+#: written into the workdir, no pytest plugins picked up from whatever is on the path (a
+#: repository's environment names its plugins with ``-p``: ``sandbox.virtualenv``), and
+#: two malloc arenas: glibc reserves 64 MB of address space per thread otherwise, so a
+#: suite that starts ten threads would pass an address-space limit of a gigabyte.
 SANDBOX_ENV = MappingProxyType(
-    {"HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    {
+        "HOME": "/tmp",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "MALLOC_ARENA_MAX": "2",
+    }
 )
+#: The variable naming the work tree a repository's environment imports its code from
+#: (``sandbox.worktree_install``); every backend sets it to the workdir as commands see it.
+WORKTREE_ENV = "COMPOSER_REPLICATION_WORKTREE"
 
 
 def bundle_distributions(root: str = "pytest") -> list[metadata.Distribution]:
@@ -307,9 +319,11 @@ JUNIT_PREFIX = ".cr-junit-"
 
 def _report_options(junit_path: str) -> list[str]:
     # --color=no: a repository's addopts may ask for colour, whose escapes would reach the
-    # agent's observations and datagen's reasons (the command line wins over addopts)
+    # agent's observations and datagen's reasons (the command line wins over addopts);
+    # --continue-on-collection-errors: one module that fails to import (an optional
+    # dependency missing) would otherwise stop every other test from running
     return [
-        "-p", "no:cacheprovider", "--color=no",
+        "-p", "no:cacheprovider", "--color=no", "--continue-on-collection-errors",
         f"--junitxml={junit_path}", "-o", "junit_family=xunit1",
     ]  # fmt: skip
 

@@ -1,28 +1,29 @@
-"""A virtualenv with a repository's declared dependencies, for running its tests in a sandbox.
+"""A repository's test environment: a virtualenv holding the repository as its maintainers
+install it for testing, for running its tests in a sandbox.
 
-`build_repo_environment(repo, dest_root)` makes (or reuses) a venv holding what the
-repository needs to run its tests, but NOT the repository itself: the tests must import the
-workdir's code, the code an agent edits. `RepoEnvironment.sandbox_kwargs()` gives the
-`LocalSubprocessSandbox` arguments that run tests with that venv's interpreter.
+`build_repo_environment(repo, dest_root)` makes (or reuses) a venv with
+- the repository itself, installed from its work tree (``sandbox.worktree_install``): its
+  metadata and entry points in the venv, its code imported from whichever work tree the
+  sandbox runs in (``COMPOSER_REPLICATION_WORKTREE``), never a copy of the code in the venv;
+- its dependencies and what its tests need, from every place it declares them
+  (``sandbox.test_dependencies``: test extras, PEP 735 groups, test requirement files, tox);
+- pytest, so the test runner lives in the environment with the plugins the repository
+  declares; their modules are recorded (``RepoEnvironment.pytest_plugins``) so a test
+  command can load exactly those (``-p``) while plugin autoloading stays off in the
+  sandbox (nothing the agent writes in the work tree can register a plugin).
+`RepoEnvironment.sandbox_kwargs()` gives the `LocalSubprocessSandbox` arguments that run
+tests with that venv's interpreter.
 
-How dependencies are resolved (pip decides, we only choose what to ask for):
-- Static metadata: a ``pyproject.toml`` ``[project]`` table whose ``dependencies`` and
-  ``optional-dependencies`` are not ``dynamic`` is authoritative (PEP 621: a build backend
-  must not change static fields), so those requirement strings are handed to pip directly.
-  No build backend runs, which also makes offline builds need only the dependencies' wheels.
-  An extra that names the project itself (``test = ["proj[fast]"]``) is expanded in place.
-- Anything else (setup.py, setup.cfg, dynamic dependencies): pip asks the repository's build
-  backend for its metadata (``pip install --dry-run "<repo>[extra]"``, with build isolation,
-  so the backend comes from the index or the wheelhouse) and resolves that.
-- Both add: the first of ``extras`` the project defines, the first PEP 735
-  ``[dependency-groups]`` group of those names, and requirement files named for tests
-  (``requirements-test*.txt``, ``test-requirements.txt``, ``requirements/test*.txt``,
-  ``tests/requirements*.txt``; plain ``requirements.txt`` only when the repository declares
-  no packaging metadata at all).
-- pip resolves everything once with ``--dry-run --ignore-installed --report``; we then install
-  exactly the reported distributions with ``--no-deps``, leaving out the repository's own (the
-  report item whose ``download_info.url`` is the repository, or whose name is the project's),
-  so a dependency that depends back on the project cannot pull a released copy in either.
+How dependencies are resolved (pip decides, we only choose what to ask for): the
+repository's wheel is built first (its build backend, isolated); pip then resolves the wheel
+with its test extras, the test requirements and pytest once (``--dry-run --ignore-installed
+--report``), and we install exactly the reported distributions with ``--no-deps``, leaving
+out the project's own name (a dependency that depends back on the project cannot pull a
+released copy in). Where the wheel cannot be built (a broken or unavailable backend), the
+project's static dependencies stand in for it and the environment says so
+(``RepoEnvironment.note``); where the whole request does not resolve (a pinned file for
+another Python), pip is asked again for the project and pytest alone, and the note says
+what was left out.
 
 Where pip comes from: the venv is made with ``python -m venv --without-pip`` (tens of
 milliseconds instead of seconds) and driven by this environment's pip through
@@ -30,9 +31,9 @@ milliseconds instead of seconds) and driven by this environment's pip through
 with ``ensurepip``.
 
 Offline: ``wheelhouse=DIR`` runs pip with ``--no-index --find-links DIR`` and no pip
-configuration or ``PIP_*`` variables from the environment, so DIR is the only source. A
-repository without static ``[project]`` dependencies then needs its build backend (e.g. the
-setuptools wheel, and wheel for setuptools < 70.1) in DIR as well.
+configuration or ``PIP_*`` variables from the environment, so DIR is the only source: it
+needs pytest and its requirements, the dependencies, and the repository's build backend
+(e.g. setuptools, flit-core or hatchling) for its wheel.
 
 Reuse: the venv lives in ``dest_root/<key>``, ``key`` a hash of the interpreter, the
 dependency declaration files, ``extras`` and the wheelhouse, so all tasks of one repository
@@ -41,13 +42,12 @@ place only when complete (a marker file is its last write), so nothing half-buil
 reused; on failure the sibling is removed. Everything in it is world-readable (directories
 0o755, files 0o644, or 0o755 with an execute bit) so the sandbox's unprivileged uid can run it.
 
-What this does not do: run the repository's build (setup.py runs only for metadata), install
-system libraries, or make test-time network access work (the sandbox has none).
+What this does not do: install system libraries, compile extensions into the work tree, or
+make test-time network access work (the sandbox has none).
 """
 
 from __future__ import annotations
 
-import configparser
 import hashlib
 import importlib.metadata
 import json
@@ -60,17 +60,30 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from composer_replication.atomic_io import build_dir_atomically
 from composer_replication.sandbox.pytest_support import SYSTEM_PYTHON
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 needs the tomli backport
-    import tomli as tomllib
+from composer_replication.sandbox.test_dependencies import (
+    TEST_EXTRAS,
+    DependencyPlan,
+    canonical_name,
+    pick_extra,
+    plan_dependencies,
+)
+from composer_replication.sandbox.worktree_install import (
+    build_wheel,
+    generated_files,
+    import_roots,
+    site_packages,
+    strip_to_metadata,
+    wheel_dist_info,
+    wheel_extras,
+    wheel_top_level,
+    write_path_hook,
+)
 
 __all__ = [
     "DEFAULT_PYTHON",
@@ -83,10 +96,13 @@ __all__ = [
 DEFAULT_PYTHON = SYSTEM_PYTHON
 #: Written last into a complete environment; its JSON records what was installed.
 MARKER = ".composer-replication-env.json"
-_METADATA_FILES = ("pyproject.toml", "setup.cfg", "setup.py")
+# bump when what an environment holds changes: older ones are then built again
+_LAYOUT_VERSION = 2
+_GENERATED = "generated"  # where a venv keeps the files its repository's build generated
+_DECLARATION_FILES = ("pyproject.toml", "setup.cfg", "setup.py", "tox.ini", "tox.toml", "PKG-INFO")
 _FIX_OFFLINE = (
     "put the missing distributions in the wheelhouse (pip download -d {wheelhouse} ...; "
-    "a repository without static [project] dependencies also needs its build backend there)"
+    "pytest and the repository's build backend belong there too)"
 )
 _FIX_TIMEOUT = "pass a larger timeout_s, or a wheelhouse (nothing is downloaded then)"
 _FIX_BACKEND = (
@@ -107,9 +123,19 @@ class RepoEnvironment:
     Attributes:
         python: The venv's interpreter.
         root: The venv directory.
-        requirements: What was installed, as sorted "name==version" strings.
+        requirements: What was installed, as sorted "name==version" strings (the project's
+            own metadata not among them).
         extra: The project's extra installed with it (None: none).
         group: The ``[dependency-groups]`` group installed with it (None: none).
+        project: The installed project's "name==version" (None: the repository is not
+            installed: it declares no package, or its build failed: ``note`` says).
+        roots: Work-tree folders the venv's interpreter imports the project from.
+        pytest_plugins: Names of the pytest plugins installed (entry points; the project's
+            own left out), in the order they load.
+        generated: Files the build generated that the work tree lacks (relative paths; the
+            copies are under ``root / "generated"``).
+        sources: Where the test requirements came from, one line each.
+        note: What could not be installed as declared, and why ("" when all was).
     """
 
     python: Path
@@ -117,153 +143,34 @@ class RepoEnvironment:
     requirements: tuple[str, ...]
     extra: str | None = None
     group: str | None = None
+    project: str | None = None
+    roots: tuple[str, ...] = ()
+    pytest_plugins: tuple[str, ...] = ()
+    generated: tuple[str, ...] = ()
+    sources: tuple[str, ...] = field(default_factory=tuple)
+    note: str = ""
 
     def sandbox_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `LocalSubprocessSandbox` that run commands with this venv's
         interpreter; the venv is bound read-only (the sandbox hides /tmp, /root, /home)."""
         return {"python": str(self.python), "ro_binds": [str(self.root)]}
 
+    def plugin_options(self) -> list[str]:
+        """The pytest options that load the environment's plugins (``-p NAME`` each: a
+        plugin the repository's configuration blocks with ``-p no:NAME`` stays blocked)."""
+        return [arg for name in self.pytest_plugins for arg in ("-p", name)]
 
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-_REQ_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")
-
-
-def _requirement_name(spec: str) -> tuple[str, list[str]]:
-    """(canonical name, extras) of a PEP 508 requirement string."""
-    match = _REQ_NAME.match(spec)
-    if match is None:
-        raise ValueError(f"not a requirement: {spec!r}")
-    extras = [e.strip() for e in (match.group(2) or "").split(",") if e.strip()]
-    return _canonical(match.group(1)), extras
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What to ask pip for: requirement strings, requirement files, and whether the
-    repository itself (its build backend's metadata) is part of the request."""
-
-    project: str | None
-    requirements: tuple[str, ...]
-    files: tuple[Path, ...]
-    extra: str | None
-    group: str | None
-    via_backend: bool
-
-
-def _pyproject(repo: Path) -> dict[str, Any]:
-    path = repo / "pyproject.toml"
-    if not path.is_file():
-        return {}
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot parse {str(path)!r} ({exc}); fix the file") from exc
-
-
-def _first(names: Sequence[str], defined: Sequence[str]) -> str | None:
-    """The first of ``names`` among ``defined``, spelled as ``defined`` spells it."""
-    by_key = {_canonical(d): d for d in defined}
-    for name in names:
-        if _canonical(name) in by_key:
-            return by_key[_canonical(name)]
-    return None
-
-
-def _expand_extra(project: str, optional: dict[str, list[str]], extra: str) -> list[str]:
-    """The requirements of ``extra``, with references to the project's own extras expanded."""
-    by_key = {_canonical(k): v for k, v in optional.items()}
-    out: list[str] = []
-    todo, seen = [extra], set()
-    while todo:
-        key = _canonical(todo.pop())
-        if key in seen:
-            continue
-        seen.add(key)
-        for spec in by_key.get(key, []):
-            name, extras = _requirement_name(spec)
-            if name == project:
-                todo += extras
-            else:
-                out.append(spec)
-    return out
-
-
-def _dependency_group(groups: dict[str, Any], name: str) -> list[str]:
-    """A PEP 735 group's requirement strings, ``include-group`` entries expanded."""
-    by_key = {_canonical(k): v for k, v in groups.items()}
-    out: list[str] = []
-    todo, seen = [name], set()
-    while todo:
-        key = _canonical(todo.pop())
-        if key in seen:
-            continue
-        seen.add(key)
-        for entry in by_key.get(key, []):
-            if isinstance(entry, str):
-                out.append(entry)
-            elif isinstance(entry, dict) and "include-group" in entry:
-                todo.append(str(entry["include-group"]))
-    return out
-
-
-def _requirement_files(repo: Path, has_metadata: bool) -> list[Path]:
-    """Requirement files named for tests (plain ``requirements.txt`` too without metadata)."""
-    found: list[Path] = []
-    for path in sorted(repo.glob("*.txt")):
-        name = path.name.lower()
-        if "req" in name and "test" in name:
-            found.append(path)
-    found += sorted(p for p in repo.glob("requirements/*.txt") if "test" in p.name.lower())
-    for folder in ("tests", "test"):
-        found += sorted((repo / folder).glob("requirements*.txt"))
-    if not has_metadata and (repo / "requirements.txt").is_file():
-        found.insert(0, repo / "requirements.txt")
-    return [p for p in dict.fromkeys(found) if p.is_file()]
-
-
-def _installable(repo: Path, pyproject: dict[str, Any]) -> bool:
-    """Whether ``repo`` declares a package (not just tool settings in pyproject.toml or
-    setup.cfg)."""
-    if (repo / "setup.py").is_file() or {"project", "build-system"} & set(pyproject):
-        return True
-    setup_cfg = repo / "setup.cfg"
-    if not setup_cfg.is_file():
-        return False
-    parser = configparser.ConfigParser(interpolation=None, strict=False)
-    try:
-        parser.read(setup_cfg, encoding="utf-8")
-    except (configparser.Error, UnicodeDecodeError):
-        return True  # let the build backend say what is wrong with it
-    return parser.has_section("metadata") or parser.has_section("options")
-
-
-def _plan(repo: Path, extras: Sequence[str]) -> _Plan:
-    data = _pyproject(repo)
-    project_table = data.get("project")
-    has_metadata = _installable(repo, data)
-    files = tuple(_requirement_files(repo, has_metadata))
-    groups = data.get("dependency-groups")
-    group = _first(extras, list(groups)) if isinstance(groups, dict) else None
-    group_reqs = _dependency_group(groups, group) if group and isinstance(groups, dict) else []
-    if isinstance(project_table, dict) and isinstance(project_table.get("name"), str):
-        dynamic = set(project_table.get("dynamic", []))
-        if not dynamic & {"dependencies", "optional-dependencies"}:
-            project = _canonical(project_table["name"])
-            optional = dict(project_table.get("optional-dependencies", {}))
-            extra = _first(extras, list(optional))
-            requirements = list(project_table.get("dependencies", []))
-            if extra is not None:
-                requirements += _expand_extra(project, optional, extra)
-            requirements += group_reqs
-            return _Plan(project, tuple(requirements), files, extra, group, False)
-    if not has_metadata:
-        return _Plan(None, tuple(group_reqs), files, None, group, False)
-    name = project_table.get("name") if isinstance(project_table, dict) else None
-    project = _canonical(name) if isinstance(name, str) else None
-    return _Plan(project, tuple(group_reqs), files, None, group, True)
+    def add_generated(self, workdir: str | os.PathLike[str]) -> list[str]:
+        """Copy the files the build generated into a copy of the repository where it lacks
+        them; returns those added."""
+        added = []
+        for rel in self.generated:
+            target = Path(workdir) / rel
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes((self.root / _GENERATED / rel).read_bytes())
+                added.append(rel)
+        return added
 
 
 def _interpreter(python: str) -> str:
@@ -286,9 +193,9 @@ def _interpreter(python: str) -> str:
 
 def _key(repo: Path, interpreter: str, extras: Sequence[str], wheelhouse: Path | None) -> str:
     digest = hashlib.sha256()
-    digest.update(interpreter.encode())
+    digest.update(f"layout {_LAYOUT_VERSION}\0{interpreter}".encode())
     digest.update(json.dumps([list(extras), str(wheelhouse) if wheelhouse else None]).encode())
-    declared = [repo / name for name in _METADATA_FILES]
+    declared = [repo / name for name in _DECLARATION_FILES]
     declared += sorted(repo.glob("*req*.txt")) + sorted(repo.glob("requirements/**/*.txt"))
     declared += sorted(repo.glob("test*/requirements*.txt"))
     for path in declared:
@@ -296,6 +203,10 @@ def _key(repo: Path, interpreter: str, extras: Sequence[str], wheelhouse: Path |
             digest.update(path.relative_to(repo).as_posix().encode() + b"\0")
             digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()[:16]
+
+
+class _TimedOut(RuntimeError):
+    """pip ran out of the environment's time: nothing after it can run either."""
 
 
 class _StepFailed(Exception):
@@ -400,11 +311,9 @@ def _retarget(tmp: Path, final: Path) -> None:
 
 
 def declares_dependencies(repo: str | os.PathLike[str]) -> bool:
-    """Whether ``repo`` declares anything its tests may need installed: static requirements,
-    test requirement files or dependency groups, or packaging metadata that only its build
-    backend can read (setup.py, dynamic dependencies)."""
-    plan = _plan(Path(repo), ("test", "tests", "testing"))
-    return bool(plan.requirements or plan.files or plan.via_backend)
+    """Whether ``repo`` declares a package, or anything its tests may need installed (test
+    requirement files, dependency groups, tox dependencies)."""
+    return plan_dependencies(Path(repo)).declares_anything
 
 
 def build_repo_environment(
@@ -414,11 +323,11 @@ def build_repo_environment(
     python: str = DEFAULT_PYTHON,
     wheelhouse: str | os.PathLike[str] | None = None,
     offline: bool = False,
-    extras: Sequence[str] = ("test", "tests", "testing"),
+    extras: Sequence[str] = TEST_EXTRAS,
     timeout_s: float = 900.0,
     progress: Callable[[str], None] | None = None,
 ) -> RepoEnvironment:
-    """The venv with ``repo``'s declared dependencies under ``dest_root`` (built or reused).
+    """The venv of ``repo``'s tests under ``dest_root`` (built or reused; module docstring).
 
     Args:
         repo: The repository root.
@@ -427,8 +336,8 @@ def build_repo_environment(
         python: The interpreter the venv is made from (default: the sandbox's).
         wheelhouse: A directory of wheels/sdists; pip then uses it alone (no index).
         offline: Refuse to reach an index; needs ``wheelhouse``.
-        extras: Names of test extras / dependency groups; the first the project defines
-            is installed.
+        extras: Names of test extras / dependency groups, preferred in order (``dev`` when
+            the project defines none of them).
         timeout_s: Limit for all pip work together.
         progress: Called with one line per step.
 
@@ -454,7 +363,7 @@ def build_repo_environment(
     root_dir = Path(dest_root).resolve()
     _check_reachable(root_dir)
     root_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-    plan = _plan(repo_path, extras)
+    plan = plan_dependencies(repo_path, extras)
     target = root_dir / _key(repo_path, _interpreter(python), extras, house)
     marker = target / MARKER
     if marker.is_file():
@@ -480,24 +389,150 @@ def build_repo_environment(
         else:
             pip = [str(venv_python), "-m", "pip"]
         sources = ["--no-index", "--find-links", str(house)] if house is not None else []
-        requirements, extra = _resolve(plan, repo_path, pip, sources, extras, env, deadline, say)
-        if requirements:
-            names = ", ".join(spec for spec, _ in requirements)
-            count = len(requirements)
-            say(f"installing {count} dependenc{'y' if count == 1 else 'ies'}: {names}")
-            argv = [*pip, "install", "--no-deps", "--quiet", *sources]
-            argv += [url or spec for spec, url in requirements]
-            _pip(argv, repo_path, env, deadline, house)
+        step = _Steps(pip, sources, repo_path, env, deadline, house)
+        record = _install(plan, step, tmp, extras, say)
         _retarget(tmp, target)
         _make_world_readable(tmp)
-        specs = [spec for spec, _ in requirements]
-        record = {"requirements": specs, "extra": extra, "group": plan.group}
         (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
         os.chmod(tmp / MARKER, 0o644)
 
     build_dir_atomically(target, build, replace=False)
     say(f"environment ready: {target}")
     return _load(target)
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """How pip runs for one environment: its command, sources, directory, variables and
+    the deadline all its steps share."""
+
+    pip: Sequence[str]
+    sources: Sequence[str]
+    repo: Path
+    env: dict[str, str]
+    deadline: float
+    house: Path | None
+
+    def run(self, argv: Sequence[str], extra_env: dict[str, str] | None = None) -> str:
+        env = {**self.env, **(extra_env or {})}
+        return _pip(argv, self.repo, env, self.deadline, self.house)
+
+    def dry_run(self, request: Sequence[str]) -> dict[str, Any]:
+        """pip's installation report for ``request`` (nothing is installed)."""
+        with tempfile.TemporaryDirectory(prefix="cr-pip-report-") as scratch:
+            report = Path(scratch) / "report.json"
+            argv = [*self.pip, "install", "--dry-run", "--ignore-installed", "--quiet"]
+            self.run([*argv, *self.sources, "--report", str(report), *request])
+            return json.loads(report.read_text())
+
+
+def _install(
+    plan: DependencyPlan,
+    step: _Steps,
+    venv: Path,
+    names: Sequence[str],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """Install the repository (from its work tree), what its tests need and pytest into
+    ``venv``; returns the marker record. ``names``: the test extras, preferred in order."""
+    notes: list[str] = []
+    wheel, project = None, None
+    with tempfile.TemporaryDirectory(prefix="cr-wheel-") as scratch:
+        if plan.installable:
+            say(f"building {step.repo.name}'s wheel")
+            try:
+                wheel = build_wheel(
+                    step.repo,
+                    Path(scratch),
+                    pip=step.pip,
+                    sources=step.sources,
+                    run=lambda argv, _cwd, extra: step.run(argv, extra),
+                )
+            except _TimedOut:
+                raise
+            except RuntimeError as exc:
+                notes.append(f"the repository is not installed: its build failed ({exc})")
+                say(f"not installing {step.repo.name} itself: {exc}")
+        project = canonical_name(wheel.name.split("-", 1)[0]) if wheel else plan.project
+        if wheel is not None and not plan.extras:  # extras only the build backend knows
+            extra = pick_extra(wheel_extras(wheel), names)
+            plan = replace(plan, extras=(extra,) if extra else ())
+        resolved, dropped = _resolve(plan, step, wheel, project, say)
+        if dropped:
+            notes.append(f"left out (they do not resolve together): {dropped}")
+        specs = [spec for spec, _ in resolved]
+        if resolved:
+            count = len(resolved)
+            say(f"installing {count} distribution{'s' if count != 1 else ''}: {', '.join(specs)}")
+            argv = [*step.pip, "install", "--no-deps", "--quiet", *step.sources]
+            step.run([*argv, *(url or spec for spec, url in resolved)])
+        record: dict[str, Any] = {
+            "requirements": specs,
+            "extra": plan.extras[0] if plan.extras else None,
+            "group": plan.groups[0] if plan.groups else None,
+            "sources": list(plan.sources),
+        }
+        if wheel is not None:
+            record.update(_install_project(wheel, step, venv, say))
+    record["pytest_plugins"] = _pytest_plugins(venv, record.get("project_name"))
+    record["note"] = "; ".join(notes)
+    return record
+
+
+def _install_project(
+    wheel: Path, step: _Steps, venv: Path, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Install ``wheel``'s metadata and scripts (not its code) and the path hook to the
+    work tree; returns what the marker records of it."""
+    roots = import_roots(step.repo, wheel_top_level(wheel))
+    step.run([*step.pip, "install", "--no-deps", "--quiet", *step.sources, str(wheel)])
+    site = site_packages(venv)
+    info = wheel_dist_info(wheel)
+    strip_to_metadata(site, info)
+    write_path_hook(site, roots)
+    generated = generated_files(wheel, step.repo, roots)
+    for rel, data in generated.items():
+        path = venv / _GENERATED / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    name, version = info[: -len(".dist-info")].rsplit("-", 1)
+    say(
+        f"installed {name} {version} from the work tree (imports from "
+        f"{', '.join(roots) or 'nowhere: no package folder found'})"
+    )
+    return {
+        "project": f"{canonical_name(name)}=={version}",
+        "project_name": canonical_name(name),
+        "roots": list(roots),
+        "generated": sorted(generated),
+    }
+
+
+def _pytest_plugins(venv: Path, project: str | None) -> list[str]:
+    """Names of the pytest plugins (``pytest11`` entry points) installed in ``venv``, the
+    project's own left out: by distribution, each in the order it declares them (so a
+    package's plugin loads before its submodules', as autoloading would load them)."""
+    code = (
+        "import importlib.metadata as m, json, re\n"
+        "out = []\n"
+        "for d in m.distributions():\n"
+        "    name = re.sub(r'[-_.]+', '-', d.metadata['Name'] or '').lower()\n"
+        "    out += [(name, ep.name) for ep in d.entry_points if ep.group == 'pytest11']\n"
+        "print(json.dumps(out))\n"
+    )
+    try:
+        done = subprocess.run(
+            [str(venv / "bin" / "python"), "-I", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"cannot list the pytest plugins of {venv}: {exc}") from None
+    found = sorted(enumerate(json.loads(done.stdout)), key=lambda item: (item[1][0], item[0]))
+    names = [ep for _, (dist, ep) in found if dist != project]
+    return list(dict.fromkeys(names))
 
 
 def _check_reachable(path: Path) -> None:
@@ -524,6 +559,12 @@ def _load(target: Path) -> RepoEnvironment:
         requirements=tuple(record["requirements"]),
         extra=record.get("extra"),
         group=record.get("group"),
+        project=record.get("project"),
+        roots=tuple(record.get("roots", ())),
+        pytest_plugins=tuple(record.get("pytest_plugins", ())),
+        generated=tuple(record.get("generated", ())),
+        sources=tuple(record.get("sources", ())),
+        note=record.get("note", ""),
     )
 
 
@@ -541,71 +582,54 @@ def _pip(
             fix = _FIX_OFFLINE.format(wheelhouse=house)
         else:
             fix = _FIX_ONLINE
-        raise RuntimeError(
+        error = _TimedOut if exc.timed_out else RuntimeError
+        raise error(
             f"cannot install the test dependencies of {repo}: pip: {exc.reason}; {fix}"
         ) from None
 
 
-def _dry_run(
-    pip: Sequence[str],
-    sources: Sequence[str],
-    request: Sequence[str],
-    repo: Path,
-    env: dict[str, str],
-    deadline: float,
-    house: Path | None,
-) -> dict[str, Any]:
-    """pip's installation report for ``request`` (nothing is installed)."""
-    with tempfile.TemporaryDirectory(prefix="cr-pip-report-") as scratch:
-        report = Path(scratch) / "report.json"
-        argv = [*pip, "install", "--dry-run", "--ignore-installed", "--quiet", *sources]
-        _pip([*argv, "--report", str(report), *request], repo, env, deadline, house)
-        return json.loads(report.read_text())
-
-
-def _is_repo(item: dict[str, Any], repo: Path) -> bool:
-    return str(item.get("download_info", {}).get("url", "")).rstrip("/") == repo.as_uri()
-
-
 def _resolve(
-    plan: _Plan,
-    repo: Path,
-    pip: Sequence[str],
-    sources: Sequence[str],
-    extras: Sequence[str],
-    env: dict[str, str],
-    deadline: float,
+    plan: DependencyPlan,
+    step: _Steps,
+    wheel: Path | None,
+    project: str | None,
     say: Callable[[str], None],
-) -> tuple[list[tuple[str, str | None]], str | None]:
-    """pip's resolution of ``plan``: [("name==version", what to install: a "name @ URL" for
-    a direct reference, else None)] without the repository itself, and the extra used."""
-    house = Path(sources[-1]) if sources else None
-    request = list(plan.requirements)
+) -> tuple[list[tuple[str, str | None]], str]:
+    """pip's resolution of what the tests need: [("name==version", what to install: a
+    "name @ URL" for a direct reference, else None)] without the project itself, and what
+    had to be left out for the rest to resolve ("" when nothing)."""
+    if wheel is not None:
+        core = [f"{wheel}[{','.join(plan.extras)}]" if plan.extras else str(wheel)]
+    else:
+        core = list(plan.static_dependencies or ())
+    if not any(canonical_name(_name(r)) == "pytest" for r in [*core, *plan.requirements]):
+        core.append("pytest")
+    declared = list(plan.requirements)
     for path in plan.files:
-        request += ["-r", str(path)]
-    if plan.via_backend:
-        request.append(f"{repo}[{','.join(extras)}]" if extras else str(repo))
-    if not request:
-        say(f"{repo.name} declares no dependencies")
-        return [], plan.extra
-    say(f"resolving the dependencies of {repo}")
-    report = _dry_run(pip, sources, request, repo, env, deadline, house)
-    extra, project = plan.extra, plan.project
-    if plan.via_backend:
-        own = [i["metadata"] for i in report.get("install", []) if _is_repo(i, repo)]
-        provided = {_canonical(e) for e in own[0].get("provides_extra") or []} if own else set()
-        wanted = [e for e in extras if _canonical(e) in provided]
-        extra = wanted[0] if wanted else None
-        if len(wanted) > 1:  # only the first extra the project defines: ask for just that
-            request[-1] = f"{repo}[{extra}]"
-            report = _dry_run(pip, sources, request, repo, env, deadline, house)
-        project = _canonical(own[0]["name"]) if own else project
+        declared += ["-r", str(path)]
+    say(f"resolving the test dependencies of {step.repo.name}")
+    dropped = ""
+    try:
+        report = step.dry_run([*core, *declared])
+    except _TimedOut:
+        raise
+    except RuntimeError as exc:
+        if not declared:
+            raise
+        dropped = ", ".join(plan.sources) or "the declared test requirements"
+        say(f"the declared test requirements do not resolve ({exc}); trying without them")
+        report = step.dry_run(core)
     out = []
     for item in report.get("install", []):
         meta = item["metadata"]
-        if _is_repo(item, repo) or _canonical(meta["name"]) == project:
+        if canonical_name(meta["name"]) == project:
             continue  # the repository itself (or a released copy of it) stays out
-        spec = f"{_canonical(meta['name'])}=={meta['version']}"
+        spec = f"{canonical_name(meta['name'])}=={meta['version']}"
         url = f"{meta['name']} @ {item['download_info']['url']}" if item.get("is_direct") else None
         out.append((spec, url))
-    return sorted(out), extra
+    return sorted(out), dropped
+
+
+def _name(requirement: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    return match.group(1) if match else ""

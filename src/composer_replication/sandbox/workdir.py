@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 __all__ = [
+    "SHARED_CACHE_ENV",
     "check_reachable",
     "disk_usage",
     "filesystem_block",
@@ -21,7 +22,12 @@ __all__ = [
     "quota_fitting",
     "quota_reached",
     "quota_room",
+    "reachable_by_sandbox",
+    "shared_cache_dir",
 ]
+
+#: Overrides where :func:`shared_cache_dir` keeps what sandboxes must reach across runs.
+SHARED_CACHE_ENV = "COMPOSER_REPLICATION_SHARED_CACHE"
 
 
 def _can_traverse(st: os.stat_result, uid: int, gid: int) -> bool:
@@ -45,6 +51,62 @@ def check_reachable(path: Path, uid: int, gid: int) -> None:
                 f"{st.st_uid}. Put sandbox workdirs under a directory every user can "
                 "traverse, e.g. datagen.workdir.make_shared_tempdir()"
             )
+
+
+def reachable_by_sandbox(path: Path) -> bool:
+    """Whether the sandbox's unprivileged uid (nobody, where we are root) can traverse every
+    existing ancestor of ``path`` (and ``path`` itself when it exists); always True for an
+    unprivileged user, whose sandbox runs as that user."""
+    if os.geteuid() != 0:
+        return True
+    for ancestor in [*reversed(path.parents), path]:
+        try:
+            st = os.stat(ancestor)
+        except FileNotFoundError:
+            return True  # made below it with a traversable mode
+        if not _can_traverse(st, 65534, 65534):
+            return False
+    return True
+
+
+def shared_cache_dir(name: str) -> Path:
+    """``<root>/<name>``: a persistent folder of ours that the sandbox uid can traverse, for
+    what sandboxes must reach when the user's own folders are private (a home directory of
+    mode 0700). ``<root>`` is ``$COMPOSER_REPLICATION_SHARED_CACHE``, else
+    ``/var/tmp/composer-replication-<uid>``; it is made with mode 0755 and must be a folder
+    we own that nobody else can write to (a link or another user's folder is refused).
+
+    Raises:
+        ValueError: the root is unusable (one line naming it and the fix).
+    """
+    given = os.environ.get(SHARED_CACHE_ENV, "").strip()
+    root = Path(given) if given else Path("/var/tmp") / f"composer-replication-{os.geteuid()}"
+    try:
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        st = os.lstat(root)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot make the shared cache {str(root)!r} ({exc.strerror}); set "
+            f"{SHARED_CACHE_ENV} to a folder every user can traverse"
+        ) from None
+    if (
+        not stat.S_ISDIR(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    ):
+        raise ValueError(
+            f"the shared cache {str(root)!r} is not a folder of ours that only we can write "
+            f"(mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}); remove it or set "
+            f"{SHARED_CACHE_ENV} to another folder"
+        )
+    if not reachable_by_sandbox(root):
+        raise ValueError(
+            f"the shared cache {str(root)!r} is not reachable by the sandbox uid; set "
+            f"{SHARED_CACHE_ENV} to a folder every user can traverse, e.g. under /var/tmp"
+        )
+    path = root / name
+    path.mkdir(mode=0o755, exist_ok=True)
+    return path
 
 
 def hand_over(path: Path, uid: int | None, gid: int | None) -> None:
