@@ -70,14 +70,15 @@ def test_datagen_twice_inside_the_repo_never_reads_its_own_outputs(fd_repo_copy:
         return {p: p.read_bytes() for p in out.parent.iterdir() if p.is_file() and p != report}
 
     before = task_files()
-    with open(fd_repo_copy / "tests" / "test_stats.py", "a") as fh:
-        fh.write("\n\ndef test_broken_on_purpose():\n    assert 0 == 1\n")
+    with open(fd_repo_copy / "textkit" / "__init__.py", "a") as fh:  # no test can pass now
+        fh.write("\nraise RuntimeError('broken_on_purpose')\n")
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1 and "no task file written" in result.output
     assert task_files() == before
     rows = read_jsonl_records(report)
     assert rows and {r["gate"] for r in rows} == {"gate1_original_green"}
-    assert all("test_broken_on_purpose" in r["reason"] for r in rows)
+    assert all("no test of the original suite passes" in r["reason"] for r in rows)
+    assert all("broken_on_purpose" in r["reason"] for r in rows)
 
 
 def test_datagen_refuses_unusable_outputs_before_any_work(shared_dir: Path) -> None:

@@ -93,6 +93,7 @@ def test_a_unittest_suite_in_tests_py_makes_tasks_and_stays_protected(shared_dir
     assert rows["unused"] == {
         "file": "calc.py", "qualname": "unused", "outcome": "rejected",
         "gate": "not_referenced", "reason": "no test file mentions this name",
+        "kind": "feature_deletion", "change": "body of unused (lines 13-13)",
     }  # fmt: skip
     assert rows["add"]["outcome"] == "accepted" and rows["add"]["n_targets"] == 1
     # an attempt that edits tests.py is caught: the discovered test module is protected

@@ -283,3 +283,91 @@ def test_hidden_directories_stay_hidden_and_those_under_tmp_leave_no_name(workdi
     finally:
         shutil.rmtree(under_tmp)
         shutil.rmtree(elsewhere)
+
+
+REAL_SUITE = """\
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+
+def test_threads():
+    results = []
+    start = threading.Barrier(32)
+
+    def work(k):
+        start.wait()  # all alive at once, each allocating from the C heap
+        results.append(len(bytes(200_000)) + k)
+
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(32)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert sorted(results) == [200_000 + k for k in range(32)]
+
+
+def test_a_thread_pool():
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(lambda x: x * x, range(64))) == [x * x for x in range(64)]
+
+
+def test_subprocesses():
+    out = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
+    assert out.stdout.strip() == "42"
+
+
+def test_temporary_files():
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "x.txt")
+        with open(path, "w") as fh:
+            fh.write("kept")
+        assert open(path).read() == "kept"
+
+
+def test_a_socket_on_loopback():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def serve():
+        conn, _ = server.accept()
+        conn.sendall(conn.recv(5).upper())
+        conn.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+        client.sendall(b"hello")
+        assert client.recv(5) == b"HELLO"
+    thread.join()
+    server.close()
+"""
+
+
+@needs_bwrap
+def test_real_suites_run_inside_the_sandbox_as_outside(workdir: Path) -> None:
+    """Threads (a gigabyte of address space used to run out at ten: glibc's per-thread
+    malloc arenas), a thread pool, subprocesses, temporary files, a server on loopback."""
+    (workdir / "test_real.py").write_text(REAL_SUITE)
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=120, mem_limit_mb=1024)
+    try:
+        result = sandbox.run_tests("python -m pytest -q", [])
+    finally:
+        sandbox.close()
+    assert result.isolated
+    assert result.outcomes == {
+        f"test_real.py::{name}": "passed"
+        for name in (
+            "test_threads",
+            "test_a_thread_pool",
+            "test_subprocesses",
+            "test_temporary_files",
+            "test_a_socket_on_loopback",
+        )
+    }, result.output[-3000:]

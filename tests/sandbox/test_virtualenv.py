@@ -394,3 +394,165 @@ def test_repository_without_a_package_gets_a_venv_with_the_runner_that_runs_its_
     finally:
         sandbox.close()
     assert result.outcomes == {"test_plain.py::test_one": "passed"}, result.output[-2000:]
+
+
+PLUGIN = """\
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tiny-flag", action="store_true")
+
+
+@pytest.fixture
+def tiny(request):
+    return request.config.getoption("--tiny-flag")
+"""
+
+
+@pytest.mark.integration
+def test_the_plugins_a_repository_declares_load_in_the_sandbox_by_name(
+    env_root: Path, shared_dir: Path, wheelhouse: Path
+) -> None:
+    house = shared_dir / "plugin-wheels"
+    shutil.copytree(wheelhouse, house)
+    pure_wheel(house, "tinyplug", "1.0", PLUGIN, entry_points="[pytest11]\ntiny = tinyplug\n")
+    repo = _write(
+        shared_dir / "plugged",
+        {
+            "pyproject.toml": '[build-system]\nrequires = ["setuptools"]\n'
+            'build-backend = "setuptools.build_meta"\n'
+            '[project]\nname = "plugged"\nversion = "1"\n'
+            '[project.optional-dependencies]\ntest = ["tinyplug"]\n'
+            '[tool.pytest.ini_options]\naddopts = "--tiny-flag"\n'
+            "[tool.setuptools]\npy-modules = []\n",
+            "tests/test_plugged.py": "def test_flag(tiny):\n    assert tiny is True\n",
+        },
+    )
+    env = build_repo_environment(repo, env_root / "plugged", wheelhouse=house)
+    assert env.pytest_plugins == ("tiny",)
+    assert env.plugin_options() == ["-p", "tiny"]
+    sandbox = LocalSubprocessSandbox(repo, exec_timeout_s=120, **env.sandbox_kwargs())
+    try:
+        loaded = sandbox.run_tests("python -m pytest -q -p tiny", ())
+        bare = sandbox.run_tests("python -m pytest -q", ())  # autoloading stays off
+    finally:
+        sandbox.close()
+    assert loaded.outcomes == {"tests/test_plugged.py::test_flag": "passed"}, loaded.output
+    assert not bare.outcomes and "unrecognized arguments: --tiny-flag" in bare.output
+
+
+VERSIONED_TEST = """\
+import importlib.metadata
+
+import pkgmeta
+from pkgmeta._version import VERSION
+
+
+def test_the_installed_metadata_and_the_work_tree_agree():
+    assert importlib.metadata.version("pkgmeta") == "2.5.0" == VERSION == pkgmeta.version()
+    (script,) = importlib.metadata.entry_points(group="console_scripts", name="pkgmeta")
+    assert script.load() is pkgmeta.version
+"""
+
+
+@pytest.mark.integration
+def test_a_src_layout_repository_reads_its_metadata_from_a_copy_at_another_path(
+    env_root: Path, shared_dir: Path, wheelhouse: Path
+) -> None:
+    # an sdist of a VCS-versioned project: PKG-INFO, no history, a version file the build
+    # writes (as setuptools-scm's version_file does)
+    backend = """\
+        from setuptools import build_meta as _orig
+        from setuptools.build_meta import *  # noqa: F403
+        import os
+
+
+        def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+            version = os.environ["SETUPTOOLS_SCM_PRETEND_VERSION"]
+            with open("src/pkgmeta/_version.py", "w") as fh:
+                fh.write(f"VERSION = {version!r}\\n")
+            return _orig.build_wheel(wheel_directory, config_settings, metadata_directory)
+        """
+    repo = _write(
+        shared_dir / "pkgmeta-2.5.0",
+        {
+            "PKG-INFO": "Metadata-Version: 2.1\nName: pkgmeta\nVersion: 2.5.0\n",
+            "pyproject.toml": '[build-system]\nrequires = ["setuptools"]\n'
+            'build-backend = "scmlike"\nbackend-path = ["."]\n'
+            '[project]\nname = "pkgmeta"\nversion = "2.5.0"\n'
+            '[project.scripts]\npkgmeta = "pkgmeta:version"\n',
+            "scmlike.py": backend,
+            "src/pkgmeta/__init__.py": "import importlib.metadata\n\n\n"
+            "def version():\n    return importlib.metadata.version('pkgmeta')\n",
+            "tests/test_meta.py": VERSIONED_TEST,
+        },
+    )
+    env = build_repo_environment(repo, env_root / "pkgmeta", wheelhouse=wheelhouse)
+    assert env.project == "pkgmeta==2.5.0" and env.roots == ("src",)
+    assert env.generated == ("src/pkgmeta/_version.py",)
+    assert not (repo / "src" / "pkgmeta" / "_version.py").exists()  # the build ran on a copy
+    workdir = shared_dir / "elsewhere" / "task-copy"
+    shutil.copytree(repo, workdir)
+    assert env.add_generated(workdir) == ["src/pkgmeta/_version.py"]
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=120, **env.sandbox_kwargs())
+    try:
+        result = sandbox.run_tests("python -m pytest -q -o pythonpath=src", ())
+    finally:
+        sandbox.close()
+    node = "tests/test_meta.py::test_the_installed_metadata_and_the_work_tree_agree"
+    assert result.outcomes == {node: "passed"}, result.output[-2000:]
+
+
+RUNNER_IMPORTS_IT = """\
+import sys
+
+import iniconfig
+
+
+def test_pytest_and_the_test_use_the_work_trees_iniconfig():
+    assert iniconfig.MARK == "work tree"
+    assert sys.modules["iniconfig"] is iniconfig
+"""
+
+
+@pytest.mark.integration
+def test_a_package_the_test_runner_imports_is_tested_from_the_work_tree(
+    env_root: Path, shared_dir: Path, wheelhouse: Path
+) -> None:
+    # pytest imports iniconfig before any test: a repository that IS iniconfig must be the
+    # copy pytest itself runs with, or a change to it could never fail a test
+    import iniconfig
+
+    source = Path(iniconfig.__file__).parent
+    repo = shared_dir / "iniconfig-repo"
+    shutil.copytree(source, repo / "src" / "iniconfig", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(repo / "src" / "iniconfig" / "__init__.py", "a") as fh:
+        fh.write('\nMARK = "work tree"\n')
+    _write(
+        repo,
+        {
+            "pyproject.toml": '[build-system]\nrequires = ["setuptools"]\n'
+            'build-backend = "setuptools.build_meta"\n'
+            '[project]\nname = "iniconfig"\nversion = "99.0"\n'
+            '[tool.setuptools.packages.find]\nwhere = ["src"]\n',
+            "testing/test_runner.py": RUNNER_IMPORTS_IT,
+        },
+    )
+    env = build_repo_environment(repo, env_root / "iniconfig", wheelhouse=wheelhouse)
+    assert env.project == "iniconfig==99.0"
+    assert "iniconfig" not in _names(env.requirements)  # no released copy beside it
+    assert not list(site_packages(env.root).glob("iniconfig/__init__.py"))
+    workdir = shared_dir / "iniconfig-task"
+    shutil.copytree(repo, workdir)
+    sandbox = LocalSubprocessSandbox(workdir, exec_timeout_s=120, **env.sandbox_kwargs())
+    try:
+        result = sandbox.run_tests("python -m pytest -q testing", ())
+        (workdir / "src" / "iniconfig" / "__init__.py").write_text("raise ImportError('broken')\n")
+        broken = sandbox.run_tests("python -m pytest -q testing", ())
+    finally:
+        sandbox.close()
+    node = "testing/test_runner.py::test_pytest_and_the_test_use_the_work_trees_iniconfig"
+    assert result.outcomes == {node: "passed"}, result.output[-2000:]
+    assert not broken.outcomes.get(node) == "passed"  # the runner itself sees the change
+    assert "broken" in broken.output

@@ -51,8 +51,13 @@ def datagen_main(
     docker_image: str | None = None,
     model: str = "embedded",
     budgets: Any = None,
+    kind: str = "deletion",
+    bug_kinds: list[str] | None = None,
+    combined_bugs: int = 0,
+    seed: int = 0,
 ) -> int:
-    """Generate FD tasks with a progress bar and print the outcome of every candidate.
+    """Generate tasks of ``kind`` with a progress bar and print the outcome of every
+    candidate.
 
     Held-out tasks (the project's default `HeldoutSplit` unless `split` says otherwise) go to
     the `.heldout.jsonl` sibling of `output`, never into it. The table counts each outcome
@@ -66,12 +71,14 @@ def datagen_main(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    from composer_replication.datagen.feature_deletion import (
-        ENVIRONMENTS,
+    from composer_replication.datagen.bug_kinds import BUG_KINDS
+    from composer_replication.datagen.generation import (
+        KINDS,
         AgentBudgets,
         check_outputs,
         generate_tasks,
     )
+    from composer_replication.datagen.repository_environment import ENVIRONMENTS
     from composer_replication.outputs import OutputError, check_output
 
     console = console or Console(stderr=True)
@@ -86,6 +93,16 @@ def datagen_main(
         return 2
     if wheelhouse is not None and not Path(wheelhouse).is_dir():
         _error(console, f"--wheelhouse {str(wheelhouse)!r} is not a directory of wheels")
+        return 2
+    if kind not in KINDS:
+        _error(console, f"--kind {kind!r}: use {' or '.join(KINDS)}")
+        return 2
+    unknown = sorted(set(bug_kinds or ()) - set(BUG_KINDS))
+    if unknown:
+        _error(console, f"--bug-kinds {','.join(unknown)}: use some of {','.join(BUG_KINDS)}")
+        return 2
+    if combined_bugs < 0:
+        _error(console, f"--combined-bugs must be >= 0, got {combined_bugs}")
         return 2
     try:
         output = check_outputs(
@@ -125,6 +142,10 @@ def datagen_main(
                 wheelhouse=wheelhouse,
                 image=docker_image,
                 say=lambda line: bar.console.print(line, soft_wrap=True, highlight=False),
+                kind=kind,
+                bug_kinds=bug_kinds or None,
+                combined_bugs=combined_bugs,
+                seed=seed,
             )
         except (
             ValueError,
@@ -155,7 +176,7 @@ def _budgets(
 ) -> Any:
     """The ``AgentBudgets`` the command's options give (``tools``: comma-separated);
     unknown tools or formats are usage errors."""
-    from composer_replication.datagen.feature_deletion import AgentBudgets
+    from composer_replication.datagen.generation import AgentBudgets
     from composer_replication.envs.fd_tools import DEFAULT_TOOLS, tool_specs
     from composer_replication.rollout.tool_formats import TOOL_FORMAT_MODES
 
@@ -208,9 +229,17 @@ def _sandbox_factory(repo: Path, exec_timeout_s: float, image: str | None) -> An
 
 def _outcome_table(report: Any, table_type: Any) -> Any:
     """Outcome, count and the first reason of each (reasons cut to one short line)."""
+    what = "Bug-fix tasks" if getattr(report, "kind", "") == "bugs" else "FeatureDeletion"
+    excluded = getattr(report, "excluded", {})
+    baseline = (
+        f"; baseline: {report.baseline_passing} tests pass, excluded "
+        + (", ".join(f"{n} {why}" for why, n in excluded.items()) or "none")
+        if getattr(report, "baseline_passing", 0)
+        else ""
+    )
     table = table_type(
-        title=f"FeatureDeletion on {report.repo}: {report.candidates} candidates; tests: "
-        f"{report.test_command}"
+        title=f"{what} on {report.repo}: {report.candidates} candidates; tests: "
+        f"{report.test_command}{baseline}"
     )
     table.add_column("outcome")
     table.add_column("count", justify="right")
@@ -298,15 +327,39 @@ def datagen_command(
     tool_format: ToolFormatOption = "auto",
     exec_timeout: ExecTimeoutOption = 300.0,
     follow_symlinks: FollowSymlinksOption = False,
+    kind: Annotated[
+        str,
+        typer.Option(
+            "--kind",
+            help="deletion: a covered function's body deleted; bugs: a small bug injected "
+            "into one (the agent fixes it from the failing tests).",
+        ),
+    ] = "deletion",
+    bug_kinds: Annotated[
+        str | None,
+        typer.Option(
+            "--bug-kinds",
+            help="Comma-separated bug kinds to inject (default: all; see docs/agents.md).",
+        ),
+    ] = None,
+    combined_bugs: Annotated[
+        int, typer.Option("--combined-bugs", help="Candidates of two bugs in one file, too.")
+    ] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Picks the bugs and their order.")] = 0,
 ) -> None:
-    """FeatureDeletion: delete covered function bodies, keep tasks that pass every gate
-    (the last: the reference agent solves them within the agent's budgets)."""
+    """Tasks from a repository: delete covered function bodies (--kind deletion) or inject
+    small bugs (--kind bugs); keep the candidates that pass every gate (the last: the
+    reference agent solves them within the agent's budgets)."""
     budgets = _budgets(max_turns, max_new_tokens, max_total_tokens, tools, tool_format)
     raise typer.Exit(
         datagen_main(
             repo,
             output,
             max_tasks,
+            kind=kind,
+            bug_kinds=[k.strip() for k in bug_kinds.split(",") if k.strip()] if bug_kinds else None,
+            combined_bugs=combined_bugs,
+            seed=seed,
             follow_symlinks=follow_symlinks,
             test_command=test_command,
             environment=environment,
@@ -350,11 +403,8 @@ def import_tasks_main(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    from composer_replication.datagen.feature_deletion import (
-        ENVIRONMENTS,
-        AgentBudgets,
-        check_outputs,
-    )
+    from composer_replication.datagen.generation import AgentBudgets, check_outputs
+    from composer_replication.datagen.repository_environment import ENVIRONMENTS
     from composer_replication.datagen.swe import import_instances
     from composer_replication.outputs import OutputError, check_output
 
@@ -525,5 +575,5 @@ def import_tasks_command(
     )
 
 
-app = command_group("datagen", "Make FeatureDeletion tasks from a repository.")
+app = command_group("datagen", "Make repository tasks (deleted bodies, injected bugs).")
 app.command("datagen")(datagen_command)

@@ -1,24 +1,35 @@
-"""The five-gate solvability validator for FeatureDeletion tasks.
+"""The solvability gates of repository tasks (deleted bodies, injected bugs), graded by test.
 
-A task is accepted only if:
-1. the original suite passes (otherwise no failure can be blamed on the deletion);
-2. the target tests fail after the deletion (otherwise nothing covers the body and any
-   answer scores full reward);
-3. collection still succeeds after the deletion (the failure is the missing feature, not an
-   import error that hides every test);
-4. putting the reference body back makes every originally passing test pass again (the task
-   is solvable, and the stub and reference line up);
+A repository is taken as it is: gate 1 runs its untouched suite twice and records every
+test's outcome (:class:`Baseline`). Tests that pass both times are the ones tasks are
+graded by; tests that fail, error, are skipped or flip between the two runs (flaky) are
+excluded, and counted with the reason, instead of rejecting the repository (as SWE-bench
+grades instances by their FAIL_TO_PASS and PASS_TO_PASS lists, arXiv 2310.06770). A
+candidate change is accepted only if:
+
+1. the untouched suite has tests that pass, both times (per repository);
+2. some of those fail with the change (its FAIL_TO_PASS tests; otherwise nothing covers it
+   and any answer scores full reward);
+3. no test module that collected before fails to collect with the change (the failure is
+   the change's, not an import error that hides every test of a module);
+4. applying the hidden reference (the inverse patch) makes every baseline-passing test
+   pass again (the task is solvable, and the change and reference line up);
 5. the scripted reference agent solves it through the editing tools within the agent's
-   turn and token budgets (``envs.reference_agent``; run by ``datagen.feature_deletion``,
-   which holds the task as the environment will).
-Every gate runs the real test suite inside a sandbox from `sandbox_factory`.
+   turn and token budgets (``envs.reference_agent``; run by ``datagen.generation``, which
+   holds the task as the environment will).
+
+Gates 2 and 3 read one run of the suite with the change; gate 4 runs only the FAIL_TO_PASS
+tests when the reference gives the original files back byte for byte (gate 1 already saw
+the rest pass on exactly those files), and the whole suite otherwise. Every gate runs the
+real test suite inside a sandbox from ``sandbox_factory``.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from composer_replication.envs.fd_tasks import TaskReference, apply_reference
@@ -27,10 +38,11 @@ from composer_replication.sandbox.base import TestRunResult
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
 __all__ = [
-    "DEFAULT_COLLECT_COMMAND",
+    "BASELINE_RUNS",
     "DEFAULT_TEST_COMMAND",
     "GATES",
     "GATE_SOLVABLE",
+    "Baseline",
     "GateOutcome",
     "SandboxFactory",
     "SolvabilityValidator",
@@ -43,20 +55,67 @@ GATE_RESTORE = "gate4_reference_restores"
 GATE_SOLVABLE = "gate5_solvable_within_budgets"
 GATES: tuple[str, ...] = (GATE_ORIGINAL, GATE_TARGETS, GATE_COLLECT, GATE_RESTORE, GATE_SOLVABLE)
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
-DEFAULT_COLLECT_COMMAND = "python -m pytest -q --collect-only"
+#: how often gate 1 runs the untouched suite (a test whose outcome differs is flaky)
+BASELINE_RUNS = 2
 
 # Builds a ready sandbox for a workdir (boot it inside the factory if the backend needs it).
 SandboxFactory = Callable[[Path], Sandbox]
 
 
 @dataclass(frozen=True)
+class Baseline:
+    """Every test's outcome on the untouched repository, over ``BASELINE_RUNS`` runs.
+
+    Attributes:
+        passing: Tests that passed every time: what tasks are graded by.
+        excluded: Test id -> why it is not graded: "failed", "error", "skipped" (the same
+            outcome every time) or "flaky" (outcomes that differ between runs).
+        collection_errors: Test modules (file ids) that did not collect.
+    """
+
+    passing: tuple[str, ...]
+    excluded: Mapping[str, str] = field(default_factory=dict)
+    collection_errors: frozenset[str] = frozenset()
+
+    def excluded_counts(self) -> dict[str, int]:
+        """How many tests are excluded, by reason (sorted by reason)."""
+        return dict(sorted(Counter(self.excluded.values()).items()))
+
+    @classmethod
+    def of_runs(cls, runs: Sequence[TestRunResult]) -> Baseline:
+        """The baseline the runs of one untouched suite give."""
+        ids = sorted({t for run in runs for t in run.outcomes})
+        passing: list[str] = []
+        excluded: dict[str, str] = {}
+        for test in ids:
+            seen = {run.outcomes.get(test, "missing") for run in runs}
+            if seen == {"passed"}:
+                passing.append(test)
+            elif len(seen) > 1:
+                excluded[test] = "flaky"
+            else:
+                excluded[test] = seen.pop()
+        return cls(
+            passing=tuple(passing),
+            excluded=excluded,
+            collection_errors=frozenset(
+                t for t, why in excluded.items() if why == "error" and "::" not in t
+            ),
+        )
+
+
+@dataclass(frozen=True)
 class GateOutcome:
-    """One gate's verdict; `tests` are the passing tests (gate 1) or the targets (gate 2)."""
+    """One gate's verdict; ``tests`` are the baseline-passing tests (gate 1) or the
+    FAIL_TO_PASS tests (gate 2); ``baseline`` (gate 1) and ``result`` (the run gate 2 read:
+    its failures write a problem statement) where they exist."""
 
     gate: str
     passed: bool
     reason: str = ""
     tests: tuple[str, ...] = ()
+    baseline: Baseline | None = None
+    result: TestRunResult | None = None
 
 
 def _tail(result: TestRunResult, lines: int = 6) -> str:
@@ -70,84 +129,129 @@ def _tail(result: TestRunResult, lines: int = 6) -> str:
     return " | ".join(tail)
 
 
+def _new_collection_errors(result: TestRunResult, baseline: Baseline) -> list[str]:
+    """Test modules that fail to collect in ``result`` but collected in the baseline."""
+    return sorted(
+        t
+        for t, outcome in result.outcomes.items()
+        if outcome == "error" and "::" not in t and t not in baseline.collection_errors
+    )
+
+
 class SolvabilityValidator:
     """Run gates 1-4 with sandboxes from `sandbox_factory` (gate 5, the reference agent,
-    runs where the task is held as the environment holds it: ``datagen.feature_deletion``)."""
+    runs where the task is held as the environment holds it: ``datagen.generation``)."""
 
     def __init__(
         self,
         sandbox_factory: SandboxFactory,
         *,
         test_command: str = DEFAULT_TEST_COMMAND,
-        collect_command: str | None = None,
+        baseline_runs: int = BASELINE_RUNS,
     ) -> None:
+        if baseline_runs < 1:
+            raise ValueError(f"baseline_runs must be >= 1, got {baseline_runs!r}")
         self.sandbox_factory = sandbox_factory
         self.test_command = test_command
-        # collection is the test command asked only to collect
-        self.collect_command = collect_command or f"{test_command} --collect-only"
+        self.baseline_runs = baseline_runs
 
-    def _run(self, workdir: Path, command: str) -> TestRunResult:
+    def _run(self, workdir: Path, tests: Sequence[str] = ()) -> TestRunResult:
         sandbox = self.sandbox_factory(workdir)
         try:
-            return sandbox.run_tests(command, ())
+            return sandbox.run_tests(self.test_command, tuple(tests))
         finally:
             close = getattr(sandbox, "close", None)
             if callable(close):
                 close()
 
     def original_suite(self, repo_dir: Path) -> GateOutcome:
-        """Gate 1: the untouched suite is green; `tests` = the passing test ids."""
-        result = self._run(repo_dir, self.test_command)
-        if result.timed_out:
-            return GateOutcome(GATE_ORIGINAL, False, "original suite timed out")
-        if not result.ok or result.passed == 0:
+        """Gate 1: the untouched suite, run ``baseline_runs`` times; passes when some test
+        passes every time (``tests``: those; ``baseline``: every test's outcome)."""
+        runs = []
+        for _ in range(self.baseline_runs):
+            result = self._run(repo_dir)
+            if result.timed_out:
+                return GateOutcome(GATE_ORIGINAL, False, "original suite timed out")
+            if result.infrastructure_error:
+                return GateOutcome(
+                    GATE_ORIGINAL,
+                    False,
+                    f"the sandbox did not start: {result.infrastructure_error}",
+                )
+            runs.append(result)
+        baseline = Baseline.of_runs(runs)
+        if not baseline.passing:
+            last = runs[-1]
             return GateOutcome(
                 GATE_ORIGINAL,
                 False,
-                f"original suite not green: {result.passed} passed, {result.failed} failed, "
-                f"{result.errors} errors, exit {result.exit_code}: {_tail(result)}",
+                f"no test of the original suite passes: {last.passed} passed, {last.failed} "
+                f"failed, {last.errors} errors, exit {last.exit_code}: {_tail(last)}",
+                baseline=baseline,
             )
-        return GateOutcome(GATE_ORIGINAL, True, tests=tuple(result.ids_with("passed")))
+        return GateOutcome(GATE_ORIGINAL, True, tests=baseline.passing, baseline=baseline)
 
-    def targets_red(self, task_dir: Path, passing: Collection[str]) -> GateOutcome:
-        """Gate 2: some originally passing tests no longer pass; `tests` = those targets."""
-        result = self._run(task_dir, self.test_command)
+    def targets_red(self, task_dir: Path, baseline: Baseline) -> tuple[GateOutcome, GateOutcome]:
+        """Gates 2 and 3 from one run of the suite with the change: (the FAIL_TO_PASS tests,
+        collection); the first carries the run."""
+        result = self._run(task_dir)
         if result.timed_out:
-            return GateOutcome(GATE_TARGETS, False, "suite timed out after the deletion")
-        targets = tuple(sorted(t for t in passing if result.outcomes.get(t) != "passed"))
-        if not targets:
-            return GateOutcome(
-                GATE_TARGETS, False, "no test fails after the deletion (the body is not covered)"
+            failed = GateOutcome(GATE_TARGETS, False, "suite timed out with the change")
+            return failed, failed
+        if result.infrastructure_error:
+            failed = GateOutcome(
+                GATE_TARGETS, False, f"the sandbox did not start: {result.infrastructure_error}"
             )
-        return GateOutcome(GATE_TARGETS, True, tests=targets)
-
-    def collection_ok(self, task_dir: Path) -> GateOutcome:
-        """Gate 3: `pytest --collect-only` still succeeds with the stub in place."""
-        result = self._run(task_dir, self.collect_command)
-        if result.timed_out or result.exit_code != 0 or result.errors:
-            return GateOutcome(
+            return failed, failed
+        targets = tuple(t for t in baseline.passing if result.outcomes.get(t) != "passed")
+        if not targets:
+            red = GateOutcome(
+                GATE_TARGETS, False, "no test fails with the change (the code is not covered)"
+            )
+        else:
+            red = GateOutcome(GATE_TARGETS, True, tests=targets, result=result)
+        broken = _new_collection_errors(result, baseline)
+        if broken or (not result.outcomes and result.errors):
+            what = ", ".join(broken[:3]) or "no report"
+            collect = GateOutcome(
                 GATE_COLLECT,
                 False,
-                f"collection fails after the deletion (exit {result.exit_code}, "
-                f"{result.errors} errors): {_tail(result)}",
+                f"collection fails with the change ({what}; exit {result.exit_code}): "
+                f"{_tail(result)}",
             )
-        return GateOutcome(GATE_COLLECT, True)
+        else:
+            collect = GateOutcome(GATE_COLLECT, True)
+        return red, collect
 
     def reference_restores(
-        self, task_dir: Path, reference: TaskReference, passing: Collection[str]
+        self,
+        task_dir: Path,
+        reference: TaskReference,
+        passing: Collection[str],
+        *,
+        original: Mapping[str, str] | None = None,
+        targets: Sequence[str] = (),
     ) -> GateOutcome:
-        """Gate 4: on a copy of the task, the reference body makes the whole suite green."""
+        """Gate 4: on a copy of the task, the reference makes every ``passing`` test pass.
+
+        ``original``: the untouched text of the files the change touched; when the
+        reference gives exactly those back, only ``targets`` run (gate 1 saw the rest pass
+        on these very files), else the whole suite.
+        """
         scratch = make_shared_tempdir("composer-replication-restore-")
         try:
             copy = scratch / "work"
             shutil.copytree(task_dir, copy, symlinks=True)
             try:
+                solved = reference.solved_files(copy)
                 apply_reference(copy, reference)
             except ValueError as exc:
                 return GateOutcome(GATE_RESTORE, False, f"reference does not apply: {exc}")
-            result = self._run(copy, self.test_command)
-            still_red = sorted(t for t in passing if result.outcomes.get(t) != "passed")
-            if result.timed_out or not result.ok or still_red:
+            exact = original is not None and bool(targets) and solved == dict(original)
+            result = self._run(copy, targets if exact else ())
+            expected = targets if exact else passing
+            still_red = sorted(t for t in expected if result.outcomes.get(t) != "passed")
+            if result.timed_out or still_red or result.infrastructure_error:
                 return GateOutcome(
                     GATE_RESTORE,
                     False,
@@ -159,12 +263,21 @@ class SolvabilityValidator:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def validate(
-        self, task_dir: Path, reference: TaskReference, passing: Collection[str]
+        self,
+        task_dir: Path,
+        reference: TaskReference,
+        baseline: Baseline,
+        *,
+        original: Mapping[str, str] | None = None,
     ) -> list[GateOutcome]:
-        """Gates 2-4 in order, stopping at the first that fails (gate 1 is per repository)."""
-        outcomes = [self.targets_red(task_dir, passing)]
-        if outcomes[-1].passed:
-            outcomes.append(self.collection_ok(task_dir))
-        if outcomes[-1].passed:
-            outcomes.append(self.reference_restores(task_dir, reference, passing))
-        return outcomes
+        """Gates 2-4 in order, stopping at the first that fails (gate 1 is per repository);
+        the first outcome, when it passed, holds the FAIL_TO_PASS tests and their run."""
+        red, collect = self.targets_red(task_dir, baseline)
+        if not red.passed:
+            return [red]
+        if not collect.passed:
+            return [red, collect]
+        restore = self.reference_restores(
+            task_dir, reference, baseline.passing, original=original, targets=red.tests
+        )
+        return [red, collect, restore]

@@ -24,12 +24,12 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from composer_replication.config.environments import builtin_environment
-from composer_replication.datagen.feature_deletion import AgentBudgets, generate_tasks
+from composer_replication.datagen.generation import AgentBudgets, generate_tasks
 from composer_replication.envs.fd_tools import DEFAULT_TOOLS
 
 __all__ = [
@@ -43,10 +43,20 @@ __all__ = [
 #: repositories shipped in the package, by name
 SHIPPED_REPOSITORIES = ("smallkit",)
 #: options that say how tasks are made from ``repo`` (read here, not by the environment)
-GENERATION_OPTIONS = ("repo", "max_tasks", "environment", "wheelhouse")
+GENERATION_OPTIONS = (
+    "repo",
+    "max_tasks",
+    "environment",
+    "wheelhouse",
+    "kind",
+    "bug_kinds",
+    "bugs_per_function",
+    "combined_bugs",
+    "bug_seed",
+)
 _MARKER = ".complete.json"
 # bump when generation changes what a task holds: older caches are then made again
-_GENERATION_VERSION = 2
+_GENERATION_VERSION = 3
 _SKIP = frozenset({".git", "__pycache__", ".pytest_cache", ".venv", ".tox"})
 
 
@@ -89,8 +99,14 @@ def repository_tasks(
     wheelhouse: str | None = None,
     cache_root: Path | None = None,
     say: Callable[[str], None] | None = None,
+    kind: str = "deletion",
+    bug_kinds: Sequence[str] | None = None,
+    bugs_per_function: int = 2,
+    combined_bugs: int = 0,
+    bug_seed: int = 0,
 ) -> Path:
-    """The task file of ``repo``'s tasks for these budgets and split, generated on first use.
+    """The task file of ``repo``'s tasks of ``kind`` ("deletion" or "bugs", with the bug
+    options of ``generate_tasks``) for these budgets and split, generated on first use.
 
     Raises:
         ValueError: an unknown repository; a repository that yields no task (the reason of
@@ -109,9 +125,19 @@ def repository_tasks(
         "max_tasks": max_tasks,
         "environment": environment,
         "wheelhouse": wheelhouse,
+        "kind": kind,
+        "bugs": {
+            "kinds": sorted(bug_kinds) if bug_kinds else None,
+            "per_function": bugs_per_function,
+            "combined": combined_bugs,
+            "seed": bug_seed,
+        }
+        if kind == "bugs"
+        else None,
     }
     key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()[:12]
-    folder = (cache_root or cache_dir() / "tasks") / f"{root.name}-{key}"
+    name = root.name if kind == "deletion" else f"{root.name}-{kind}"
+    folder = (cache_root or cache_dir() / "tasks") / f"{name}-{key}"
     task_file = folder / "tasks.jsonl"
     if (folder / _MARKER).is_file():
         return task_file
@@ -120,9 +146,16 @@ def repository_tasks(
         fcntl.flock(lock, fcntl.LOCK_EX)  # one generation at a time (ranks, parallel runs)
         if (folder / _MARKER).is_file():  # made while we waited
             return task_file
+        kinds = {
+            "kind": kind,
+            "bug_kinds": bug_kinds,
+            "bugs_per_function": bugs_per_function,
+            "combined_bugs": combined_bugs,
+            "seed": bug_seed,
+        }
         return _generate(
             repo, root, folder, key_source, split, budgets, tokenizer, max_tasks,
-            environment, wheelhouse, say,
+            environment, wheelhouse, say, kinds,
         )  # fmt: skip
 
 
@@ -138,6 +171,7 @@ def _generate(
     environment: str,
     wheelhouse: str | None,
     say: Callable[[str], None],
+    kinds: Mapping[str, Any],
 ) -> Path:
     from composer_replication.sandbox.local import LocalSubprocessSandbox
     from composer_replication.sandbox.workdir import quota_fitting
@@ -171,6 +205,7 @@ def _generate(
             environment=environment,
             wheelhouse=wheelhouse,
             say=say,
+            **kinds,
         )
         if not report.accepted:
             raise ValueError(

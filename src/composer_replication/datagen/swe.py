@@ -45,7 +45,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from composer_replication.datagen.feature_deletion import (
+from composer_replication.datagen.gates import (
+    DEFAULT_TEST_COMMAND,
+    GATE_SOLVABLE,
+    GateOutcome,
+    SandboxFactory,
+    _tail,
+)
+from composer_replication.datagen.generation import (
     AgentBudgets,
     ProgressCallback,
     ReferenceSolver,
@@ -54,13 +61,6 @@ from composer_replication.datagen.feature_deletion import (
     _write_candidates,
     candidates_path,
     check_outputs,
-)
-from composer_replication.datagen.gates import (
-    DEFAULT_TEST_COMMAND,
-    GATE_SOLVABLE,
-    GateOutcome,
-    SandboxFactory,
-    _tail,
 )
 from composer_replication.datagen.repository_checkout import (
     GATE_REPOSITORY,

@@ -84,7 +84,8 @@ class ReferenceEpisodes:
             path = workdir / rel
             return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
-        needed = reference_calls(edits, (), read=self.reference_reads)
+        diagnose = task.kind == "bug"  # a bug report: run the failing tests first
+        needed = reference_calls(edits, (), read=self.reference_reads, diagnose=diagnose)
         missing = {name for name, _ in needed} - set(self.tools)
         if missing:
             raise ValueError(
@@ -92,7 +93,11 @@ class ReferenceEpisodes:
                 f"environment does not offer (tools = {sorted(self.tools)})"
             )
         return reference_calls(
-            edits, task.target_tests, line_counts=line_count, read=self.reference_reads
+            edits,
+            task.target_tests,
+            line_counts=line_count,
+            read=self.reference_reads,
+            diagnose=diagnose,
         )
 
     def solve_with_reference(

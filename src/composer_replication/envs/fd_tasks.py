@@ -27,6 +27,7 @@ __all__ = [
     "FDTask",
     "TaskReference",
     "apply_reference",
+    "delete_body",
     "find_candidates",
     "make_stub",
     "make_task_id",
@@ -85,9 +86,16 @@ class FDTask:
         reference_cost: What the scripted reference agent needed when the task was
             accepted (``turns``, ``max_reply_tokens``, ``total_tokens``) and with what
             (``tool_format``, ``tokenizer``, ``tools``); a run checks its budgets against it.
-        kind: "feature_deletion" (a deleted body) or "swe" (an imported issue).
+        kind: "feature_deletion" (a deleted body), "bug" (an injected bug) or "swe" (an
+            imported issue).
         graded_tests: The tests the final grading runs (empty: the whole suite); every
             target and passing test must be among them.
+        bug_kind: What an injected bug is (``datagen.bug_kinds``: "flip_operator", ...;
+            two combined as "a+b"); None for other kinds.
+
+    ``target_tests`` are the task's FAIL_TO_PASS tests and ``passing_tests`` minus them its
+    PASS_TO_PASS tests (SWE-bench's names, arXiv 2310.06770): the task file carries both
+    lists under those names too (``to_json``), for tools that read SWE-style instances.
     """
 
     task_id: str
@@ -108,13 +116,27 @@ class FDTask:
     reference_cost: dict[str, Any] | None = None
     kind: str = "feature_deletion"
     graded_tests: tuple[str, ...] = ()
+    bug_kind: str | None = None
+
+    @property
+    def fail_to_pass(self) -> tuple[str, ...]:
+        """Tests that fail before the fix and must pass after it."""
+        return self.target_tests
+
+    @property
+    def pass_to_pass(self) -> tuple[str, ...]:
+        """Tests that pass before the fix and must still pass after it."""
+        targets = set(self.target_tests)
+        return tuple(t for t in self.passing_tests if t not in targets)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {key: list(getattr(self, key)) for key in _TUPLE_FIELDS}
+        lists = {key: list(getattr(self, key)) for key in _TUPLE_FIELDS}
+        derived = {"FAIL_TO_PASS": list(self.fail_to_pass), "PASS_TO_PASS": list(self.pass_to_pass)}
+        return asdict(self) | lists | derived
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FDTask:
-        fields = dict(data)
+        fields = {k: v for k, v in data.items() if k not in _DERIVED_FIELDS}
         for key in _TUPLE_FIELDS:
             if key in fields:
                 fields[key] = tuple(fields[key])
@@ -131,6 +153,8 @@ class FDTask:
 
 
 _TUPLE_FIELDS = ("target_tests", "passing_tests", "files", "test_files", "graded_tests")
+# written for SWE-style readers, read back from target_tests and passing_tests
+_DERIVED_FIELDS = frozenset({"FAIL_TO_PASS", "PASS_TO_PASS"})
 
 
 @dataclass(frozen=True)
@@ -266,16 +290,15 @@ def find_candidates(
     return found
 
 
-def make_stub(root: Path, candidate: Candidate) -> TaskReference:
-    """Replace the candidate's body in `root` by a raising stub; return the reference."""
-    path = root / candidate.file
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+def delete_body(text: str, candidate: Candidate) -> tuple[str, TaskReference]:
+    """``text`` (the candidate's file) with its body replaced by a raising stub, and the
+    reference that puts it back."""
+    lines = text.splitlines(keepends=True)
     body = "".join(lines[candidate.body_start - 1 : candidate.body_end])
     message = f"{candidate.qualname} was removed; restore it"
     stub = f"{candidate.indent}raise {STUB_EXCEPTION}({message!r})\n"
     lines[candidate.body_start - 1 : candidate.body_end] = [stub]
-    path.write_text("".join(lines), encoding="utf-8")
-    return TaskReference(
+    reference = TaskReference(
         task_id="",
         file=candidate.file,
         start_line=candidate.body_start,
@@ -283,6 +306,15 @@ def make_stub(root: Path, candidate: Candidate) -> TaskReference:
         stub=stub,
         body=body if body.endswith("\n") else body + "\n",
     )
+    return "".join(lines), reference
+
+
+def make_stub(root: Path, candidate: Candidate) -> TaskReference:
+    """Replace the candidate's body in `root` by a raising stub; return the reference."""
+    path = root / candidate.file
+    text, reference = delete_body(path.read_text(encoding="utf-8"), candidate)
+    path.write_text(text, encoding="utf-8")
+    return reference
 
 
 def apply_reference(workdir: str | os.PathLike[str], reference: TaskReference) -> None:

@@ -172,11 +172,17 @@ def reference_calls(
     *,
     line_counts: Callable[[str], int] | None = None,
     read: bool = True,
+    diagnose: bool = False,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """The reference agent's episode as ``(tool, arguments)`` calls: per edited file, read
-    the lines around its changes (unless ``read`` is False: the task's prompt shows them);
-    each ``replace``; ``run_tests`` on the target tests' files; ``finish``."""
+    """The reference agent's episode as ``(tool, arguments)`` calls: ``run_tests`` on the
+    target tests' files first when ``diagnose`` (a bug report: see the failure before
+    looking for its cause); per edited file, read the lines around its changes (unless
+    ``read`` is False: the task's prompt shows them); each ``replace``; ``run_tests`` on the
+    target tests' files; ``finish``."""
+    tests = list(dict.fromkeys(t.split("::", 1)[0] for t in target_tests))  # their files
     calls: list[tuple[str, dict[str, Any]]] = []
+    if diagnose:
+        calls.append(("run_tests", {"tests": tests} if tests else {}))
     for path in dict.fromkeys(e.path for e in edits if e.old and read):
         spans = [e for e in edits if e.path == path]
         start = max(1, spans[0].first_line - READ_CONTEXT)
@@ -190,7 +196,6 @@ def reference_calls(
             continue
         old, new = _strip_line_end(edit)
         calls.append(("replace", {"path": edit.path, "old": old, "new": new}))
-    tests = list(dict.fromkeys(t.split("::", 1)[0] for t in target_tests))  # their files
     calls.append(("run_tests", {"tests": tests} if tests else {}))
     calls.append(("finish", {}))
     return calls

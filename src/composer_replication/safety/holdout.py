@@ -7,8 +7,11 @@ fed back (Shumailov et al., Nature 2024). Held-out tests alone help only a littl
 arXiv 2511.21654); this split is one layer of defence in depth.
 
 Membership is a pure function of `(salt, task_id, heldout_fraction)`: the first 8 bytes of
-`sha256(salt + "\\x00" + task_id)` read as a big-endian integer, divided by 2**64, give a
-uniform number u in [0, 1); the task is held out iff u < heldout_fraction. Unlike Python's
+`sha256(salt + "\\x00" + group)` read as a big-endian integer, divided by 2**64, give a
+uniform number u in [0, 1); the task is held out iff u < heldout_fraction. The group is the
+task id up to its first ``#`` (the whole id when it has none): tasks made from one source
+(the bugs injected into one function, ``fd:<repo>:<file>:<function>#bug:...``) share their
+group, so they are held out together and one never trains on what another evaluates. Unlike Python's
 `hash()` this is the same in every process, on every machine and Python version. Raising the
 fraction only moves tasks from train to held-out, never back.
 
@@ -36,6 +39,7 @@ __all__ = [
     "HeldoutSplit",
     "HeldoutSplitMismatch",
     "check_same_split",
+    "split_group",
 ]
 
 #: The project's split: a run config's `heldout_fraction` / `heldout_salt` defaults.
@@ -69,6 +73,11 @@ class HeldoutLeakError(ValueError):
 
     def __reduce__(self) -> tuple[type[HeldoutLeakError], tuple[list[str]]]:
         return (type(self), (self.task_ids,))
+
+
+def split_group(task_id: str) -> str:
+    """The part of ``task_id`` the split decides by: up to its first ``#``."""
+    return task_id.split("#", 1)[0]
 
 
 def _require_ids(task_ids: Iterable[str]) -> list[str]:
@@ -113,7 +122,8 @@ class HeldoutSplit:
 
     def bucket(self, task_id: str) -> float:
         """The id's stable pseudo-random position u in [0, 1); held out iff u < fraction."""
-        digest = hashlib.sha256(f"{self.salt}\x00{_require_id(task_id)}".encode()).digest()
+        group = split_group(_require_id(task_id))
+        digest = hashlib.sha256(f"{self.salt}\x00{group}".encode()).digest()
         return int.from_bytes(digest[:8], "big") / 2.0**64
 
     def is_heldout(self, task_id: str) -> bool:

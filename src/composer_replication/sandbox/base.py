@@ -155,6 +155,9 @@ class TestRunResult:
             start, fork or mount), or None: such a run says nothing about the code under test.
         behaviour_flags: What the behaviour guard saw the code under test do and refused
             (``sandbox.behaviour_guard``), for guarded runs; empty otherwise.
+        failures: Test id -> what the runner reported of its failure or error (the
+            assertion message and the traceback, capped; the first failing tests only),
+            for a problem statement written from failing tests. Not in ``to_dict``.
     """
 
     __test__ = False  # not a pytest test class despite the name
@@ -171,6 +174,7 @@ class TestRunResult:
     duration_s: float = 0.0
     infrastructure_error: str | None = None
     behaviour_flags: tuple[str, ...] = ()
+    failures: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -328,15 +328,34 @@ def _report_options(junit_path: str) -> list[str]:
     ]  # fmt: skip
 
 
+#: How many failing tests a report keeps the failure text of, and how much of each.
+MAX_FAILURES_KEPT = 100
+MAX_FAILURE_CHARS = 4000
+
+
 @dataclass(frozen=True)
 class JunitReport:
-    """Counts and per-test outcomes read from one junit-xml file."""
+    """Counts and per-test outcomes read from one junit-xml file, with what was reported of
+    the first ``MAX_FAILURES_KEPT`` failures and errors (message, then traceback)."""
 
     passed: int = 0
     failed: int = 0
     errors: int = 0
     skipped: int = 0
     outcomes: dict[str, str] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+def _failure_text(case: ET.Element) -> str:
+    """The message and traceback of a test case's failure or error element, capped."""
+    for child in case:
+        if child.tag in ("failure", "error"):
+            # the body is the traceback pytest printed (with the message in its E lines)
+            text = (child.text or "").strip() or (child.get("message") or "").strip()
+            if len(text) > MAX_FAILURE_CHARS:  # the end holds the innermost frame
+                text = "...\n" + text[-MAX_FAILURE_CHARS:]
+            return text
+    return ""
 
 
 def _nodeid(case: ET.Element) -> str:
@@ -369,6 +388,7 @@ def parse_junit(path: str | os.PathLike[str]) -> JunitReport | None:
         except ET.ParseError:
             return None
     outcomes: dict[str, str] = {}
+    failures: dict[str, str] = {}
     for case in root.iter("testcase"):
         tags = {child.tag for child in case}
         if "failure" in tags:
@@ -383,6 +403,10 @@ def parse_junit(path: str | os.PathLike[str]) -> JunitReport | None:
         previous = outcomes.get(nodeid)
         if previous is None or _SEVERITY[outcome] > _SEVERITY[previous]:
             outcomes[nodeid] = outcome
+            if outcome in ("failed", "error") and (
+                nodeid in failures or len(failures) < MAX_FAILURES_KEPT
+            ):
+                failures[nodeid] = _failure_text(case)
     counts = {o: 0 for o in _SEVERITY}
     for outcome in outcomes.values():
         counts[outcome] += 1
@@ -392,6 +416,7 @@ def parse_junit(path: str | os.PathLike[str]) -> JunitReport | None:
         errors=counts["error"],
         skipped=counts["skipped"],
         outcomes=outcomes,
+        failures=failures,
     )
 
 
@@ -485,4 +510,5 @@ def result_of_tests(
         duration_s=outcome.duration_s,
         infrastructure_error=infrastructure_error,
         behaviour_flags=tuple(parse_guard_flags(outcome.text())) if entry.guarded else (),
+        failures=dict(report.failures),
     )

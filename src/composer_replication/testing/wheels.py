@@ -85,11 +85,29 @@ def installed_wheel(house: Path, name: str) -> Path:
     return wheel
 
 
+def _requirements_here(root: str) -> list[str]:
+    """``root`` and the distributions it requires as installed here (markers evaluated, no
+    extras), by name."""
+    from packaging.requirements import Requirement  # pytest's own dependency
+
+    names: dict[str, str] = {}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in names:
+            continue
+        names[key] = name
+        for spec in metadata.requires(name) or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(names.values())
+
+
 def runner_wheels(house: Path) -> list[Path]:
     """Wheels of pytest, everything it requires here, and setuptools (the build backend of
     the test repositories), in ``house``: what a repository environment needs offline
     beyond the repository's own dependencies."""
-    from composer_replication.sandbox.pytest_support import bundle_distributions
-
-    names = [d.metadata["Name"] for d in bundle_distributions()] + ["setuptools"]
-    return [installed_wheel(house, name) for name in dict.fromkeys(names)]
+    names = [*_requirements_here("pytest"), "setuptools"]
+    return [installed_wheel(house, name) for name in names]
