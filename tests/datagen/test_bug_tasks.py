@@ -16,7 +16,6 @@ from composer_replication.datagen.generation import generate_tasks
 from composer_replication.envs.fd_tasks import FDTask, TaskReference, read_jsonl_records
 from composer_replication.safety.holdout import HeldoutSplit, split_group
 from composer_replication.sandbox.local import LocalSubprocessSandbox
-from composer_replication.sandbox.pytest_support import parse_junit
 
 FD_REPO = Path(__file__).resolve().parents[1] / "fixtures" / "fd_repo"
 
@@ -27,12 +26,12 @@ def test_g():
 >       assert g(0) == 1
                ^^^^
 
-tests/test_x.py:5: 
-_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ 
+tests/test_x.py:5:
+_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _
 pkg/mod.py:7: in g
     return h(y)
            ^^^^
-_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ 
+_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _
 
 x = 1
 
@@ -55,13 +54,13 @@ THROUGH_A_LIBRARY = """\
 def test_j():
 >       j({})
 
-tests/test_j.py:3: 
-_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ 
+tests/test_j.py:3:
+_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _
 src/pkg/enc.py:11: in j
     return json.dumps(value, default=self.hook)
 /usr/lib/python3.11/json/__init__.py:238: in dumps
     **kw).encode(obj)
-_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ 
+_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _
 
 >   raise TypeError(o)
 E   TypeError: {}
@@ -136,7 +135,8 @@ def test_bug_tasks_from_a_repository_pass_every_gate(shared_dir: Path) -> None:
     tried = [r for r in rows if r["outcome"] != "not_tried"]
     assert all(r["kind"] == "bug" and r["change"] for r in tried)
     refs = {
-        r["task_id"]: TaskReference.from_json(r) for r in read_jsonl_records(report.reference_output)
+        r["task_id"]: TaskReference.from_json(r)
+        for r in read_jsonl_records(report.reference_output)
     }
     for task in (FDTask.from_json(r) for r in read_jsonl_records(out)):
         assert task.kind == "bug" and task.bug_kind

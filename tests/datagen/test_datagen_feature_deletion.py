@@ -212,10 +212,13 @@ def test_failing_and_flaky_tests_are_excluded_from_grading_not_fatal(shared_dir:
     assert task.target_tests == tuple(EXPECTED_TARGETS["mean"])
     graded = set(task.passing_tests)
     assert len(graded) == 14
-    assert not {
-        "tests/test_stats.py::test_broken_on_purpose",
-        "tests/test_stats.py::test_flaky_on_purpose",
-    } & graded
+    assert (
+        not {
+            "tests/test_stats.py::test_broken_on_purpose",
+            "tests/test_stats.py::test_flaky_on_purpose",
+        }
+        & graded
+    )
     # the task file carries SWE-bench's lists too
     (row,) = read_jsonl_records(report.output)
     assert row["FAIL_TO_PASS"] == list(task.target_tests)

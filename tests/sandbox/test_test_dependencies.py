@@ -82,7 +82,11 @@ def test_requirement_files_named_for_tests(tmp_path: Path) -> None:
     )
     plan = plan_dependencies(repo)
     names = [p.relative_to(repo.resolve()).as_posix() for p in plan.files]
-    assert names == ["requirements-tests39.txt", "requirements/testing.txt", "tests/requirements.txt"]
+    assert names == [
+        "requirements-tests39.txt",
+        "requirements/testing.txt",
+        "tests/requirements.txt",
+    ]
     assert plan.static_dependencies is None  # setup.py: only the build backend knows
 
 
