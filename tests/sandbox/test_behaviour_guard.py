@@ -215,6 +215,12 @@ IDENTITY_ATTACKS = {
         "import _pytest.skipping as _s\n_s.isinstance = lambda *a: True\n" + WRONG,
         "pytest_tampered: _pytest.skipping.isinstance was added",
     ),
+    "added-class": (
+        "import _pytest.doctest as _d\n"
+        "class _Runner:\n    def run(self, *a, **k):\n        return None\n"
+        "_d.RUNNER_CLASS = _Runner\n" + WRONG,
+        "pytest_tampered: _pytest.doctest.RUNNER_CLASS was added",
+    ),
     "function-defaults": (
         "import _pytest.runner as _r\n_r.call_and_report.__defaults__ = (False,)\n" + WRONG,
         "pytest_tampered: code under test set __defaults__ of _pytest.runner.call_and_report",
@@ -228,6 +234,29 @@ def _guarded(workdir: Path, files: dict[str, str], command: str = "python -m pyt
         (workdir / rel).write_text(text)
     spec = GuardSpec(protected=("tests/test_calc.py",), candidates=tuple(files))
     return LocalSubprocessSandbox(workdir, exec_timeout_s=60).run_tests(command, (), guard=spec)
+
+
+DOCTESTED = '''def add(a, b):
+    """
+    >>> add(1, 2)
+    3
+    """
+    return a + b
+'''
+
+
+def test_the_classes_pytest_makes_for_doctests_are_its_own_not_tampering(workdir: Path):
+    # pytest adds _pytest.doctest.RUNNER_CLASS and CHECKER_CLASS when the first doctest
+    # runs: classes of its own files, never a flag
+    (workdir / "tests" / "test_calc.py").write_text(TWO_TESTS)
+    (workdir / "calc.py").write_text(DOCTESTED)
+    spec = GuardSpec(protected=("tests/test_calc.py",), candidates=("calc.py",))
+    result = LocalSubprocessSandbox(workdir, exec_timeout_s=60).run_tests(
+        "python -m pytest -q --doctest-modules", (), guard=spec
+    )
+    assert result.behaviour_flags == (), result.output[-2000:]
+    assert result.outcomes["calc.py::calc.add"] == "passed"
+    assert result.passed == 3
 
 
 def test_a_report_forging_patch_passes_without_the_guard(workdir: Path):

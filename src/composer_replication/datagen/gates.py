@@ -20,8 +20,10 @@ candidate change is accepted only if:
 
 Gates 2 and 3 read one run of the suite with the change; gate 4 runs only the FAIL_TO_PASS
 tests when the reference gives the original files back byte for byte (gate 1 already saw
-the rest pass on exactly those files), and the whole suite otherwise. Every gate runs the
-real test suite inside a sandbox from ``sandbox_factory``.
+the rest pass on exactly those files), and the whole suite otherwise. A run with a change
+gets ``CHANGE_TIME_FACTOR`` times the slowest baseline run (at least
+``MIN_CHANGE_TIMEOUT_S``): a bug that loops forever costs seconds, not the sandbox's whole
+limit. Every gate runs the real test suite inside a sandbox from ``sandbox_factory``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from composer_replication.sandbox.workdir import make_shared_tempdir
 
 __all__ = [
     "BASELINE_RUNS",
+    "CHANGE_TIME_FACTOR",
     "DEFAULT_TEST_COMMAND",
     "GATES",
     "GATE_SOLVABLE",
+    "MIN_CHANGE_TIMEOUT_S",
     "Baseline",
     "GateOutcome",
     "SandboxFactory",
@@ -57,6 +61,10 @@ GATES: tuple[str, ...] = (GATE_ORIGINAL, GATE_TARGETS, GATE_COLLECT, GATE_RESTOR
 DEFAULT_TEST_COMMAND = "python -m pytest -q"
 #: how often gate 1 runs the untouched suite (a test whose outcome differs is flaky)
 BASELINE_RUNS = 2
+#: a run with a change may take this many times the slowest baseline run ...
+CHANGE_TIME_FACTOR = 4.0
+#: ... and at least this long (seconds)
+MIN_CHANGE_TIMEOUT_S = 30.0
 
 # Builds a ready sandbox for a workdir (boot it inside the factory if the backend needs it).
 SandboxFactory = Callable[[Path], Sandbox]
@@ -71,11 +79,17 @@ class Baseline:
         excluded: Test id -> why it is not graded: "failed", "error", "skipped" (the same
             outcome every time) or "flaky" (outcomes that differ between runs).
         collection_errors: Test modules (file ids) that did not collect.
+        duration_s: The slowest run's wall-clock seconds.
     """
 
     passing: tuple[str, ...]
     excluded: Mapping[str, str] = field(default_factory=dict)
     collection_errors: frozenset[str] = frozenset()
+    duration_s: float = 0.0
+
+    def change_timeout_s(self) -> float:
+        """How long a run of the suite with a change may take."""
+        return max(MIN_CHANGE_TIMEOUT_S, CHANGE_TIME_FACTOR * self.duration_s)
 
     def excluded_counts(self) -> dict[str, int]:
         """How many tests are excluded, by reason (sorted by reason)."""
@@ -101,6 +115,7 @@ class Baseline:
             collection_errors=frozenset(
                 t for t, why in excluded.items() if why == "error" and "::" not in t
             ),
+            duration_s=max((run.duration_s for run in runs), default=0.0),
         )
 
 
@@ -155,8 +170,13 @@ class SolvabilityValidator:
         self.test_command = test_command
         self.baseline_runs = baseline_runs
 
-    def _run(self, workdir: Path, tests: Sequence[str] = ()) -> TestRunResult:
+    def _run(
+        self, workdir: Path, tests: Sequence[str] = (), timeout_s: float | None = None
+    ) -> TestRunResult:
         sandbox = self.sandbox_factory(workdir)
+        limit = getattr(sandbox, "exec_timeout_s", None)
+        if timeout_s is not None and isinstance(limit, float | int):
+            sandbox.exec_timeout_s = min(float(limit), timeout_s)
         try:
             return sandbox.run_tests(self.test_command, tuple(tests))
         finally:
@@ -194,7 +214,7 @@ class SolvabilityValidator:
     def targets_red(self, task_dir: Path, baseline: Baseline) -> tuple[GateOutcome, GateOutcome]:
         """Gates 2 and 3 from one run of the suite with the change: (the FAIL_TO_PASS tests,
         collection); the first carries the run."""
-        result = self._run(task_dir)
+        result = self._run(task_dir, timeout_s=baseline.change_timeout_s())
         if result.timed_out:
             failed = GateOutcome(GATE_TARGETS, False, "suite timed out with the change")
             return failed, failed
@@ -231,6 +251,7 @@ class SolvabilityValidator:
         *,
         original: Mapping[str, str] | None = None,
         targets: Sequence[str] = (),
+        timeout_s: float | None = None,
     ) -> GateOutcome:
         """Gate 4: on a copy of the task, the reference makes every ``passing`` test pass.
 
@@ -248,7 +269,7 @@ class SolvabilityValidator:
             except ValueError as exc:
                 return GateOutcome(GATE_RESTORE, False, f"reference does not apply: {exc}")
             exact = original is not None and bool(targets) and solved == dict(original)
-            result = self._run(copy, targets if exact else ())
+            result = self._run(copy, targets if exact else (), timeout_s=timeout_s)
             expected = targets if exact else passing
             still_red = sorted(t for t in expected if result.outcomes.get(t) != "passed")
             if result.timed_out or still_red or result.infrastructure_error:
@@ -278,6 +299,11 @@ class SolvabilityValidator:
         if not collect.passed:
             return [red, collect]
         restore = self.reference_restores(
-            task_dir, reference, baseline.passing, original=original, targets=red.tests
+            task_dir,
+            reference,
+            baseline.passing,
+            original=original,
+            targets=red.tests,
+            timeout_s=baseline.change_timeout_s(),
         )
         return [red, collect, restore]

@@ -67,8 +67,9 @@ class ReferenceEpisodes:
             ValueError: the reference needs a tool this environment does not offer.
         """
         task, workdir = self.tasks[task_id], self.workdirs[task_id]
+        reference = self.reference(task_id)
         edits = []
-        for rel, solved in self.reference(task_id).solved_files(workdir).items():
+        for rel, solved in reference.solved_files(workdir).items():
             path = workdir / rel
             before = path.read_text(encoding="utf-8") if path.is_file() else ""
             if solved is None:
@@ -84,8 +85,12 @@ class ReferenceEpisodes:
             path = workdir / rel
             return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
-        diagnose = task.kind == "bug"  # a bug report: run the failing tests first
-        needed = reference_calls(edits, (), read=self.reference_reads, diagnose=diagnose)
+        locate, spans = None, None
+        if task.kind == "bug":  # a bug report: find the function, read it whole
+            function = task.qualname.split("+", 1)[0].rsplit(".", 1)[-1]
+            locate = f"def {function}("
+            spans = {reference.file: (reference.start_line, reference.end_line)}
+        needed = reference_calls(edits, (), read=self.reference_reads, locate=locate)
         missing = {name for name, _ in needed} - set(self.tools)
         if missing:
             raise ValueError(
@@ -97,7 +102,8 @@ class ReferenceEpisodes:
             task.target_tests,
             line_counts=line_count,
             read=self.reference_reads,
-            diagnose=diagnose,
+            locate=locate,
+            read_spans=spans,
         )
 
     def solve_with_reference(

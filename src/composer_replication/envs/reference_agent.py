@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,21 +172,24 @@ def reference_calls(
     *,
     line_counts: Callable[[str], int] | None = None,
     read: bool = True,
-    diagnose: bool = False,
+    locate: str | None = None,
+    read_spans: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """The reference agent's episode as ``(tool, arguments)`` calls: ``run_tests`` on the
-    target tests' files first when ``diagnose`` (a bug report: see the failure before
-    looking for its cause); per edited file, read the lines around its changes (unless
-    ``read`` is False: the task's prompt shows them); each ``replace``; ``run_tests`` on the
-    target tests' files; ``finish``."""
-    tests = list(dict.fromkeys(t.split("::", 1)[0] for t in target_tests))  # their files
+    """The reference agent's episode as ``(tool, arguments)`` calls: ``search`` for
+    ``locate`` first when given (a bug report names a failing behaviour, not a place:
+    find the definition of the function it points at); per edited file, read the lines
+    around its changes, or ``read_spans[path]`` (first, last line: the whole function)
+    where given (unless ``read`` is False: the task's prompt shows them); each ``replace``;
+    ``run_tests`` on the target tests' files; ``finish``."""
     calls: list[tuple[str, dict[str, Any]]] = []
-    if diagnose:
-        calls.append(("run_tests", {"tests": tests} if tests else {}))
+    if locate:
+        calls.append(("search", {"pattern": locate}))
     for path in dict.fromkeys(e.path for e in edits if e.old and read):
         spans = [e for e in edits if e.path == path]
         start = max(1, spans[0].first_line - READ_CONTEXT)
         end = spans[-1].last_line + READ_CONTEXT
+        if read_spans and path in read_spans:
+            start, end = read_spans[path]
         if line_counts is not None:
             end = min(end, max(1, line_counts(path)))
         calls.append(("read_file", {"path": path, "start_line": start, "end_line": end}))
@@ -196,6 +199,7 @@ def reference_calls(
             continue
         old, new = _strip_line_end(edit)
         calls.append(("replace", {"path": edit.path, "old": old, "new": new}))
+    tests = list(dict.fromkeys(t.split("::", 1)[0] for t in target_tests))  # their files
     calls.append(("run_tests", {"tests": tests} if tests else {}))
     calls.append(("finish", {}))
     return calls

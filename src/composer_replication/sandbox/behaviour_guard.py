@@ -189,7 +189,13 @@ class _PytestIdentity:
 
     def own_code(self, value):
         """``value`` is a function-like object of pytest's or pluggy's own files (what
-        pytest itself installs at run time, e.g. its ``legacypath`` properties)."""
+        pytest itself installs at run time, e.g. its ``legacypath`` properties), or a class
+        whose functions all are (pytest makes its doctest runner and checker classes when
+        the first doctest runs)."""
+        if issubclass(type(value), type):
+            files = [_code_file(v) for v in list(_TYPE_DICT.__get__(value).values())]
+            files = [f for f in files if f is not None]
+            return bool(files) and all(f.startswith(self.own) for f in files)
         path = _code_file(value)
         if path is None:
             path = _module_file(value)
