@@ -25,7 +25,7 @@ def test_run_config_loads(path):
     assert cfg.envs and cfg.steps >= 1
     # <type>.toml or <type>_<variant>.toml, except the jobs sized for a machine and the
     # agentic recipes (a warm start, then composer)
-    if path.stem not in ("default", "embedded_long", "gpu", "agent", "agent_gpu"):
+    if path.stem not in ("default", "embedded_long", "gpu", "agent", "agent_gpu", "agent_bugs"):
         algo = cfg.envs[0].algorithm.type
         assert path.stem == algo or path.stem.startswith(f"{algo}_")
 

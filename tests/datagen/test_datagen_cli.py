@@ -48,8 +48,17 @@ def test_help_answers_without_running_anything() -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_datagen_twice_inside_the_repo_never_reads_its_own_outputs(fd_repo_copy: Path) -> None:
-    out = fd_repo_copy / "generated" / "tasks.jsonl"
+def test_datagen_twice_never_reads_its_own_outputs_and_never_writes_into_the_repo(
+    fd_repo_copy: Path,
+) -> None:
+    before = {p: p.read_bytes() for p in fd_repo_copy.rglob("*") if p.is_file()}
+    for inside in (fd_repo_copy / "generated" / "tasks.jsonl", fd_repo_copy / "pyproject.toml"):
+        refused = CliRunner().invoke(app, [str(fd_repo_copy), "-o", str(inside)])
+        assert refused.exit_code == 2, refused.output
+        assert "is inside the input folder" in refused.output
+        assert "Traceback" not in refused.output
+    assert {p: p.read_bytes() for p in fd_repo_copy.rglob("*") if p.is_file()} == before
+    out = fd_repo_copy.parent / "generated" / "tasks.jsonl"
     (fd_repo_copy / "notes.reference.md").write_text("a hidden answer\n")  # any *.reference.*
     args = [str(fd_repo_copy), "-o", str(out), "--max-tasks", "2"]
     for _ in range(2):
@@ -94,3 +103,20 @@ def test_datagen_refuses_unusable_outputs_before_any_work(shared_dir: Path) -> N
         assert result.exit_code == 2, result.output
         assert needle in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in shared_dir.iterdir()) == ["repo", "tasks.workdirs"]
+
+
+def test_a_module_that_does_not_parse_is_named(shared_dir: Path) -> None:
+    repo = shared_dir / "broken"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text("def add(a, b)\n    return a + b\n")
+    (repo / "tests" / "test_calc.py").write_text(
+        "from calc import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n"
+    )
+    result = CliRunner().invoke(
+        app, [str(repo), "-o", str(shared_dir / "out" / "t.jsonl"), "--environment", "system"]
+    )
+    assert result.exit_code == 1, result.output
+    assert "no candidate: calc.py does not parse (line 1: expected ':'); fix the syntax error" in (
+        " ".join(result.output.split())
+    )
+    assert "Traceback" not in result.output

@@ -72,6 +72,7 @@ from composer_replication.datagen.source_spans import (
     operator_between,
     split_lines,
 )
+from composer_replication.envs.fd_tasks import source_files
 from composer_replication.safety.hack_monitor import is_protected
 
 __all__ = ["BUG_KINDS", "Bug", "bugs_in_source", "combine", "find_bugs"]
@@ -183,9 +184,6 @@ _SIMPLE_STATEMENTS = (
     ast.ImportFrom,
     ast.Break,
     ast.Continue,
-)
-_SKIPPED_DIRS = frozenset(
-    {"build", "dist", "site-packages", "node_modules", "venv", "env", "__pycache__"}
 )
 
 
@@ -767,21 +765,6 @@ def bugs_in_source(source: str, file: str, *, kinds: Collection[str] = BUG_KINDS
     return bugs
 
 
-def _python_files(root: Path) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            name
-            for name in dirnames
-            if not name.startswith(".")
-            and name not in _SKIPPED_DIRS
-            and not name.endswith(".egg-info")
-        )
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            if name.endswith(".py") and not path.is_symlink() and path.is_file():
-                yield path
-
-
 def _pick(module: ModuleSource, sites: Sequence[Site], count: int, rng: random.Random) -> list[Bug]:
     """Up to ``count`` bugs from one function's sites: a shuffled order in which every
     kind's first site comes before any kind's second, checked lazily."""
@@ -823,7 +806,7 @@ def find_bugs(
     root_path = Path(root)
     excluded = {Path(name).as_posix() for name in exclude}
     bugs: list[Bug] = []
-    for path in _python_files(root_path):
+    for path in source_files(root_path):
         rel = path.relative_to(root_path).as_posix()
         if is_protected(rel) or rel in excluded:
             continue

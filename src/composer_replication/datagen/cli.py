@@ -106,7 +106,8 @@ def datagen_main(
         return 2
     try:
         output = check_outputs(
-            check_output(output, follow_symlinks=follow_symlinks, owns=("task_generation",))
+            check_output(output, follow_symlinks=follow_symlinks, owns=("task_generation",)),
+            input_dirs=[repo],
         )
         tokenizer = _tokenizer(model)
         factory = _sandbox_factory(repo, exec_timeout_s, docker_image)
@@ -157,10 +158,18 @@ def datagen_main(
     if Path(report.candidates_output).is_file():
         console.print(f"every candidate and its outcome: {report.candidates_output}")
     if not report.accepted:
+        why = "no task passed the gates"
+        if not report.candidates and report.unparsable:
+            (first, error), more = next(iter(report.unparsable.items())), len(report.unparsable)
+            why = (
+                f"no candidate: {first} does not parse ({error})"
+                + (f", and {more - 1} more files" if more > 1 else "")
+                + "; fix the syntax error"
+            )
         _error(
             console,
-            f"no task passed the gates: no task file written ({report.output} and its sibling "
-            "files left as they were)",
+            f"{why}: no task file written ({report.output} and its sibling files left as "
+            "they were)",
         )
         return 1
     console.print(f"tasks: {report.output}")
@@ -254,6 +263,10 @@ def _outcome_table(report: Any, table_type: Any) -> Any:
         table.add_row(
             f"rejected: {gate}", str(count), example[:110] + ("..." if len(example) > 110 else "")
         )
+    unparsable = getattr(report, "unparsable", {})
+    if unparsable:
+        rel, error = next(iter(unparsable.items()))
+        table.add_row("files not parsed", str(len(unparsable)), f"{rel}: {error}"[:110])
     return table
 
 
@@ -425,7 +438,9 @@ def import_tasks_main(
         return 2
     try:
         output = check_outputs(
-            check_output(output, follow_symlinks=follow_symlinks, owns=("task_generation",))
+            check_output(output, follow_symlinks=follow_symlinks, owns=("task_generation",)),
+            inputs=[instances],
+            input_dirs=[repos] if repos is not None else [],
         )
         tokenizer = _tokenizer(model)
     except (OutputError, ValueError) as exc:

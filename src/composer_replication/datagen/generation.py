@@ -73,6 +73,7 @@ from composer_replication.envs.fd_tasks import (
     output_paths,
     slug,
     split_record_path,
+    unparsable_files,
     write_heldout_tasks,
     write_references,
     write_split_record,
@@ -145,6 +146,8 @@ class GenerationReport:
         baseline_passing: Tests that passed both runs of the untouched suite (they grade).
         excluded: Tests excluded from grading by the baseline, counted by reason ("failed",
             "error", "skipped", "flaky").
+        unparsable: Source files that do not parse (no candidate comes from them): path ->
+            the syntax error.
         duration_s: Wall-clock seconds.
     """
 
@@ -166,6 +169,7 @@ class GenerationReport:
     kind: str = "deletion"
     baseline_passing: int = 0
     excluded: dict[str, int] = field(default_factory=dict)
+    unparsable: dict[str, str] = field(default_factory=dict)
     duration_s: float = 0.0
 
 
@@ -213,22 +217,30 @@ def _output_tree(out: Path) -> list[Path]:
     ]
 
 
-def check_outputs(output: str | os.PathLike[str]) -> Path:
+def check_outputs(
+    output: str | os.PathLike[str],
+    *,
+    inputs: Collection[str | os.PathLike[str]] = (),
+    input_dirs: Collection[str | os.PathLike[str]] = (),
+) -> Path:
     """Refuse, before any work, outputs the generation could not write (the project's output
     policy: a directory, device, FIFO or link where a file goes, an unwritable folder, a file
-    where the workdirs folder goes); returns the resolved training file path."""
+    where the workdirs folder goes, an input file, anything inside an input folder: the
+    repository); returns the resolved training file path."""
     from composer_replication.outputs import check_output, check_output_dir
 
     given = Path(output)
     # a generation rewrites its own outputs; those in the project's cache are the tasks of
     # a named repository (datagen.repository_tasks)
     owns = ("task_generation", "project_cache")
-    out = check_output(given, owns=owns).resolve()
+    sources = {"inputs": inputs, "input_dirs": input_dirs}
+    out = check_output(given, owns=owns, **sources).resolve()
     for path in _output_tree(out)[1:]:
         if path.name.endswith((".workdirs", ".envs")):
             check_output_dir(path, option=f"{path.suffix[1:]} folder")
+            check_output(path / "x", option="-o", owns=owns, **sources)  # not in an input
         else:
-            check_output(path, option="-o", owns=owns)
+            check_output(path, option="-o", owns=owns, **sources)
     return out
 
 
@@ -304,7 +316,7 @@ def generate_tasks(
         raise ValueError(f"kind = {kind!r}; use one of {', '.join(KINDS)}")
     say = say or (lambda _line: None)
     budgets = budgets or AgentBudgets()
-    out = check_outputs(output)
+    out = check_outputs(output, input_dirs=[repo_path])
     heldout_path, reference_path, workdirs = output_paths(out)
     own_outputs = _output_tree(out)  # never read back, even when -o is inside the repo
     rejected = dict.fromkeys((NOT_REFERENCED, *GATES), 0)
@@ -320,6 +332,7 @@ def generate_tasks(
         rows.append(_row(cand, "rejected", gate, reason))
 
     baseline = Baseline(passing=())
+    unparsable: dict[str, str] = {}
     scratch = make_shared_tempdir("composer-replication-fd-")
     try:
         base = scratch / "base"
@@ -349,6 +362,9 @@ def generate_tasks(
             )
         else:
             candidates = deletion_candidates(base, repo_path.name, exclude=protected)
+        unparsable = unparsable_files(base, exclude=protected)
+        for rel, error in unparsable.items():
+            say(f"not parsed, no candidate from it: {rel} ({error})")
         if only is not None:
             wanted = set(only)
             candidates = [
@@ -440,6 +456,7 @@ def generate_tasks(
         kind=kind,
         baseline_passing=len(baseline.passing),
         excluded=baseline.excluded_counts(),
+        unparsable=unparsable,
         duration_s=time.monotonic() - started,
     )
 

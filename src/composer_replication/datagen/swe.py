@@ -315,7 +315,9 @@ def import_instances(
     lines = _read_lines(source)
     if not lines:
         raise ValueError(f"instances file {str(source)!r} holds no instances")
-    out = check_outputs(output)
+    out = check_outputs(
+        output, inputs=[source], input_dirs=[Path(repos)] if repos is not None else []
+    )
     heldout_path, reference_path, workdirs = output_paths(out)
     importer = _Importer(
         out=out,

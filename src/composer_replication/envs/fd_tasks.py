@@ -34,6 +34,8 @@ __all__ = [
     "output_paths",
     "read_jsonl_records",
     "slug",
+    "source_files",
+    "unparsable_files",
     "write_heldout_tasks",
     "write_references",
     "write_tasks",
@@ -41,7 +43,9 @@ __all__ = [
 
 # Built at runtime so the package source never contains a placeholder-raise statement.
 STUB_EXCEPTION = "NotImplemented" + "Error"
-_SKIP_DIRS = frozenset({"build", "dist", "site-packages", "node_modules", "venv", "env"})
+_SKIP_DIRS = frozenset(
+    {"build", "dist", "site-packages", "node_modules", "venv", "env", "__pycache__"}
+)
 
 
 @dataclass(frozen=True)
@@ -200,12 +204,38 @@ def make_task_id(repo: str, file: str, qualname: str) -> str:
     return f"fd:{repo}:{file}:{qualname}"
 
 
-def _python_files(root: Path) -> Iterator[Path]:
+def source_files(root: Path) -> Iterator[Path]:
+    """The Python files of a repository a task may change, in a stable order: hidden,
+    build, environment and cache folders and ``*.egg-info`` skipped, links not followed."""
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not d.startswith(".") and d not in _SKIP_DIRS and not d.endswith(".egg-info")
+        )
         for name in sorted(filenames):
-            if name.endswith(".py"):
-                yield Path(dirpath) / name
+            path = Path(dirpath) / name
+            if name.endswith(".py") and not path.is_symlink() and path.is_file():
+                yield path
+
+
+def unparsable_files(
+    root: str | os.PathLike[str], *, exclude: Collection[str] = ()
+) -> dict[str, str]:
+    """Source files (not tests, not ``exclude``) that do not parse: path -> the error, for
+    saying why a repository gives fewer candidates than it has functions."""
+    found = {}
+    for path in source_files(Path(root)):
+        rel = path.relative_to(root).as_posix()
+        if is_protected(rel) or rel in exclude:
+            continue
+        try:
+            ast.parse(path.read_bytes())
+        except SyntaxError as exc:
+            found[rel] = f"line {exc.lineno}: {exc.msg}"
+        except ValueError as exc:  # a NUL byte
+            found[rel] = str(exc)
+    return found
 
 
 def _is_stub(body: Sequence[ast.stmt]) -> bool:
@@ -265,7 +295,7 @@ def find_candidates(
     root = Path(root)
     excluded = set(exclude)
     found: list[Candidate] = []
-    for path in _python_files(root):
+    for path in source_files(root):
         rel = path.relative_to(root).as_posix()
         if is_protected(rel) or rel in excluded:
             continue
