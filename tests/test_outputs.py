@@ -142,3 +142,19 @@ def test_files_other_commands_keep_are_refused_unless_the_command_owns_them(tmp_
     with pytest.raises(OutputError, match="record of the run"):
         check_output(run / "config.json", option="--json")
     assert check_output(tasks, owns=("task_generation",)) == tasks  # datagen rewrites its own
+
+
+def test_an_output_folder_that_is_a_link_is_refused_unless_followed(tmp_path: Path) -> None:
+    from composer_replication.outputs import check_output_dir
+
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(OutputError) as refused:
+        check_output_dir(link, option="--out")
+    assert str(refused.value) == (
+        f"--out {str(link)!r} is a symbolic link; pass the folder it points to "
+        f"({str(real)!r}) if that is where the files should go"
+    )
+    assert check_output_dir(link, follow_symlinks=True) == link

@@ -197,11 +197,19 @@ def check_output(
     return target
 
 
-def check_output_dir(path: str | os.PathLike[str], *, option: str = "--output-dir") -> Path:
+def check_output_dir(
+    path: str | os.PathLike[str], *, option: str = "--output-dir", follow_symlinks: bool = False
+) -> Path:
     """An output directory: absent (then its folder must be writable) or a writable
-    directory; a file, a device or an unwritable directory is an :class:`OutputError`."""
+    directory; a file, a device, an unwritable directory or (unless ``follow_symlinks``) a
+    symbolic link, whose writes would land elsewhere, is an :class:`OutputError`."""
     target = Path(path).expanduser()
     shown = repr(str(path))
+    if target.is_symlink() and not follow_symlinks:
+        raise OutputError(
+            f"{option} {shown} is a symbolic link; pass the folder it points to "
+            f"({str(target.resolve())!r}) if that is where the files should go"
+        )
     try:
         st = target.stat()
     except FileNotFoundError:

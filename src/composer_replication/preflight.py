@@ -327,7 +327,9 @@ def check_cache_dir() -> None:
     if root.is_dir():
         return
     try:
-        check_output_dir(root, option=f"the cache ({CACHE_ENV_VAR} or ~/.cache)")
+        check_output_dir(
+            root, option=f"the cache ({CACHE_ENV_VAR} or ~/.cache)", follow_symlinks=True
+        )
     except OutputError as err:
         raise UsageError(f"{err}; set {CACHE_ENV_VAR} to a folder you can write") from None
 

@@ -265,7 +265,27 @@ def test_gate2_rejects_deleting_an_uncovered_function(shared_dir: Path) -> None:
     )
 
 
-def test_static_preselection_skips_unreferenced_functions_without_a_run(shared_dir: Path) -> None:
+def test_preselection_skips_what_no_test_runs_without_a_gate_run(shared_dir: Path) -> None:
+    repo = _copy_repo(shared_dir)
+    report = generate_tasks(
+        repo,
+        shared_dir / "t.jsonl",
+        max_tasks=5,
+        sandbox_factory=_factory,
+        only=["reverse_words", "mean"],
+        environment="system",
+        split=None,
+    )
+    # the suite's coverage (one traced run) shows no test runs reverse_words
+    assert report.uncovered == 1 and report.candidates == 1 and report.accepted == 1
+    assert sum(report.rejected.values()) == 0
+
+
+def test_without_coverage_the_names_tests_mention_preselect(
+    shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a sandbox that cannot run the tracer (a container image without it): no coverage
+    monkeypatch.setattr(SolvabilityValidator, "covered_lines", lambda self, repo_dir: None)
     repo = _copy_repo(shared_dir)
     report = generate_tasks(
         repo,
@@ -275,6 +295,7 @@ def test_static_preselection_skips_unreferenced_functions_without_a_run(shared_d
         only=["reverse_words"],
         environment="system",
     )
+    assert report.uncovered is None
     assert report.rejected["not_referenced"] == 1
     assert sum(report.rejected[g] for g in GATES) == 0
 

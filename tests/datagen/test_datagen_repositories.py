@@ -91,8 +91,8 @@ def test_a_unittest_suite_in_tests_py_makes_tasks_and_stays_protected(shared_dir
     assert cost["turns"] == 4 and cost["tool_format"] == "text"
     rows = {r["qualname"]: r for r in read_jsonl_records(report.candidates_output)}
     assert rows["unused"] == {
-        "file": "calc.py", "qualname": "unused", "outcome": "rejected",
-        "gate": "not_referenced", "reason": "no test file mentions this name",
+        "file": "calc.py", "qualname": "unused", "outcome": "not_covered",
+        "gate": None, "reason": "no test runs the code it changes",
         "kind": "feature_deletion", "change": "body of unused (lines 13-13)",
     }  # fmt: skip
     assert rows["add"]["outcome"] == "accepted" and rows["add"]["n_targets"] == 1

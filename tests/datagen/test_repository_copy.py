@@ -37,7 +37,7 @@ def _every_text(folder: Path) -> str:
 
 
 @pytest.mark.integration
-def test_datagen_run_twice_into_the_repository_never_copies_the_first_runs_outputs() -> None:
+def test_an_earlier_generations_outputs_inside_the_repository_are_never_copied() -> None:
     root = make_shared_tempdir("cr-copy-test-")
     try:
         repo = root / "fd_repo"
@@ -45,7 +45,7 @@ def test_datagen_run_twice_into_the_repository_never_copies_the_first_runs_outpu
             FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache")
         )
         first = generate_tasks(
-            repo, repo / "gen1" / "tasks.jsonl", max_tasks=1, sandbox_factory=_factory,
+            repo, root / "gen1" / "tasks.jsonl", max_tasks=1, sandbox_factory=_factory,
             only=["median"], environment="system",
     )  # fmt: skip
         assert first.accepted == 1
@@ -54,10 +54,12 @@ def test_datagen_run_twice_into_the_repository_never_copies_the_first_runs_outpu
         # the first task's working copy holds every other body: mean's among them
         (median_copy,) = [p for p in workdirs.iterdir() if p.is_dir()]
         assert "def mean" in (median_copy / "textkit" / "stats.py").read_text()
-        # a task file moved away from its folder, under another name, is known too
+        # outputs can no longer be written into the repository, but an earlier
+        # generation's may have been moved there; a task file under another name, too
+        shutil.copytree(root / "gen1", repo / "gen1", symlinks=True)
         shutil.copy(repo / "gen1" / "tasks.heldout.jsonl", repo / "old_tasks.jsonl")
         second = generate_tasks(
-            repo, repo / "gen2" / "tasks.jsonl", max_tasks=1, sandbox_factory=_factory,
+            repo, root / "gen2" / "tasks.jsonl", max_tasks=1, sandbox_factory=_factory,
             only=["mean"], environment="system",
     )  # fmt: skip
         assert second.accepted == 1

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from composer_replication.trainer.run_lock import LOCK_NAME, RunDirectoryBusy, RunDirectoryLock
+from composer_replication.trainer.run_lock import (
+    LOCK_NAME,
+    RunDirectoryBusy,
+    RunDirectoryLock,
+    check_run_directory_free,
+)
 
 HOLD = textwrap.dedent(
     """
@@ -102,3 +107,47 @@ def test_train_refuses_a_directory_another_run_holds_and_leaves_it_as_it_was(
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["link", "folder", "fifo"])
+def test_a_lock_path_that_is_no_file_of_ours_is_refused_and_never_written_through(
+    tmp_path: Path, kind: str
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    elsewhere = tmp_path / "someone-elses-file"
+    elsewhere.write_text("precious\n")
+    lock_path = run_dir / LOCK_NAME
+    if kind == "link":
+        lock_path.symlink_to(elsewhere)
+    elif kind == "folder":
+        lock_path.mkdir()
+    else:
+        os.mkfifo(lock_path)
+    what = {"link": "a symbolic link", "folder": "a directory", "fifo": "a FIFO"}[kind]
+    for attempt in (RunDirectoryLock(run_dir).acquire, lambda: check_run_directory_free(run_dir)):
+        with pytest.raises(RunDirectoryBusy) as refused:
+            attempt()
+        message = str(refused.value)
+        assert (
+            f"the run's lock file {str(lock_path)!r} is {what}, not a file this command made"
+            in (message)
+        )
+        assert "\n" not in message
+    assert elsewhere.read_text() == "precious\n"
+
+
+@pytest.mark.integration
+def test_train_refuses_a_lock_file_that_links_elsewhere(tmp_path: Path) -> None:
+    from composer_replication.cli import app
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    elsewhere = tmp_path / "notes.txt"
+    elsewhere.write_text("precious\n")
+    (run_dir / LOCK_NAME).symlink_to(elsewhere)
+    result = CliRunner().invoke(app, ["train", "--output-dir", str(run_dir), "--set", "steps=1"])
+    assert result.exit_code == 2, result.output
+    assert "is a symbolic link, not a file this command made" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+    assert elsewhere.read_text() == "precious\n"

@@ -47,9 +47,12 @@ _SEPARATOR = re.compile(r"^(_ ){3,}_?$")
 _DEF = re.compile(r"^\s*(?:async\s+)?def\s+(?P<name>[A-Za-z_]\w*)\s*\(")
 
 
-def _modification(repo_name: str, bug: Bug, function: str | None = None) -> Modification:
+def _modification(
+    repo_name: str, bug: Bug, function: str | None = None, sites: tuple[int, ...] = ()
+) -> Modification:
     """The candidate of ``bug``; ``function``: the function whose deletion id groups it for
-    the held-out split (default: the bug's own; a combined bug's: its first function's)."""
+    the held-out split (default: the bug's own; a combined bug's: its first function's);
+    ``sites``: the lines it changes (default: the bug's line)."""
     function = function or bug.qualname
     original = bug.original.splitlines(keepends=True)
     buggy = bug.buggy.splitlines(keepends=True)
@@ -72,6 +75,7 @@ def _modification(repo_name: str, bug: Bug, function: str | None = None) -> Modi
         original={bug.file: bug.original},
         reference=reference,
         lines=(bug.start_line, bug.buggy_end_line),
+        sites=sites or (bug.line,),
         detail=bug.description,
         bug_kind=bug.kind,
     )
@@ -124,7 +128,7 @@ def bug_candidates(
         ]
         for a, b in rng.sample(options, min(combined, len(options))):
             first = min((a, b), key=lambda bug: bug.start_line)
-            pairs.append(_modification(repo_name, combine(a, b), first.qualname))
+            pairs.append(_modification(repo_name, combine(a, b), first.qualname, (a.line, b.line)))
     found = singles + pairs
     rng.shuffle(found)
     return found

@@ -49,6 +49,7 @@ def deletion_candidates(
                 original={cand.file: texts[cand.file]},
                 reference=reference,
                 lines=(cand.header_start, cand.body_start),
+                sites=tuple(range(cand.body_start, cand.body_end + 1)),
                 detail=f"body of {cand.qualname} (lines {cand.body_start}-{cand.body_end})",
             )
         )

@@ -211,6 +211,39 @@ class SolvabilityValidator:
             )
         return GateOutcome(GATE_ORIGINAL, True, tests=baseline.passing, baseline=baseline)
 
+    def covered_lines(self, repo_dir: Path) -> dict[str, frozenset[int]] | None:
+        """The lines of ``repo_dir``'s files that its untouched suite runs (one run under
+        ``sandbox.line_trace``), by repository-relative path; None when they could not be
+        known (a command that is not pytest, a sandbox that cannot run the tracer)."""
+        import json
+
+        from composer_replication.sandbox.pytest_support import (
+            line_trace_script,
+            traced_command,
+        )
+
+        output = ".cr-line-trace.json"
+        command = traced_command(self.test_command, str(line_trace_script()), output)
+        if command is None:
+            return None
+        sandbox = self.sandbox_factory(repo_dir)
+        try:
+            sandbox.exec({"command": command})
+        finally:
+            close = getattr(sandbox, "close", None)
+            if callable(close):
+                close()
+        found = repo_dir / output
+        try:
+            data = json.loads(found.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        finally:
+            found.unlink(missing_ok=True)
+        if not isinstance(data, dict):
+            return None
+        return {str(k): frozenset(int(n) for n in v) for k, v in data.items()}
+
     def targets_red(self, task_dir: Path, baseline: Baseline) -> tuple[GateOutcome, GateOutcome]:
         """Gates 2 and 3 from one run of the suite with the change: (the FAIL_TO_PASS tests,
         collection); the first carries the run."""

@@ -97,6 +97,8 @@ __all__ = [
 ]
 
 NOT_REFERENCED = "not_referenced"
+#: why a change where no test runs the code is never tried (not a rejection: never a candidate)
+UNCOVERED = "no test runs the code it changes"
 #: the kinds of task a repository gives: a deleted body to write again, a bug to fix
 KINDS = ("deletion", "bugs")
 ProgressCallback = Callable[[int, int, str], None]
@@ -148,6 +150,9 @@ class GenerationReport:
             "error", "skipped", "flaky").
         unparsable: Source files that do not parse (no candidate comes from them): path ->
             the syntax error.
+        uncovered: Changes proposed where no test runs the code (skipped without a run;
+            None: the suite's coverage could not be measured, and the function names the
+            tests mention preselect instead).
         duration_s: Wall-clock seconds.
     """
 
@@ -170,6 +175,7 @@ class GenerationReport:
     baseline_passing: int = 0
     excluded: dict[str, int] = field(default_factory=dict)
     unparsable: dict[str, str] = field(default_factory=dict)
+    uncovered: int | None = None
     duration_s: float = 0.0
 
 
@@ -333,6 +339,7 @@ def generate_tasks(
 
     baseline = Baseline(passing=())
     unparsable: dict[str, str] = {}
+    uncovered: int | None = None
     scratch = make_shared_tempdir("composer-replication-fd-")
     try:
         base = scratch / "base"
@@ -385,11 +392,22 @@ def generate_tasks(
             for cand in candidates:
                 reject(cand, GATE_ORIGINAL, gate1.reason)
             candidates = []
-        names = _referenced_names(base, protected) if static_preselect else set()
+        coverage = validator.covered_lines(base) if candidates and static_preselect else None
+        if coverage is not None:  # only where a test can notice the change
+            kept = [c for c in candidates if c.covered(coverage)]
+            for cand in candidates:
+                if not cand.covered(coverage):
+                    rows.append(_row(cand, "not_covered", None, UNCOVERED))
+            uncovered = len(candidates) - len(kept)
+            say(f"coverage: {len(kept)} of {len(candidates)} candidates change code a test runs")
+            candidates, total = kept, len(kept)
+        names = (
+            _referenced_names(base, protected) if static_preselect and coverage is None else set()
+        )
         solvers = _Solvers(sandbox_factory, budgets, tokenizer, scratch)
 
         def validate(cand: Modification) -> tuple[FDTask, TaskReference, Path] | GateOutcome:
-            if static_preselect and cand.name not in names:
+            if static_preselect and coverage is None and cand.name not in names:
                 return GateOutcome(NOT_REFERENCED, False, "no test file mentions this name")
             task = _try_candidate(
                 repo_path.name, cand, base, scratch, validator, baseline, discovered, options
@@ -457,6 +475,7 @@ def generate_tasks(
         baseline_passing=len(baseline.passing),
         excluded=baseline.excluded_counts(),
         unparsable=unparsable,
+        uncovered=uncovered,
         duration_s=time.monotonic() - started,
     )
 

@@ -9,7 +9,7 @@ untouched text and the hidden reference that undoes it (the inverse patch).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +33,8 @@ class Modification:
         reference: The hidden answer (its ``task_id`` is ``task_id``).
         lines: The changed function's first and last line in the changed file (1-based,
             decorators in).
+        sites: Lines of the untouched file whose running the change needs to be noticed
+            (a test that runs none of them cannot fail).
         detail: What the change is, for the candidates report (never shown to an agent).
         bug_kind: The injected bug's kind (None for other kinds).
     """
@@ -46,12 +48,18 @@ class Modification:
     original: Mapping[str, str]
     reference: TaskReference
     lines: tuple[int, int]
+    sites: tuple[int, ...] = ()
     detail: str = ""
     bug_kind: str | None = None
 
     def __post_init__(self) -> None:
         if self.reference.task_id != self.task_id:
             object.__setattr__(self, "reference", replace(self.reference, task_id=self.task_id))
+
+    def covered(self, lines: Mapping[str, Collection[int]]) -> bool:
+        """Whether a test runs one of its sites (``lines``: what the suite runs, by file)."""
+        ran = lines.get(self.file, ())
+        return any(line in ran for line in self.sites)
 
     def apply(self, workdir: Path) -> None:
         """Write the changed files into ``workdir`` (a copy of the repository)."""

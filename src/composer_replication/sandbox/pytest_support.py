@@ -58,11 +58,13 @@ __all__ = [
     "guard_site_dir",
     "guarded_command",
     "interpreter_bin_dir",
+    "line_trace_script",
     "parse_junit",
     "pytest_bundle_dir",
     "result_of_tests",
     "sandbox_python",
     "support_root",
+    "traced_command",
 ]
 
 _LOCK = threading.RLock()
@@ -198,6 +200,39 @@ def guard_site_dir() -> Path:
             os.chmod(partial, 0o644)
             os.replace(partial, target / "sitecustomize.py")
     return target
+
+
+def line_trace_script() -> Path:
+    """A world-readable copy of ``sandbox.line_trace`` (in ``support_root()``, which the
+    sandbox binds read-only): the tracer a test command can run under."""
+    from composer_replication.sandbox import line_trace
+
+    target = support_root() / "trace" / "line_trace.py"
+    with _LOCK:
+        if not target.is_file():
+            target.parent.mkdir(mode=0o755, exist_ok=True)
+            os.chmod(target.parent, 0o755)
+            partial = target.with_name("line_trace.py.partial")
+            shutil.copyfile(line_trace.__file__, partial)
+            os.chmod(partial, 0o644)
+            os.replace(partial, target)
+    return target
+
+
+def traced_command(test_command: str, script: str, output: str) -> str | None:
+    """``test_command`` (a pytest command) run under the line tracer ``script``, writing what
+    ran to ``output``; None for a command that is not pytest."""
+    tokens = shlex.split(test_command)
+    if not tokens:
+        return None
+    if os.path.basename(tokens[0]) in ("pytest", "py.test"):
+        rest = tokens[1:]
+    elif _is_python_word(tokens[0]) and tokens[1:3] == ["-m", "pytest"]:
+        rest = tokens[3:]
+    else:
+        return None
+    traced = ["python", script, ".", output, "-m", "pytest", "-p", "no:cacheprovider", *rest]
+    return shlex.join(traced)
 
 
 def guard_config(guard: GuardSpec, root: str | os.PathLike[str]) -> dict[str, str]:

@@ -83,7 +83,11 @@ class RunDirectoryLock:
             raise RuntimeError(f"the lock of {self.run_dir} is already held by this object")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            _check_lock_file(self.path)
+            try:  # never through a link: the file it names would be overwritten
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as err:
+                raise _unusable(self.path, err) from None
             try:
                 self._lock(fd)
                 # the holder before us may have removed the file between our open and our
@@ -142,6 +146,31 @@ class RunDirectoryLock:
         self.release()
 
 
+def _unusable(path: Path, err: OSError) -> RunDirectoryBusy:
+    return RunDirectoryBusy(
+        f"the run's lock file {str(path)!r} cannot be opened ({err.strerror}); remove it, or "
+        "give this run another output directory (--output-dir)"
+    )
+
+
+def _check_lock_file(path: Path) -> None:
+    """Refuse a lock path that is not a regular file (a link, a folder, a FIFO): the run
+    only ever writes its own plain file there."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        from composer_replication.outputs import file_kind
+
+        raise RunDirectoryBusy(
+            f"the run's lock file {str(path)!r} is {file_kind(st.st_mode)}, not a file this "
+            "command made; remove it, or give this run another output directory (--output-dir)"
+        )
+
+
 def _read(fd: int) -> str:
     try:
         return os.pread(fd, 4096, 0).decode("utf-8", errors="replace")
@@ -157,11 +186,12 @@ def check_run_directory_free(run_dir: str | os.PathLike[str]) -> None:
         RunDirectoryBusy: the directory, the holder, the fix.
     """
     path = Path(run_dir) / LOCK_NAME
+    _check_lock_file(path)
     if not path.is_file():
         return
     lock = RunDirectoryLock(run_dir)
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
         return  # gone meanwhile, or unreadable: the run's own lock decides
     try:
