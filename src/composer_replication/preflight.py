@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_replication.config.environments import BUILTIN_ENVIRONMENTS
+from composer_replication.config.identity import identity_difference, run_identity
 from composer_replication.errors import UsageError
 
 __all__ = [
@@ -144,7 +145,8 @@ def check_pairs_files(config: Any) -> None:
 
 def check_resume(config: Any, *, or_start: bool = False) -> bool:
     """Whether the run will resume: ``--resume`` needs a checkpoint in the run directory
-    (``or_start``: none means a new run), written with the same LoRA settings."""
+    (``or_start``: none means a new run), written by a run of the same identity
+    (``config.identity``: model, environments and their algorithms and tasks, loss, split)."""
     from composer_replication.trainer.checkpoint import CheckpointManager
 
     run_dir = Path(config.output_dir)
@@ -164,30 +166,31 @@ def check_resume(config: Any, *, or_start: bool = False) -> bool:
             f"--resume: no checkpoint in {str(run_dir / 'checkpoints')!r}; check --output-dir "
             "(or output_dir), or pass --resume-or-start to start a new run when there is none"
         )
-    recorded = run_dir / "config.json"
-    try:
-        saved = json.loads(recorded.read_text(encoding="utf-8"))["model"]
-    except (OSError, ValueError, KeyError, TypeError):
+    recorded = _recorded_identity(latest, run_dir / "config.json")
+    if recorded is None:
         return True  # no readable record: the checkpoint itself is checked on load
-    old, new = _lora_shape(saved.get("lora")), _lora_shape(config.model.model_dump()["lora"])
-    if old != new:
+    difference = identity_difference(recorded, run_identity(config.model_dump(mode="json")))
+    if difference is not None:
         raise UsageError(
-            f"--resume: the checkpoint in {str(run_dir)!r} was trained with model.lora "
-            f"{_shown(old)}, this config has {_shown(new)}: resume with the same LoRA "
-            "settings, or pass a new --output-dir"
+            f"--resume: the checkpoint in {str(run_dir)!r} belongs to another run ({difference}); "
+            f"resume with the settings it was written with ({str(run_dir / 'config.json')!r}), "
+            "or start a new run with another --output-dir"
         )
     return True
 
 
-def _lora_shape(lora: Any) -> tuple[Any, ...] | None:
-    """What decides the trainable parameters' names and shapes."""
-    if not isinstance(lora, dict):
+def _recorded_identity(checkpoint: Path, config_file: Path) -> dict[str, Any] | None:
+    """The identity a checkpoint was written with: its own record, else the run's config."""
+    from composer_replication.trainer.checkpoint import IDENTITY_FILE
+
+    try:
+        return json.loads((checkpoint / IDENTITY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    try:
+        return run_identity(json.loads(config_file.read_text(encoding="utf-8")))
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
-    return (lora.get("r"), tuple(sorted(lora.get("target_modules") or ())))
-
-
-def _shown(shape: tuple[Any, ...] | None) -> str:
-    return "off (full fine-tune)" if shape is None else f"r = {shape[0]} on {list(shape[1])}"
 
 
 def check_run(config: Any) -> None:

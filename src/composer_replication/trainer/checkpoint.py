@@ -23,6 +23,7 @@ split into the ranks' shards.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import re
 import shutil
@@ -200,6 +201,13 @@ def load_sharded(directory: Path, *, model: Any, optimizer: Any) -> None:
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optim"])
 
 
+def _write_identity(folder: Path, extra: dict[str, Any]) -> None:
+    """The run identity beside the state (readable without torch: ``--resume`` checks it
+    before anything loads)."""
+    if extra.get("identity") is not None:
+        (folder / IDENTITY_FILE).write_text(json.dumps(extra["identity"], sort_keys=True) + "\n")
+
+
 def _rank_rng(state: dict[str, Any], rank: int) -> dict[str, Any]:
     """This rank's RNG states in a checkpoint: its own when the checkpoint has them (same
     number of ranks or more), else a saved rank's (``rank`` modulo their number)."""
@@ -219,6 +227,10 @@ def _unreadable(file: Path, checkpoint: Path) -> Iterator[None]:
             f"checkpoint file {str(file)!r} cannot be read ({detail}): move {str(checkpoint)!r} "
             "away to resume from the checkpoint before it, or start a new run without --resume"
         ) from exc
+
+
+#: each checkpoint's record of the run identity it belongs to (``config.identity``)
+IDENTITY_FILE = "identity.json"
 
 
 class CheckpointManager:
@@ -281,6 +293,7 @@ class CheckpointManager:
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp / "trainable.safetensors"))
             torch.save(state, tmp / "state.pt")
+            _write_identity(tmp, extra)
 
         path = build_dir_atomically(self.path_for(step), write, replace=True)
         self._prune()
@@ -298,6 +311,7 @@ class CheckpointManager:
                 ranks.agree(str(tmp))  # where the other ranks write their shards
                 save_sharded(shards, tmp / SHARDED_DIR)
                 torch.save(state, tmp / "state.pt")
+                _write_identity(tmp, state["extra"])
 
             build_dir_atomically(self.path_for(step), write, replace=True)
             self._prune()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_replication import roles
 from composer_replication.algo.filters import TruncationFilter, ZeroAdvantageFilter
+from composer_replication.config.identity import identity_difference, run_identity
 from composer_replication.diloco.integration import NO_SYNC, diloco_context
 from composer_replication.distributed.data_parallel import (
     autocast_for,
@@ -29,6 +30,7 @@ from composer_replication.distributed.data_parallel import (
     merge_rollout_stats,
     start_data_parallel,
 )
+from composer_replication.errors import UsageError
 from composer_replication.inference.decoding.decode_memory import release_decode_buffers
 from composer_replication.inference.decoding.generate import derived_seed, seeded_rows
 from composer_replication.inference.engine import build_inference_engine
@@ -197,6 +199,7 @@ class Trainer:
 
     def extra_state(self) -> dict[str, Any]:
         return {
+            "identity": run_identity(self.config.model_dump(mode="json")),
             "curricula": [rt.curriculum.state_dict() for rt in self.runtimes],
             "algorithms": [rt.algorithm.state_dict() for rt in self.runtimes],
             "task_rng": self.task_rng.getstate(),
@@ -240,7 +243,21 @@ class Trainer:
         return True
 
     def restore(self, step: int, extra: dict[str, Any]) -> None:
-        """Continue from ``step`` with a checkpoint's extra state (weights already loaded)."""
+        """Continue from ``step`` with a checkpoint's extra state (weights already loaded).
+
+        Raises:
+            UsageError: the checkpoint belongs to a run of another identity (its model,
+                environments, algorithms, tasks, loss or split: ``config.identity``).
+        """
+        recorded = extra.get("identity")
+        if recorded is not None:
+            current = run_identity(self.config.model_dump(mode="json"))
+            difference = identity_difference(recorded, current)
+            if difference is not None:
+                raise UsageError(
+                    f"the checkpoint of step {step} belongs to another run ({difference}); "
+                    "resume with the settings it was written with, or start a new run"
+                )
         self.step = step
         for rt, state_dict in zip(self.runtimes, extra["curricula"]):
             rt.curriculum.load_state_dict(state_dict)
