@@ -130,6 +130,26 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "sub" / "rel.toml").write_text('steps = 1\n[model]\nsource = "tiny"\n')
     (root / "gen").mkdir()
     (root / "gen" / "tasks.jsonl").write_text('{"file": "a.py", "task_id": "fd:r:a.py:f"}\n')
+    configs = Path(__file__).resolve().parents[1] / "configs" / "runs"
+    (root / "agent.toml").write_text((configs / "agent.toml").read_text())
+    # a run of the default (python_functions, composer) with one checkpoint
+    from composer_replication.config import RunConfig
+
+    pf_step = root / "pf_run" / "checkpoints" / "step_000001"
+    pf_step.mkdir(parents=True)
+    (pf_step / "state.pt").write_bytes(b"x")
+    (pf_step / "trainable.safetensors").write_bytes(b"x")
+    recorded = RunConfig.default([f"output_dir={root / 'pf_run'}"]).model_dump(mode="json")
+    (root / "pf_run" / "config.json").write_text(json.dumps(recorded))
+    (root / "link_dir").symlink_to(root / "a_dir")  # an output folder that is a link
+    (root / "linked_lock_run").mkdir()  # a lock file that links to another file
+    (root / "linked_lock_run" / ".run.lock").symlink_to(root / "out.jsonl")
+    (root / "dir_lock_run" / ".run.lock").mkdir(parents=True)
+    (root / "syntax_repo" / "tests").mkdir(parents=True)  # its only module does not parse
+    (root / "syntax_repo" / "calc.py").write_text("def add(a, b)\n    return a + b\n")
+    (root / "syntax_repo" / "tests" / "test_calc.py").write_text(
+        "from calc import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n"
+    )
     return root
 
 
@@ -383,7 +403,7 @@ CASES: list[tuple[str, str, int, str]] = [
         "train-resume-other-lora",
         "train --resume --output-dir {lora_run} --set model.lora.r=8",
         2,
-        "r = 4",
+        "model.lora.r: 4 in the checkpoint's run, 8 in this config",
     ),
     # train: found once the run has started (the tiny model loads first)
     (
@@ -472,6 +492,101 @@ CASES: list[tuple[str, str, int, str]] = [
     ),
     ("ingest-into-a-task-file", "ingest {session.jsonl} -o {gen}/tasks.jsonl", 2, "generation"),
     ("export-into-the-source", f"export prime-rl {{run.toml}} -o {PACKAGE_INIT}", 2, "own files"),
+    # outputs never replace inputs (issue: the repository's own files, the instances file)
+    ("datagen-into-its-repository", "datagen {repo} -o {repo}/mod.py", 2, "inside the input"),
+    ("datagen-tasks-into-the-repository", "datagen {repo} -o {repo}/t.jsonl", 2, "input folder"),
+    (
+        "import-tasks-onto-its-instances",
+        "import-tasks {states.jsonl} -o {states.jsonl}",
+        2,
+        "input",
+    ),
+    (
+        "datagen-a-module-that-does-not-parse",
+        "datagen {syntax_repo} -o {new_gen}/t.jsonl --environment system",
+        1,
+        "calc.py does not parse (line 1: expected ':')",
+    ),
+    ("datagen-unknown-kind", "datagen {repo} -o {new_gen}/t.jsonl --kind bug", 2, "--kind 'bug'"),
+    (
+        "datagen-unknown-bug-kind",
+        "datagen {repo} -o {new_gen}/t.jsonl --kind bugs --bug-kinds flip,off_by_one",
+        2,
+        "--bug-kinds flip",
+    ),
+    # a lock file of another kind is never opened, let alone written through
+    ("train-lock-file-is-a-link", "train --output-dir {linked_lock_run}", 2, "a symbolic link"),
+    ("train-lock-file-is-a-folder", "train --output-dir {dir_lock_run}", 2, "is a directory"),
+    ("train-output-dir-is-a-link", "train --output-dir {link_dir}", 2, "is a symbolic link"),
+    # resume checks what it resumes
+    (
+        "train-resume-another-algorithm",
+        "train {grpo.toml} --output-dir {pf_run} --resume",
+        2,
+        "envs.0.algorithm.type: 'composer' in the checkpoint's run, 'grpo' in this config",
+    ),
+    (
+        "train-resume-two-environments",
+        "train {agent.toml} --output-dir {pf_run} --resume",
+        2,
+        "number of envs: 1 in the checkpoint's run, 2 in this config",
+    ),
+    (
+        "train-resume-another-environment",
+        "train --output-dir {pf_run} --resume --set envs.0.name=feature_deletion"
+        " --set envs.0.options.task_file={gen}/tasks.jsonl",
+        2,
+        "envs.0.name: 'python_functions' in the checkpoint's run, 'feature_deletion'",
+    ),
+    (
+        "train-resume-other-heldout-split",
+        "train --output-dir {pf_run} --resume --set heldout_salt=other",
+        2,
+        "heldout_salt",
+    ),
+    # an agent recipe's options, checked before anything loads
+    (
+        "train-agent-unknown-tool",
+        'train {agent.toml} --output-dir {new_run} --set envs.0.options.tools=["read_file","bogus","finish"]',
+        2,
+        "unknown tools ['bogus']",
+    ),
+    (
+        "train-agent-tools-without-finish",
+        'train {agent.toml} --output-dir {new_run} --set envs.0.options.tools=["read_file"]',
+        2,
+        "have no finish",
+    ),
+    (
+        "train-agent-zero-turns",
+        "train {agent.toml} --output-dir {new_run} --set envs.1.options.max_turns=0",
+        2,
+        "max_turns = 0: give an integer >= 1",
+    ),
+    (
+        "train-agent-repo-nowhere",
+        "train {agent.toml} --output-dir {new_run} --set envs.0.options.repo={nothing}",
+        2,
+        "is neither a folder nor a shipped repository",
+    ),
+    (
+        "train-agent-repo-is-a-file",
+        "train {agent.toml} --output-dir {new_run} --set envs.0.options.repo={a_file}",
+        2,
+        "is a file, not a repository",
+    ),
+    (
+        "train-agent-repo-without-tests",
+        "train {agent.toml} --output-dir {new_run} --set envs.0.options.repo={repo}",
+        2,
+        "no test modules found",
+    ),
+    (
+        "train-agent-unknown-task-kind",
+        "train {agent.toml} --output-dir {new_run} --set envs.0.options.kind=bug",
+        2,
+        "envs.0.options.kind = 'bug': use deletion or bugs",
+    ),
     # the top level
     ("unknown-command", "trian", 2, "trian"),
     ("unknown-option", "ingest {session.jsonl} -o {out.jsonl} --bogus", 2, "--bogus"),
@@ -647,6 +762,7 @@ BENCHMARK_CASES = [
     # gpu.py
     ("gpu-steps-1", "gpu.py --steps 1 --json {tmp}/g.json", "--steps 1: give steps >= 2"),
     ("gpu-steps-negative", "gpu.py --steps -3", "--steps -3: give steps >= 2"),
+    ("gpu-out-is-a-link", "gpu.py --out /proc/self/cwd", "--out '/proc/self/cwd' is a symbolic"),
     ("gpu-steps-not-int", "gpu.py --steps two", "argument --steps: invalid int value: 'two'"),
     ("gpu-heldout-nan", "gpu.py --heldout nan", "--heldout nan: give minutes, finite"),
     ("gpu-heldout-inf", "gpu.py --heldout inf", "--heldout inf: give minutes, finite"),
@@ -699,6 +815,17 @@ BENCHMARK_CASES = [
     # datagen_sdists.py
     ("datagen-max-tasks", "datagen_sdists.py --max-tasks 0", "--max-tasks 0: give tasks"),
     ("datagen-out-file", "datagen_sdists.py --out {self}", "not a directory"),
+    ("datagen-out-link", "datagen_sdists.py --out /proc/self/cwd", "is a symbolic link"),
+    ("datagen-kinds-unknown", "datagen_sdists.py --kinds bug", "unknown 'bug'"),
+    # bugfix_ceiling.py
+    ("ceiling-tasks-missing", "bugfix_ceiling.py --task-file {tmp}/t.jsonl", "no such file"),
+    ("ceiling-tasks-folder", "bugfix_ceiling.py --task-file {bench}", "is not a regular file"),
+    (
+        "ceiling-tokens-zero",
+        "bugfix_ceiling.py --task-file {self} --max-new-tokens 0",
+        "--max-new-tokens 0: give tokens >= 1",
+    ),
+    ("ceiling-batch-zero", "bugfix_ceiling.py --task-file {self} --batch 0", "--batch 0"),
     # agent_episodes.py
     ("agent-episodes-zero", "agent_episodes.py --episodes 0", "--episodes 0: give episodes"),
     ("agent-turns-negative", "agent_episodes.py --turns -1", "--turns -1: give tool calls"),

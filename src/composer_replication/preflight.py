@@ -193,6 +193,27 @@ def _recorded_identity(checkpoint: Path, config_file: Path) -> dict[str, Any] | 
         return None
 
 
+def check_env_options(name: str, options: dict[str, Any], where: str) -> None:
+    """A built-in repository environment's options, checked before anything loads (the same
+    checks its constructor and task generation make later, deep in the run's set-up)."""
+    from composer_replication.config.environments import builtin_environment
+
+    builtin = builtin_environment(name)
+    if builtin is None or not builtin.repository_tasks:
+        return
+    from composer_replication.datagen.repository_tasks import (
+        GENERATION_OPTIONS,
+        check_generation_options,
+    )
+    from composer_replication.envs.feature_deletion import check_options
+
+    try:
+        check_generation_options(options, where)
+        check_options(**{k: v for k, v in options.items() if k not in GENERATION_OPTIONS})
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def check_run(config: Any) -> None:
     """The checks ``train`` makes on a parsed config before it loads anything."""
     from composer_replication.outputs import check_output_dir
@@ -205,6 +226,7 @@ def check_run(config: Any) -> None:
     check_device(config.model.device)
     for i, env in enumerate(config.envs):
         check_env_name(env.name, f"envs.{i}.name")
+        check_env_options(env.name, env.options, f"envs.{i}.options")
     check_pairs_files(config)
     check_loss_function(config.loss)
     check_engine(config.roles.placement)

@@ -30,7 +30,8 @@ _TASK_OPTIONS = ("task_file", "repo", "kind", "bug_kinds", "tasks")
 
 
 def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The identity of a run config given in its JSON form."""
+    """The identity of a run config given in its JSON form (a setting the form does not
+    have, as in an older run's record, is left out)."""
     model = config.get("model") or {}
     envs = []
     for env in config.get("envs") or []:
@@ -43,13 +44,14 @@ def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
                 "tasks": {k: options[k] for k in _TASK_OPTIONS if k in options},
             }
         )
-    return {
-        "model": {k: model.get(k) for k in _MODEL_KEYS},
+    identity = {
+        "model": {k: model[k] for k in _MODEL_KEYS if k in model},
         "envs": envs,
         "loss": config.get("loss"),
         "heldout_fraction": config.get("heldout_fraction"),
         "heldout_salt": config.get("heldout_salt"),
     }
+    return {k: v for k, v in identity.items() if k in config}
 
 
 def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -66,7 +68,8 @@ def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 def identity_difference(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
     """The first setting two identities differ in, as ``"name: A in the checkpoint's run,
-    B in this config"``; None when they are the same."""
+    B in this config"``; None when they are the same. Only what ``recorded`` has is
+    compared (a record from before a setting existed), and how many entries a list has."""
     old, new = dict(_leaves(recorded, "")), dict(_leaves(current, ""))
 
     def order(key: str) -> tuple[int, bool, bool, int, str]:
@@ -78,6 +81,8 @@ def identity_difference(recorded: Mapping[str, Any], current: Mapping[str, Any])
         return rank, not counted, not key.endswith((".name", ".type")), key.count("."), key
 
     for key in sorted(set(old) | set(new), key=order):
+        if key not in old and not key.startswith("number of "):
+            continue
         if old.get(key) != new.get(key):
             return f"{key}: {old.get(key)!r} in the checkpoint's run, {new.get(key)!r} in this config"
     return None

@@ -35,6 +35,7 @@ from composer_replication.envs.fd_tools import DEFAULT_TOOLS
 __all__ = [
     "GENERATION_OPTIONS",
     "SHIPPED_REPOSITORIES",
+    "check_generation_options",
     "repository_path",
     "repository_tasks",
     "resolve_repository_options",
@@ -75,6 +76,49 @@ def repository_path(repo: str) -> Path:
             f"({', '.join(SHIPPED_REPOSITORIES)}); give the repository's folder"
         )
     return path.resolve()
+
+
+def check_generation_options(options: Mapping[str, Any], where: str) -> None:
+    """Refuse, before anything loads, generation options that cannot make tasks: a ``repo``
+    that names no folder (or a file), a repository without tests, an unknown ``kind`` or bug
+    kind, a bad count. ``where`` names the entry in messages (``envs.0.options``).
+
+    Raises:
+        ValueError: one line naming the option, the value and the fix.
+    """
+    from composer_replication.datagen.bug_kinds import BUG_KINDS
+    from composer_replication.datagen.generation import KINDS
+    from composer_replication.datagen.test_discovery import discover_tests
+
+    if "repo" in options:
+        repo = options["repo"]
+        if not isinstance(repo, str) or not repo.strip():
+            raise ValueError(f"{where}.repo = {repo!r}: give a folder or a shipped repository")
+        path = Path(repo).expanduser()
+        if repo not in SHIPPED_REPOSITORIES and path.exists() and not path.is_dir():
+            raise ValueError(
+                f"{where}.repo = {repo!r} is a file, not a repository; give the repository's "
+                "folder"
+            )
+        try:
+            root = repository_path(repo)
+            discover_tests(root)
+        except ValueError as exc:
+            raise ValueError(f"{where}.repo: {exc}") from None
+    kind = options.get("kind", "deletion")
+    if kind not in KINDS:
+        raise ValueError(f"{where}.kind = {kind!r}: use {' or '.join(KINDS)}")
+    kinds = options.get("bug_kinds")
+    if kinds is not None:
+        unknown = sorted(set(kinds) - set(BUG_KINDS)) if isinstance(kinds, list) else [kinds]
+        if unknown:
+            raise ValueError(
+                f"{where}.bug_kinds: {unknown} unknown; use some of {', '.join(BUG_KINDS)}"
+            )
+    for name, least in (("max_tasks", 1), ("bugs_per_function", 1), ("combined_bugs", 0)):
+        value = options.get(name, least)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{where}.{name} = {value!r}: give an integer >= {least}")
 
 
 def _content_digest(root: Path) -> str:

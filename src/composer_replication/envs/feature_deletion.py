@@ -96,6 +96,7 @@ __all__ = [
     "TOOLS",
     "FDAttempt",
     "FeatureDeletionEnv",
+    "check_options",
     "default_sandbox_factory",
     "finish",
     "read_file",
@@ -160,6 +161,57 @@ def docker_sandbox_factory(settings: dict[str, Any]) -> Any:
 
     options = {"exec_timeout_s": 60, **settings}
     return DockerSandboxFactory(options.pop("image"), **options)
+
+
+_COUNTS = (
+    "max_turns",
+    "max_total_tokens",
+    "max_observation_chars",
+    "page_lines",
+    "tool_workers",
+    "generation_batch",
+    "grading_workers",
+)
+
+
+def check_options(**options: Any) -> None:
+    """Refuse options ``FeatureDeletionEnv`` cannot run with (the run checks them before it
+    loads anything, the constructor again): each in one line naming the option and the fix.
+
+    Raises:
+        ValueError: an unknown tool or no ``finish``, a count below 1, an unknown tool
+            format, scheduling or reference-edit mode, a share outside [0, 1].
+    """
+    if "tools" in options:
+        tools = options["tools"]
+        if isinstance(tools, str) or not isinstance(tools, Sequence):
+            raise ValueError(
+                f"feature_deletion option tools = {tools!r}: give a list of tool names"
+            )
+        try:
+            tool_specs(list(tools))
+        except ValueError as exc:
+            raise ValueError(f"feature_deletion option tools: {exc}") from None
+    for name in _COUNTS:
+        value = options.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"feature_deletion option {name} = {value!r}: give an integer >= 1")
+    choices = {
+        "tool_format": ("auto", "native", "text"),
+        "scheduling": SCHEDULING,
+        "reference_edits": ("lines", "functions"),
+    }
+    for name, allowed in choices.items():
+        if name in options and options[name] not in allowed:
+            raise ValueError(
+                f"feature_deletion option {name} = {options[name]!r}: use {' or '.join(allowed)}"
+            )
+    share = options.get("reference_recovery", 0.0)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 <= share <= 1.0:
+        raise ValueError(
+            f"feature_deletion option reference_recovery = {share!r}: give a share between 0 "
+            "and 1"
+        )
 
 
 class FeatureDeletionEnv(ReferenceEpisodes):
@@ -227,29 +279,22 @@ class FeatureDeletionEnv(ReferenceEpisodes):
         task_file = Path(task_file)
         if not task_file.is_file():
             raise FileNotFoundError(f"FD task file {str(task_file)!r} does not exist")
-        for name, value in (
-            ("max_turns", max_turns),
-            ("max_total_tokens", max_total_tokens),
-            ("max_observation_chars", max_observation_chars),
-            ("page_lines", page_lines),
-            ("tool_workers", tool_workers),
-            ("generation_batch", generation_batch),
-            ("grading_workers", grading_workers),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"feature_deletion option {name} = {value!r}: give an integer >= 1"
-                )
-        if scheduling not in SCHEDULING:
-            raise ValueError(
-                f"feature_deletion option scheduling = {scheduling!r}: use {' or '.join(SCHEDULING)}"
-            )
+        check_options(
+            tools=tools,
+            tool_format=tool_format,
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
+            max_observation_chars=max_observation_chars,
+            page_lines=page_lines,
+            scheduling=scheduling,
+            reference_edits=reference_edits,
+            reference_recovery=reference_recovery,
+            tool_workers=tool_workers,
+            generation_batch=generation_batch,
+            grading_workers=grading_workers,
+        )
         self.specs = tool_specs(list(tools))
         self.tools = {spec.name: TOOLS[spec.name] for spec in self.specs}
-        if tool_format not in ("auto", "native", "text"):
-            raise ValueError(
-                f"feature_deletion option tool_format = {tool_format!r}: use auto, native or text"
-            )
         self.tool_format = tool_format
         heldout_file, default_refs, workdirs = output_paths(task_file)
         records = read_jsonl_records(task_file)
@@ -277,17 +322,7 @@ class FeatureDeletionEnv(ReferenceEpisodes):
         self.page_lines = page_lines
         self.scheduling = scheduling
         self.reference_reads = bool(reference_reads)
-        if reference_edits not in ("lines", "functions"):
-            raise ValueError(
-                f"feature_deletion option reference_edits = {reference_edits!r}: use lines or "
-                "functions"
-            )
         self.reference_edits = reference_edits
-        if isinstance(reference_recovery, bool) or not 0.0 <= float(reference_recovery) <= 1.0:
-            raise ValueError(
-                f"feature_deletion option reference_recovery = {reference_recovery!r}: give a "
-                "share between 0 and 1"
-            )
         self.reference_recovery = float(reference_recovery)
         self.tool_workers = tool_workers
         self.generation_batch = generation_batch
