@@ -187,6 +187,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "integrations",
             "outputs",
             "pids",
+            "progress",
             "project_cache",
             "testing",
         ),

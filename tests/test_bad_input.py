@@ -587,6 +587,46 @@ CASES: list[tuple[str, str, int, str]] = [
         2,
         "envs.0.options.kind = 'bug': use deletion or bugs",
     ),
+    # paths the system cannot hold, folders that are files, settings every rank would refuse
+    ("ingest-name-too-long", "ingest {session.jsonl} -o {a_dir}/" + "n" * 300, 2, "path too long"),
+    (
+        "ingest-path-too-long",
+        "ingest {session.jsonl} -o {a_dir}/" + "/".join(["p" * 200] * 25) + "/x.jsonl",
+        2,
+        "path too long",
+    ),
+    (
+        "replay-cache-dir-is-a-file",
+        "replay {states.jsonl} -o {new_out}/r.jsonl --cache-dir {a_file}",
+        2,
+        "--cache-dir",
+    ),
+    (
+        "replay-cache-dir-unwritable",
+        "replay {states.jsonl} -o {new_out}/r.jsonl --cache-dir /proc/1/replay-cache",
+        2,
+        "is not writable",
+    ),
+    ("diloco-state-dir-is-a-file", "diloco launch {grpo.toml} --state-dir {a_file}", 2, "a file"),
+    (
+        "train-ranks-sampling-ahead",
+        "train --nproc 2 --set inference.async_level=1 --output-dir {new_run}",
+        2,
+        "runs in one process only",
+    ),
+    # numbers bounded before anything loops over them
+    (
+        "train-steps-astronomical",
+        "train --output-dir {new_run} --set steps=99999999999999999999999999",
+        2,
+        "steps: Input should be less than or equal to 1000000000",
+    ),
+    (
+        "train-group-astronomical",
+        "train --output-dir {new_run} --set envs.0.algorithm.sampling.group_size=10000000000",
+        2,
+        "less than or equal to 1000000",
+    ),
     # the top level
     ("unknown-command", "trian", 2, "trian"),
     ("unknown-option", "ingest {session.jsonl} -o {out.jsonl} --bogus", 2, "--bogus"),
@@ -643,6 +683,23 @@ def test_bad_input_is_one_line_and_changes_nothing(ws, argv, code, needle):
     assert len(errors) == 1, shown
     assert needle in errors[0], errors[0]
     assert _snapshot(ws) == before, "a prepared file changed, or something was created"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "needle"),
+    [
+        ("COMPOSER_REPLICATION_CACHE", "{a_file}", "is a regular file, not a directory"),
+        ("COMPOSER_REPLICATION_CACHE", "/proc/1/cr-cache", "is not writable"),
+    ],
+)
+def test_a_cache_the_embedded_model_cannot_be_kept_in_is_one_line(ws, variable, value, needle):
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, ["smoke"], env={variable: value.format(a_file=ws / "a_file")})
+    assert result.exit_code == EXIT_USAGE, result.output
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and needle in errors[0], result.stderr
+    assert "Traceback" not in result.output
+    assert _snapshot(ws) == before
 
 
 def test_the_corpus_is_broad():

@@ -133,3 +133,39 @@ def test_engine_monarch_without_torchmonarch_is_one_usage_error(monkeypatch):
     with pytest.raises(UsageError, match=r"pip install 'composer-replication\[monarch\]'"):
         check_engine("monarch")
     check_engine("in_process")  # needs nothing extra
+
+
+def test_idle_steps_are_found_from_the_entries_ends_not_by_walking_every_step():
+    from composer_replication.config.run import _idle_steps
+
+    def walked(steps, spans):
+        covered = [
+            s
+            for s in range(1, steps + 1)
+            if any(a <= s and (b is None or s <= b) for a, b in spans)
+        ]
+        return [s for s in range(1, steps + 1) if s not in covered][:6]
+
+    for steps, spans in [
+        (10, [(1, 3), (6, None)]),
+        (10, [(2, 4), (4, 8)]),
+        (5, [(7, None)]),
+        (12, [(1, 2), (1, None)]),
+        (9, [(3, 3), (5, 6)]),
+    ]:
+        assert _idle_steps(steps, spans) == walked(steps, spans), (steps, spans)
+    assert _idle_steps(10**9, [(1, 3)]) == [4, 5, 6, 7, 8, 9]  # instantly
+    assert _idle_steps(10**9, [(1, None)]) == []
+
+
+def test_a_config_sized_for_a_gpu_says_so_at_once_on_a_cpu():
+    import torch
+
+    from composer_replication.preflight import cpu_notice
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    gpu = RunConfig.from_toml(RUNS[[p.stem for p in RUNS].index("gpu")])
+    notice = cpu_notice(gpu)
+    assert notice is not None and "131,072 tokens a step" in notice and "\n" not in notice
+    assert cpu_notice(RunConfig.default()) is None  # the default job is sized for a CPU

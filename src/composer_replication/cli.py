@@ -110,12 +110,14 @@ def smoke(
     from rich.console import Console
 
     from composer_replication.errors import UsageError
-    from composer_replication.preflight import check_model_source
+    from composer_replication.preflight import check_cache_dir, check_model_source
     from composer_replication.smoke import run_smoke
 
     with _one_line_errors(debug):
         if model is not None:
             check_model_source(model, "--model")
+        if model in (None, "embedded"):
+            check_cache_dir()  # where the embedded model is converted once
         if not (math.isfinite(lr) and lr > 0):
             raise UsageError(f"--lr {lr}: give a finite learning rate > 0, e.g. 1e-5")
     console = Console()
@@ -184,6 +186,14 @@ def train(
 
         from composer_replication.distributed.launch import launch_torchrun
 
+        try:  # what every rank would refuse, said once, before any rank starts
+            ranked = _run_config(config, list(set_), output_dir, backend, resume)
+            ranked.inference.resolved_async_level("cuda", distributed=True)
+        except Exception as exc:
+            if debug:
+                raise
+            typer.echo(f"Error: {user_error(exc)} (--debug shows the traceback)", err=True)
+            raise typer.Exit(code=2) from None
         raise typer.Exit(code=launch_torchrun(nproc, _without_nproc(sys.argv[1:])))
 
     from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH, EXIT_USAGE
@@ -206,9 +216,12 @@ def train(
             raise ValueError(
                 f"placement {cfg.roles.placement} runs the native loop; drop --backend trl"
             )
-        from composer_replication.preflight import check_resume, check_run
+        from composer_replication.preflight import check_resume, check_run, cpu_notice
 
         check_run(cfg)
+        notice = cpu_notice(cfg)
+        if notice is not None:
+            console.print(notice, soft_wrap=True, highlight=False, markup=False)
         if resume or resume_or_start:
             resume = check_resume(cfg, or_start=resume_or_start)
     except Exception as exc:  # a bad config or path: one line that says what to fix

@@ -28,6 +28,7 @@ __all__ = [
     "EXIT_USAGE",
     "UsageError",
     "command_group",
+    "shortened",
     "user_error",
 ]
 
@@ -62,13 +63,13 @@ def user_error(exc: BaseException) -> str:
         return (
             f"path too long ({len(name.encode())} bytes, a name of {longest} characters; this "
             f"system allows {os.pathconf('/', 'PC_PATH_MAX')} bytes and names of "
-            f"{os.pathconf('/', 'PC_NAME_MAX')}): {_shortened(name)}"
+            f"{os.pathconf('/', 'PC_NAME_MAX')}): {shortened(name)}"
         )
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text
 
 
-def _shortened(text: str, keep: int = 60) -> str:
+def shortened(text: str, keep: int = 60) -> str:
     """``text`` with its middle elided when longer than ``2 * keep`` characters."""
     return text if len(text) <= 2 * keep else f"{text[:keep]}...{text[-keep:]}"
 

@@ -30,7 +30,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from composer_replication.errors import UsageError
+from composer_replication.errors import UsageError, shortened
 
 __all__ = [
     "OUTPUT_MARKER",
@@ -125,6 +125,21 @@ def owner_of(path: str | os.PathLike[str]) -> tuple[str, str] | None:
     return None
 
 
+def _check_length(target: Path, shown: str) -> None:
+    """A path the system cannot hold (a name or the whole path past its limits) is refused
+    by its length, before any call on it fails with ENAMETOOLONG."""
+    absolute = str(target.absolute())
+    name_max = os.pathconf("/", "PC_NAME_MAX")
+    path_max = os.pathconf("/", "PC_PATH_MAX")
+    longest = max((len(part.encode()) for part in absolute.split("/")), default=0)
+    if longest > name_max or len(absolute.encode()) >= path_max:
+        raise OutputError(
+            f"cannot write {shortened(shown)}: path too long ({len(absolute.encode())} bytes, a name of "
+            f"{longest}; this system allows {path_max} bytes and names of {name_max}); pass a "
+            "shorter path"
+        )
+
+
 def _check_folder(target: Path, shown: str) -> None:
     """The nearest existing ancestor of ``target`` must be a writable directory."""
     parent = target.parent
@@ -156,6 +171,7 @@ def check_output(
     """
     given = Path(path).expanduser()
     shown = repr(str(path))
+    _check_length(given, shown)
     target = given
     if given.is_symlink():
         if not follow_symlinks:
@@ -205,6 +221,7 @@ def check_output_dir(
     symbolic link, whose writes would land elsewhere, is an :class:`OutputError`."""
     target = Path(path).expanduser()
     shown = repr(str(path))
+    _check_length(target, f"{option} {shown}")
     if target.is_symlink() and not follow_symlinks:
         raise OutputError(
             f"{option} {shown} is a symbolic link; pass the folder it points to "

@@ -214,6 +214,31 @@ def check_env_options(name: str, options: dict[str, Any], where: str) -> None:
         raise UsageError(str(exc)) from None
 
 
+#: sampled tokens a step above which a config is sized for a GPU (the default job: 2 x 4 x 256)
+GPU_SIZED_TOKENS = 32768
+
+
+def cpu_notice(config: Any) -> str | None:
+    """One line to say at once when a config sized for a GPU runs without one (the step's
+    sampled tokens past ``GPU_SIZED_TOKENS`` on a CPU): before the minutes of loading and
+    the first evaluation, so the user can stop it. None otherwise."""
+    tokens = sum(
+        e.tasks_per_step * e.algorithm.sampling.group_size * e.algorithm.sampling.max_new_tokens
+        for e in config.envs
+    )
+    if tokens <= GPU_SIZED_TOKENS:
+        return None
+    from composer_replication.model.devices import resolve_device
+
+    if resolve_device(config.model.device).type != "cpu":
+        return None
+    return (
+        f"note: no GPU here, and this config samples up to {tokens:,} tokens a step (it is "
+        "sized for a GPU): a step will take hours on this CPU; the embedded default "
+        "(composer-replication train with no config) is sized for one"
+    )
+
+
 def check_run(config: Any) -> None:
     """The checks ``train`` makes on a parsed config before it loads anything."""
     from composer_replication.outputs import check_output_dir

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from composer_replication.algo import build_algorithm
 from composer_replication.config import AlgorithmConfig, RunConfig
+from composer_replication.errors import UsageError
 from composer_replication.trainer.loop import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -184,3 +185,19 @@ def test_a_user_algorithm_trains_through_the_loop(tmp_path, tiny_dir):
             assert sample.source == TYPE and sample.metadata["scored"] is True
     rows = [r for r in result.metrics if "tokens/rl" in r]
     assert len(rows) == STEPS and all(r["tokens/rl"] > 0 for r in rows)
+
+
+def test_a_user_algorithm_that_raises_is_named_in_one_line(tmp_path, tiny_dir):
+    trainer = Trainer(_config(tmp_path, tiny_dir), environments={"scripted": ScriptedEnv()})
+    algo = trainer.runtimes[0].algorithm
+
+    def broken(group, samples):
+        raise KeyError("reward_model")
+
+    algo.finalize_group = broken
+    with pytest.raises(UsageError) as raised:
+        trainer.collect()
+    assert str(raised.value) == (
+        f"envs.0.algorithm.advantage.type = {TYPE!r} raised KeyError: 'reward_model' "
+        "(in process_group(group) or score(samples))"
+    )

@@ -62,9 +62,26 @@ def test_a_bad_user_engine_is_one_line_naming_it(tmp_path, tiny_dir):
     missing = _config(tmp_path, tiny_dir, engine="tests.examples.lagged_engine:nope")
     with pytest.raises(
         UsageError,
-        match=r"inference.engine \(a user's engine factory\): cannot import 'tests.examples.lagged_engine:nope'",
+        match=r"inference.engine \(a user's engine factory\): module 'tests.examples.lagged_engine' has no 'nope'",
     ):
         check_inference_engine(missing.inference)
+    # a module that fails while it imports: the setting, the path and the error's last line
+    (tmp_path / "broken_engine_module.py").write_text(
+        "raise RuntimeError('line one\\nthe cause')\n"
+    )
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        broken = _config(tmp_path, tiny_dir, engine="broken_engine_module:factory")
+        with pytest.raises(UsageError) as failed:
+            check_inference_engine(broken.inference)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert str(failed.value) == (
+        "inference.engine (a user's engine factory): module 'broken_engine_module' of "
+        "'broken_engine_module:factory' fails at import (RuntimeError: the cause); fix the module"
+    )
     # the factory raises (the class is not a factory): its error, and how it is called
     raising = _config(tmp_path, tiny_dir, engine="tests.examples.lagged_engine:LaggedEngine")
     with pytest.raises(UsageError, match=r"raised TypeError: .*\(it is called as factory\(config"):
@@ -75,3 +92,21 @@ def test_a_bad_user_engine_is_one_line_naming_it(tmp_path, tiny_dir):
         Trainer(other, environments={"scripted": ScriptedEnv()})
     with pytest.raises(ValueError, match=r"options.every = 0 must be >= 1"):
         Trainer(_config(tmp_path, tiny_dir, every=0), environments={"scripted": ScriptedEnv()})
+
+
+def test_a_user_engine_whose_sampler_raises_is_named_in_one_line(tmp_path, tiny_dir, monkeypatch):
+    from composer_replication.inference.in_process import InProcessSampler
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("the server went away\nretry later")
+
+    monkeypatch.setattr(InProcessSampler, "sample_batch", broken)  # the engine samples with it
+    trainer = Trainer(_config(tmp_path, tiny_dir), environments={"scripted": ScriptedEnv()})
+    with pytest.raises(UsageError) as raised:
+        trainer.run()
+    message = str(raised.value)
+    assert message.startswith(
+        f"inference.engine = {ENGINE!r} raised ConnectionError: the server went away "
+        "(its sampler is called as sample_batch(tokenizer, prompts, settings"
+    )
+    assert "\n" not in message

@@ -60,3 +60,31 @@ def test_library_bars_are_turned_off_only_off_a_terminal(monkeypatch):
         assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_long_work_in_a_log_says_it_is_alive_at_least_every_interval():
+    import re
+    import time
+
+    from composer_replication.progress import heartbeat
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    with heartbeat(console, "held-out evaluation (start)", every=0.05):
+        time.sleep(0.32)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "held-out evaluation (start) ..."
+    beats = [line for line in lines if line.endswith("s so far")]
+    assert len(beats) >= 4 and all(
+        re.fullmatch(r"held-out evaluation \(start\): \d+ s so far", line) for line in beats
+    )
+    assert re.fullmatch(r"held-out evaluation \(start\): done in \d+ s", lines[-1])
+    # quick work that is not announced says nothing; a terminal shows its own bars
+    quiet = io.StringIO()
+    with heartbeat(
+        Console(file=quiet, force_terminal=False), "setting up", every=5, announce=False
+    ):
+        pass
+    with heartbeat(Console(file=quiet, force_terminal=True), "evaluation", every=0.01):
+        time.sleep(0.05)
+    assert quiet.getvalue() == ""

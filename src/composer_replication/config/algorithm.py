@@ -62,9 +62,11 @@ class SamplingConfig(BaseModel):
         "environment's reference solutions as demonstrations (sft only; the environment "
         "must give them, as python_functions does).",
     )
-    group_size: int = Field(4, ge=1, description="Rollouts per task (the advantage group).")
+    group_size: int = Field(
+        4, ge=1, le=1_000_000, description="Rollouts per task (the advantage group)."
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    max_new_tokens: int = Field(256, ge=1, description="Generation budget per turn.")
+    max_new_tokens: int = Field(256, ge=1, le=10_000_000, description="Generation budget per turn.")
 
 
 class AlgorithmConfig(BaseModel):

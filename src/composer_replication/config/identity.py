@@ -84,5 +84,7 @@ def identity_difference(recorded: Mapping[str, Any], current: Mapping[str, Any])
         if key not in old and not key.startswith("number of "):
             continue
         if old.get(key) != new.get(key):
-            return f"{key}: {old.get(key)!r} in the checkpoint's run, {new.get(key)!r} in this config"
+            return (
+                f"{key}: {old.get(key)!r} in the checkpoint's run, {new.get(key)!r} in this config"
+            )
     return None

@@ -163,7 +163,10 @@ class EnvConfig(_Strict):
         default_factory=AlgorithmConfig, description="Sampling + advantage settings."
     )
     tasks_per_step: int = Field(
-        4, ge=1, description="Tasks sampled per step (each gets sampling.group_size rollouts)."
+        4,
+        ge=1,
+        le=1_000_000,
+        description="Tasks sampled per step (each gets sampling.group_size rollouts).",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
@@ -285,7 +288,9 @@ class EvalConfig(_Strict):
         "is always evaluated.",
     )
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
-    samples_per_task: int = Field(4, ge=1, description="Samples per held-out task for pass@1.")
+    samples_per_task: int = Field(
+        4, ge=1, le=1_000_000, description="Samples per held-out task for pass@1."
+    )
     temperature: float = Field(
         1.0, ge=0, description="Sampling temperature for evaluation (0 = greedy)."
     )
@@ -365,11 +370,32 @@ class CheckpointConfig(_Strict):
     keep_last: int = Field(2, ge=1, description="How many checkpoints to keep.")
 
 
+#: the most steps a run may ask for (a bound checked before anything loops over them)
+MAX_STEPS = 10**9
+
+
+def _idle_steps(steps: int, spans: list[tuple[int, int | None]], most: int = 6) -> list[int]:
+    """The first ``most`` steps of ``1..steps`` no span ``(first, last)`` covers (``last``
+    None: to the end), found from the spans' ends, never by walking every step."""
+    intervals = sorted(
+        (first, steps if last is None else min(last, steps)) for first, last in spans
+    )
+    idle: list[int] = []
+    covered = 0  # every step up to here is covered
+    for first, last in [*intervals, (steps + 1, steps + 1)]:
+        gap = range(covered + 1, min(first, steps + 1))
+        idle.extend(gap[: most - len(idle)])
+        covered = max(covered, last)
+        if covered >= steps or len(idle) >= most:
+            break
+    return idle
+
+
 class RunConfig(_Strict):
     """Everything a training run needs. Defaults = the embedded CPU job."""
 
     seed: int = Field(0, description="Seed for Python, NumPy and torch.")
-    steps: int = Field(10, ge=1, description="Optimizer steps.")
+    steps: int = Field(10, ge=1, le=MAX_STEPS, description="Optimizer steps.")
     max_wall_seconds: float | None = Field(
         None,
         gt=0,
@@ -472,11 +498,7 @@ class RunConfig(_Strict):
             )
         if not self.envs:
             raise ValueError("envs is empty: configure at least one environment")
-        idle = [
-            step
-            for step in range(1, self.steps + 1)
-            if not any(e.active_at(step) for e in self.envs)
-        ]
+        idle = _idle_steps(self.steps, [(e.first_step, e.last_step) for e in self.envs])
         if idle:
             shown = ", ".join(map(str, idle[:5])) + (", ..." if len(idle) > 5 else "")
             raise ValueError(

@@ -80,6 +80,7 @@ def datagen_main(
     )
     from composer_replication.datagen.repository_environment import ENVIRONMENTS
     from composer_replication.outputs import OutputError, check_output
+    from composer_replication.progress import heartbeat
 
     console = console or Console(stderr=True)
     if not Path(repo).is_dir():
@@ -129,25 +130,26 @@ def datagen_main(
             bar.update(job, completed=done, total=total, description=message)
 
         try:
-            report = generate_tasks(
-                repo,
-                output,
-                max_tasks=max_tasks,
-                sandbox_factory=factory,
-                split=split,
-                progress=progress,
-                test_command=test_command,
-                budgets=budgets or AgentBudgets(),
-                tokenizer=tokenizer,
-                environment=environment,
-                wheelhouse=wheelhouse,
-                image=docker_image,
-                say=lambda line: bar.console.print(line, soft_wrap=True, highlight=False),
-                kind=kind,
-                bug_kinds=bug_kinds or None,
-                combined_bugs=combined_bugs,
-                seed=seed,
-            )
+            with heartbeat(bar.console, "datagen", announce=False):
+                report = generate_tasks(
+                    repo,
+                    output,
+                    max_tasks=max_tasks,
+                    sandbox_factory=factory,
+                    split=split,
+                    progress=progress,
+                    test_command=test_command,
+                    budgets=budgets or AgentBudgets(),
+                    tokenizer=tokenizer,
+                    environment=environment,
+                    wheelhouse=wheelhouse,
+                    image=docker_image,
+                    say=lambda line: bar.console.print(line, soft_wrap=True, highlight=False),
+                    kind=kind,
+                    bug_kinds=bug_kinds or None,
+                    combined_bugs=combined_bugs,
+                    seed=seed,
+                )
         except (
             ValueError,
             RuntimeError,

@@ -97,8 +97,7 @@ def check_generation_options(options: Mapping[str, Any], where: str) -> None:
         path = Path(repo).expanduser()
         if repo not in SHIPPED_REPOSITORIES and path.exists() and not path.is_dir():
             raise ValueError(
-                f"{where}.repo = {repo!r} is a file, not a repository; give the repository's "
-                "folder"
+                f"{where}.repo = {repo!r} is a file, not a repository; give the repository's folder"
             )
         try:
             root = repository_path(repo)

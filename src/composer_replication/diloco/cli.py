@@ -131,7 +131,9 @@ def launch(
     if not config_path.is_file():
         raise FileNotFoundError(f"config {config_path} does not exist")
     run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    state_dir = Path(state_dir).resolve()
+    from composer_replication.outputs import check_output_dir
+
+    state_dir = check_output_dir(Path(state_dir), option="--state-dir").resolve()
     if rendezvous is None:
         if executor != "local":
             raise ValueError(

@@ -209,8 +209,7 @@ def check_options(**options: Any) -> None:
     share = options.get("reference_recovery", 0.0)
     if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 <= share <= 1.0:
         raise ValueError(
-            f"feature_deletion option reference_recovery = {share!r}: give a share between 0 "
-            "and 1"
+            f"feature_deletion option reference_recovery = {share!r}: give a share between 0 and 1"
         )
 
 

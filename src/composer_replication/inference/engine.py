@@ -164,6 +164,34 @@ USER_ENGINE_CALL = (
 )
 
 
+class BlamedSampler:
+    """A user's sampler whose failures name where it came from: what it raised becomes one
+    line naming ``what`` (the setting and the import path), the error and how it is called;
+    everything else is the sampler's own."""
+
+    def __init__(self, inner: Any, what: str) -> None:
+        self._inner = inner
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def sample_batch(self, *args: Any, **kwargs: Any) -> Any:
+        from composer_replication.errors import UsageError, user_code_error
+
+        try:
+            return self._inner.sample_batch(*args, **kwargs)
+        except UsageError:
+            raise
+        except Exception as err:  # the user's code: blame it, in one line
+            raise user_code_error(
+                self._what,
+                err,
+                "its sampler is called as sample_batch(tokenizer, prompts, settings, *, "
+                "max_rows, on_row_done)",
+            ) from err
+
+
 def _user_engine(config: Any, **kwargs: Any) -> InferenceEngine:
     """A user's engine from its factory; a factory that fails, or returns something that is
     not an engine, is one line naming ``inference.engine`` and how it is called."""

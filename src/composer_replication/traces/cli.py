@@ -222,11 +222,15 @@ def replay(
         target = _output(output, follow_symlinks, states_path)
         states = _read_rows(states_path, _STATE_FIELDS, "states")
         teacher_specs = load_teachers(teachers)
+        cache = None if no_cache else (cache_dir or target.with_name(target.name + ".cache"))
+        if cache is not None:
+            from composer_replication.outputs import check_output_dir
+
+            check_output_dir(cache, option="--cache-dir")
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise _usage(str(exc)) from exc
     if not states:
         raise _fail(f"{states_path} holds no states: nothing to replay, {output} left untouched")
-    cache = None if no_cache else (cache_dir or target.with_name(target.name + ".cache"))
     columns = (
         TextColumn("replay"),
         BarColumn(),

@@ -13,10 +13,12 @@ same steps).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +32,15 @@ from composer_replication.distributed.data_parallel import (
     merge_rollout_stats,
     start_data_parallel,
 )
-from composer_replication.errors import UsageError
+from composer_replication.errors import UsageError, user_code_error
 from composer_replication.inference.decoding.decode_memory import release_decode_buffers
 from composer_replication.inference.decoding.generate import derived_seed, seeded_rows
-from composer_replication.inference.engine import build_inference_engine
+from composer_replication.inference.engine import BlamedSampler, build_inference_engine
 from composer_replication.inference.frozen import FrozenEngines, served
 from composer_replication.inference.in_process import InProcessEngine
 from composer_replication.inference.snapshot import PolicySnapshot
 from composer_replication.model.devices import module_device
+from composer_replication.progress import heartbeat
 from composer_replication.rollout.agent import episode_metrics
 from composer_replication.rollout.types import stamp_policy_version
 from composer_replication.safety import HeldoutSplit
@@ -148,7 +151,11 @@ class Trainer:
 
     @property
     def live_sampler(self) -> roles.Sampler:
-        """What samples the live policy (the engine's sampler)."""
+        """What samples the live policy (the engine's sampler; a user's engine's sampler
+        whose failures name the engine: ``BlamedSampler``)."""
+        engine = self.config.inference.engine
+        if ":" in engine:
+            return BlamedSampler(self.engine.sampler, f"inference.engine = {engine!r}")
         return self.engine.sampler
 
     @property
@@ -159,18 +166,26 @@ class Trainer:
     def _build_runtimes(
         self, env_configs: list[Any], environments: dict[str, Environment] | None
     ) -> list[EnvRuntime]:
-        return [
-            build_runtime(
-                env_cfg,
-                policy=self.policy,
-                tokenizer=self.tokenizer,
-                split=self.split,
-                seed=self.config.seed,
-                env=(environments or {}).get(env_cfg.name),
-                say=self._say,
-            )
-            for env_cfg in env_configs
-        ]
+        runtimes = []
+        for i, env_cfg in enumerate(env_configs):
+            with self._beat(f"setting up envs.{i} ({env_cfg.name})", announce=False):
+                runtimes.append(
+                    build_runtime(
+                        env_cfg,
+                        policy=self.policy,
+                        tokenizer=self.tokenizer,
+                        split=self.split,
+                        seed=self.config.seed,
+                        env=(environments or {}).get(env_cfg.name),
+                        say=self._say,
+                    )
+                )
+        return runtimes
+
+    def _beat(self, what: str, *, announce: bool = True) -> Any:
+        """``heartbeat`` on the console of rank 0 (a line at least every 30 s in a log)."""
+        console = self.console if self.ranks.is_writer else None
+        return heartbeat(console, what, announce=announce)
 
     def _say(self, line: str) -> None:
         """A progress line of set-up work (tasks made from a repository): on the console,
@@ -362,6 +377,26 @@ class Trainer:
             queue.submit(self.next_tasks(self.step + 2 + len(queue)), self.step + 1 + len(queue))
         return samples, {**row, **off_policy, "time/wait_rollouts_s": waited}
 
+    @contextlib.contextmanager
+    def _user_algorithm(self, rt: EnvRuntime) -> Iterator[None]:
+        """A user's algorithm (``type = 'pkg.mod:Class'``) that raises is named in one line:
+        the setting, the class, the error; a built-in one's errors pass as they are."""
+        kind = rt.config.algorithm.type
+        if ":" not in kind:
+            yield
+            return
+        try:
+            yield
+        except UsageError:
+            raise
+        except Exception as err:
+            index = self.runtimes.index(rt)
+            raise user_code_error(
+                f"envs.{index}.algorithm.advantage.type = {kind!r}",
+                err,
+                "in process_group(group) or score(samples)",
+            ) from err
+
     def assign(
         self, tasks: list[list[str]], env_groups: list[list[list[Rollout]]], t0: float
     ) -> tuple[list[Any], dict[str, float]]:
@@ -383,7 +418,8 @@ class Trainer:
                     # reference solutions: trained on, but not the policy's reward
                     demonstrations += len(sampled_group)
                     t_scoring = time.perf_counter()
-                    env_samples += rt.algorithm.process_group(list(sampled_group))
+                    with self._user_algorithm(rt):
+                        env_samples += rt.algorithm.process_group(list(sampled_group))
                     scoring_s += time.perf_counter() - t_scoring
                     continue
                 # A rollout whose sandbox never ran says nothing about the policy: left out.
@@ -404,10 +440,13 @@ class Trainer:
                 rewards += [r.reward for r in group]
                 truncation.penalize(group)  # after the reward metrics: they report scores
                 t_scoring = time.perf_counter()
-                env_samples += truncation(zero_advantage(rt.algorithm.process_group(group)))
+                with self._user_algorithm(rt):
+                    processed = rt.algorithm.process_group(group)
+                env_samples += truncation(zero_advantage(processed))
                 scoring_s += time.perf_counter() - t_scoring
             t_scoring = time.perf_counter()
-            asyncio.run(rt.algorithm.score(env_samples))
+            with self._user_algorithm(rt):
+                asyncio.run(rt.algorithm.score(env_samples))
             scoring_s += time.perf_counter() - t_scoring
             samples += env_samples
             rt.curriculum.update(self.step, self.ranks.union(results))
@@ -473,7 +512,7 @@ class Trainer:
 
     def guard_round(self, row: dict[str, Any]) -> bool:
         """Evaluate, measure the KL to the initial policy, feed the kill switch."""
-        with self.learner.weights.gathered():
+        with self.learner.weights.gathered(), self._beat(f"held-out evaluation (step {self.step})"):
             heldout = self.evaluate()
         kl = self.learner.kl_to_initial()
         return self.life.guard_round(self.step, row, heldout, kl_to_init=kl)
@@ -488,8 +527,8 @@ class Trainer:
         resumed = resume and self.resume()
         self.life.begin(resumed=resumed)
         self.engine.start(self.policy, self.step)
-        if not resumed:
-            with self.learner.weights.gathered():
+        if not resumed and self.config.eval.at_start:
+            with self.learner.weights.gathered(), self._beat("held-out evaluation (start)"):
                 self.life.evaluate_start(self.live_sampler, self.tokenizer, self.heldout_tasks)
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.async_level:
