@@ -93,3 +93,73 @@ def test_warm_start_then_composer_on_a_repository(shared_dir, tiny_dir, monkeypa
     assert len(made) == 1
     tasks = [json.loads(line) for line in made[0].read_text().splitlines()]
     assert all(t["reference_cost"]["turns"] <= 4 for t in tasks)
+
+
+def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeypatch):
+    """The same recipe on bug-fix tasks (``kind = "bugs"``): the demonstrations search for
+    the function, fix it with one replace, run the tests and finish; the held-out tasks are
+    bugs of functions the training never saw."""
+    monkeypatch.setenv("COMPOSER_REPLICATION_CACHE", str(shared_dir / "cache"))
+    repo = shared_dir / "fd_repo"
+    shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    options = dict(
+        OPTIONS,
+        repo=str(repo),
+        kind="bugs",
+        bugs_per_function=1,
+        max_tasks=6,
+        max_turns=5,
+        tools=["search", "read_file", "replace", "run_tests", "finish"],
+    )
+    config = RunConfig.model_validate(
+        {
+            "steps": 2,
+            "output_dir": str(shared_dir / "run"),
+            "heldout_fraction": 0.5,
+            "heldout_salt": "agent-recipe-test-1",
+            "save_rollouts": "all",
+            "model": {"source": tiny_dir, "lora": {"r": 4, "alpha": 8}},
+            "optim": {"lr": 1e-3},
+            "eval": {"every": 2, "samples_per_task": 1, "temperature": 0.0, "greedy": False},
+            "envs": [
+                {
+                    "name": "feature_deletion",
+                    "tasks_per_step": 2,
+                    "last_step": 1,
+                    "options": options,
+                    "algorithm": {
+                        "sampling": {"source": "reference", "max_new_tokens": 160},
+                        "advantage": {"type": "sft"},
+                    },
+                },
+                {
+                    "name": "feature_deletion",
+                    "tasks_per_step": 1,
+                    "first_step": 2,
+                    "options": options,
+                    "algorithm": {
+                        "sampling": {"group_size": 2, "temperature": 1.0, "max_new_tokens": 160},
+                        "advantage": {"type": "composer", "beta_replay": 0.0},
+                    },
+                },
+            ],
+        }
+    )
+    result = train(config)
+    rows = {row["step"]: row for row in result.metrics}
+    assert rows[1]["rollouts/demonstrations"] == 2.0 and rows[1]["loss/ce"] > 0
+    assert rows[2]["rollouts/count"] == 2.0
+    (made,) = (shared_dir / "cache" / "tasks").glob("fd_repo-bugs-*/tasks.jsonl")
+    tasks = [json.loads(line) for line in made.read_text().splitlines()]
+    assert tasks and all(t["kind"] == "bug" and "#bug:" in t["task_id"] for t in tasks)
+    assert all(t["prompt"].startswith("Tests of this repository fail") for t in tasks)
+    # the demonstration's calls: search, replace, run the tests, finish (no read: the
+    # entry's reference_reads is off; the tasks were made to fit one that reads)
+    from composer_replication.envs.feature_deletion import FeatureDeletionEnv
+
+    env = FeatureDeletionEnv(made, tools=options["tools"], reference_reads=False)
+    for task in tasks:
+        calls = env.reference_episode(task["task_id"])
+        assert [name for name, _ in calls] == ["search", "replace", "run_tests", "finish"]
+        function = task["qualname"].rsplit(".", 1)[-1]
+        assert calls[0][1] == {"pattern": f"def {function}("}
