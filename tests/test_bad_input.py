@@ -607,7 +607,12 @@ CASES: list[tuple[str, str, int, str]] = [
         2,
         "is not writable",
     ),
-    ("diloco-state-dir-is-a-file", "diloco launch {grpo.toml} --state-dir {a_file}", 2, "not a directory"),
+    (
+        "diloco-state-dir-is-a-file",
+        "diloco launch {grpo.toml} --state-dir {a_file}",
+        2,
+        "not a directory",
+    ),
     (
         "train-ranks-sampling-ahead",
         "train --nproc 2 --set inference.async_level=1 --output-dir {new_run}",

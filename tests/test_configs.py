@@ -70,6 +70,16 @@ def test_overrides_and_errors(tmp_path):
         RunConfig.default(["envs.2.name=x"])
 
 
+def test_a_star_override_sets_every_entry_of_a_list():
+    bugs = Path(__file__).parents[1] / "configs" / "runs" / "agent_bugs.toml"
+    cfg = RunConfig.from_toml(bugs, ["envs.*.options.repo=elsewhere", "envs.*.tasks_per_step=3"])
+    assert [env.options["repo"] for env in cfg.envs] == ["elsewhere", "elsewhere"]
+    assert [env.tasks_per_step for env in cfg.envs] == [3, 3]
+    assert [env.options["kind"] for env in cfg.envs] == ["bugs", "bugs"]  # the rest kept
+    with pytest.raises(ValueError, match="optim is not a list"):
+        RunConfig.default(["optim.*.lr=1"])
+
+
 def test_paths_in_a_config_are_relative_to_the_config_file(tmp_path, monkeypatch):
     from composer_replication.preflight import check_pairs_files
 

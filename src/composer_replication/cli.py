@@ -738,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     and return its exit code (``composer_replication.errors`` lists them)."""
     from typer.main import get_command
 
+    from composer_replication.model.cpu_threads import limit_thread_spinning
+
+    limit_thread_spinning()  # before torch loads: idle CPU threads sleep soon
     return int(get_command(app).main(args=argv, standalone_mode=False) or 0)
 
 

@@ -96,8 +96,8 @@ def test_warm_start_then_composer_on_a_repository(shared_dir, tiny_dir, monkeypa
 
 
 def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeypatch):
-    """The same recipe on bug-fix tasks (``kind = "bugs"``): the demonstrations search for
-    the function, fix it with one replace, run the tests and finish; the held-out tasks are
+    """The same recipe on bug-fix tasks (``kind = "bugs"``): the demonstrations read the
+    failing frame, fix it with one replace, run the tests and finish; the held-out tasks are
     bugs of functions the training never saw."""
     monkeypatch.setenv("COMPOSER_REPLICATION_CACHE", str(shared_dir / "cache"))
     repo = shared_dir / "fd_repo"
@@ -108,8 +108,8 @@ def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeyp
         kind="bugs",
         bugs_per_function=1,
         max_tasks=6,
-        max_turns=5,
-        tools=["search", "read_file", "replace", "run_tests", "finish"],
+        max_turns=4,
+        tools=["read_file", "replace", "run_tests", "finish"],
     )
     config = RunConfig.model_validate(
         {
@@ -153,13 +153,12 @@ def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeyp
     tasks = [json.loads(line) for line in made.read_text().splitlines()]
     assert tasks and all(t["kind"] == "bug" and "#bug:" in t["task_id"] for t in tasks)
     assert all(t["prompt"].startswith("Tests of this repository fail") for t in tasks)
-    # the demonstration's calls: search, replace, run the tests, finish (no read: the
-    # entry's reference_reads is off; the tasks were made to fit one that reads)
+    # the demonstration's calls: replace, run the tests, finish (no read: the entry's
+    # reference_reads is off; the tasks were made to fit one that reads the failing frame)
     from composer_replication.envs.feature_deletion import FeatureDeletionEnv
 
     env = FeatureDeletionEnv(made, tools=options["tools"], reference_reads=False)
     for task in tasks:
         calls = env.reference_episode(task["task_id"])
-        assert [name for name, _ in calls] == ["search", "replace", "run_tests", "finish"]
-        function = task["qualname"].rsplit(".", 1)[-1]
-        assert calls[0][1] == {"pattern": f"def {function}("}
+        assert [name for name, _ in calls] == ["replace", "run_tests", "finish"]
+        assert calls[0][1]["path"] == task["file"]

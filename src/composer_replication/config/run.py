@@ -676,6 +676,18 @@ def _apply_override(data: dict[str, Any], item: str, *, spelled_defaults: bool =
         # An override inside the default environment list: spell the defaults out first
         # (without their advantage when a run-level [advantage] table replaces it).
         data["envs"] = _default_env_data(with_advantage=SHORTHAND not in data)
+    if "*" in parts:  # each entry of a list: envs.*.options.repo=... sets every entry's
+        star = parts.index("*")
+        entries = _node_at(data, parts[:star])
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(
+                f"override {item!r}: {'.'.join(parts[:star]) or 'the config'} is not a list "
+                "with entries ('*' stands for each entry of a list, e.g. envs.*.options.repo)"
+            )
+        for index in range(len(entries)):
+            each = ".".join([*parts[:star], str(index), *parts[star + 1 :]])
+            _apply_override(data, f"{each}={raw}", spelled_defaults=spelled_defaults)
+        return
     shorthand = parts[0] == SHORTHAND or (parts[0] == "envs" and parts[2:3] == [SHORTHAND])
     if shorthand and spelled_defaults and isinstance(data.get("envs"), list):
         _unspell_default_advantages(data, parts)
@@ -701,6 +713,19 @@ def _apply_override(data: dict[str, Any], item: str, *, spelled_defaults: bool =
         node[int(last)] = value
     else:
         node[last] = value
+
+
+def _node_at(data: Any, parts: list[str]) -> Any:
+    """What ``parts`` (table keys, list indices) lead to in ``data``; None where nothing is."""
+    node = data
+    for part in parts:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.get(part)
+        else:
+            return None
+    return node
 
 
 def _unspell_default_advantages(data: dict[str, Any], parts: list[str]) -> None:

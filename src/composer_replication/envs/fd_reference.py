@@ -85,12 +85,9 @@ class ReferenceEpisodes:
             path = workdir / rel
             return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
-        locate, spans = None, None
-        if task.kind == "bug":  # a bug report: find the function, read it whole
-            function = task.qualname.split("+", 1)[0].rsplit(".", 1)[-1]
-            locate = f"def {function}("
-            spans = {reference.file: (reference.start_line, reference.end_line)}
-        needed = reference_calls(edits, (), read=self.reference_reads, locate=locate)
+        # A bug report names the failing frame (file and line): the reference reads the
+        # lines around it, as it reads around any change, and fixes them with one replace.
+        needed = reference_calls(edits, (), read=self.reference_reads)
         missing = {name for name, _ in needed} - set(self.tools)
         if missing:
             raise ValueError(
@@ -102,8 +99,6 @@ class ReferenceEpisodes:
             task.target_tests,
             line_counts=line_count,
             read=self.reference_reads,
-            locate=locate,
-            read_spans=spans,
         )
 
     def solve_with_reference(

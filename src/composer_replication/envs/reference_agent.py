@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,24 +172,15 @@ def reference_calls(
     *,
     line_counts: Callable[[str], int] | None = None,
     read: bool = True,
-    locate: str | None = None,
-    read_spans: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """The reference agent's episode as ``(tool, arguments)`` calls: ``search`` for
-    ``locate`` first when given (a bug report names a failing behaviour, not a place:
-    find the definition of the function it points at); per edited file, read the lines
-    around its changes, or ``read_spans[path]`` (first, last line: the whole function)
-    where given (unless ``read`` is False: the task's prompt shows them); each ``replace``;
-    ``run_tests`` on the target tests' files; ``finish``."""
+    """The reference agent's episode as ``(tool, arguments)`` calls: per edited file, read
+    the lines around its changes (unless ``read`` is False: the task's prompt shows them);
+    each ``replace``; ``run_tests`` on the target tests' files; ``finish``."""
     calls: list[tuple[str, dict[str, Any]]] = []
-    if locate:
-        calls.append(("search", {"pattern": locate}))
     for path in dict.fromkeys(e.path for e in edits if e.old and read):
         spans = [e for e in edits if e.path == path]
         start = max(1, spans[0].first_line - READ_CONTEXT)
         end = spans[-1].last_line + READ_CONTEXT
-        if read_spans and path in read_spans:
-            start, end = read_spans[path]
         if line_counts is not None:
             end = min(end, max(1, line_counts(path)))
         calls.append(("read_file", {"path": path, "start_line": start, "end_line": end}))
