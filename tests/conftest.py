@@ -7,10 +7,14 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
+from composer_replication.model.cpu_threads import limit_thread_spinning
 
-from composer_replication.sandbox.local import LocalSubprocessSandbox
-from composer_replication.sandbox.workdir import make_shared_tempdir
+limit_thread_spinning()  # as every command does: tests run sandboxes beside torch too
+
+import pytest  # noqa: E402
+
+from composer_replication.sandbox.local import LocalSubprocessSandbox  # noqa: E402
+from composer_replication.sandbox.workdir import make_shared_tempdir  # noqa: E402
 
 FD_REPO = Path(__file__).resolve().parent / "fixtures" / "fd_repo"
 

@@ -300,6 +300,34 @@ def test_without_coverage_the_names_tests_mention_preselect(
     assert sum(report.rejected[g] for g in GATES) == 0
 
 
+def test_a_trace_that_another_tracer_replaced_is_no_coverage(shared_dir: Path) -> None:
+    """A suite whose start-up turns the line tracer off (as coverage.py's own tracer does
+    under pytest-cov) traces no test: its coverage is unknown, not "nothing covered"."""
+    repo = _copy_repo(shared_dir)
+    (repo / "tests" / "conftest.py").write_text(
+        "import sys\nimport threading\n\n\n"
+        "def pytest_configure(config):\n"
+        "    sys.settrace(None)\n"
+        "    threading.settrace(None)\n"
+        "    if hasattr(sys, 'monitoring') and sys.monitoring.get_tool(4):\n"
+        "        sys.monitoring.set_events(4, 0)\n"
+    )
+    validator = SolvabilityValidator(_factory)
+    assert validator.covered_lines(repo) is None
+    (repo / "tests" / "conftest.py").unlink()
+    covered = validator.covered_lines(repo)
+    assert covered is not None and any(path.startswith("tests/test_") for path in covered)
+
+
+def test_the_traced_run_turns_pytest_cov_off() -> None:
+    from composer_replication.sandbox.pytest_support import traced_command
+
+    traced = traced_command("python -m pytest -q -p pytest_cov", "trace.py", "out.json")
+    assert traced is not None and traced.endswith("-p pytest_cov --no-cov")
+    plain = traced_command("python -m pytest -q", "trace.py", "out.json")
+    assert plain is not None and "--no-cov" not in plain
+
+
 def test_gate3_rejects_a_deletion_that_breaks_collection(shared_dir: Path) -> None:
     repo = _copy_repo(shared_dir)  # `register` runs at import time as a decorator factory
     report = generate_tasks(

@@ -231,8 +231,23 @@ def traced_command(test_command: str, script: str, output: str) -> str | None:
         rest = tokens[3:]
     else:
         return None
+    if "pytest_cov" in _plugins(rest):
+        # coverage.py installs its own trace function over the tracer's (Python < 3.12):
+        # the run with the tracer measures nothing with pytest-cov on
+        rest = [*rest, "--no-cov"]
     traced = ["python", script, ".", output, "-m", "pytest", "-p", "no:cacheprovider", *rest]
     return shlex.join(traced)
+
+
+def _plugins(args: list[str]) -> set[str]:
+    """The plugins ``-p NAME`` / ``-pNAME`` arguments load."""
+    names = set()
+    for i, arg in enumerate(args):
+        if arg == "-p" and i + 1 < len(args):
+            names.add(args[i + 1])
+        elif arg.startswith("-p") and len(arg) > 2 and not arg.startswith("-p="):
+            names.add(arg[2:])
+    return names
 
 
 def guard_config(guard: GuardSpec, root: str | os.PathLike[str]) -> dict[str, str]:
