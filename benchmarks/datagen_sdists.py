@@ -95,8 +95,11 @@ def report_lines(requirement: str, kind: str, report, seconds: float) -> list[st
     share = report.accepted / tried if tried else 0.0
     per_task = seconds / report.accepted if report.accepted else float("nan")
     excluded = ", ".join(f"{n} {why}" for why, n in report.excluded.items()) or "none"
+    uncovered = (
+        "coverage unknown" if report.uncovered is None else f"{report.uncovered} not covered"
+    )
     lines = [
-        f"\n{requirement} [{kind}]: {report.candidates} candidates, {tried} tried, "
+        f"\n{requirement} [{kind}]: {report.candidates} candidates ({uncovered}), {tried} tried, "
         f"{report.accepted} accepted ({share:.0%}; {report.train} train, {report.heldout} "
         f"held out), {seconds:.0f} s, {per_task:.0f} s per accepted task",
         f"  tests: {report.test_command}  ({report.test_source})",
