@@ -888,6 +888,11 @@ BENCHMARK_CASES = [
         "--max-new-tokens 0: give tokens >= 1",
     ),
     ("ceiling-batch-zero", "bugfix_ceiling.py --task-file {self} --batch 0", "--batch 0"),
+    # cpu_threads.py
+    ("threads-rows-zero", "cpu_threads.py --rows 0", "--rows 0: give a whole number >= 1"),
+    ("threads-rows-huge", "cpu_threads.py --rows 1000", "--rows 1000: give a number"),
+    ("threads-tokens-zero", "cpu_threads.py --new-tokens 0", "--new-tokens 0"),
+    ("threads-out-link", "cpu_threads.py --out /proc/self/cwd", "is a symbolic link"),
     # agent_episodes.py
     ("agent-episodes-zero", "agent_episodes.py --episodes 0", "--episodes 0: give episodes"),
     ("agent-turns-negative", "agent_episodes.py --turns -1", "--turns -1: give tool calls"),
