@@ -60,7 +60,7 @@ def test_build_pytest_argv_rejects_option_like_test_ids_and_empty_commands() -> 
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="pytest" errors="1" failures="2" skipped="1" tests="6">
+<testsuites><testsuite name="pytest" errors="1" failures="3" skipped="1" tests="8">
 <testcase classname="tests.test_a" name="test_ok" file="tests/test_a.py" line="1" time="0"/>
 <testcase classname="tests.test_a" name="test_bad" file="tests/test_a.py" line="4" time="0">
   <failure message="assert 0">boom</failure></testcase>
@@ -70,6 +70,10 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
   <skipped type="pytest.skip" message="no">no</skipped></testcase>
 <testcase classname="tests.test_a" name="test_teardown" file="tests/test_a.py" line="15" time="0">
   <failure message="x">x</failure><error message="teardown">y</error></testcase>
+<testcase classname="tests.test_lru.LRUCacheTest" name="test_missing" file="tests/__init__.py"
+  line="20" time="0"/>
+<testcase classname="tests.test_ttl.TTLCacheTest" name="test_missing" file="tests/__init__.py"
+  line="20" time="0"><failure message="x">x</failure></testcase>
 <testcase classname="" name="tests.test_b" file="tests/test_b.py" time="0">
   <error message="collection failure">ImportError</error></testcase>
 </testsuite></testsuites>
@@ -87,9 +91,12 @@ def test_parse_junit_maps_node_ids_and_outcomes(tmp_path: Path) -> None:
         "tests/test_a.py::TestK::Inner::test_p[1.5-x]": "passed",
         "tests/test_a.py::test_skip": "skipped",
         "tests/test_a.py::test_teardown": "failed",
+        # a test a class inherits from a mixin in another file: the collecting class's id
+        "tests/test_lru.py::LRUCacheTest::test_missing": "passed",
+        "tests/test_ttl.py::TTLCacheTest::test_missing": "failed",
         "tests/test_b.py": "error",
     }
-    assert (report.passed, report.failed, report.errors, report.skipped) == (2, 2, 1, 1)
+    assert (report.passed, report.failed, report.errors, report.skipped) == (3, 3, 1, 1)
 
 
 def test_parse_junit_refuses_missing_malformed_and_symlinked_reports(tmp_path: Path) -> None:
@@ -214,7 +221,7 @@ def test_the_result_reads_and_removes_the_report(tmp_path: Path) -> None:
     result = result_of_tests(
         entry, _outcome(1, b"out\n"), timeout_s=5, isolated=False, infrastructure_error=None
     )
-    assert (result.passed, result.failed, result.errors, result.skipped) == (2, 2, 1, 1)
+    assert (result.passed, result.failed, result.errors, result.skipped) == (3, 3, 1, 1)
     assert result.exit_code == 1 and result.duration_s == 0.5 and not result.isolated
     assert result.output == "out\n\n[exit code 1]" and result.behaviour_flags == ()
     assert not entry.report.exists()

@@ -417,8 +417,18 @@ def _nodeid(case: ET.Element) -> str:
     module = file[:-3].replace("/", ".") if file.endswith(".py") else file
     if not classname and name == module:  # a collection error for the whole file
         return file
-    rest = classname[len(module) :].lstrip(".") if classname.startswith(module) else ""
-    return "::".join([file, *(rest.split(".") if rest else []), name])
+    if classname.startswith(module):
+        rest = classname[len(module) :].lstrip(".")
+        return "::".join([file, *(rest.split(".") if rest else []), name])
+    # A test inherited from a class in another file (a mixin in tests/__init__.py): `file`
+    # is where its function is written, `classname` the module and classes that collected
+    # it. The module's parts end where the first class name (capitalised) begins.
+    parts = classname.split(".")
+    first_class = next((i for i, p in enumerate(parts) if p[:1].isupper()), len(parts))
+    if first_class == 0:
+        return "::".join([file, name])
+    collected = "/".join(parts[:first_class]) + ".py"
+    return "::".join([collected, *parts[first_class:], name])
 
 
 _SEVERITY = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
