@@ -324,6 +324,7 @@ def test_the_traced_run_turns_pytest_cov_off() -> None:
 
     traced = traced_command("python -m pytest -q -p pytest_cov", "trace.py", "out.json")
     assert traced is not None and traced.endswith("-p pytest_cov --no-cov")
+    assert "--continue-on-collection-errors" in traced  # a module that fails stops nothing
     plain = traced_command("python -m pytest -q", "trace.py", "out.json")
     assert plain is not None and "--no-cov" not in plain
 

@@ -26,6 +26,8 @@ def _recorder(root):
     prefix = os.path.join(os.path.realpath(root), "")
 
     def wanted(filename):
+        if filename.startswith("<"):  # "<frozen runpy>", "<string>": no file
+            return False
         return filename.startswith(prefix) or (
             not os.path.isabs(filename) and os.path.realpath(filename).startswith(prefix)
         )
