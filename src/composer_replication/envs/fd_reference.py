@@ -85,8 +85,8 @@ class ReferenceEpisodes:
             path = workdir / rel
             return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
-        # A bug report names the failing frame (file and line): the reference reads the
-        # lines around it, as it reads around any change, and fixes them with one replace.
+        # Bug tasks too: the reference reads the lines around the change (the failing frame,
+        # where the report names one in the repository) and fixes them with one replace.
         needed = reference_calls(edits, (), read=self.reference_reads)
         missing = {name for name, _ in needed} - set(self.tools)
         if missing:
