@@ -7,8 +7,8 @@ something else also needs (the sandbox's test runs beside the agent loop's decod
 generation beside a run, two runs at once) the spinning workers take the cores from that
 work, and a region waits for a worker the scheduler has set aside: measured on 2 cores with
 two other busy processes, a (16 x 576) @ (576 x 1536) matmul took 20 ms with the default
-spin and 0.7 ms with a short one. With the cores to itself the short spin costs little
-(``benchmarks/cpu_threads.py`` measures both on a decode and a training step).
+spin and 0.7 ms with a short one; beside one busy core a decode is 1.67x and a training step
+1.33x faster with it, alone they are 5-9% slower (``benchmarks/cpu_threads.py``).
 
 The spin is read once, when libgomp loads (the first ``import torch``), so the commands set
 it before that; a value the user set (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``) wins.
