@@ -27,12 +27,9 @@ OPTIONS = {
 }
 
 
-def test_warm_start_then_composer_on_a_repository(shared_dir, tiny_dir, monkeypatch):
-    monkeypatch.setenv("COMPOSER_REPLICATION_CACHE", str(shared_dir / "cache"))
-    repo = shared_dir / "fd_repo"
-    shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
-    options = dict(OPTIONS, repo=str(repo))
-    config = RunConfig.model_validate(
+def _recipe(shared_dir, tiny_dir, options: dict) -> RunConfig:
+    """The recipe in two steps: one of imitating the reference agent, one of composer."""
+    return RunConfig.model_validate(
         {
             "steps": 2,
             "output_dir": str(shared_dir / "run"),
@@ -66,6 +63,14 @@ def test_warm_start_then_composer_on_a_repository(shared_dir, tiny_dir, monkeypa
             ],
         }
     )
+
+
+def test_warm_start_then_composer_on_a_repository(shared_dir, tiny_dir, monkeypatch):
+    monkeypatch.setenv("COMPOSER_REPLICATION_CACHE", str(shared_dir / "cache"))
+    repo = shared_dir / "fd_repo"
+    shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    options = dict(OPTIONS, repo=str(repo))
+    config = _recipe(shared_dir, tiny_dir, options)
     result = train(config)
     assert result.steps == 2
     rows = {row["step"]: row for row in result.metrics}
@@ -108,43 +113,8 @@ def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeyp
         kind="bugs",
         bugs_per_function=1,
         max_tasks=6,
-        max_turns=4,
-        tools=["read_file", "replace", "run_tests", "finish"],
     )
-    config = RunConfig.model_validate(
-        {
-            "steps": 2,
-            "output_dir": str(shared_dir / "run"),
-            "heldout_fraction": 0.5,
-            "heldout_salt": "agent-recipe-test-1",
-            "save_rollouts": "all",
-            "model": {"source": tiny_dir, "lora": {"r": 4, "alpha": 8}},
-            "optim": {"lr": 1e-3},
-            "eval": {"every": 2, "samples_per_task": 1, "temperature": 0.0, "greedy": False},
-            "envs": [
-                {
-                    "name": "feature_deletion",
-                    "tasks_per_step": 2,
-                    "last_step": 1,
-                    "options": options,
-                    "algorithm": {
-                        "sampling": {"source": "reference", "max_new_tokens": 160},
-                        "advantage": {"type": "sft"},
-                    },
-                },
-                {
-                    "name": "feature_deletion",
-                    "tasks_per_step": 1,
-                    "first_step": 2,
-                    "options": options,
-                    "algorithm": {
-                        "sampling": {"group_size": 2, "temperature": 1.0, "max_new_tokens": 160},
-                        "advantage": {"type": "composer", "beta_replay": 0.0},
-                    },
-                },
-            ],
-        }
-    )
+    config = _recipe(shared_dir, tiny_dir, options)
     result = train(config)
     rows = {row["step"]: row for row in result.metrics}
     assert rows[1]["rollouts/demonstrations"] == 2.0 and rows[1]["loss/ce"] > 0
