@@ -104,7 +104,7 @@ def checked_output(path: Any, option: str, *, directory: bool = False) -> Any:
     (never an input, a source, a cache or a run's record; not a directory, device or link)
     or, with ``directory``, a folder that is absent or writable. Exits with one line
     naming the option and the fix otherwise."""
-    from composer_replication.outputs import OutputError, check_output, check_output_dir
+    from composer_replication.common.outputs import OutputError, check_output, check_output_dir
 
     if path is None:
         return None
@@ -118,7 +118,7 @@ def checked_output(path: Any, option: str, *, directory: bool = False) -> Any:
 
 def write_json(path: Any, data: Any) -> None:
     """``data`` as JSON at ``path``, atomically (the old file or the new one, never half)."""
-    from composer_replication.atomic_io import write_text_atomic
+    from composer_replication.common.atomic_io import write_text_atomic
 
     write_text_atomic(path, json.dumps(data, indent=1, default=str))
 
@@ -126,7 +126,7 @@ def write_json(path: Any, data: Any) -> None:
 # ------------------------------------------------------------------ bad command-line input
 # What the project's commands do with bad input, for the benchmarks' options: before any
 # work, one line on stderr naming the option, the value and the fix, and exit code 2
-# (composer_replication.errors.EXIT_USAGE, argparse's own), no traceback.
+# (composer_replication.common.errors.EXIT_USAGE, argparse's own), no traceback.
 
 EXIT_USAGE = 2
 

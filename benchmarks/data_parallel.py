@@ -57,7 +57,7 @@ def worker(rank: int, world: int, port: int, n_seq: int, seq_len: int, steps: in
     from composer_replication.model.cpu_allocator import set_mmap_threshold
     from composer_replication.model.loading import load_policy
     from composer_replication.samples.wire import pack_samples
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.step import train_step
 
     set_mmap_threshold(256 << 10)  # peak RSS counts live tensors, not the heap's free blocks
     torch.set_num_threads(2 // world)

@@ -449,7 +449,7 @@ def synthetic_groups(
         PythonFunctionsEnv,
         reference_demonstration,
     )
-    from composer_replication.rollout.types import REFERENCE_KEY, Rollout
+    from composer_replication.samples.rollouts import REFERENCE_KEY, Rollout
 
     env = PythonFunctionsEnv()
     rng = random.Random(REWARD_SEED)
@@ -540,13 +540,23 @@ def train_step(name: str, config: Any, model: Any, batches: list, device: Any) -
 
     import torch
 
-    from composer_replication.trainer.learner import Learner
+    from composer_replication.training.learner import Learner
 
     if name == "plain":
         fused = {"fused": True} if device.type == "cuda" else {}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **fused)
         return functools.partial(plain_step, model, optimizer, batches)
-    return functools.partial(Learner(config, model).update, batches, 1)
+    return functools.partial(
+        Learner(
+            model,
+            model=config.model,
+            optim=config.optim,
+            loss=config.loss,
+            steps=config.steps,
+        ).update,
+        batches,
+        1,
+    )
 
 
 def component_tokens(row: dict[str, Any]) -> dict[str, float]:
@@ -733,7 +743,7 @@ def recipe_run(
 
     from composer_replication.config.run import RunConfig
     from composer_replication.safety import CollapseStopError
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     config = RunConfig.from_toml(
         config_path,
@@ -897,7 +907,7 @@ def heldout_runs(
     """gpu.toml with each algorithm for ``minutes`` (the run's clock, its first evaluation
     included): greedy and sampled held-out pass@1 before and after."""
     from composer_replication.config.run import RunConfig
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     quick = [
         "envs.0.tasks_per_step=2",
@@ -1212,7 +1222,7 @@ def write_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
     if args.json:
         write_json(args.json, results)
     if args.out:
-        from composer_replication.atomic_io import write_text_atomic
+        from composer_replication.common.atomic_io import write_text_atomic
 
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(args.out / "gpu.json", results)

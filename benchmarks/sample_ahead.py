@@ -32,7 +32,7 @@ def run_side(config_path: Path | None, steps: int, level: int) -> dict[str, Any]
     """One side: ``steps`` steps of the job with ``async_level = level``; medians of the
     steps after the first."""
     from composer_replication.config.run import RunConfig
-    from composer_replication.trainer.loop import train
+    from composer_replication.training.loop import train
 
     with tempfile.TemporaryDirectory() as out:
         overrides = [

@@ -317,7 +317,7 @@ def loop_steps(steps: int, url: str) -> None:
     import tempfile
 
     from composer_replication.config.run import RunConfig
-    from composer_replication.trainer.loop import train
+    from composer_replication.training.loop import train
 
     per_step = {}
     for level in (0, 1):

@@ -76,7 +76,7 @@ def worker(
 
     from composer_replication.model.cpu_allocator import set_mmap_threshold
     from composer_replication.model.loading import load_policy
-    from composer_replication.trainer.step import LossConfig, train_step
+    from composer_replication.training.step import LossConfig, train_step
 
     if mmap_threshold:
         set_mmap_threshold(mmap_threshold)
@@ -115,8 +115,8 @@ def composer_case(repeats: int) -> None:
     from composer_replication.config import RunConfig
     from composer_replication.model.shared_prefix import prefix_sharing
     from composer_replication.samples.wire import pack_samples
-    from composer_replication.trainer.loop import Trainer
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.loop import Trainer
+    from composer_replication.training.step import train_step
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(RunConfig.default([f"output_dir={tmp}/run"]))

@@ -77,7 +77,7 @@ def _fixed_length(policy, tokens: int) -> None:
 
 
 def native_worker(args: dict) -> dict:
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     cfg = run_config(args, tempfile.mkdtemp(prefix="bench-native-"))
     trainer = Trainer(cfg)
@@ -111,7 +111,7 @@ def trl_worker(args: dict) -> dict:
     )
     from composer_replication.envs.python_functions import PythonFunctionsEnv
     from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.setup import seed_everything, setup_policy
+    from composer_replication.training.setup import seed_everything, setup_policy
 
     cfg = run_config(args, tempfile.mkdtemp(prefix="bench-trl-"))
     seed_everything(cfg.seed)

@@ -176,21 +176,7 @@ def test_no_import_cycles_even_through_imports_inside_functions():
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "foundation",
-        (
-            "_moved",
-            "atomic_io",
-            "callables",
-            "compat",
-            "config",
-            "errors",
-            "hint_generator",
-            "integrations",
-            "outputs",
-            "pids",
-            "progress",
-            "project_cache",
-            "testing",
-        ),
+        ("_moved", "common", "config", "hint_generator", "integrations", "testing"),
     ),
     ("isolation", ("sandbox", "safety")),
     ("samples", ("samples",)),
@@ -200,18 +186,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("signals", ("algo", "evals", "traces", "datagen")),
     (
         "training",
-        (
-            "distributed",
-            "diloco",
-            "trainer",
-            "backends",
-            "evaluate",
-            "report",
-            "preflight",
-            "recipes",
-        ),
+        ("distributed", "diloco", "training", "backends", "preflight", "recipes"),
     ),
-    ("commands", ("cli", "__main__", "smoke", "")),
+    ("commands and faces", ("cli", "__main__", "smoke", "trainer", "")),
 )
 
 
@@ -240,18 +217,116 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
     )
 
 
+def _unit(module: str) -> str:
+    """The top-level package or root module ``composer_replication.x...`` belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def _unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with each module replaced by its top-level package or root module."""
+    units: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        unit = _unit(module)
+        units.setdefault(unit, set()).update(_unit(d) for d in deps if _unit(d) != unit)
+    return units
+
+
+def _mutual_pairs(units: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted(
+        {tuple(sorted((a, b))) for a, deps in units.items() for b in deps if a in units.get(b, ())}
+    )
+
+
+def test_packages_and_root_modules_import_one_way():
+    """Folders are layers too: no two top-level packages (or root modules) import each
+    other, type-only and deferred imports included, and no longer chain closes a loop."""
+    units = _unit_graph(_full_graph())
+    assert _mutual_pairs(units) == []
+    assert _cycles(units) == []
+
+
+def test_the_package_check_sees_two_packages_importing_each_other():
+    graph = {
+        "composer_replication.trainer": {"composer_replication.backends.trl.run"},
+        "composer_replication.backends.trl.run": {"composer_replication.trainer.loop"},
+        "composer_replication.roles": {"composer_replication.samples.rollouts"},
+    }
+    units = _unit_graph(graph)
+    assert _mutual_pairs(units) == [
+        ("composer_replication.backends", "composer_replication.trainer")
+    ]
+    assert _cycles(units) == [["composer_replication.backends", "composer_replication.trainer"]]
+
+
+#: what the package root holds: its entry points, the seed API's faces and the commands
+ROOT_MODULES = {
+    "__init__": "entry point: the seed API's names, lazily",
+    "__main__": "entry point: python -m composer_replication",
+    "_moved": "entry point: earlier and seed module paths",
+    "cli": "command: the typer app",
+    "smoke": "command: smoke",
+    "preflight": "the commands' checks before work starts",
+    "loss": "seed face over ops/",
+    "batch": "seed face over ops/",
+    "opsd": "seed face over ops/",
+    "chunked_head": "seed face over ops/",
+    "hint_generator": "seed module: hint templates",
+    "roles": "face: the roles' protocols",
+}
+
+
+def test_the_package_root_holds_only_faces_commands_and_entry_points():
+    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    assert modules - set(ROOT_MODULES) == set(), "a utility at the root: move it to its layer"
+
+
+#: the modules that may take the whole run config: its definition, the controllers that
+#: hand each component its sections, the backends and recipes that build whole runs, and
+#: the commands
+WHOLE_CONFIG_READERS = (
+    "config",
+    "training.loop",
+    "training.lifecycle",
+    "training.replica",
+    "backends",
+    "recipes",
+    "cli",
+    "preflight",
+)
+
+
+def _takes_run_config(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return any(
+        isinstance(node, ast.ImportFrom) and any(a.name == "RunConfig" for a in node.names)
+        for node in ast.walk(tree)
+    )
+
+
+def test_no_component_below_the_controllers_takes_the_whole_run_config():
+    readers = sorted(
+        _module_name(path).removeprefix("composer_replication.")
+        for path in PACKAGE.rglob("*.py")
+        if _takes_run_config(path)
+    )
+    allowed = [
+        r for r in readers if any(r == p or r.startswith(p + ".") for p in WHOLE_CONFIG_READERS)
+    ]
+    assert readers == allowed, "pass the component its config sections, not the RunConfig"
+
+
 def test_no_module_imports_a_higher_layer():
     assert _upward_imports(_full_graph()) == []
 
 
 def test_the_layer_check_sees_an_upward_import():
     graph = {
-        "composer_replication.samples.wire": {"composer_replication.trainer.loop"},
-        "composer_replication.trainer.loop": {"composer_replication.samples.wire"},
+        "composer_replication.samples.wire": {"composer_replication.training.loop"},
+        "composer_replication.training.loop": {"composer_replication.samples.wire"},
         "composer_replication.datagen.cli": {"composer_replication.preflight"},
     }
     assert _upward_imports(graph) == [
-        "composer_replication.samples.wire (samples) imports composer_replication.trainer.loop "
+        "composer_replication.samples.wire (samples) imports composer_replication.training.loop "
         "(training)"
     ]
 
@@ -261,7 +336,8 @@ def test_the_cycle_finder_sees_a_cycle():
 
 
 @pytest.mark.parametrize(
-    "module", ["trainer/loop.py", "trainer/lifecycle.py", "trainer/runtime.py", "trainer/step.py"]
+    "module",
+    ["training/loop.py", "training/lifecycle.py", "training/runtime.py", "training/step.py"],
 )
 def test_the_trainer_never_names_an_algorithm(module):
     tree = ast.parse((PACKAGE / module).read_text(encoding="utf-8"))

@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from composer_replication.cli import app
-from composer_replication.errors import EXIT_INTERRUPTED, EXIT_NO_RESULT, EXIT_USAGE
+from composer_replication.common.errors import EXIT_INTERRUPTED, EXIT_NO_RESULT, EXIT_USAGE
 
 TRACE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "claude_code" / "projects"
 SESSION = TRACE_FIXTURES / "-home-dev-calc" / "1f0c7a2e-5b1d-4c3e-9a7f-0d2e4b6c8a10.jsonl"

@@ -11,9 +11,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from typer.testing import CliRunner
 
-from composer_replication import compat
 from composer_replication.cli import app
-from composer_replication.compat import (
+from composer_replication.common import compat
+from composer_replication.common.compat import (
     SUPPORTED_TRANSFORMERS,
     cache_keyword,
     check_transformers_version,

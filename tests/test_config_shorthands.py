@@ -9,8 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from composer_replication.common.errors import user_error
 from composer_replication.config import RunConfig
-from composer_replication.errors import user_error
 
 
 def _load(tmp_path, text: str, overrides: list[str] | None = None) -> RunConfig:

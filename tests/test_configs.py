@@ -108,7 +108,7 @@ def test_paths_in_a_config_are_relative_to_the_config_file(tmp_path, monkeypatch
 
 
 def test_resume_needs_a_checkpoint_unless_resume_or_start(tmp_path):
-    from composer_replication.errors import UsageError
+    from composer_replication.common.errors import UsageError
     from composer_replication.preflight import check_resume
 
     cfg = RunConfig.default([f"output_dir={tmp_path / 'typo'}"])
@@ -132,7 +132,7 @@ def test_resume_needs_a_checkpoint_unless_resume_or_start(tmp_path):
 def test_engine_monarch_without_torchmonarch_is_one_usage_error(monkeypatch):
     import importlib.util
 
-    from composer_replication.errors import UsageError
+    from composer_replication.common.errors import UsageError
     from composer_replication.preflight import check_engine
 
     check_engine("monarch")  # installed here: nothing to say

@@ -40,9 +40,9 @@ from composer_replication.model.devices import (
     resolve_precision,
 )
 from composer_replication.samples.wire import TrainingSample, pack_samples
-from composer_replication.trainer.step import train_step
+from composer_replication.training.step import train_step
 
-sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+sys.path.insert(0, str(Path(__file__).parent / "training"))
 from test_step import _jsd_sample, _pair, _rl_sample
 
 # explicit moves between devices, and ops that only read metadata
@@ -132,7 +132,7 @@ def test_resolve_precision():
 def test_setup_policy_places_the_policy_with_sdpa(tmp_path, tiny):
     from composer_replication.config.run import RunConfig
     from composer_replication.model.loading import save_checkpoint, tiny_model
-    from composer_replication.trainer.setup import setup_policy
+    from composer_replication.training.setup import setup_policy
 
     source = save_checkpoint(tiny_model(seed=0), tmp_path / "m", tokenizer=tiny[1])
     config = RunConfig(model={"source": str(source), "device": "cpu", "dtype": "auto"})
@@ -186,13 +186,13 @@ def test_sampler_scorer_kl_and_teachers_create_no_stray_tensor(tiny):
     from composer_replication.algo.advantage import grpo_advantages, max_rl_advantages
     from composer_replication.algo.scoring import LocalPrefillScorer
     from composer_replication.inference.decoding.generate import (
-        SamplingSettings,
         generate,
         reuse_prompt_states,
         seeded_rows,
     )
-    from composer_replication.trainer.setup import kl_to_initial
-    from composer_replication.trainer.teachers import TeacherModels
+    from composer_replication.samples.generation import SamplingSettings
+    from composer_replication.training.setup import kl_to_initial
+    from composer_replication.training.teachers import TeacherModels
 
     model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
     teachers = TeacherModels(model, mode="ema")
@@ -249,7 +249,7 @@ def test_the_static_decode_loop_creates_no_stray_tensor(tiny):
 
 
 def test_checkpoint_round_trip_creates_no_stray_tensor(tmp_path, tiny):
-    from composer_replication.trainer.checkpoint import CheckpointManager
+    from composer_replication.training.checkpoint import CheckpointManager
 
     model = copy.deepcopy(tiny[0])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

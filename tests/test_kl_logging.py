@@ -74,13 +74,13 @@ def test_the_guard_reads_it_as_the_documented_loop_passes_it():
 
 
 def test_the_training_loop_kl_to_init_is_token_mean_kl(tiny, monkeypatch):
-    sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+    sys.path.insert(0, str(Path(__file__).parent / "training"))
     from test_step import _rl_sample
 
     from composer_replication.integrations.altered_minds import kl_logging
     from composer_replication.samples.wire import pack_samples
-    from composer_replication.trainer import learner as learner_module
-    from composer_replication.trainer.setup import kl_to_initial, kl_to_initial_sum
+    from composer_replication.training import learner as learner_module
+    from composer_replication.training.setup import kl_to_initial, kl_to_initial_sum
 
     policy, initial = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
     with torch.no_grad():

@@ -21,7 +21,7 @@ from composer_replication.distillation import (
 from composer_replication.loss import compose_loss
 from composer_replication.opsd import generalized_jsd_loss
 from composer_replication.samples.wire import DPOPairTokens, TrainingSample, pack_samples
-from composer_replication.trainer.step import train_step
+from composer_replication.training.step import train_step
 
 PROMPT = [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093]
 HINTED = [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093, 198, 19161, 803, 24, 81]
@@ -303,7 +303,7 @@ def test_native_jsd_component_variants_equal_the_standalone_functions(tiny, knob
 
 
 def test_taid_schedule_in_the_native_loop_moves_t_and_resumes(tiny):
-    from composer_replication.trainer.loss_schedule import LossSchedule
+    from composer_replication.training.loss_schedule import LossSchedule
 
     schedule = LossSchedule(LossConfig(sdpo_wrapper="taid", taid_t_start=0.2), total_steps=4)
     assert schedule.current().taid_t == pytest.approx(0.2)

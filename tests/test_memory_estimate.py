@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from composer_replication.common.errors import UsageError
 from composer_replication.config import RunConfig
-from composer_replication.errors import UsageError
 from composer_replication.model.memory_estimate import (
     EMBEDDED_SHAPE,
     ModelShape,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from composer_replication.atomic_io import build_dir_atomically
+from composer_replication.common.atomic_io import build_dir_atomically
 from composer_replication.model.loading import (
     EMBEDDED,
     EMBEDDED_GGUF_FILE,

@@ -1,4 +1,4 @@
-"""The output policy every command shares (``composer_replication.outputs``) and the atomic
+"""The output policy every command shares (``composer_replication.common.outputs``) and the atomic
 writer under it: inputs, directories, devices, FIFOs and links are refused before any work;
 a file is replaced only as a whole, keeping its mode; a failure leaves it as it was."""
 
@@ -11,12 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.atomic_io import (
+from composer_replication.common.atomic_io import (
     EmptyOutputError,
     write_lines_atomic,
     write_text_atomic,
 )
-from composer_replication.outputs import OutputError, check_output, check_output_dir, owner_of
+from composer_replication.common.outputs import (
+    OutputError,
+    check_output,
+    check_output_dir,
+    owner_of,
+)
 
 
 def test_an_input_is_refused_by_path_by_link_and_by_inode(tmp_path):
@@ -146,7 +151,7 @@ def test_files_other_commands_keep_are_refused_unless_the_command_owns_them(tmp_
 
 
 def test_an_output_folder_that_is_a_link_is_refused_unless_followed(tmp_path: Path) -> None:
-    from composer_replication.outputs import check_output_dir
+    from composer_replication.common.outputs import check_output_dir
 
     real = tmp_path / "real"
     real.mkdir()

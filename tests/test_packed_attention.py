@@ -143,7 +143,7 @@ def test_the_model_through_the_flex_kernel_equals_the_padded_forward(monkeypatch
 
 @pytest.mark.parametrize("share", [True, False])
 def test_every_loss_component_and_gradient_equals_the_padded_paths(monkeypatch, share):
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.step import train_step
     from test_shared_prefix import _composer_step_inputs, _grads_of
 
     model = tiny_model(seed=1).train()  # float32
@@ -206,7 +206,7 @@ def test_on_meta_the_packed_path_builds_everything_on_the_models_device(packing_
 
 def test_the_padding_fraction_is_padded_over_computed_positions():
     from composer_replication.samples.wire import TrainingSample, pack_samples
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.step import train_step
 
     def sample(n_prompt: int, n_completion: int, first: int) -> TrainingSample:
         ids = list(range(first, first + n_prompt + n_completion))

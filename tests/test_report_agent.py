@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from composer_replication.report import AGENT_PANELS, plotted_series, write_report
+from composer_replication.training.report import AGENT_PANELS, plotted_series, write_report
 
 
 def _run(tmp_path: Path, rows: list[dict]) -> Path:

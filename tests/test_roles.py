@@ -17,7 +17,7 @@ from composer_replication import roles
 from composer_replication.config import RunConfig
 from composer_replication.envs.base import DemonstratingEnvironment, Environment, SplitEnvironment
 
-sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+sys.path.insert(0, str(Path(__file__).parent / "training"))
 from scripted_env import ScriptedEnv
 
 
@@ -34,8 +34,8 @@ def _classes():
         _WholeCopy,
     )
     from composer_replication.rollout.endpoint_sampler import EndpointSampler
-    from composer_replication.trainer.learner import Learner
-    from composer_replication.trainer.lifecycle import RunLifecycle
+    from composer_replication.training.learner import Learner
+    from composer_replication.training.lifecycle import RunLifecycle
 
     return [
         (roles.Sampler, InProcessSampler),
@@ -116,8 +116,8 @@ def instances(tmp_path_factory, tiny):
         _WholeCopy,
     )
     from composer_replication.rollout.endpoint_sampler import EndpointSampler
-    from composer_replication.trainer.learner import Learner
-    from composer_replication.trainer.lifecycle import RunLifecycle
+    from composer_replication.training.learner import Learner
+    from composer_replication.training.lifecycle import RunLifecycle
 
     model, _ = tiny
     config = RunConfig(output_dir=str(tmp_path_factory.mktemp("roles") / "run"))
@@ -128,7 +128,13 @@ def instances(tmp_path_factory, tiny):
         EndpointSampler: EndpointSampler("http://127.0.0.1:9/v1", "frozen"),
         PythonFunctionsEnv: env,
         RemoteGrader: RemoteGrader(mesh=None, env_index=0),
-        Learner: Learner(config, model),
+        Learner: Learner(
+            model,
+            model=config.model,
+            optim=config.optim,
+            loss=config.loss,
+            steps=config.steps,
+        ),
         RemoteLearner: RemoteLearner(mesh=None, policy=model),
         NoSharding: NoSharding(),
         _WholeCopy: _WholeCopy(),
@@ -173,7 +179,7 @@ def test_the_loop_samples_through_another_sampler(tmp_path, tiny_dir, tokenizer)
     environment an ``EndpointSampler`` (not the policy), the rollouts are the server's
     reply and the ce component trains on exactly those tokens."""
     from composer_replication.testing import CompletionsServer
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     reply = "def f():\n    return 1"
     with CompletionsServer(tokenizer, reply) as server:

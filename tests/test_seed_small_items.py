@@ -19,7 +19,7 @@ from composer_replication.distillation import TAIDScheduler
 from composer_replication.safety import HeldOutGuard
 from composer_replication.traces.cli import load_teachers
 from composer_replication.traces.teacher_replay import DEFAULT_TEACHERS, replay_trace
-from composer_replication.trainer.loss_schedule import LossSchedule
+from composer_replication.training.loss_schedule import LossSchedule
 
 # --- TAIDScheduler --------------------------------------------------------------------------
 

@@ -274,8 +274,8 @@ def _composer_step_inputs(model):
     moved away from it and from its reference), the composer samples packed into one
     micro-batch, and the loss settings."""
     from composer_replication.samples.wire import pack_samples
-    from composer_replication.trainer.step import LossConfig
-    from composer_replication.trainer.teachers import TeacherModels
+    from composer_replication.training.step import LossConfig
+    from composer_replication.training.teachers import TeacherModels
 
     teachers = TeacherModels(model, mode="initial")
     with torch.no_grad():
@@ -287,7 +287,7 @@ def _composer_step_inputs(model):
 
 def test_the_composer_step_is_the_same_with_shared_prefixes(sharing_path):
     from composer_replication.model.shared_prefix import prefix_sharing, prefix_sharing_enabled
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.step import train_step
 
     model = tiny_model(seed=1).double().train()
     teachers, batches, cfg = _composer_step_inputs(model)

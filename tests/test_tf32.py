@@ -48,7 +48,7 @@ def test_tf32_is_a_model_setting_on_by_default():
 
 
 def test_setting_up_a_cpu_policy_leaves_the_flags_alone(monkeypatch):
-    from composer_replication.trainer import setup
+    from composer_replication.training import setup
 
     calls = []
     monkeypatch.setattr(

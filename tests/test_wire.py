@@ -203,7 +203,7 @@ def _step(policy, batches) -> tuple[float, list[torch.Tensor]]:
     """The step's total loss and the gradient it leaves on a fresh copy of ``policy``."""
     import copy
 
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.step import train_step
 
     model = copy.deepcopy(policy)
     metrics = train_step(model, batches)

@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from composer_replication.errors import command_group, user_error
+from composer_replication.common.errors import command_group, user_error
 
 
 class _OneLineErrors(TyperGroup):
@@ -56,8 +56,11 @@ app = command_group(
 def _require_supported_transformers() -> None:
     """Exit with the usage code and one line unless the installed transformers release is
     one this package supports (a model would load, then fail later in a less clear way)."""
-    from composer_replication.compat import check_transformers_version, installed_transformers
-    from composer_replication.trainer.lifecycle import EXIT_USAGE
+    from composer_replication.common.compat import (
+        check_transformers_version,
+        installed_transformers,
+    )
+    from composer_replication.training.lifecycle import EXIT_USAGE
 
     try:
         check_transformers_version(installed_transformers())
@@ -109,7 +112,7 @@ def smoke(
     _require_supported_transformers()
     from rich.console import Console
 
-    from composer_replication.errors import UsageError
+    from composer_replication.common.errors import UsageError
     from composer_replication.preflight import check_cache_dir, check_model_source
     from composer_replication.smoke import run_smoke
 
@@ -196,7 +199,7 @@ def train(
             raise typer.Exit(code=2) from None
         raise typer.Exit(code=launch_torchrun(nproc, _without_nproc(sys.argv[1:])))
 
-    from composer_replication.trainer.lifecycle import EXIT_KILL_SWITCH, EXIT_USAGE
+    from composer_replication.training.lifecycle import EXIT_KILL_SWITCH, EXIT_USAGE
 
     # under torchrun / accelerate launch only rank 0 speaks (every rank runs this command)
     speaks = os.environ.get("RANK", "0") == "0"
@@ -230,8 +233,8 @@ def train(
         typer.echo(f"Error: {user_error(exc)} (--debug shows the traceback)", err=True)
         raise typer.Exit(code=EXIT_USAGE) from None
     from composer_replication.safety import CollapseStopError
-    from composer_replication.trainer.loop import train as run_training
-    from composer_replication.trainer.setup import quiet_library_progress_bars
+    from composer_replication.training.loop import train as run_training
+    from composer_replication.training.setup import quiet_library_progress_bars
 
     quiet_library_progress_bars()  # in a log file, one plain line per step instead
     console.print(
@@ -240,7 +243,7 @@ def train(
         f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "
         f"{cfg.steps} steps -> {cfg.output_dir}"
     )
-    from composer_replication.errors import EXIT_INTERRUPTED, UsageError
+    from composer_replication.common.errors import EXIT_INTERRUPTED, UsageError
 
     try:
         if backend == "trl":
@@ -285,7 +288,7 @@ def _interrupted_line(cfg: Any, backend: str, config: Path | None, overrides: li
     """Where an interrupted run's last checkpoint is and the command that continues it."""
     import shlex
 
-    from composer_replication.trainer.checkpoint import CheckpointManager
+    from composer_replication.training.checkpoint import CheckpointManager
 
     if backend == "trl":
         return f"Interrupted: the trl backend keeps no checkpoints; {cfg.output_dir} is partial"
@@ -427,14 +430,14 @@ def evaluate(
     import json
     import math
 
-    from composer_replication.atomic_io import write_text_atomic
+    from composer_replication.common.atomic_io import write_text_atomic
+    from composer_replication.common.errors import UsageError
+    from composer_replication.common.outputs import check_output
     from composer_replication.config.environments import (
         ENVIRONMENTS,
         builtin_environment,
         eval_max_new_tokens,
     )
-    from composer_replication.errors import UsageError
-    from composer_replication.outputs import check_output
     from composer_replication.preflight import check_env_name, check_model_source
 
     if suite not in SUITES:
@@ -505,7 +508,7 @@ def evaluate(
                     follow_symlinks=follow_symlinks,
                 )
                 output, rollouts = (checked, rollouts) if name == "output" else (output, checked)
-    from composer_replication.trainer.setup import quiet_library_progress_bars
+    from composer_replication.training.setup import quiet_library_progress_bars
 
     quiet_library_progress_bars()  # in a log file, the weight-loading bar is noise
     with _one_line_errors(debug):
@@ -541,9 +544,9 @@ def evaluate(
 
 @contextlib.contextmanager
 def _one_line_errors(debug: bool) -> Iterator[None]:
-    """A :class:`~composer_replication.errors.UsageError` (or a refused output) becomes one
+    """A :class:`~composer_replication.common.errors.UsageError` (or a refused output) becomes one
     line and exit code 2; ``--debug`` keeps the traceback."""
-    from composer_replication.errors import EXIT_USAGE, UsageError
+    from composer_replication.common.errors import EXIT_USAGE, UsageError
 
     try:
         yield
@@ -569,7 +572,7 @@ def _eval_heldout(
     rollouts: Path | None,
     heldout_salt: str | None = None,
 ) -> dict[str, Any]:
-    from composer_replication.evaluate import evaluate_model
+    from composer_replication.evals.heldout import evaluate_model
 
     salt = {} if heldout_salt is None else {"heldout_salt": heldout_salt}
     result = evaluate_model(
@@ -623,8 +626,8 @@ def _eval_heldout(
 def _config_entry(path: Path) -> tuple[str, dict[str, Any], int, float, str]:
     """(environment, options, turn budget, held-out fraction, salt) of the run config's
     first entry that samples the policy (else its first entry)."""
+    from composer_replication.common.errors import UsageError
     from composer_replication.config import RunConfig
-    from composer_replication.errors import UsageError
 
     try:
         cfg = RunConfig.from_toml(path)
@@ -735,7 +738,7 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: run the command line ``argv`` (default: the process's)
-    and return its exit code (``composer_replication.errors`` lists them)."""
+    and return its exit code (``composer_replication.common.errors`` lists them)."""
     from typer.main import get_command
 
     from composer_replication.model.cpu_threads import limit_thread_spinning

@@ -1,5 +1,5 @@
 """Checks the commands make before their work starts, so that a user's mistake is one line
-(:class:`~composer_replication.errors.UsageError`: the value, and the fix) and not a
+(:class:`~composer_replication.common.errors.UsageError`: the value, and the fix) and not a
 traceback minutes later: the model source, environment names, the device, pairs files,
 the run directory, what ``--resume`` will find there, and whether the learner's step fits
 the GPU's memory.
@@ -10,15 +10,15 @@ import torch (the latter reads the model's ``config.json`` only).
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
+from composer_replication.common.errors import UsageError, did_you_mean
 from composer_replication.config.environments import BUILTIN_ENVIRONMENTS
 from composer_replication.config.identity import identity_difference, run_identity
-from composer_replication.errors import UsageError
+from composer_replication.model.sources import check_model_source
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
@@ -31,59 +31,6 @@ __all__ = [
     "check_resume",
     "check_run",
 ]
-
-_MODEL_FIX = (
-    "give a Hugging Face model directory (e.g. a run's final_model), a .gguf file or 'embedded'"
-)
-
-
-def _did_you_mean(value: str, choices: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _in_hub_cache(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except Exception:  # an invalid repo id, or no huggingface_hub: not cached either way
-        return False
-
-
-def check_model_source(source: str, where: str = "model.source") -> None:
-    """``source`` is 'embedded', a model directory (with config.json), a file starting
-    with the GGUF magic, or a model in the local Hugging Face cache."""
-    if source == "embedded":
-        return
-    path = Path(source).expanduser()
-    if source.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise UsageError(f"{where} {source!r} does not exist; {_MODEL_FIX}")
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
-        if magic != b"GGUF":
-            raise UsageError(
-                f"{where} {source!r} is not a GGUF file (it does not begin with the GGUF "
-                "magic): pass an intact .gguf file"
-            )
-        return
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UsageError(
-                f"{where} {source!r} is not a model directory (it has no config.json); {_MODEL_FIX}"
-            )
-        return
-    if path.exists():
-        raise UsageError(f"{where} {source!r} is a file, not a model directory; {_MODEL_FIX}")
-    looks_like_path = source.startswith(("/", ".", "~")) or source.count("/") > 1
-    if not looks_like_path and _in_hub_cache(source):
-        return
-    cached = "" if looks_like_path else " (or a model in the local Hugging Face cache)"
-    raise UsageError(
-        f"{where} {source!r} does not exist{_did_you_mean(source, ['embedded'])}; "
-        f"{_MODEL_FIX}{cached}"
-    )
 
 
 def check_env_name(name: str, where: str = "environment") -> None:
@@ -101,7 +48,7 @@ def check_env_name(name: str, where: str = "environment") -> None:
             raise UsageError(f"{where} {name!r}: module {module!r} cannot be imported; {fix}")
         return
     raise UsageError(
-        f"{where} {name!r} is not an environment{_did_you_mean(name, BUILTIN_ENVIRONMENTS)}; {fix}"
+        f"{where} {name!r} is not an environment{did_you_mean(name, BUILTIN_ENVIRONMENTS)}; {fix}"
     )
 
 
@@ -147,7 +94,7 @@ def check_resume(config: Any, *, or_start: bool = False) -> bool:
     """Whether the run will resume: ``--resume`` needs a checkpoint in the run directory
     (``or_start``: none means a new run), written by a run of the same identity
     (``config.identity``: model, environments and their algorithms and tasks, loss, split)."""
-    from composer_replication.trainer.checkpoint import CheckpointManager
+    from composer_replication.training.checkpoint import CheckpointManager
 
     run_dir = Path(config.output_dir)
     manager = CheckpointManager(run_dir)
@@ -181,7 +128,7 @@ def check_resume(config: Any, *, or_start: bool = False) -> bool:
 
 def _recorded_identity(checkpoint: Path, config_file: Path) -> dict[str, Any] | None:
     """The identity a checkpoint was written with: its own record, else the run's config."""
-    from composer_replication.trainer.checkpoint import IDENTITY_FILE
+    from composer_replication.training.checkpoint import IDENTITY_FILE
 
     try:
         return json.loads((checkpoint / IDENTITY_FILE).read_text(encoding="utf-8"))
@@ -241,11 +188,11 @@ def cpu_notice(config: Any) -> str | None:
 
 def check_run(config: Any) -> None:
     """The checks ``train`` makes on a parsed config before it loads anything."""
-    from composer_replication.outputs import check_output_dir
+    from composer_replication.common.outputs import check_output_dir
 
     check_model_source(config.model.source)
     check_output_dir(config.output_dir, option="output_dir")
-    from composer_replication.trainer.run_lock import check_run_directory_free
+    from composer_replication.training.run_lock import check_run_directory_free
 
     check_run_directory_free(config.output_dir)
     check_device(config.model.device)
@@ -370,8 +317,8 @@ def check_trackers(trackers: Any) -> None:
 def check_cache_dir() -> None:
     """The project's cache (where the embedded model is converted once) is a folder, or
     can be made one (a read-only one that already holds the model serves it)."""
-    from composer_replication.outputs import OutputError, check_output_dir
-    from composer_replication.project_cache import CACHE_ENV_VAR, cache_dir
+    from composer_replication.common.outputs import OutputError, check_output_dir
+    from composer_replication.common.project_cache import CACHE_ENV_VAR, cache_dir
 
     root = cache_dir()
     if root.is_dir():
@@ -389,7 +336,7 @@ def check_inference_engine(inference: Any) -> None:
     something listens at ``url``, or the engine's interpreter exists (``command`` is the
     user's own launcher, found when it runs). A user's engine: its factory imports."""
     if ":" in inference.engine:
-        from composer_replication.callables import load_callable
+        from composer_replication.common.callables import load_callable
 
         try:
             load_callable(inference.engine, "inference.engine (a user's engine factory)")
@@ -430,7 +377,7 @@ def check_loss_function(loss: Any) -> None:
     """A custom rl loss (``loss.type = 'custom'``) must import and be callable."""
     if loss.type != "custom":
         return
-    from composer_replication.callables import load_callable
+    from composer_replication.common.callables import load_callable
 
     try:
         load_callable(loss.import_path, "loss.import_path (custom rl loss)")

@@ -16,10 +16,15 @@ the protocol's.
   ``envs.python_functions.PythonFunctionsEnv`` (in process) and
   ``recipes.monarch.engine.RemoteGrader`` (on the rewarder processes).
 - :class:`Learner`: packed micro-batches in, one optimizer step out.
-  ``trainer.learner.Learner`` (in process, or FSDP2 shards under torchrun) and
+  ``training.learner.Learner`` (in process, or FSDP2 shards under torchrun) and
   ``recipes.monarch.engine.RemoteLearner`` (on the trainer process).
 - :class:`Evaluator`: a sampler in, its held-out pass@1 out (the kill switch's signal).
-  ``trainer.lifecycle.RunLifecycle``.
+  ``training.lifecycle.RunLifecycle``.
+- :class:`Environment`: tasks in, groups of scored rollouts out (single- or multi-turn,
+  tools run in a sandbox); :class:`SplitEnvironment` samples and grades in separate calls,
+  :class:`DemonstratingEnvironment` also answers its tasks with reference solutions. The
+  environments of ``envs/``; the sampler of an ``[[envs]]`` entry
+  (``rollout.env_sampler``) reaches them only through these.
 - :class:`InferenceEngine`: what samples the live policy, and how its weights follow the
   optimizer. ``inference.in_process.InProcessEngine`` (the policy in this process, or its
   sample-ahead copy) and ``inference.engine.PolicyEngine`` (a vLLM server).
@@ -34,17 +39,20 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Generic, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from composer_replication.inference.decoding.generate import Generation, SamplingSettings
-    from composer_replication.rollout.types import Rollout
+    from composer_replication.samples.generation import Generation, SamplingSettings
+    from composer_replication.samples.rollouts import Rollout
     from composer_replication.samples.wire import MicroBatch
 
 __all__ = [
+    "DemonstratingEnvironment",
+    "Environment",
     "Evaluator",
     "Grader",
     "InferenceEngine",
     "Learner",
     "PolicyWeights",
     "Sampler",
+    "SplitEnvironment",
     "protocol_methods",
 ]
 
@@ -148,7 +156,7 @@ class Evaluator(Protocol):
 
     def evaluate(self, sampler: Sampler, tokenizer: Any, tasks: Sequence[Any]) -> float:
         """Held-out pass@1 of ``sampler`` over ``tasks`` (one
-        ``trainer.lifecycle.HeldoutTasks`` per environment)."""
+        ``training.lifecycle.HeldoutTasks`` per environment)."""
         ...
 
 
@@ -188,6 +196,65 @@ class InferenceEngine(Protocol):
 
     def stop(self) -> None:
         """Release what the engine holds (servers, weight copies); idempotent."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What the training loop needs from an environment."""
+
+    name: str
+
+    def task_ids(self) -> list[str]:
+        """Every task id this environment can run (train and held-out alike)."""
+        ...
+
+    def rollouts(
+        self,
+        sampler: Sampler,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        group_size: int,
+        sampling: SamplingSettings,
+    ) -> list[list[Rollout]]:
+        """``group_size`` scored attempts per task sampled by ``sampler``, one group per
+        task id, in order."""
+        ...
+
+
+@runtime_checkable
+class SplitEnvironment(Environment, Protocol):
+    """A single-turn environment that samples and grades in separate calls (so sampling
+    and grading can run in different processes); it is its own
+    :class:`~composer_replication.roles.Grader`."""
+
+    def sample(
+        self,
+        sampler: Sampler,
+        tokenizer: Any,
+        task_ids: Sequence[str],
+        *,
+        group_size: int,
+        sampling: SamplingSettings,
+    ) -> list[list[Rollout]]:
+        """The sampling half of ``rollouts``: ungraded groups, one per task id, in order."""
+        ...
+
+    def grade_groups(self, groups: Sequence[Sequence[Rollout]]) -> list[list[Rollout]]:
+        """The grading half: ``groups`` with rewards, feedback and errors filled in."""
+        ...
+
+
+@runtime_checkable
+class DemonstratingEnvironment(Environment, Protocol):
+    """An environment that answers its tasks with reference solutions (the samples of
+    ``sampling.source = "reference"``)."""
+
+    def demonstrations(
+        self, tokenizer: Any, task_ids: Sequence[str], *, group_size: int = 1
+    ) -> list[list[Rollout]]:
+        """Each task's prompt answered with its reference solution, one group per task."""
         ...
 
 

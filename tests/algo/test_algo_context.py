@@ -11,7 +11,7 @@ from composer_replication.algo.context import (
     is_error_site,
 )
 from composer_replication.hint_generator import dispatch
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 
 
 def _r(reward, feedback=None, error=None):

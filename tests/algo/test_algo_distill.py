@@ -9,7 +9,7 @@ import torch
 
 from composer_replication.algo import AlgorithmConfig, LocalPrefillScorer, build_algorithm
 from composer_replication.algo.base import REF_CONTEXT, REF_INDEX
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import pack_samples
 
 MESSAGES = [{"role": "user", "content": "Write add(a, b)."}]

@@ -13,7 +13,7 @@ from composer_replication.algo.filters import (
     is_zero_advantage_group,
 )
 from composer_replication.config import RunConfig
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import DPOPairTokens, TrainingSample, pack_samples
 
 MESSAGES = [{"role": "user", "content": "Write add(a, b)."}]

@@ -21,7 +21,7 @@ from composer_replication.algo import (
 )
 from composer_replication.algo.base import REF_CONTEXT
 from composer_replication.config.advantage import RewardAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 
 ENDPOINT = {"name": "teacher", "base_url": "http://127.0.0.1:9/v1"}
 

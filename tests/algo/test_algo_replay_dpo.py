@@ -13,7 +13,7 @@ import torch
 from composer_replication.algo import AlgorithmConfig, LocalPrefillScorer, build_algorithm
 from composer_replication.algo.replay_dpo import PairPool, fill_pair_reference_logps, tokenize_pair
 from composer_replication.loss import sequence_logps
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import DPOPairTokens, pack_samples
 
 STATE = [{"role": "user", "content": "Fix the bug in add."}]

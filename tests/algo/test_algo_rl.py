@@ -7,7 +7,7 @@ import pytest
 from composer_replication.algo import AlgorithmConfig, build_algorithm
 from composer_replication.algo.custom import CustomAlgorithm
 from composer_replication.algo.echo import EchoAlgorithm
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import pack_samples
 
 PROMPT = [5, 6, 7]
@@ -171,7 +171,7 @@ def test_custom_wrong_shapes_are_rejected():
 
 
 def test_a_custom_advantage_that_raises_or_returns_no_numbers_is_one_line_naming_it():
-    from composer_replication.errors import UsageError
+    from composer_replication.common.errors import UsageError
 
     group = [_rollout(0.0), _multi_turn(0.0)]
 

@@ -11,7 +11,7 @@ from composer_replication.algo import AlgorithmConfig, LocalPrefillScorer, build
 from composer_replication.algo.advantage import grpo_advantages
 from composer_replication.hint_generator import dispatch
 from composer_replication.loss import sequence_logps
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import pack_samples
 
 TASK = "Write add(a, b)."

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from composer_replication.algo import AlgorithmConfig, EchoAdvantage, EchoFilter, build_algorithm
 from composer_replication.algo.echo import EchoAlgorithm
 from composer_replication.config import RunConfig
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 
 PROMPT = [5, 6, 7]
 TOOL_TURN = ("assistant", "assistant", "tool", "tool", "assistant")

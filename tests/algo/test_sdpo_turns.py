@@ -7,9 +7,9 @@ from __future__ import annotations
 from composer_replication.algo import build_algorithm
 from composer_replication.algo.context import TurnSite, turn_sites, turn_teacher_context
 from composer_replication.config.algorithm import AlgorithmConfig
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import Episode, ScriptedSampler, run_agent_rollouts
 from composer_replication.rollout.tool_calls import ToolError, ToolResult, format_tool_call
+from composer_replication.samples.generation import SamplingSettings
 
 PROMPT = [
     {"role": "system", "content": "You fix code with tools."},

@@ -18,7 +18,7 @@ from composer_replication.algo.base import rollout_to_sample
 from composer_replication.algo.filters import TruncationFilter
 from composer_replication.config import RunConfig
 from composer_replication.config.filters import FiltersConfig, TruncatedFilterConfig
-from composer_replication.rollout.types import TRUNCATED_END_REASONS, Rollout
+from composer_replication.samples.rollouts import TRUNCATED_END_REASONS, Rollout
 
 MESSAGES = [{"role": "user", "content": "Restore median(values)."}]
 TEXTS = [

@@ -13,12 +13,12 @@ import pytest
 from pydantic import ValidationError
 
 from composer_replication.algo import build_algorithm
+from composer_replication.common.errors import UsageError
 from composer_replication.config import AlgorithmConfig, RunConfig
-from composer_replication.errors import UsageError
-from composer_replication.trainer.loop import Trainer
+from composer_replication.training.loop import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
 from example_user_algorithm import LeaveOneOut, LeaveOneOutAdvantage
 from scripted_env import ScriptedEnv
 

@@ -12,9 +12,9 @@ import pytest
 from composer_replication.datagen.feature_deletion import AgentBudgets, generate_tasks
 from composer_replication.envs.fd_tasks import read_jsonl_records
 from composer_replication.envs.feature_deletion import FeatureDeletionEnv
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.tool_calls import format_tool_call
+from composer_replication.samples.generation import SamplingSettings
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.testing.wheels import pure_wheel, runner_wheels
 

@@ -18,9 +18,9 @@ from composer_replication.cli import app
 from composer_replication.datagen.swe import SWE_GATES, ImportReport, import_instances
 from composer_replication.envs.fd_tasks import FDTask, TaskReference, read_jsonl_records
 from composer_replication.envs.feature_deletion import FeatureDeletionEnv
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.safety.holdout import HeldoutSplit
+from composer_replication.samples.generation import SamplingSettings
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir
 

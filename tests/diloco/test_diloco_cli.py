@@ -158,8 +158,8 @@ def test_launch_errors(tmp_path: Path) -> None:
 def test_train_replica_trains_the_config_with_diloco_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import composer_replication.trainer.loop as loop
-    from composer_replication.trainer.replica import train_replica
+    import composer_replication.training.loop as loop
+    from composer_replication.training.replica import train_replica
 
     config = tmp_path / "c.toml"
     config.write_text('steps = 2\noutput_dir = "runs/x"\n')

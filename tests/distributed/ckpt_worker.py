@@ -32,7 +32,7 @@ def _trained_policy(lora: bool, ranks):
     from composer_replication.distributed import shard_policy, sum_counts_over_ranks
     from composer_replication.distributed.fsdp import GatheredWeights
     from composer_replication.samples.wire import pack_samples
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.step import train_step
 
     policy = build_policy(lora)
     shard_policy(policy)
@@ -49,7 +49,7 @@ def run(rank: int, world: int, port: int, lora: bool, out: str) -> None:
     from dp_worker import build_policy
 
     from composer_replication.distributed import join_local_group, shard_policy
-    from composer_replication.trainer.checkpoint import CheckpointManager
+    from composer_replication.training.checkpoint import CheckpointManager
 
     torch.set_num_threads(1)
     ranks = join_local_group(rank, world, port, torch.device("cpu"), timeout_s=60)

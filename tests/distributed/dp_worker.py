@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "trainer"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 
 
 def samples():
@@ -56,7 +56,7 @@ def run(rank: int, world: int, port: int, lora: bool, out: str, die_at: int = -1
     )
     from composer_replication.distributed.fsdp import GatheredWeights, NoSharding
     from composer_replication.samples.wire import pack_samples
-    from composer_replication.trainer.step import train_step
+    from composer_replication.training.step import train_step
 
     torch.set_num_threads(1)
     policy = build_policy(lora)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "trainer"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "training"))
 from scripted_env import ScriptedEnv
 
 

@@ -220,7 +220,7 @@ def test_train_on_two_ranks_from_the_command_line(tmp_path):
                 assert mine[key] == value, key
     # the checkpoint the two ranks wrote resumes in one process
     from composer_replication.config.run import RunConfig
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     sys.path.insert(0, str(WORKER.parent))
     from recording_env import make_env

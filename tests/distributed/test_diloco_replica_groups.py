@@ -104,7 +104,7 @@ poll_interval_s = 0.05
 def tiny_lora_params(tmp_path):
     """The trainable (LoRA) parameters the run config builds."""
     from composer_replication.config.run import RunConfig
-    from composer_replication.trainer.setup import setup_policy
+    from composer_replication.training.setup import setup_policy
 
     config = RunConfig.from_toml((tmp_path / "run.toml").read_text())
     policy, _ = setup_policy(config.model)

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from composer_replication.config import RunConfig
 from composer_replication.distributed.ranks import RankGroup
-from composer_replication.trainer.lifecycle import RunLifecycle
+from composer_replication.training.lifecycle import RunLifecycle
 
 
 def test_one_process_is_rank_0_of_1_and_every_method_is_the_identity():

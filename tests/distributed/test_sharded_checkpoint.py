@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_replication.trainer.checkpoint import SHARDED_DIR, CheckpointManager
+from composer_replication.training.checkpoint import SHARDED_DIR, CheckpointManager
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

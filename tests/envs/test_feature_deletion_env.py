@@ -502,7 +502,7 @@ def test_a_run_refuses_tasks_split_differently_from_its_own(generated: Path):
         HeldoutSplit,
         HeldoutSplitMismatch,
     )
-    from composer_replication.trainer.runtime import build_runtime
+    from composer_replication.training.runtime import build_runtime
 
     env = FeatureDeletionEnv(generated, tools=WITH_WRITE)
     assert env.recorded_split == DEFAULT_SPLIT  # datagen recorded the split it used

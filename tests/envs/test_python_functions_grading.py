@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from composer_replication.envs.python_functions import PythonFunctionsEnv
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 
 pytestmark = pytest.mark.integration
 

@@ -30,8 +30,8 @@ from composer_replication.envs.reference_agent import (
     without_reply,
     without_text,
 )
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.tool_calls import parse_tool_call
+from composer_replication.samples.generation import SamplingSettings
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir
 

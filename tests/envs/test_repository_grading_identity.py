@@ -12,10 +12,10 @@ import pytest
 from composer_replication.datagen.feature_deletion import generate_tasks
 from composer_replication.envs.fd_tools import DEFAULT_TOOLS
 from composer_replication.envs.feature_deletion import FeatureDeletionEnv
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.tool_calls import format_tool_call
 from composer_replication.safety.hack_monitor import HackMonitor
+from composer_replication.samples.generation import SamplingSettings
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.workdir import make_shared_tempdir
 

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from composer_replication.evals import humaneval as he
-from composer_replication.inference.decoding.generate import Generation
+from composer_replication.samples.generation import Generation
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ import pytest
 
 from composer_replication.config import RunConfig
 from composer_replication.envs.python_functions import PythonFunctionsEnv
-from composer_replication.trainer.loop import Trainer
-from composer_replication.trainer.rollout_queue import drop_stale
+from composer_replication.training.loop import Trainer
+from composer_replication.training.rollout_queue import drop_stale
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
 from scripted_env import ScriptedEnv
 
 ROOT = Path(__file__).resolve().parents[2]

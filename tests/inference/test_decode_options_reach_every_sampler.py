@@ -14,9 +14,9 @@ import pytest
 
 from composer_replication.inference.decoding.generate import DecodeOptions
 from composer_replication.inference.in_process import InProcessEngine
-from composer_replication.trainer.loop import Trainer
+from composer_replication.training.loop import Trainer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
 from scripted_env import ScriptedEnv
 from test_loop import _config
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
+from composer_replication.common.errors import UsageError
 from composer_replication.config.inference import inference_config
-from composer_replication.errors import UsageError
 from composer_replication.inference import server as engine_server
 from composer_replication.inference.server import EngineServer, EngineStartError, endpoint_problem
 from composer_replication.preflight import check_inference_engine

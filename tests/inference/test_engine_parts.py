@@ -47,7 +47,7 @@ def test_config_defaults_and_errors():
 def test_each_engine_keeps_its_own_settings():
     """Shared settings on both, the decode loop's only in process, the server's only on
     vLLM; the other engine's setting is refused in one line naming the engine it is for."""
-    from composer_replication.errors import user_error
+    from composer_replication.common.errors import user_error
 
     in_process = RunConfig.default(["inference.decode_loop=static", "inference.async_level=1"])
     assert type(in_process.inference).__name__ == "InProcessInferenceConfig"
@@ -248,12 +248,12 @@ source = {{ name = "t", local_path = "embedded" }}
 type = "sft"
 """
     config = RunConfig.from_toml(toml)
-    assert local_frozen_paths(config) == ["embedded"]
-    assert FrozenEngines.wanted(config)
+    assert local_frozen_paths(config.envs) == ["embedded"]
+    assert FrozenEngines.wanted(config.inference, config.envs)
     in_process = RunConfig.from_toml(
         toml.replace('engine = "vllm"', 'engine = "vllm"\nserve_frozen = false')
     )
-    assert not FrozenEngines.wanted(in_process)
+    assert not FrozenEngines.wanted(in_process.inference, in_process.envs)
     gguf = RunConfig.from_toml(toml.replace('"embedded"', f'"{tmp_path / "m.gguf"}"'))
     with pytest.raises(ValueError, match="serve_frozen = false"):
-        FrozenEngines(gguf, log_dir=tmp_path).start()
+        FrozenEngines(gguf.inference, gguf.envs, log_dir=tmp_path).start()

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from tests.examples.lagged_engine import LaggedEngine
 
+from composer_replication.common.errors import UsageError
 from composer_replication.config import RunConfig
-from composer_replication.errors import UsageError
-from composer_replication.rollout.types import POLICY_VERSION_KEY
-from composer_replication.trainer.loop import Trainer
+from composer_replication.samples.rollouts import POLICY_VERSION_KEY
+from composer_replication.training.loop import Trainer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
 from scripted_env import ScriptedEnv, scripted_run_toml
 
 ENGINE = "tests.examples.lagged_engine:lagged_engine"

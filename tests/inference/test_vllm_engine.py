@@ -16,11 +16,11 @@ import torch
 
 from composer_replication.algo import AlgorithmConfig, build_algorithm
 from composer_replication.config.inference import inference_config
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.inference.engine import PolicyEngine
 from composer_replication.model.loading import embedded_model_dir, load_policy
+from composer_replication.samples.generation import SamplingSettings
 from composer_replication.samples.wire import pack_samples
-from composer_replication.trainer.step import train_step
+from composer_replication.training.step import train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(
@@ -202,7 +202,7 @@ def test_weight_sync_makes_engine_logprobs_equal_the_trained_policy(engine, poli
     assert (engine_before - trainer_before).abs().max().item() < LOGPROB_ATOL
 
     # one optimizer step of grpo on the engine's own rollouts
-    from composer_replication.rollout.types import Rollout
+    from composer_replication.samples.rollouts import Rollout
 
     group = [
         Rollout("t", g.prompt_ids, g.completion_ids, g.logprobs, reward=float(i % 2 == 0))
@@ -240,7 +240,7 @@ def test_weight_sync_makes_engine_logprobs_equal_the_trained_policy(engine, poli
 def test_training_loop_samples_through_the_engine_and_syncs_each_step(engine, tmp_path):
     """The native loop with ``[inference] engine = "vllm"`` (the server above, by url): the
     rollouts come from the engine, each step's weights reach it, versions are recorded."""
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     config = _engine_run(tmp_path, engine)
     trainer = Trainer(config)
@@ -287,7 +287,7 @@ def test_async_level_one_samples_the_next_step_while_the_trainer_trains(engine, 
     import threading
     import time
 
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     config = _engine_run(
         tmp_path,
@@ -360,7 +360,7 @@ def test_a_frozen_opd_teacher_is_served_by_an_engine_of_its_own(engine, tmp_path
     import asyncio
 
     from composer_replication.algo.scoring import EndpointPrefillScorer, LocalPrefillScorer
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
     config = _engine_run(
         tmp_path,

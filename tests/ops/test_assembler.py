@@ -11,7 +11,7 @@ import torch
 from composer_replication.config.loss import LossConfig
 from composer_replication.ops.assembler import micro_batch_losses, rl_loss_of
 from composer_replication.samples.wire import TrainingSample, pack_samples
-from composer_replication.trainer.step import train_step
+from composer_replication.training.step import train_step
 
 CUSTOM = '''
 import torch

@@ -18,7 +18,7 @@ from composer_replication.config.components import (
 from composer_replication.config.loss import LossConfig
 from composer_replication.ops.assembler import micro_batch_losses
 from composer_replication.samples.wire import TrainingSample, pack_samples
-from composer_replication.trainer.step import train_step
+from composer_replication.training.step import train_step
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -127,9 +127,9 @@ def test_the_term_and_its_algorithm_train_through_the_loop(tmp_path, tiny_dir):
     from pathlib import Path
 
     from composer_replication.config import RunConfig
-    from composer_replication.trainer.loop import Trainer
+    from composer_replication.training.loop import Trainer
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
     from scripted_env import ScriptedEnv, scripted_run_toml
 
     config = RunConfig.from_toml(

@@ -16,7 +16,7 @@ from composer_replication.ops.trust_region import (
     ref_kl_step_metrics,
 )
 from composer_replication.samples.wire import TrainingSample, pack_samples
-from composer_replication.trainer.step import train_step
+from composer_replication.training.step import train_step
 
 STEP_KEYS = {f"{name}/mean" for name in REF_KL_SAMPLE_METRICS}
 
@@ -219,7 +219,7 @@ def test_step_without_ref_kl_emits_none(base_model):
 
 
 def test_step_metrics_follow_the_loss_trust_region_setting(base_model):
-    from composer_replication.trainer.step import LossConfig
+    from composer_replication.training.step import LossConfig
 
     model = copy.deepcopy(base_model)
     a = _opd_sample(model, 1, 4, 6, [0.0, 0.3, 0.05, 0.5, 0.0, 0.25])

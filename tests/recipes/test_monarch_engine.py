@@ -17,7 +17,7 @@ from composer_replication.recipes.monarch.engine import (
     MonarchTrainer,
     shares,
 )
-from composer_replication.trainer.loop import Trainer
+from composer_replication.training.loop import Trainer
 
 # timings, and the positions the forwards computed (they depend on how the work was laid
 # out: which process had a pair's reference log-probs cached, which rows shared a forward)

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from composer_replication.config.references import FrozenEndpoint
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.endpoint_sampler import EndpointSampler, frozen_source
+from composer_replication.samples.generation import SamplingSettings
 from composer_replication.testing import CompletionsServer, Fault
 from composer_replication.testing.completions_server import DEFAULT_REPLY as REPLY
 

@@ -95,7 +95,7 @@ def test_sampling_only_needs_an_environment_that_grades_apart(tiny):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "training"))
     from scripted_env import ScriptedEnv
 
     model, tokenizer = tiny

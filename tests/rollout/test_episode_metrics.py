@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import (
     END_REASONS,
     Episode,
@@ -19,7 +18,8 @@ from composer_replication.rollout.agent import (
     run_agent_rollouts,
 )
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.generation import SamplingSettings
+from composer_replication.samples.rollouts import Rollout
 
 PROMPT = [
     {"role": "system", "content": "You use tools."},

@@ -14,7 +14,6 @@ import json
 
 import pytest
 
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import Episode, ScriptedSampler, run_agent_rollouts
 from composer_replication.rollout.tool_calls import ToolCall, ToolCallError, ToolParameter, ToolSpec
 from composer_replication.rollout.tool_formats import (
@@ -24,6 +23,7 @@ from composer_replication.rollout.tool_formats import (
     read_native_syntax,
     tool_format_for,
 )
+from composer_replication.samples.generation import SamplingSettings
 
 TAGGED = (
     "{%- if tools %}<|im_start|>system\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.pids import pid_alive
+from composer_replication.common.pids import pid_alive
 from composer_replication.sandbox import virtualenv
 from composer_replication.sandbox.local import LocalSubprocessSandbox
 from composer_replication.sandbox.virtualenv import (

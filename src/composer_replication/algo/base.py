@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from composer_replication.algo.advantage import align_prefill_logprobs
 from composer_replication.algo.scoring import LocalPrefillScorer, scorer_for
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from composer_replication.algo.replay_dpo import PairDrawing, build_pair_pool, p
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.algo.sdpo import grpo_with_self_distillation
 from composer_replication.config.advantage import ComposerAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import DPOPairTokens, TrainingSample
 
 

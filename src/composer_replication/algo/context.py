@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_replication.hint_generator import classify_error, dispatch
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 
 _QUOTE_LINES, _QUOTE_CHARS = 8, 800
 

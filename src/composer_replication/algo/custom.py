@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from composer_replication.algo.base import Algorithm, on_completion, one_per_rollout
-from composer_replication.callables import load_callable
+from composer_replication.common.callables import load_callable
+from composer_replication.common.errors import UsageError, user_code_error
 from composer_replication.config.advantage import CustomAdvantage
-from composer_replication.errors import UsageError, user_code_error
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

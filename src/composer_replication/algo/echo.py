@@ -30,9 +30,9 @@ from typing import Any
 
 from composer_replication.algo.advantage import grpo_advantages
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
-from composer_replication.callables import load_callable
+from composer_replication.common.callables import load_callable
 from composer_replication.config.advantage import EchoAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

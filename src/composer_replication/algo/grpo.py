@@ -10,7 +10,7 @@ from __future__ import annotations
 from composer_replication.algo.advantage import grpo_advantages, length_penalty
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.config.advantage import GRPOAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

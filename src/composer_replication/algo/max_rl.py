@@ -9,7 +9,7 @@ from __future__ import annotations
 from composer_replication.algo.advantage import max_rl_advantages
 from composer_replication.algo.base import Algorithm, credited, one_per_rollout
 from composer_replication.config.advantage import MaxRLAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

@@ -23,7 +23,7 @@ from composer_replication.algo.base import (
 )
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.config.advantage import OPDAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

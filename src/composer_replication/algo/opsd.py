@@ -28,7 +28,7 @@ from composer_replication.algo.base import (
 from composer_replication.algo.context import better_sibling, demonstration_text, teacher_context
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.config.advantage import OPSDAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

@@ -31,7 +31,7 @@ from composer_replication.algo.context import render_prompt
 from composer_replication.algo.scoring import PrefillScorer
 from composer_replication.config.advantage import ReplayDPOAdvantage
 from composer_replication.ops.pairs import missing_reference, set_reference_logps
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import DPOPairTokens, TrainingSample
 
 

@@ -9,7 +9,7 @@ import math
 
 from composer_replication.algo.base import Algorithm, sampled
 from composer_replication.config.advantage import RewardAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

@@ -51,7 +51,7 @@ from composer_replication.config.advantage import (
     DEFAULT_HINT_TEMPLATE,
     SDPOAdvantage,
 )
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from composer_replication.algo.base import Algorithm, sampled, zeros
 from composer_replication.config.advantage import SFTAdvantage
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import TrainingSample
 
 

@@ -537,7 +537,7 @@ def user_algorithm(path: str) -> Any:
             f"type {path!r} is neither a built-in algorithm ({', '.join(BUILTIN_ADVANTAGES)}) "
             f"nor 'package.module:Class' of an Algorithm subclass{hint}; set one of those"
         )
-    from composer_replication.callables import MissingName, import_named
+    from composer_replication.common.callables import MissingName, import_named
 
     module_name, _, attr = path.partition(":")
     try:

@@ -1,7 +1,7 @@
 """``[roles]``: where a run's roles execute (``placement``).
 
 ``in_process`` (the default) runs sampling, grading and learning in the calling process
-(trainer/loop.py). ``monarch`` places them on a Monarch process mesh
+(training/loop.py). ``monarch`` places them on a Monarch process mesh
 (recipes/monarch/): ``generators`` sampler processes, ``rewarders`` grader processes and one
 learner process, driven by the same controller logic. (Teacher replay builds its preference
 pairs before a run; ``TeacherPoolActor`` runs it on a mesh when asked.)

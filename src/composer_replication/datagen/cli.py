@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from composer_replication.errors import command_group
+from composer_replication.common.errors import command_group
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
 __all__ = [
@@ -71,6 +71,8 @@ def datagen_main(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
+    from composer_replication.common.outputs import OutputError, check_output
+    from composer_replication.common.progress import heartbeat
     from composer_replication.datagen.bug_kinds import BUG_KINDS
     from composer_replication.datagen.generation import (
         KINDS,
@@ -79,8 +81,6 @@ def datagen_main(
         generate_tasks,
     )
     from composer_replication.datagen.repository_environment import ENVIRONMENTS
-    from composer_replication.outputs import OutputError, check_output
-    from composer_replication.progress import heartbeat
 
     console = console or Console(stderr=True)
     if not Path(repo).is_dir():
@@ -212,7 +212,7 @@ def _budgets(
 def _tokenizer(model: str) -> Any:
     """The tokenizer the solvability gate counts tokens with (the agent model's)."""
     from composer_replication.model.loading import load_tokenizer
-    from composer_replication.preflight import check_model_source
+    from composer_replication.model.sources import check_model_source
 
     check_model_source(model, "--model")
     return load_tokenizer(None if model == "embedded" else model)
@@ -418,10 +418,10 @@ def import_tasks_main(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
+    from composer_replication.common.outputs import OutputError, check_output
     from composer_replication.datagen.generation import AgentBudgets, check_outputs
     from composer_replication.datagen.repository_environment import ENVIRONMENTS
     from composer_replication.datagen.swe import import_instances
-    from composer_replication.outputs import OutputError, check_output
 
     console = console or Console(stderr=True)
     problem = None

@@ -233,7 +233,7 @@ def check_outputs(
     policy: a directory, device, FIFO or link where a file goes, an unwritable folder, a file
     where the workdirs folder goes, an input file, anything inside an input folder: the
     repository); returns the resolved training file path."""
-    from composer_replication.outputs import check_output, check_output_dir
+    from composer_replication.common.outputs import check_output, check_output_dir
 
     given = Path(output)
     # a generation rewrites its own outputs; those in the project's cache are the tasks of
@@ -515,7 +515,7 @@ def _row(
 
 
 def _write_candidates(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    from composer_replication.atomic_io import write_lines_atomic
+    from composer_replication.common.atomic_io import write_lines_atomic
 
     write_lines_atomic(path, (json.dumps(row, sort_keys=True) + "\n" for row in rows))
 

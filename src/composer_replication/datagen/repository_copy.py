@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Collection
 from pathlib import Path
 
-from composer_replication.outputs import OUTPUT_MARKER, is_generation_output
+from composer_replication.common.outputs import OUTPUT_MARKER, is_generation_output
 from composer_replication.sandbox.scrub import scrub_tree
 
 __all__ = [

@@ -155,7 +155,7 @@ def repository_tasks(
         ValueError: an unknown repository; a repository that yields no task (the reason of
             each candidate is in the candidates report named in the message).
     """
-    from composer_replication.project_cache import cache_dir
+    from composer_replication.common.project_cache import cache_dir
 
     say = say or (lambda _line: None)
     root = repository_path(repo)

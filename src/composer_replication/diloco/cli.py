@@ -1,7 +1,7 @@
 """``composer-replication diloco ...``: launch, watch and stop DiLoCo replica runs.
 
 ``launch`` uploads the run config next to the rendezvous, then starts ``--replicas``
-trainers of it (:func:`composer_replication.trainer.replica.train_replica`: the run config
+trainers of it (:func:`composer_replication.training.replica.train_replica`: the run config
 with DiLoCo switched on, trained through the library's ``train``) through the chosen
 executor; the replicas meet through the
 object-store rendezvous. Launched handles go to a
@@ -23,13 +23,13 @@ from typing import Any
 
 import typer
 
+from composer_replication.common.errors import command_group
 from composer_replication.diloco.serverless.base import TERMINAL
-from composer_replication.errors import command_group
 
 EXECUTORS = ("local", "eks", "sagemaker", "modal", "hf_jobs")
 DEFAULT_STATE_DIR = Path(".diloco")
 #: What each launched replica runs (by import path: the executors start it in its own process).
-TRAIN_REPLICA = "composer_replication.trainer.replica.train_replica"
+TRAIN_REPLICA = "composer_replication.training.replica.train_replica"
 # the options every command that reads a recorded run shares
 _RUN_ID = typer.Argument(None, help="Run id (default: the latest).")
 _STATE_DIR = typer.Option(DEFAULT_STATE_DIR, help="Where launched runs are recorded.")
@@ -131,7 +131,7 @@ def launch(
     if not config_path.is_file():
         raise FileNotFoundError(f"config {config_path} does not exist")
     run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    from composer_replication.outputs import check_output_dir
+    from composer_replication.common.outputs import check_output_dir
 
     state_dir = check_output_dir(Path(state_dir), option="--state-dir").resolve()
     if rendezvous is None:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from composer_replication.distributed.ranks import RankGroup
 
 if TYPE_CHECKING:
-    from composer_replication.config.run import ModelConfig, RunConfig
+    from composer_replication.config.diloco import DiLoCoConfig
+    from composer_replication.config.run import ModelConfig
 
 __all__ = [
     "autocast_for",
@@ -31,9 +32,12 @@ __all__ = [
 ]
 
 
-def start_data_parallel(config: RunConfig) -> RankGroup:
+def start_data_parallel(
+    model: ModelConfig, diloco: DiLoCoConfig, *, seed: int, teacher_mode: str = "policy"
+) -> RankGroup:
     """Join ``torchrun``'s process group (rank 0 of 1 without ``torchrun``); refuse what
-    several ranks cannot run yet."""
+    several ranks cannot run yet. ``model`` and ``diloco``: the run's sections; ``seed``:
+    the run's seed; ``teacher_mode``: the jsd teacher's mode (``RunConfig.teacher_mode``)."""
     import torch
 
     from composer_replication.distributed.setup import init_from_env, launched_by_torchrun
@@ -41,29 +45,28 @@ def start_data_parallel(config: RunConfig) -> RankGroup:
 
     if not launched_by_torchrun():
         return RankGroup()
-    mode, _ = config.teacher_mode
-    if mode == "ema":
+    if teacher_mode == "ema":
         raise ValueError(
             "an EMA jsd teacher is not supported with several training ranks (its copy "
             "would follow sharded weights); use the live policy or the initial policy as "
             "the teacher, or train in one process"
         )
-    if config.diloco.enabled and config.diloco.backend != "object_store":
+    if diloco.enabled and diloco.backend != "object_store":
         raise ValueError(
-            f"diloco.backend = {config.diloco.backend!r} runs one process per replica; a "
+            f"diloco.backend = {diloco.backend!r} runs one process per replica; a "
             "replica of several torchrun ranks (FSDP2 inside the replica) needs "
             "diloco.backend = 'object_store', or run each torchft replica as one process"
         )
-    ranks = init_from_env(resolve_device(config.model.device))
+    ranks = init_from_env(resolve_device(model.device))
     # same task stream on every rank (they share each step's tasks); different sampling
-    torch.manual_seed(config.seed + 7919 * ranks.rank)
+    torch.manual_seed(seed + 7919 * ranks.rank)
     return ranks
 
 
 def shard_for_training(policy: Any, model: ModelConfig) -> tuple[Any, Any]:
     """Shard ``policy`` with FSDP2 (mixed precision as ``model.dtype`` resolves); return
     its :class:`~composer_replication.distributed.fsdp.GatheredWeights` and the count
-    reducer for :func:`~composer_replication.trainer.step.train_step`."""
+    reducer for :func:`~composer_replication.training.step.train_step`."""
     from composer_replication.distributed.counts import sum_counts_over_ranks
     from composer_replication.distributed.fsdp import GatheredWeights, shard_policy
     from composer_replication.model.devices import module_device, resolve_precision

@@ -15,6 +15,7 @@ import importlib
 import inspect
 from typing import Any
 
+from composer_replication.common.errors import UsageError, user_code_error
 from composer_replication.config.environments import BUILTIN_ENVIRONMENTS, builtin_environment
 from composer_replication.config.sandbox import SANDBOX_ENVIRONMENTS
 from composer_replication.envs.base import (
@@ -23,7 +24,6 @@ from composer_replication.envs.base import (
     SplitEnvironment,
     pass_at_1,
 )
-from composer_replication.errors import UsageError, user_code_error
 
 __all__ = [
     "DemonstratingEnvironment",

@@ -26,9 +26,9 @@ from composer_replication.envs.reference_agent import (
     with_recovery,
     without_text,
 )
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.agent import ChatRenderer, ScriptedSampler
-from composer_replication.rollout.types import DEMONSTRATION_KEY, Rollout
+from composer_replication.samples.generation import SamplingSettings
+from composer_replication.samples.rollouts import DEMONSTRATION_KEY, Rollout
 
 __all__ = ["DEFAULT_REPLY_TOKENS", "ReferenceEpisodes"]
 

@@ -361,7 +361,7 @@ def apply_reference(workdir: str | os.PathLike[str], reference: TaskReference) -
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]], mode: int | None) -> None:
     """Atomic (a crash leaves the old file, no stray temporary), a regular file only;
     ``mode`` None keeps an existing file's mode."""
-    from composer_replication.atomic_io import write_lines_atomic
+    from composer_replication.common.atomic_io import write_lines_atomic
 
     write_lines_atomic(path, (json.dumps(row, sort_keys=True) + "\n" for row in rows), mode=mode)
 
@@ -391,7 +391,7 @@ def split_record_path(output: str | os.PathLike[str]) -> Path:
 
 def write_split_record(output: str | os.PathLike[str], split: HeldoutSplit) -> Path:
     """Record (atomically) the split the tasks of ``output`` were made with."""
-    from composer_replication.atomic_io import write_text_atomic
+    from composer_replication.common.atomic_io import write_text_atomic
 
     path = split_record_path(output)
     return write_text_atomic(path, json.dumps(split.to_record(), sort_keys=True) + "\n")

@@ -77,7 +77,6 @@ from composer_replication.rollout.agent import (
     sampler_step,
 )
 from composer_replication.rollout.tool_formats import TextToolFormat, ToolFormat, tool_format_for
-from composer_replication.rollout.types import Rollout
 from composer_replication.safety.hack_monitor import (
     PROTECTED_PATTERNS,
     HackLog,
@@ -85,6 +84,7 @@ from composer_replication.safety.hack_monitor import (
     HackVerdict,
     score_with_monitor,
 )
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.sandbox.scrub import scrub_tree
 from composer_replication.sandbox.workdir import make_shared_tempdir
 
@@ -300,7 +300,7 @@ class FeatureDeletionEnv(ReferenceEpisodes):
         if heldout_file.is_file():
             records += read_jsonl_records(heldout_file)
         #: the split datagen made these tasks with (None: not recorded); a run checks
-        #: that it splits the same way (``trainer.runtime.build_runtime``)
+        #: that it splits the same way (``training.runtime.build_runtime``)
         self.recorded_split = read_split_record(task_file)
         self.tasks: dict[str, FDTask] = {}
         for record in records:

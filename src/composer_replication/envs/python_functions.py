@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from composer_replication.envs.function_grader import grade_function
 from composer_replication.envs.task_bank import PythonTask, extract_code, load_tasks
-from composer_replication.inference.decoding.generate import SamplingSettings
 from composer_replication.rollout.demonstrations import ReferenceSolutions, demonstration_rollout
-from composer_replication.rollout.types import REFERENCE_KEY, Rollout
+from composer_replication.samples.generation import SamplingSettings
+from composer_replication.samples.rollouts import REFERENCE_KEY, Rollout
 
 if TYPE_CHECKING:
     from composer_replication.roles import Sampler

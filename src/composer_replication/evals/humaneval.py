@@ -161,7 +161,7 @@ def generate_completions(
     import torch
 
     from composer_replication.envs.python_functions import STOP_STRINGS
-    from composer_replication.inference.decoding.generate import SamplingSettings
+    from composer_replication.samples.generation import SamplingSettings
 
     if samples < 1:
         raise ValueError(f"samples={samples} must be >= 1")

@@ -177,7 +177,7 @@ class BlamedSampler:
         return getattr(self._inner, name)
 
     def sample_batch(self, *args: Any, **kwargs: Any) -> Any:
-        from composer_replication.errors import UsageError, user_code_error
+        from composer_replication.common.errors import UsageError, user_code_error
 
         try:
             return self._inner.sample_batch(*args, **kwargs)
@@ -196,8 +196,8 @@ def _user_engine(config: Any, **kwargs: Any) -> InferenceEngine:
     """A user's engine from its factory; a factory that fails, or returns something that is
     not an engine, is one line naming ``inference.engine`` and how it is called."""
     from composer_replication import roles
-    from composer_replication.callables import load_callable
-    from composer_replication.errors import UsageError, user_code_error
+    from composer_replication.common.callables import load_callable
+    from composer_replication.common.errors import UsageError, user_code_error
 
     what = f"inference.engine = {config.engine!r}"
     factory = load_callable(config.engine, "inference.engine (a user's engine factory)")

@@ -12,7 +12,7 @@ clients they use for any OpenAI-compatible server. One server per distinct ``loc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,8 @@ from composer_replication.inference.engine import engine_model_dir
 from composer_replication.inference.server import SERVED_MODEL_NAME, EngineServer
 
 if TYPE_CHECKING:
-    from composer_replication.config.run import EnvConfig, RunConfig
+    from composer_replication.config.inference import VllmInferenceConfig
+    from composer_replication.config.run import EnvConfig
 
 __all__ = ["FrozenEngines", "local_frozen_paths", "served"]
 
@@ -40,10 +41,11 @@ def _references(env: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
     return found
 
 
-def local_frozen_paths(config: RunConfig) -> list[str]:
-    """The distinct ``local_path`` of every frozen model the config loads, in order."""
+def local_frozen_paths(envs: Sequence[EnvConfig]) -> list[str]:
+    """The distinct ``local_path`` of every frozen model the ``[[envs]]`` entries load, in
+    order."""
     paths: list[str] = []
-    for env in config.model_dump(mode="json")["envs"]:
+    for env in (entry.model_dump(mode="json") for entry in envs):
         for parent, key in _references(env):
             path = parent[key].get("local_path")
             if path and path not in paths:
@@ -54,27 +56,31 @@ def local_frozen_paths(config: RunConfig) -> list[str]:
 class FrozenEngines:
     """The engine servers of a run's frozen models (see the module docstring)."""
 
-    def __init__(self, config: RunConfig, *, log_dir: str | Path) -> None:
-        self.config = config
+    def __init__(
+        self, inference: VllmInferenceConfig, envs: Sequence[EnvConfig], *, log_dir: str | Path
+    ) -> None:
+        self.inference = inference
+        self.envs = list(envs)
         self.log_dir = Path(log_dir)
         self.servers: dict[str, EngineServer] = {}
 
     @staticmethod
-    def wanted(config: RunConfig) -> bool:
-        inference = config.inference
+    def wanted(inference: Any, envs: Sequence[EnvConfig]) -> bool:
+        """Whether a run with this ``[inference]`` section and these ``[[envs]]`` serves its
+        frozen models (a vLLM engine with ``serve_frozen``, and a frozen ``local_path``)."""
         return (
             inference.engine == "vllm"
-            and inference.serve_frozen
-            and bool(local_frozen_paths(config))
+            and getattr(inference, "serve_frozen", False)
+            and bool(local_frozen_paths(envs))
         )
 
     def start(self) -> dict[str, FrozenEndpoint]:
         """Start one server per frozen ``local_path``; the endpoint that serves each path."""
-        engine_config = self.config.inference.model_copy(
+        engine_config = self.inference.model_copy(
             update={"url": None, "port": 0, "lora_sync": "merged", "async_level": 0}
         )
         try:
-            for i, path in enumerate(local_frozen_paths(self.config)):
+            for i, path in enumerate(local_frozen_paths(self.envs)):
                 try:
                     model_dir = engine_model_dir(path)
                 except ValueError:

@@ -66,7 +66,7 @@ def endpoint_problem(url: str, *, timeout_s: float = 3.0) -> str | None:
 def dead_endpoint(url: str) -> Exception | None:
     """The one-line usage error for ``inference.url`` when nothing can answer there, or
     None."""
-    from composer_replication.errors import UsageError
+    from composer_replication.common.errors import UsageError
 
     problem = endpoint_problem(url)
     if problem is None:

@@ -35,10 +35,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.atomic_io import build_dir_atomically
+from composer_replication.common.atomic_io import build_dir_atomically
+from composer_replication.common.project_cache import CACHE_ENV_VAR as CACHE_ENV_VAR
+from composer_replication.common.project_cache import cache_dir as cache_dir
 from composer_replication.config.placement import DTYPE_NAMES
-from composer_replication.project_cache import CACHE_ENV_VAR as CACHE_ENV_VAR
-from composer_replication.project_cache import cache_dir as cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -387,7 +387,7 @@ def load_policy(
 
 def _unreadable(where: Path | str, what: str, err: Exception) -> ValueError:
     """A user's model that does not load: one line naming it (``errors.UsageError``)."""
-    from composer_replication.errors import UsageError
+    from composer_replication.common.errors import UsageError
 
     detail = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:120]
     return UsageError(

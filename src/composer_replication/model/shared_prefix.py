@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.compat import cache_kwargs
+from composer_replication.common.compat import cache_kwargs
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -3,7 +3,7 @@
 This is the only place where the loss components meet the model. Every path that trains
 calls :func:`micro_batch_losses` on a :class:`~composer_replication.samples.wire.MicroBatch`:
 
-- the native trainer step (:mod:`composer_replication.trainer.step`) on the micro-batches
+- the native trainer step (:mod:`composer_replication.training.step`) on the micro-batches
   it packed from the algorithms' samples;
 - ``loss.compose_loss`` after converting its padded batch dict into samples;
 - the trl trainer (``ComposerReplicationTrainer``) for its self-distillation and
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composer_replication.callables import load_callable
+from composer_replication.common.callables import load_callable
 from composer_replication.config.components import loss_components
 from composer_replication.config.loss import LossConfig
 from composer_replication.model.parts import last_hidden_states, lm_head_weight
@@ -370,7 +370,7 @@ CUSTOM_LOSS_CALL = (
 def _rl_sum(
     cfg: LossConfig, logprobs: Tensor, inf: Tensor, adv: Tensor, mask: Tensor, weights: Tensor
 ) -> Tensor:
-    from composer_replication.errors import UsageError, user_code_error
+    from composer_replication.common.errors import UsageError, user_code_error
 
     if cfg.type != "custom":
         value = rl_loss_of(cfg)(logprobs, inf, adv, mask, weights)

@@ -3,6 +3,6 @@ the text format, the chat renderer, the asynchronous episode loop), frozen endpo
 sampling and reference demonstrations. Decoding itself is the inference engines' (see
 ``composer_replication.inference``)."""
 
-from composer_replication.rollout.types import Rollout
+from composer_replication.samples.rollouts import Rollout
 
 __all__ = ["Rollout"]

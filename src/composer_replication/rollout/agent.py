@@ -64,7 +64,7 @@ from composer_replication.rollout.tool_calls import (
     ToolResult,
 )
 from composer_replication.rollout.tool_formats import TextToolFormat, ToolFormat
-from composer_replication.rollout.types import TRUNCATED_END_REASONS, Rollout
+from composer_replication.samples.rollouts import TRUNCATED_END_REASONS, Rollout
 
 if TYPE_CHECKING:
     from composer_replication.roles import Sampler

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from composer_replication.rollout.types import DEMONSTRATION_KEY, REFERENCE_KEY, Rollout
+from composer_replication.samples.rollouts import DEMONSTRATION_KEY, REFERENCE_KEY, Rollout
 
 
 class ReferenceSolutions:

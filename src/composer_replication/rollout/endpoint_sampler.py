@@ -16,12 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.inference.decoding.generate import (
-    Generation,
-    InProcessSampler,
-    SamplingSettings,
-)
+from composer_replication.inference.decoding.generate import InProcessSampler
 from composer_replication.rollout.demonstrations import ReferenceSolutions
+from composer_replication.samples.generation import Generation, SamplingSettings
 
 if TYPE_CHECKING:
     from composer_replication.roles import Sampler

@@ -1,7 +1,7 @@
 """Each environment's Sampler: where its rollouts come from, whether that is the live
 policy, and the arguments they are sampled with.
 
-One per ``[[envs]]`` entry (``trainer.runtime.EnvRuntime.sampler``), built from its
+One per ``[[envs]]`` entry (``training.runtime.EnvRuntime.sampler``), built from its
 ``sampling`` config. It owns the entry's rollout source: the live policy (whatever samples
 it in this run, the model in process, the inference engine or a Monarch generator's copy,
 handed in per call) or a frozen pool it holds (a frozen endpoint, a frozen local model, the
@@ -12,7 +12,7 @@ environment's reference solutions). What liveness implies is decided here, not i
 - the rollouts' provenance (:meth:`EnvSampler.rollouts`): a frozen source's rollouts are
   marked (``Rollout.from_frozen_source``) and carry no policy version; a frozen sampler
   does not change with policy updates, so they never go stale, and the staleness bound of
-  sampling ahead (``trainer.rollout_queue.drop_stale``) never drops them.
+  sampling ahead (``training.rollout_queue.drop_stale``) never drops them.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.envs.base import DemonstratingEnvironment, SplitEnvironment
-from composer_replication.inference.decoding.generate import SamplingSettings
+from composer_replication.roles import DemonstratingEnvironment, SplitEnvironment
 from composer_replication.rollout.demonstrations import ReferenceSolutions
-from composer_replication.rollout.types import Rollout, mark_frozen_source
+from composer_replication.samples.generation import SamplingSettings
+from composer_replication.samples.rollouts import Rollout, mark_frozen_source
 
 if TYPE_CHECKING:
     from composer_replication.config.algorithm import SamplingConfig
-    from composer_replication.envs.base import Environment
-    from composer_replication.roles import Sampler
+    from composer_replication.roles import Environment, Sampler
 
 __all__ = ["EnvSampler"]
 
@@ -95,7 +94,7 @@ class EnvSampler:
     ) -> list[list[Rollout]]:
         """One group of ``group_size`` rollouts per task id of ``env``, in order, sampled
         by :meth:`pool` with :meth:`sampling_args`; a frozen source's are marked
-        (:func:`~composer_replication.rollout.types.mark_frozen_source`). ``graded=False``:
+        (:func:`~composer_replication.samples.rollouts.mark_frozen_source`). ``graded=False``:
         the sampling half only (``env`` a ``SplitEnvironment``, graded elsewhere)."""
         if isinstance(self.source, ReferenceSolutions):  # demonstrations: nothing sampled
             if not isinstance(env, DemonstratingEnvironment):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from composer_replication.inference.decoding.generate import Generation, SamplingSettings
 from composer_replication.rollout.chat_renderer import ids_of
+from composer_replication.samples.generation import Generation, SamplingSettings
 
 SampleFn = Callable[[list[list[int]], SamplingSettings], list[Generation]]
 

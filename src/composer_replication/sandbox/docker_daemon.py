@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from composer_replication.pids import pid_alive
+from composer_replication.common.pids import pid_alive
 
 log = logging.getLogger(__name__)
 

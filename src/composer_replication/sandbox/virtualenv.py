@@ -64,7 +64,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from composer_replication.atomic_io import build_dir_atomically
+from composer_replication.common.atomic_io import build_dir_atomically
 from composer_replication.sandbox.pytest_support import SYSTEM_PYTHON
 from composer_replication.sandbox.test_dependencies import (
     TEST_EXTRAS,

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import typer
 
-from composer_replication.errors import command_group
+from composer_replication.common.errors import command_group
 
 __all__ = ["app", "ingest", "load_teachers", "pairs", "register", "replay"]
 
@@ -35,7 +35,7 @@ app = command_group(
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
     """One line on stderr and the exit: 1 when nothing was produced, 2 (``_usage``) for a
-    bad option, input or output path (``composer_replication.outputs`` lists the codes)."""
+    bad option, input or output path (``composer_replication.common.outputs`` lists the codes)."""
     typer.echo(f"Error: {message}", err=True)
     return typer.Exit(code=code)
 
@@ -52,7 +52,7 @@ _FOLLOW = typer.Option(
 def _output(output: Path, follow_symlinks: bool, *inputs: Path) -> Path:
     """The checked output file (the project's output policy), before any work starts;
     an input folder counts whole (its files are all read)."""
-    from composer_replication.outputs import check_output
+    from composer_replication.common.outputs import check_output
 
     return check_output(
         output,
@@ -224,7 +224,7 @@ def replay(
         teacher_specs = load_teachers(teachers)
         cache = None if no_cache else (cache_dir or target.with_name(target.name + ".cache"))
         if cache is not None:
-            from composer_replication.outputs import check_output_dir
+            from composer_replication.common.outputs import check_output_dir
 
             check_output_dir(cache, option="--cache-dir")
     except (FileNotFoundError, ValueError, OSError) as exc:

@@ -1,9 +1,9 @@
-"""The native training loop: the run lifecycle, the algorithm-blind step, the learner,
-teachers, checkpoints, metrics and the rollout queue.
+"""The seed API's face of the trl backend (``backends/trl``): ``ComposerReplicationTrainer``,
+loaded lazily (PEP 562: importing this package never imports trl), the
+policy-optimisation presets, and ``.data_collator``.
 
-The package also keeps the seed API's names of the trl backend (``backends/trl``):
-``ComposerReplicationTrainer``, loaded lazily (PEP 562: importing this package never
-imports trl), and the policy-optimisation presets.
+The native training loop is :mod:`composer_replication.training`; it imports nothing
+from here, so the backends and the loop they share import one way.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``train_with_trl(run_config)`` reads the TOML the native loop reads and maps it onto trl:
 
-- model and LoRA: ``trainer.setup.setup_policy`` (the same policy, adapters, checkpointing);
+- model and LoRA: ``training.setup.setup_policy`` (the same policy, adapters, checkpointing);
 - prompts: the ``python_functions`` environment's TRAIN tasks only (``HeldoutSplit`` with
   the run's ``heldout_fraction`` / ``heldout_salt``), one dataset row per task with its chat
   ``prompt`` and ``task_id``;
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from composer_replication.envs.python_functions import PythonFunctionsEnv
     from composer_replication.envs.task_bank import PythonTask
     from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.lifecycle import RunLifecycle, RunResult
+    from composer_replication.training.lifecycle import RunLifecycle, RunResult
 
 __all__ = [
     "PythonFunctionsReward",
@@ -343,7 +343,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     """Train ``run_config`` with ``ComposerReplicationTrainer``; returns a ``RunResult``.
 
     Writes what the native loop writes (``metrics.jsonl``, ``report/``, ``final_model/``,
-    ``summary.json``) through the same :class:`~composer_replication.trainer.lifecycle.
+    ``summary.json``) through the same :class:`~composer_replication.training.lifecycle.
     RunLifecycle`; when the held-out guard fires, training stops and ``CollapseStopError``
     is raised after the final model and summary are written.
     """
@@ -352,8 +352,8 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     from composer_replication.envs import build_environment
     from composer_replication.inference.decoding.generate import InProcessSampler
     from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.lifecycle import HeldoutTasks, RunLifecycle
-    from composer_replication.trainer.setup import seed_everything, setup_policy
+    from composer_replication.training.lifecycle import HeldoutTasks, RunLifecycle
+    from composer_replication.training.setup import seed_everything, setup_policy
 
     _check_run(run_config)
     env_cfg = run_config.envs[0]
@@ -420,7 +420,7 @@ class _LifecycleCallback:
     ) -> None:
         from composer_replication.inference.decoding.generate import InProcessSampler
         from composer_replication.ops.taid import TAIDScheduler
-        from composer_replication.trainer.teachers import TeacherModels
+        from composer_replication.training.teachers import TeacherModels
 
         self.life, self.tokenizer, self.heldout = life, tokenizer, heldout
         self.policy, self.trainer = policy, trainer
@@ -459,7 +459,7 @@ class _LifecycleCallback:
         """Token-mean KL(policy || initial) on the last trained rollouts, every process's
         summed; None before anything was trained."""
         from composer_replication.integrations.altered_minds.kl_logging import token_mean_kl
-        from composer_replication.trainer.setup import kl_to_initial_sum
+        from composer_replication.training.setup import kl_to_initial_sum
 
         sampled = getattr(self.trainer, "last_sampled", None)
         if sampled is None or self.initial is None:

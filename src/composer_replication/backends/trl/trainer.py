@@ -92,8 +92,8 @@ from composer_replication.ops.pairs import (
     sequence_logps,
 )
 from composer_replication.ops.self_distillation import aligned_from_masks
-from composer_replication.rollout.types import Rollout
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
+from composer_replication.samples.rollouts import Rollout
 from composer_replication.samples.wire import DPOPairTokens
 
 __all__ = ["ComposerReplicationTrainer", "FeedbackRewardFunc", "TraceReward", "default_hint"]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from composer_replication.common.pids import pid_alive, same_process, start_ticks
 from composer_replication.diloco.serverless.base import (
     RANK_ENV,
     WORLD_SIZE_ENV,
@@ -34,7 +35,6 @@ from composer_replication.diloco.serverless.base import (
     launch_spec,
 )
 from composer_replication.diloco.serverless.runner import read_result
-from composer_replication.pids import pid_alive, same_process, start_ticks
 
 
 class LocalProcessExecutor:

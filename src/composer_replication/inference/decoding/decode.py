@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from composer_replication.compat import cache_kwargs
+from composer_replication.common.compat import cache_kwargs
 from composer_replication.inference.decoding.kv_cache import (
     PromptStates,
     cache_capacity,

@@ -34,9 +34,10 @@ import contextvars
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from composer_replication.samples.generation import Generation, SamplingSettings
 from composer_replication.samples.padding import pad_id_of
 
 
@@ -132,36 +133,6 @@ def row_seeds(seed: int, prompts: Sequence[Sequence[int]]) -> list[int]:
         seen[key] = k + 1
         out.append(derived_seed(int(seed), key, k))
     return out
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How to sample: ``temperature`` (0 = greedy), ``max_new_tokens``, ``stop_strings``;
-    ``logprobs`` False: the caller reads no sampling log-probs (a frozen source's samples
-    train only non-rl components), so a sampler may skip asking for them and report 0.0."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    stop_strings: tuple[str, ...] = ()
-    logprobs: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One sampled completion: token ids, their sampling log-probs, and why it stopped."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "eos" | "stop" | "length"
-    text: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def generate(

@@ -14,7 +14,7 @@ turn: its last prompt, the reply, the observation) is prefilled from that state 
 its new tokens forwarded (:func:`extend_state`); the store then drops the state it
 extended, and keeps at most ``max_bytes`` of states (the oldest go first).
 
-A forward writes into a cache passed with :func:`~composer_replication.compat.cache_kwargs`
+A forward writes into a cache passed with :func:`~composer_replication.common.compat.cache_kwargs`
 (the keyword differs across the supported transformers releases).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from composer_replication.compat import SUPPORTED_TRANSFORMERS, cache_kwargs
+from composer_replication.common.compat import SUPPORTED_TRANSFORMERS, cache_kwargs
 from composer_replication.inference.decoding.padding import left_pad
 from composer_replication.inference.decoding.uploads import to_device_async
 

@@ -8,7 +8,7 @@
   sandbox, graded on the spot.
 - :class:`RewarderActor` (Grader): grades sampled completions through the environments and
   their sandboxes (each split environment is a :class:`~composer_replication.roles.Grader`).
-- :class:`TrainerActor` (Learner): a :class:`~composer_replication.trainer.learner.Learner`
+- :class:`TrainerActor` (Learner): a :class:`~composer_replication.training.learner.Learner`
   (the algorithm-blind step, AdamW, schedule, teachers) whose methods of the
   :class:`~composer_replication.roles.Learner` role the controller calls through one
   endpoint (:meth:`TrainerActor.call_learner`); it publishes its trainable weights with a version
@@ -33,14 +33,14 @@ import torch
 from composer_replication.envs.base import SplitEnvironment
 from composer_replication.inference.decoding.generate import DecodeOptions, InProcessSampler
 from composer_replication.roles import Learner, protocol_methods
-from composer_replication.rollout.types import stamp_policy_version
-from composer_replication.trainer.checkpoint import trainable_state
+from composer_replication.samples.rollouts import stamp_policy_version
+from composer_replication.training.checkpoint import trainable_state
 from monarch.actor import Actor, endpoint
 
 if TYPE_CHECKING:
     from composer_replication.config.run import RunConfig
-    from composer_replication.rollout.types import Rollout
-    from composer_replication.trainer.runtime import EnvRuntime
+    from composer_replication.samples.rollouts import Rollout
+    from composer_replication.training.runtime import EnvRuntime
 
 #: the methods of the Learner role the trainer process answers for the controller
 LEARNER_METHODS = protocol_methods(Learner)
@@ -85,8 +85,8 @@ def load_trainable_state(policy: Any, state: dict[str, torch.Tensor]) -> None:
 def _policy_runtimes(config: RunConfig) -> tuple[Any, Any, list[EnvRuntime]]:
     """The policy, tokenizer and environment runtimes exactly as the native loop builds them."""
     from composer_replication.safety import HeldoutSplit
-    from composer_replication.trainer.runtime import build_runtime
-    from composer_replication.trainer.setup import seed_everything, setup_policy
+    from composer_replication.training.runtime import build_runtime
+    from composer_replication.training.setup import seed_everything, setup_policy
 
     seed_everything(config.seed)
     policy, tokenizer = setup_policy(config.model)
@@ -200,13 +200,20 @@ class TrainerActor(Actor):
     weights, or the checkpoint's step after :meth:`resume`)."""
 
     def __init__(self, config: RunConfig, run_dir: str) -> None:
-        from composer_replication.trainer.checkpoint import CheckpointManager
-        from composer_replication.trainer.learner import Learner
-        from composer_replication.trainer.setup import seed_everything, setup_policy
+        from composer_replication.training.checkpoint import CheckpointManager
+        from composer_replication.training.learner import Learner
+        from composer_replication.training.setup import seed_everything, setup_policy
 
         seed_everything(config.seed)
         self.policy, _ = setup_policy(config.model)
-        self.learner = Learner(config, self.policy)
+        self.learner = Learner(
+            self.policy,
+            model=config.model,
+            optim=config.optim,
+            loss=config.loss,
+            steps=config.steps,
+            teacher_mode=config.teacher_mode,
+        )
         self.checkpoints = CheckpointManager(run_dir, keep_last=config.checkpoint.keep_last)
         self.version = 0
 

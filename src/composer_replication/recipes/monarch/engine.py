@@ -1,7 +1,7 @@
 """The Monarch placement (``[roles] placement = "monarch"``): the native loop's controller
 with its roles on Monarch processes.
 
-The controller is :class:`~composer_replication.trainer.loop.Trainer` itself (curriculum,
+The controller is :class:`~composer_replication.training.loop.Trainer` itself (curriculum,
 held-out split, the algorithms' assign/score, evaluation through the run lifecycle, the
 kill switch, metrics, report, summary); only two of its parts move out of process:
 
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from composer_replication.diloco.integration import NO_SYNC
 from composer_replication.inference.decoding.generate import DecodeOptions
-from composer_replication.trainer.loop import Trainer
+from composer_replication.training.loop import Trainer
 
 if TYPE_CHECKING:
     from composer_replication.config.roles import MonarchRoles
     from composer_replication.config.run import RunConfig
-    from composer_replication.rollout.types import Rollout
+    from composer_replication.samples.rollouts import Rollout
     from composer_replication.samples.wire import MicroBatch
-    from composer_replication.trainer.lifecycle import RunResult
+    from composer_replication.training.lifecycle import RunResult
 
 __all__ = [
     "ActorFailedError",
@@ -346,5 +346,5 @@ def train(
     run_dir: str | Path | None = None,
 ) -> RunResult:
     """Run a training job on the Monarch engine (same results and exit paths as
-    :func:`composer_replication.trainer.loop.train`)."""
+    :func:`composer_replication.training.loop.train`)."""
     return MonarchTrainer(config, console=console, run_dir=run_dir).run(resume=resume)

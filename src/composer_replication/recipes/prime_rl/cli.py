@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from composer_replication.errors import command_group
+from composer_replication.common.errors import command_group
 
 export_app = command_group("export", "Write a run config in another engine's format.")
 
@@ -32,10 +32,10 @@ def export_prime_rl(
     ),
 ) -> None:
     """Write CONFIG as a PRIME-RL rl config; fails naming every algorithm it cannot map."""
-    from composer_replication.atomic_io import write_text_atomic
+    from composer_replication.common.atomic_io import write_text_atomic
+    from composer_replication.common.errors import EXIT_USAGE, user_error
+    from composer_replication.common.outputs import check_output
     from composer_replication.config import RunConfig
-    from composer_replication.errors import EXIT_USAGE, user_error
-    from composer_replication.outputs import check_output
     from composer_replication.recipes.prime_rl.export import export_run_config
 
     try:
@@ -69,7 +69,7 @@ def _to_stdout(text: str) -> None:
     import os
     import sys
 
-    from composer_replication.errors import EXIT_NO_RESULT, EXIT_USAGE
+    from composer_replication.common.errors import EXIT_NO_RESULT, EXIT_USAGE
 
     if sys.stdout is None or sys.stdout.closed:
         typer.echo("error: stdout is closed; pass -o FILE to write the export", err=True)

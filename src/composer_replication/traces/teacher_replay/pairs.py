@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from composer_replication.atomic_io import EmptyOutputError
+from composer_replication.common.atomic_io import EmptyOutputError
 from composer_replication.traces.teacher_replay.records import (
     DPOPair,
     TeacherCallResult,
@@ -112,7 +112,7 @@ def write_jsonl(
     with ``require_rows`` an empty result raises :class:`EmptyOutputError` and leaves an
     existing file as it was.
     """
-    from composer_replication.atomic_io import write_lines_atomic
+    from composer_replication.common.atomic_io import write_lines_atomic
 
     target = check_output_path(path, inputs=inputs)
     lines = (json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
@@ -123,12 +123,12 @@ def write_jsonl(
 def check_output_path(
     path: str | os.PathLike[str], *, inputs: Iterable[str | os.PathLike[str]] = ()
 ) -> Path:
-    """``path`` as an output file (:func:`composer_replication.outputs.check_output`): not
+    """``path`` as an output file (:func:`composer_replication.common.outputs.check_output`): not
     an input, not a directory, device, FIFO or link, and its folder creatable and writable.
 
     Call it before any paid work, so a bad ``-o`` fails at once, not after the spend.
     """
-    from composer_replication.outputs import check_output
+    from composer_replication.common.outputs import check_output
 
     return check_output(path, inputs=inputs)
 
