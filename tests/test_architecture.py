@@ -258,6 +258,43 @@ def test_the_package_check_sees_two_packages_importing_each_other():
     assert _cycles(units) == [["composer_replication.backends", "composer_replication.trainer"]]
 
 
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    stack = [m for m in graph if m == start or m.startswith(start + ".")]
+    while stack:
+        for dep in graph.get(stack.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("module", "never"),
+    [
+        # task generation needs no trainer code
+        ("datagen", ("training", "trainer", "backends", "preflight")),
+        # the sampler knows no environment: it reaches one through the roles' protocols
+        ("rollout.env_sampler", ("envs",)),
+        # evaluation and the report are called by the lifecycle and import nothing of it
+        ("evals.heldout", ("training", "trainer", "backends")),
+        ("training.report", ("training.lifecycle", "training.loop", "backends")),
+        # the native loop never reaches the trl backend or its face
+        ("training", ("backends", "trainer")),
+    ],
+)
+def test_what_a_component_never_reaches(module, never):
+    reached = _reaches(_full_graph(), f"composer_replication.{module}")
+    bad = sorted(
+        r
+        for r in reached
+        for n in never
+        if r == f"composer_replication.{n}" or r.startswith(f"composer_replication.{n}.")
+    )
+    assert bad == [], f"{module} reaches {bad}"
+
+
 #: what the package root holds: its entry points, the seed API's faces and the commands
 ROOT_MODULES = {
     "__init__": "entry point: the seed API's names, lazily",
