@@ -164,3 +164,12 @@ def test_an_output_folder_that_is_a_link_is_refused_unless_followed(tmp_path: Pa
         f"({str(real)!r}) if that is where the files should go"
     )
     assert check_output_dir(link, follow_symlinks=True) == link
+
+
+def test_the_projects_own_files_are_owned_wherever_they_sit_in_the_package():
+    import composer_replication
+    from composer_replication.common import outputs
+
+    package = Path(composer_replication.__file__).parent
+    for path in (package / "__init__.py", package / "common" / "outputs.py", package / "cli.py"):
+        assert outputs.owner_of(path) == ("source", "one of the project's own files"), path

@@ -113,7 +113,7 @@ def owner_of(path: str | os.PathLike[str]) -> tuple[str, str] | None:
             if rel.parts and rel.parts[0] in _RUN_ENTRIES:
                 return "run_record", f"part of the record of the run in {str(folder)!r}"
             break
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # common/ -> the package
     checkout = package.parent.parent  # src/composer_replication -> the repository
     sources = [package]
     if (checkout / "pyproject.toml").is_file() and (checkout / "benchmarks").is_dir():
