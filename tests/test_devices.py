@@ -119,14 +119,91 @@ def test_resolve_device():
         resolve_device("xpu")
 
 
-def test_resolve_precision():
+def test_resolve_precision(monkeypatch):
+    from composer_replication.model import devices
+
     cpu = torch.device("cpu")
+    monkeypatch.setattr(devices, "cpu_bfloat16_kernels", lambda: None)
     assert resolve_precision("auto", cpu) == Precision(torch.float32, None)
+    assert not resolve_precision("auto", cpu).mixed
+    assert devices.precision_line(resolve_precision("auto", cpu), cpu) == "precision: float32"
+    monkeypatch.setattr(devices, "cpu_bfloat16_kernels", lambda: "AVX512-BF16")
+    mixed = resolve_precision("auto", cpu)
+    assert mixed == Precision(torch.float32, torch.bfloat16)
+    assert devices.precision_line(mixed, cpu) == (
+        "precision: float32 weights, bfloat16 autocast (this CPU has AVX512-BF16; "
+        "model.dtype = 'float32' turns it off)"
+    )
+    # an explicit dtype never autocasts, whatever the CPU computes
+    assert resolve_precision("float32", cpu) == Precision(torch.float32, None)
     assert resolve_precision("bf16", cpu) == Precision(torch.bfloat16, None)
     assert resolve_precision("float64", cpu).param_dtype == torch.float64
-    assert not resolve_precision("auto", cpu).mixed
     with pytest.raises(ValueError, match="'fp8' is unknown"):
         resolve_precision("fp8", cpu)
+
+
+def test_the_cpu_reports_its_bfloat16_instructions_as_torch_does():
+    from composer_replication.model.devices import cpu_bfloat16_kernels
+
+    expected = (
+        "AMX"
+        if torch.cpu._is_amx_tile_supported()
+        else "AVX512-BF16"
+        if torch.cpu._is_avx512_bf16_supported()
+        else None
+    )
+    assert cpu_bfloat16_kernels() == expected
+
+
+def test_cpu_sampling_keeps_float32_under_the_learners_autocast(tiny):
+    """The learner's bfloat16 autocast does not reach the sampler on a CPU: the same
+    completions and the same log-probs as without it (float32 is the instrument)."""
+    from composer_replication.inference.decoding.generate import generate
+    from composer_replication.samples.generation import SamplingSettings
+
+    model, tokenizer = tiny
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    settings = SamplingSettings(max_new_tokens=6, temperature=0.0)
+    plain = generate(model, tokenizer, prompts, settings)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = generate(model, tokenizer, prompts, settings)
+    assert [g.completion_ids for g in under] == [g.completion_ids for g in plain]
+    flat = [lp for g in plain for lp in g.logprobs]
+    assert [lp for g in under for lp in g.logprobs] == pytest.approx(flat, abs=1e-5)
+
+
+def test_bfloat16_sampling_runs_its_products_in_bfloat16(tiny):
+    from composer_replication.inference.decoding.generate import (
+        DecodeOptions,
+        sampling_compute_dtype,
+    )
+    from composer_replication.inference.decoding.packed_linear import (
+        packed_linear_available,
+        packed_linears,
+    )
+    from composer_replication.model.devices import cpu_bfloat16_kernels
+
+    cpu = torch.device("cpu")
+    assert sampling_compute_dtype(DecodeOptions(), cpu) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sampling_compute_dtype(DecodeOptions(), cpu) is None  # a CPU stays float32
+    assert sampling_compute_dtype(DecodeOptions(dtype="bfloat16"), cpu) == torch.bfloat16
+    model = copy.deepcopy(tiny[0])
+    if cpu_bfloat16_kernels() is None:
+        assert not packed_linear_available(model, torch.bfloat16)
+        return
+    linear = model.lm_head
+    x = torch.randn(3, linear.in_features)
+    with torch.no_grad():
+        reference = x @ linear.weight.T
+        with packed_linears(model, batch_hint=3, dtype=torch.bfloat16) as packed:
+            assert packed
+            y = linear(x)
+        rounded = x.bfloat16().float() @ linear.weight.bfloat16().float().T
+    assert y.dtype == torch.float32
+    assert torch.allclose(y, rounded, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(y, reference)  # bfloat16 products, not float32 ones
+    assert "forward" not in linear.__dict__  # the module is restored on exit
 
 
 def test_setup_policy_places_the_policy_with_sdpa(tmp_path, tiny):

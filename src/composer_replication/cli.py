@@ -82,6 +82,23 @@ def _run_config(
     return RunConfig.from_toml(config, overrides) if config else RunConfig.default(overrides)
 
 
+def _run_precision(model: Any) -> str:
+    """The run's precision line: the ``[model]`` section's dtype as this device resolves it
+    (several CPU ranks stay float32)."""
+    from composer_replication.model.devices import (
+        Precision,
+        precision_line,
+        resolve_device,
+        resolve_precision,
+    )
+
+    device = resolve_device(model.device)
+    precision = resolve_precision(model.dtype, device)
+    if device.type == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        precision = Precision(precision.param_dtype)
+    return precision_line(precision, device)
+
+
 def _print_components(title: str, rows: list[tuple[str, dict[str, float]]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -243,6 +260,8 @@ def train(
         f"{', '.join(f'{e.name} ({e.algorithm.type})' for e in cfg.envs)}, "
         f"{cfg.steps} steps -> {cfg.output_dir}"
     )
+    if backend == "native":
+        console.print(_run_precision(cfg.model), highlight=False, markup=False)
     from composer_replication.common.errors import EXIT_INTERRUPTED, UsageError
 
     try:

@@ -85,6 +85,7 @@ steps = {STEPS}
 output_dir = "{tmp_path / "run"}"
 [model]
 source = "{model_dir}"
+dtype = "float32"  # the float32 path is the golden one, on every CPU
 [model.lora]
 r = 4
 alpha = 8

@@ -138,6 +138,14 @@ class InProcessInferenceConfig(_SharedInferenceConfig):
         description="Static decode loop on a GPU: replay each decode step as a captured CUDA "
         "graph (one launch per token instead of one per operator).",
     )
+    sampling_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Precision of the matrix products while sampling, independent of the "
+        "learner's: 'auto' follows the learner's autocast on a GPU and stays float32 on a "
+        "CPU (the evaluation's instrument); 'float32'; 'bfloat16' (a bfloat16 copy of the "
+        "weights made once per sampling call; on a CPU it needs bfloat16 instructions). The "
+        "sampler's log-probs are what the loss's importance ratio compares against.",
+    )
 
 
 class VllmInferenceConfig(_SharedInferenceConfig):

@@ -94,7 +94,8 @@ class ModelConfig(_Strict):
     dtype: str = Field(
         "auto",
         description="'auto': float32 master parameters with bfloat16 autocast on a GPU that "
-        "supports it, float32 on a CPU; or a parameter dtype (float32, bfloat16, ...).",
+        "supports it or a CPU with bfloat16 instructions (AMX, AVX512-BF16), float32 on other "
+        "CPUs; or a parameter dtype (float32, bfloat16, ...; 'float32' turns autocast off).",
     )
     lora: LoraConfig | None = Field(
         default_factory=LoraConfig,

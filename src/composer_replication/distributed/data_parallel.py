@@ -69,9 +69,12 @@ def shard_for_training(policy: Any, model: ModelConfig) -> tuple[Any, Any]:
     reducer for :func:`~composer_replication.training.step.train_step`."""
     from composer_replication.distributed.counts import sum_counts_over_ranks
     from composer_replication.distributed.fsdp import GatheredWeights, shard_policy
-    from composer_replication.model.devices import module_device, resolve_precision
+    from composer_replication.model.devices import Precision, module_device, resolve_precision
 
-    precision = resolve_precision(model.dtype, module_device(policy))
+    device = module_device(policy)
+    precision = resolve_precision(model.dtype, device)
+    if device.type == "cpu":  # gloo ranks exchange float32: no bfloat16 gathers on CPUs
+        precision = Precision(precision.param_dtype)
     shard_policy(policy, precision=precision)
     return GatheredWeights(policy), sum_counts_over_ranks
 

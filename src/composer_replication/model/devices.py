@@ -1,12 +1,14 @@
 """Where the policy lives and in which precision: device and dtype resolution at run set-up.
 
-Mixed precision (``dtype = "auto"`` on a GPU that supports bfloat16) keeps float32 master
-parameters, so AdamW's moments and the update are float32, and runs the forward (sampling,
+Mixed precision (``dtype = "auto"`` on a GPU that supports bfloat16, or on a CPU that
+computes bfloat16 matrix products: AMX or AVX512-BF16) keeps float32 master parameters, so AdamW's moments and the update are float32, and runs the forward (sampling,
 scoring, the trainer step, evaluation) under ``torch.autocast`` in bfloat16: activations
 and matrix products are bfloat16, reductions that autocast keeps in float32 stay float32.
 Under FSDP2 the same choice is expressed as ``MixedPrecisionPolicy(param_dtype=bfloat16,
-reduce_dtype=float32)`` (see :mod:`composer_replication.distributed`). On a CPU ``auto`` is
-plain float32. An explicit dtype name (``"float32"``, ``"bfloat16"``, ...) casts the
+reduce_dtype=float32)`` (see :mod:`composer_replication.distributed`). On a CPU without those instructions ``auto`` is
+plain float32 (bfloat16 would be emulated, slower than float32); a sharded run on CPUs
+stays float32 too. Sampling has its own precision (``[inference] sampling_dtype``): on a
+CPU it stays float32 under the learner's autocast unless asked otherwise. An explicit dtype name (``"float32"``, ``"bfloat16"``, ...) casts the
 parameters themselves and uses no autocast.
 
 TF32 (``model.tf32``, on by default) lets the float32 matmuls and convolutions that remain on
@@ -36,7 +38,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Precision",
     "autocast",
+    "cpu_bfloat16_kernels",
     "module_device",
+    "precision_line",
     "resolve_device",
     "resolve_precision",
     "set_tf32",
@@ -81,9 +85,25 @@ class Precision:
         return self.compute_dtype is not None
 
 
+def cpu_bfloat16_kernels() -> str | None:
+    """The instructions this CPU computes bfloat16 matrix products with ("AMX" or
+    "AVX512-BF16", as torch's CPU build reports them), None when it has neither."""
+    import torch
+
+    try:
+        if torch.cpu._is_amx_tile_supported():
+            return "AMX"
+        if torch.cpu._is_avx512_bf16_supported():
+            return "AVX512-BF16"
+    except AttributeError:  # a torch build without the queries: assume neither
+        return None
+    return None
+
+
 def resolve_precision(spec: str, device: torch.device) -> Precision:
     """``"auto"``: float32 parameters + bfloat16 autocast on a CUDA device that supports
-    bfloat16, plain float32 elsewhere; a dtype name: parameters in that dtype, no autocast."""
+    bfloat16 or a CPU with bfloat16 instructions (:func:`cpu_bfloat16_kernels`), plain
+    float32 elsewhere; a dtype name: parameters in that dtype, no autocast."""
     import torch
 
     value = check_dtype_spec(spec)
@@ -91,7 +111,23 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
         return Precision(getattr(torch, DTYPE_NAMES[value]))
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return Precision(torch.float32, torch.bfloat16)
+    if device.type == "cpu" and cpu_bfloat16_kernels() is not None:
+        return Precision(torch.float32, torch.bfloat16)
     return Precision(torch.float32)
+
+
+def precision_line(precision: Precision, device: torch.device) -> str:
+    """How a run computes, for its first lines: the parameter dtype, and the autocast dtype
+    with what decided it (on a CPU, the instructions, and how to turn it off)."""
+
+    params = str(precision.param_dtype).removeprefix("torch.")
+    if precision.compute_dtype is None:
+        return f"precision: {params}"
+    compute = str(precision.compute_dtype).removeprefix("torch.")
+    line = f"precision: {params} weights, {compute} autocast"
+    if device.type == "cpu":
+        line += f" (this CPU has {cpu_bfloat16_kernels()}; model.dtype = 'float32' turns it off)"
+    return line
 
 
 def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -46,12 +46,15 @@ class DecodeOptions:
     """Which in-process decode loop samples, and how (the ``[inference]`` settings of the
     same names): ``loop`` 'auto' | 'static' | 'general', ``sync_every`` (static loop: steps
     between host reads), ``compile`` (static loop: torch.compile the step), ``cuda_graphs``
-    (static loop on a GPU: one captured graph per step shape)."""
+    (static loop on a GPU: one captured graph per step shape), ``dtype`` (the
+    ``sampling_dtype``: the matrix products' precision while sampling, see
+    :func:`sampling_compute_dtype`)."""
 
     loop: str = "auto"
     sync_every: int = 16
     compile: bool = False
     cuda_graphs: bool = True
+    dtype: str = "auto"
 
     @classmethod
     def of(cls, inference: Any) -> DecodeOptions:
@@ -61,7 +64,25 @@ class DecodeOptions:
             sync_every=inference.sync_every,
             compile=inference.compile_decode,
             cuda_graphs=inference.cuda_graphs,
+            dtype=inference.sampling_dtype,
         )
+
+
+def sampling_compute_dtype(options: DecodeOptions, device: Any) -> Any:
+    """The dtype of the matrix products while sampling on ``device`` (None: the weights'
+    own). ``"float32"``: the weights' own; ``"bfloat16"``: bfloat16; ``"auto"``: on a GPU
+    the caller's autocast dtype (the trainer's forward and the sampler compute alike), on a
+    CPU the weights' own (float32 sampling is the evaluation's instrument, and the packed
+    float32 kernels are the fastest decode here whatever the learner's autocast)."""
+    import torch
+
+    if options.dtype == "bfloat16":
+        return torch.bfloat16
+    if options.dtype == "float32" or device.type == "cpu":
+        return None
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 _ROW_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("row_seed", default=None)
@@ -201,7 +222,15 @@ def generate(
                 from composer_replication.inference.decoding.packed_linear import packed_linears
 
                 hint = min(len(prompts), max_rows or len(prompts))
-                with packed_linears(model, batch_hint=hint):
+                device = next(model.parameters()).device
+                compute_dtype = sampling_compute_dtype(options, device)
+                # on a CPU the sampler computes in its own precision, never the learner's
+                cpu_own_precision = (
+                    torch.autocast("cpu", enabled=False)
+                    if device.type == "cpu"
+                    else contextlib.nullcontext()
+                )
+                with cpu_own_precision, packed_linears(model, batch_hint=hint, dtype=compute_dtype):
                     rows = decode_rows(
                         model,
                         prompts,
@@ -283,16 +312,15 @@ def announced(
 def _static_rows(
     model: Any, prompts: Sequence[Sequence[int]], options: DecodeOptions, common: dict
 ) -> list[Any]:
-    """The static loop's rows; under autocast its matrix products run in the autocast
-    dtype (as the trainer's forward does), with autocast itself off inside."""
+    """The static loop's rows; its matrix products run in the sampling dtype
+    (:func:`sampling_compute_dtype`: under a GPU's autocast, the autocast dtype, as the
+    trainer's forward does), with autocast itself off inside."""
     import torch
 
     from composer_replication.inference.decoding.static_decode import static_decode_rows
 
     device = next(model.parameters()).device
-    compute_dtype = None
-    if torch.is_autocast_enabled(device.type):
-        compute_dtype = torch.get_autocast_dtype(device.type)
+    compute_dtype = sampling_compute_dtype(options, device)
     with torch.autocast(device.type, enabled=False):
         return static_decode_rows(
             model,

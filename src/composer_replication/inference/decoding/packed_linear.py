@@ -10,7 +10,10 @@ sampling call because the weights change after every optimizer step.
 
 The arithmetic stays float32 (oneDNN's default; no reduced-precision accumulation): the
 results differ from the default kernel only by summation order, ~1e-6 relative, the same
-order as between any two batch shapes of the default kernel.
+order as between any two batch shapes of the default kernel. With ``dtype=torch.bfloat16``
+(``[inference] sampling_dtype = "bfloat16"``, on a CPU with bfloat16 instructions) the
+packed copy is bfloat16, cast once per sampling call, and each product's input is cast to
+it and its output back: half the bytes per token, bfloat16's 8-bit mantissa.
 
 :func:`packed_linears` is a context manager: inside it every ``torch.nn.Linear`` of the
 model computes with its packed weight; on exit the modules are exactly as before. Anywhere
@@ -29,8 +32,10 @@ import torch
 __all__ = ["packed_linear_available", "packed_linears"]
 
 
-def packed_linear_available(model: Any) -> bool:
-    """True when the model's linear layers can run on packed oneDNN weights here."""
+def packed_linear_available(model: Any, dtype: torch.dtype | None = None) -> bool:
+    """True when the model's linear layers can run on packed oneDNN weights here (in
+    ``dtype``: None for the weights' float32; bfloat16 needs the CPU's bfloat16
+    instructions)."""
     ops = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available() or ops is None:
         return False
@@ -40,27 +45,43 @@ def packed_linear_available(model: Any) -> bool:
         parameter = next(model.parameters())
     except StopIteration:
         return False
+    if dtype == torch.bfloat16:
+        from composer_replication.model.devices import cpu_bfloat16_kernels
+
+        if cpu_bfloat16_kernels() is None:
+            return False
+    elif dtype not in (None, torch.float32):
+        return False
     return parameter.device.type == "cpu" and parameter.dtype == torch.float32
 
 
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
     linear = torch.ops.mkldnn._linear_pointwise
+    if weight.dtype == torch.float32:
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return linear(x, weight, bias, "none", [], "")
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return linear(x, weight, bias, "none", [], "")
 
-    return forward
+        return forward
+
+    def forward_cast(x: torch.Tensor) -> torch.Tensor:
+        return linear(x.to(weight.dtype), weight, bias, "none", [], "").to(x.dtype)
+
+    return forward_cast
 
 
 @contextlib.contextmanager
-def packed_linears(model: Any, *, batch_hint: int = 8) -> Iterator[bool]:
+def packed_linears(
+    model: Any, *, batch_hint: int = 8, dtype: torch.dtype | None = None
+) -> Iterator[bool]:
     """Run the model's ``nn.Linear`` layers on packed weights inside the block.
 
     Yields whether the packed path is in use. ``batch_hint`` is the expected number of rows
-    per call (oneDNN picks its blocking for it; any row count works). Only for inference:
+    per call (oneDNN picks its blocking for it; any row count works). ``dtype``: the packed
+    copy's dtype (None: float32, the weights' own; ``torch.bfloat16``). Only for inference:
     the packed weights are a copy, so gradients would not reach the parameters.
     """
-    if not packed_linear_available(model):
+    if not packed_linear_available(model, dtype):
         yield False
         return
     patched: list[torch.nn.Module] = []
@@ -71,10 +92,12 @@ def packed_linears(model: Any, *, batch_hint: int = 8) -> Iterator[bool]:
                     continue
                 if module.weight.dtype != torch.float32:
                     continue
-                packed = torch.ops.mkldnn._reorder_linear_weight(
-                    module.weight.detach(), max(1, int(batch_hint))
-                )
+                weight = module.weight.detach()
                 bias = None if module.bias is None else module.bias.detach()
+                if dtype is not None and dtype != weight.dtype:
+                    weight = weight.to(dtype)
+                    bias = None if bias is None else bias.to(dtype)
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, int(batch_hint)))
                 module.forward = _packed_forward(packed, bias)
                 patched.append(module)
         yield True

@@ -1,0 +1,219 @@
+"""The CPU path in bfloat16 against float32, side by side in one run (ratios printed).
+
+On a CPU that computes bfloat16 matrix products (AMX or AVX512-BF16) ``model.dtype = "auto"``
+trains under bfloat16 autocast over float32 master weights, while sampling keeps its own
+precision (``[inference] sampling_dtype``, float32 on a CPU unless asked). Three studies:
+
+- ``step``: one real step of the embedded default job (2 tasks x 4 rollouts on
+  ``python_functions``, the composer recipe: rl, SDPO jsd, replay DPO), its samples
+  collected once, then the learner's ``train_step`` timed on them in float32 and under
+  bfloat16 autocast, alternating, median of ``--repeats``; both losses printed;
+- ``decode``: the held-out evaluation's sampling (the first ``--tasks`` held-out prompts x 4
+  samples at T=1, then greedy, 80 tokens, 64 rows at once) with the packed float32 kernels
+  and with ``sampling_dtype = "bfloat16"``; tokens/s of each, and how many greedy answers
+  are the same;
+- ``job`` (``--job``): the whole ``composer-replication train`` (the embedded default) with
+  ``model.dtype = "float32"`` and with ``"auto"``, for each ``--seeds`` (about 9 minutes a
+  run): wall time, median step, evaluation seconds and held-out greedy / sampled pass@1.
+
+Run: ``python benchmarks/cpu_precision.py`` (step and decode, a few minutes);
+``--job --seeds 0 1 2 --out DIR`` adds the whole job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import check_count, checked_output, machine_line, refuse
+
+
+def _bf16_cpu_or_exit() -> str:
+    from composer_replication.model.devices import cpu_bfloat16_kernels
+
+    kernels = cpu_bfloat16_kernels()
+    if kernels is None:
+        refuse(
+            "the CPU",
+            "no AMX or AVX512-BF16",
+            "run it on a CPU with bfloat16 instructions (here auto stays float32)",
+        )
+    return kernels
+
+
+def step_study(repeats: int) -> dict[str, Any]:
+    import contextlib
+
+    import torch
+
+    from composer_replication.config import RunConfig
+    from composer_replication.samples.wire import pack_samples
+    from composer_replication.training.loop import Trainer
+    from composer_replication.training.step import train_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = RunConfig.default([f"output_dir={tmp}/run", "model.dtype=float32"])
+        trainer = Trainer(config)
+        samples, _ = trainer.collect()
+    policy, cfg = trainer.policy, trainer.learner.losses.current()
+    pad_id = trainer.tokenizer.pad_token_id or 0
+    batches = pack_samples(samples, max_tokens=config.micro_batch_tokens, pad_id=pad_id, split=None)
+    teacher = trainer.learner.teachers.teacher(policy)
+    ways = {
+        "float32": contextlib.nullcontext,
+        "bfloat16 autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    }
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    losses: dict[str, float] = {}
+    for _ in range(repeats):
+        for way, context in ways.items():
+            policy.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            with context():
+                metrics = train_step(
+                    policy, batches, cfg, teacher=teacher, reference=trainer.learner.teachers.reference
+                )
+            times[way].append(time.perf_counter() - start)
+            losses[way] = float(metrics["loss"])
+    policy.zero_grad(set_to_none=True)
+    tokens = sum(len(s.input_ids) for s in samples)
+    out = {way: statistics.median(t) for way, t in times.items()}
+    print(f"learner step of the default job ({len(samples)} samples, {tokens} tokens):")
+    for way, seconds in out.items():
+        print(f"  {way:18s}: {seconds:6.2f} s/step  (loss {losses[way]:.6f})")
+    print(f"  bfloat16 / float32 speed: {out['float32'] / out['bfloat16 autocast']:.2f}x")
+    return {"seconds": out, "loss": losses, "tokens": tokens}
+
+
+def decode_study(n_tasks: int) -> dict[str, Any]:
+    import torch
+
+    from composer_replication.envs.python_functions import PythonFunctionsEnv
+    from composer_replication.inference.decoding.generate import DecodeOptions, generate
+    from composer_replication.model.loading import load_policy
+    from composer_replication.safety import HeldoutSplit
+    from composer_replication.samples.generation import SamplingSettings
+
+    model, tokenizer = load_policy("embedded", device="cpu", dtype="float32")
+    env = PythonFunctionsEnv()
+    heldout = [t for t in env.task_ids() if HeldoutSplit().is_heldout(t)][:n_tasks]
+    prompts = [env.prompt_ids(tokenizer, env.tasks[t]) for t in heldout]
+    settings = {
+        "sampled": (SamplingSettings(max_new_tokens=80, temperature=1.0), 4),
+        "greedy": (SamplingSettings(max_new_tokens=80, temperature=0.0), 1),
+    }
+    result: dict[str, Any] = {}
+    answers: dict[str, list[list[int]]] = {}
+    for dtype in ("float32", "bfloat16"):
+        options = DecodeOptions(loop="general", dtype=dtype)
+        tokens, seconds = 0, 0.0
+        for name, (sampling, copies) in settings.items():
+            rows = [p for p in prompts for _ in range(copies)]
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            out = generate(model, tokenizer, rows, sampling, decode=options, max_rows=64)
+            seconds += time.perf_counter() - start
+            tokens += sum(len(g.completion_ids) for g in out)
+            if name == "greedy":
+                answers[dtype] = [g.completion_ids for g in out]
+        result[dtype] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+    same = sum(a == b for a, b in zip(answers["float32"], answers["bfloat16"]))
+    print(f"held-out sampling ({len(prompts)} prompts x 4 at T=1, then greedy; 80 tokens):")
+    for dtype, r in result.items():
+        print(
+            f"  {dtype:9s}: {r['tokens']} tokens in {r['seconds']:.1f} s ({r['tok_s']:.1f} tok/s)"
+        )
+    print(
+        f"  bfloat16 / float32 tokens/s: {result['bfloat16']['tok_s'] / result['float32']['tok_s']:.2f}x;"
+        f" greedy answers identical: {same}/{len(prompts)}"
+    )
+    result["greedy_identical"] = same
+    return result
+
+
+def _job(out: Path, dtype: str, seed: int) -> dict[str, Any]:
+    run_dir = out / f"{dtype}_seed{seed}"
+    if not (run_dir / "summary.json").exists():
+        start = time.perf_counter()
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "composer_replication",
+                "train",
+                "--set",
+                f"output_dir={run_dir}",
+                "--set",
+                f"model.dtype={dtype}",
+                "--set",
+                f"seed={seed}",
+            ],
+            check=True,
+        )
+        (run_dir / "command_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["time/step_s"] for r in rows if "time/step_s" in r]
+    scores = {
+        key: [r[key] for r in rows if key in r]
+        for key in ("heldout/greedy_pass@1", "heldout/pass@1")
+    }
+    return {
+        "command_s": float((run_dir / "command_seconds.txt").read_text()),
+        "median_step_s": statistics.median(steps),
+        "greedy": (scores["heldout/greedy_pass@1"][0], scores["heldout/greedy_pass@1"][-1]),
+        "sampled": (scores["heldout/pass@1"][0], scores["heldout/pass@1"][-1]),
+    }
+
+
+def job_study(out: Path, seeds: list[int]) -> dict[str, Any]:
+    results = {f"{d}/{s}": _job(out, d, s) for s in seeds for d in ("float32", "auto")}
+    print("the whole default job (composer-replication train):")
+    for s in seeds:
+        f32, auto = results[f"float32/{s}"], results[f"auto/{s}"]
+        for name, r in (("float32", f32), ("auto (bf16)", auto)):
+            print(
+                f"  seed {s} {name:11s}: {r['command_s']:6.1f} s, step {r['median_step_s']:5.1f} s, "
+                f"greedy {r['greedy'][0]:.3f} -> {r['greedy'][1]:.3f}, "
+                f"sampled {r['sampled'][0]:.3f} -> {r['sampled'][1]:.3f}"
+            )
+        print(f"  seed {s} auto / float32 wall time: {auto['command_s'] / f32['command_s']:.2f}x")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tasks", type=int, default=16, help="held-out prompts decoded")
+    parser.add_argument("--job", action="store_true", help="also run the whole default job")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--out", default="runs/cpu_precision", help="where --job runs go")
+    args = parser.parse_args()
+    check_count(args.repeats, "--repeats")
+    check_count(args.tasks, "--tasks")
+    for seed in args.seeds:
+        if seed < 0:
+            refuse("--seeds", seed, "give seeds >= 0")
+    out = checked_output(args.out, "--out", directory=True) if args.job else None
+    from composer_replication.model.cpu_threads import limit_thread_spinning
+
+    limit_thread_spinning()
+    kernels = _bf16_cpu_or_exit()
+    print(f"machine: {machine_line()} (bfloat16: {kernels})")
+    step_study(args.repeats)
+    decode_study(args.tasks)
+    if out is not None:
+        job_study(Path(out), args.seeds)
+
+
+if __name__ == "__main__":
+    main()
