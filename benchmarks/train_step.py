@@ -121,7 +121,7 @@ def composer_case(repeats: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(RunConfig.default([f"output_dir={tmp}/run"]))
         samples, _ = trainer.collect()
-    policy, cfg = trainer.policy, trainer.losses.current()
+    policy, cfg = trainer.policy, trainer.learner.losses.current()
     pad_id = trainer.tokenizer.pad_token_id or 0
 
     def plain_grpo(sample):
@@ -146,14 +146,14 @@ def composer_case(repeats: int) -> None:
             policy.zero_grad(set_to_none=True)
             start = time.perf_counter()
             metrics = train_step(
-                policy, batches, cfg, teacher=teacher, reference=trainer.teachers.reference
+                policy, batches, cfg, teacher=teacher, reference=trainer.learner.teachers.reference
             )
             times.append(time.perf_counter() - start)
         policy.zero_grad(set_to_none=True)
         return statistics.median(times), metrics
 
     torch.manual_seed(0)
-    teacher = trainer.teachers.teacher(policy)
+    teacher = trainer.learner.teachers.teacher(policy)
     results = {}
     # row by row; a forward per prefix-tree node; one packed forward of the token trie
     ways = {"row by row": (False, 0), "tree nodes": (True, 0), "packed": (True, None)}
