@@ -69,6 +69,20 @@ def diloco_rank(config: Any) -> int | None:
     return int(os.environ.get(config.rank_env, "0"))
 
 
+def run_learner(config: RunConfig, policy: Any, *, ranks: Any = None) -> Learner:
+    """The run's :class:`~composer_replication.training.learner.Learner`: its config
+    sections, and the run's steps and jsd teacher handed over as values."""
+    return Learner(
+        policy,
+        model=config.model,
+        optim=config.optim,
+        loss=config.loss,
+        steps=config.steps,
+        teacher_mode=config.teacher_mode,
+        ranks=ranks,
+    )
+
+
 class Trainer:
     """Owns one run's state; ``run()`` executes it."""
 
@@ -109,15 +123,7 @@ class Trainer:
         except BaseException:
             self._stop_frozen_engines()
             raise
-        learner = Learner(
-            self.policy,
-            model=config.model,
-            optim=config.optim,
-            loss=config.loss,
-            steps=config.steps,
-            teacher_mode=config.teacher_mode,
-            ranks=self.ranks,
-        )
+        learner = run_learner(config, self.policy, ranks=self.ranks)
         self.learner: roles.Learner = learner
         # DiLoCo replicas must see different data: offset the task stream by the rank.
         self.task_rng = random.Random(config.seed + (diloco_rank(config.diloco) or 0))

@@ -201,19 +201,12 @@ class TrainerActor(Actor):
 
     def __init__(self, config: RunConfig, run_dir: str) -> None:
         from composer_replication.training.checkpoint import CheckpointManager
-        from composer_replication.training.learner import Learner
+        from composer_replication.training.loop import run_learner
         from composer_replication.training.setup import seed_everything, setup_policy
 
         seed_everything(config.seed)
         self.policy, _ = setup_policy(config.model)
-        self.learner = Learner(
-            self.policy,
-            model=config.model,
-            optim=config.optim,
-            loss=config.loss,
-            steps=config.steps,
-            teacher_mode=config.teacher_mode,
-        )
+        self.learner = run_learner(config, self.policy)
         self.checkpoints = CheckpointManager(run_dir, keep_last=config.checkpoint.keep_last)
         self.version = 0
 
