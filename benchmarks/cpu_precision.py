@@ -14,7 +14,9 @@ precision (``[inference] sampling_dtype``, float32 on a CPU unless asked). Three
   are the same;
 - ``job`` (``--job``): the whole ``composer-replication train`` (the embedded default) with
   ``model.dtype = "float32"`` and with ``"auto"``, for each ``--seeds`` (about 9 minutes a
-  run): wall time, median step, evaluation seconds and held-out greedy / sampled pass@1.
+  run): wall time, median step, held-out greedy / sampled pass@1 before and after, and the
+  sampler/trainer mismatch the bfloat16 learner adds (``kl/inference``, the share of rl
+  tokens the trust region masks).
 
 Run: ``python benchmarks/cpu_precision.py`` (step and decode, a few minutes);
 ``--job --seeds 0 1 2 --out DIR`` adds the whole job.
@@ -81,7 +83,11 @@ def step_study(repeats: int) -> dict[str, Any]:
             start = time.perf_counter()
             with context():
                 metrics = train_step(
-                    policy, batches, cfg, teacher=teacher, reference=trainer.learner.teachers.reference
+                    policy,
+                    batches,
+                    cfg,
+                    teacher=teacher,
+                    reference=trainer.learner.teachers.reference,
                 )
             times[way].append(time.perf_counter() - start)
             losses[way] = float(metrics["loss"])
@@ -167,9 +173,13 @@ def _job(out: Path, dtype: str, seed: int) -> dict[str, Any]:
         key: [r[key] for r in rows if key in r]
         for key in ("heldout/greedy_pass@1", "heldout/pass@1")
     }
+    mismatch = [r["kl/inference"] for r in rows if "kl/inference" in r]
+    masked = [r["rl/masked_fraction"] for r in rows if "rl/masked_fraction" in r]
     return {
         "command_s": float((run_dir / "command_seconds.txt").read_text()),
         "median_step_s": statistics.median(steps),
+        "kl_inference": statistics.mean(mismatch) if mismatch else float("nan"),
+        "rl_masked": statistics.mean(masked) if masked else float("nan"),
         "greedy": (scores["heldout/greedy_pass@1"][0], scores["heldout/greedy_pass@1"][-1]),
         "sampled": (scores["heldout/pass@1"][0], scores["heldout/pass@1"][-1]),
     }
@@ -184,7 +194,8 @@ def job_study(out: Path, seeds: list[int]) -> dict[str, Any]:
             print(
                 f"  seed {s} {name:11s}: {r['command_s']:6.1f} s, step {r['median_step_s']:5.1f} s, "
                 f"greedy {r['greedy'][0]:.3f} -> {r['greedy'][1]:.3f}, "
-                f"sampled {r['sampled'][0]:.3f} -> {r['sampled'][1]:.3f}"
+                f"sampled {r['sampled'][0]:.3f} -> {r['sampled'][1]:.3f}, "
+                f"KL sampler||trainer {r['kl_inference']:.2e}, rl masked {r['rl_masked']:.3f}"
             )
         print(f"  seed {s} auto / float32 wall time: {auto['command_s'] / f32['command_s']:.2f}x")
     return results

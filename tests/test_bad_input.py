@@ -893,6 +893,15 @@ BENCHMARK_CASES = [
     ("threads-rows-huge", "cpu_threads.py --rows 1000", "--rows 1000: give a number"),
     ("threads-tokens-zero", "cpu_threads.py --new-tokens 0", "--new-tokens 0"),
     ("threads-out-link", "cpu_threads.py --out /proc/self/cwd", "is a symbolic link"),
+    # cpu_precision.py
+    (
+        "precision-repeats-zero",
+        "cpu_precision.py --repeats 0",
+        "--repeats 0: give a whole number >= 1",
+    ),
+    ("precision-tasks-zero", "cpu_precision.py --tasks 0", "--tasks 0: give a whole number >= 1"),
+    ("precision-seed-negative", "cpu_precision.py --seeds -1", "--seeds -1: give seeds >= 0"),
+    ("precision-out-link", "cpu_precision.py --job --out /proc/self/cwd", "is a symbolic link"),
     # agent_episodes.py
     ("agent-episodes-zero", "agent_episodes.py --episodes 0", "--episodes 0: give episodes"),
     ("agent-turns-negative", "agent_episodes.py --turns -1", "--turns -1: give tool calls"),
