@@ -170,3 +170,33 @@ def test_adamw_runs_fused_where_torch_has_the_kernel():
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert adamw_kernel(params) == {"fused": True}
     assert adamw_kernel([torch.nn.Parameter(torch.zeros(2, device="meta"))]) == {"foreach": True}
+
+
+def test_a_forward_under_autocast_sees_the_weights_of_the_last_step(tiny):
+    """The run loop sits in one autocast region, and autocast keeps its bfloat16 copy of a
+    trainable weight for as long as the region lasts: after each update the learner drops
+    the copies, so the next forward computes with the new weights (as a fresh region
+    would), not with the first step's."""
+    config = RunConfig(optim={"lr": 1e-2})
+    learner = Learner(
+        copy.deepcopy(tiny[0]),
+        model=config.model,
+        optim=config.optim,
+        loss=config.loss,
+        steps=config.steps,
+    )
+    probe = torch.tensor([[5, 6, 7, 8, 9]])
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            return learner.policy(input_ids=probe).logits.float()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen = [logits()]
+        for step in (1, 2):
+            learner.update(_micro_batches(1), step)
+            seen.append(logits())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = logits()
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    assert torch.equal(seen[2], fresh)

@@ -149,6 +149,10 @@ class Learner:
             row["guard/non_finite"] = bad
         metrics = step_metrics(parts, sums.counts, self.metric_reducer)
         row["diloco/synced"] = float(self.sync.after_inner_step())
+        # autocast keeps its low-precision copy of each trainable weight for as long as the
+        # region it was made in lasts (the whole run loop): the weights changed, so drop
+        # the copies, or every later forward would compute with the weights of this step
+        torch.clear_autocast_cache()
         if bad is None:  # a skipped update leaves the schedule where it was
             self.scheduler.step()
         self.teachers.update(self.policy)
