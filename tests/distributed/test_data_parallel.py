@@ -125,7 +125,11 @@ def _steady(rows: list[dict]) -> list[dict]:
 
 
 def _run_config(tmp_path: Path, tiny_dir: str) -> Path:
-    model = f'[model]\nsource = "{tiny_dir}"\ndevice = "cpu"\n[model.lora]\nr = 4\nalpha = 8'
+    # float32 in one process too (several CPU ranks are float32): the runs compare exactly
+    model = (
+        f'[model]\nsource = "{tiny_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
+        "[model.lora]\nr = 4\nalpha = 8"
+    )
     toml = tmp_path / "run.toml"
     toml.write_text(f"""
 seed = 0

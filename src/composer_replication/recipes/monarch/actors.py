@@ -23,6 +23,7 @@ process holds exactly what the in-process run would.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -200,6 +201,8 @@ class TrainerActor(Actor):
     weights, or the checkpoint's step after :meth:`resume`)."""
 
     def __init__(self, config: RunConfig, run_dir: str) -> None:
+        from composer_replication.distributed.data_parallel import autocast_for
+        from composer_replication.distributed.ranks import RankGroup
         from composer_replication.training.checkpoint import CheckpointManager
         from composer_replication.training.loop import run_learner
         from composer_replication.training.setup import seed_everything, setup_policy
@@ -207,6 +210,8 @@ class TrainerActor(Actor):
         seed_everything(config.seed)
         self.policy, _ = setup_policy(config.model)
         self.learner = run_learner(config, self.policy)
+        # the learner computes in the run's precision, as the native loop's does
+        self.autocast = functools.partial(autocast_for, config.model, self.policy, RankGroup())
         self.checkpoints = CheckpointManager(run_dir, keep_last=config.checkpoint.keep_last)
         self.version = 0
 
@@ -221,7 +226,8 @@ class TrainerActor(Actor):
         weights are version ``step``."""
         if method not in LEARNER_METHODS:
             raise ValueError(f"{method!r} is not a method of the Learner role {LEARNER_METHODS}")
-        out = getattr(self.learner, method)(*args)
+        with self.autocast():
+            out = getattr(self.learner, method)(*args)
         if method == "update":
             self.version = int(args[1])
         return out
@@ -233,7 +239,8 @@ class TrainerActor(Actor):
 
     @endpoint
     def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        return completion_logprobs(self.policy, prompt_ids, completion_ids)
+        with self.autocast():
+            return completion_logprobs(self.policy, prompt_ids, completion_ids)
 
     @endpoint
     def save(self, step: int, extra: dict[str, Any]) -> str:
