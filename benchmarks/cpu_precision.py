@@ -19,7 +19,8 @@ precision (``[inference] sampling_dtype``, float32 on a CPU unless asked). Three
   tokens the trust region masks).
 
 Run: ``python benchmarks/cpu_precision.py`` (step and decode, a few minutes);
-``--job --seeds 0 1 2 --out DIR`` adds the whole job.
+``--job --seeds 0 1 2 --out DIR`` adds the whole job (``--bf16-sampling``: a third variant
+that also samples in bfloat16; ``--job-only``: the job alone; finished runs are read back).
 """
 
 from __future__ import annotations
@@ -147,8 +148,17 @@ def decode_study(n_tasks: int) -> dict[str, Any]:
     return result
 
 
-def _job(out: Path, dtype: str, seed: int) -> dict[str, Any]:
-    run_dir = out / f"{dtype}_seed{seed}"
+#: the job's variants: their run-directory name -> the ``--set`` overrides
+VARIANTS = {
+    "float32": ["model.dtype=float32"],
+    "auto": ["model.dtype=auto"],
+    "auto_bf16_sampling": ["model.dtype=auto", "inference.sampling_dtype=bfloat16"],
+}
+
+
+def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
+    run_dir = out / f"{variant}_seed{seed}"
+    sets = [f"output_dir={run_dir}", *VARIANTS[variant], f"seed={seed}"]
     if not (run_dir / "summary.json").exists():
         start = time.perf_counter()
         subprocess.run(
@@ -157,12 +167,7 @@ def _job(out: Path, dtype: str, seed: int) -> dict[str, Any]:
                 "-m",
                 "composer_replication",
                 "train",
-                "--set",
-                f"output_dir={run_dir}",
-                "--set",
-                f"model.dtype={dtype}",
-                "--set",
-                f"seed={seed}",
+                *(arg for value in sets for arg in ("--set", value)),
             ],
             check=True,
         )
@@ -185,19 +190,22 @@ def _job(out: Path, dtype: str, seed: int) -> dict[str, Any]:
     }
 
 
-def job_study(out: Path, seeds: list[int]) -> dict[str, Any]:
-    results = {f"{d}/{s}": _job(out, d, s) for s in seeds for d in ("float32", "auto")}
+def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any]:
+    results = {f"{v}/{s}": _job(out, v, s) for s in seeds for v in variants}
     print("the whole default job (composer-replication train):")
     for s in seeds:
-        f32, auto = results[f"float32/{s}"], results[f"auto/{s}"]
-        for name, r in (("float32", f32), ("auto (bf16)", auto)):
+        f32 = results[f"float32/{s}"]
+        for name in variants:
+            r = results[f"{name}/{s}"]
             print(
-                f"  seed {s} {name:11s}: {r['command_s']:6.1f} s, step {r['median_step_s']:5.1f} s, "
+                f"  seed {s} {name:18s}: {r['command_s']:6.1f} s, step {r['median_step_s']:5.1f} s, "
                 f"greedy {r['greedy'][0]:.3f} -> {r['greedy'][1]:.3f}, "
                 f"sampled {r['sampled'][0]:.3f} -> {r['sampled'][1]:.3f}, "
                 f"KL sampler||trainer {r['kl_inference']:.2e}, rl masked {r['rl_masked']:.3f}"
             )
-        print(f"  seed {s} auto / float32 wall time: {auto['command_s'] / f32['command_s']:.2f}x")
+        for name in variants[1:]:
+            ratio = results[f"{name}/{s}"]["command_s"] / f32["command_s"]
+            print(f"  seed {s} {name} / float32 wall time: {ratio:.2f}x")
     return results
 
 
@@ -208,22 +216,31 @@ def main() -> None:
     parser.add_argument("--job", action="store_true", help="also run the whole default job")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", default="runs/cpu_precision", help="where --job runs go")
+    parser.add_argument(
+        "--bf16-sampling",
+        action="store_true",
+        help="--job also runs auto with inference.sampling_dtype = bfloat16",
+    )
+    parser.add_argument("--job-only", action="store_true", help="skip the step and decode studies")
     args = parser.parse_args()
     check_count(args.repeats, "--repeats")
     check_count(args.tasks, "--tasks")
     for seed in args.seeds:
         if seed < 0:
             refuse("--seeds", seed, "give seeds >= 0")
+    args.job = args.job or args.job_only
     out = checked_output(args.out, "--out", directory=True) if args.job else None
     from composer_replication.model.cpu_threads import limit_thread_spinning
 
     limit_thread_spinning()
     kernels = _bf16_cpu_or_exit()
     print(f"machine: {machine_line()} (bfloat16: {kernels})")
-    step_study(args.repeats)
-    decode_study(args.tasks)
+    if not args.job_only:
+        step_study(args.repeats)
+        decode_study(args.tasks)
     if out is not None:
-        job_study(Path(out), args.seeds)
+        variants = ["float32", "auto", *(["auto_bf16_sampling"] if args.bf16_sampling else [])]
+        job_study(Path(out), args.seeds, variants)
 
 
 if __name__ == "__main__":
