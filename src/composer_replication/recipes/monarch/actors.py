@@ -239,8 +239,8 @@ class TrainerActor(Actor):
 
     @endpoint
     def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        with self.autocast():
-            return completion_logprobs(self.policy, prompt_ids, completion_ids)
+        """In the weights' own precision, as a generator's: the two compare."""
+        return completion_logprobs(self.policy, prompt_ids, completion_ids)
 
     @endpoint
     def save(self, step: int, extra: dict[str, Any]) -> str:
