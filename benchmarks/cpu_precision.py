@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import check_count, checked_output, machine_line, refuse
+from _measure import check_count, checked_output, machine_line, refuse, write_json
 
 
 def _bf16_cpu_or_exit() -> str:
@@ -159,7 +159,8 @@ VARIANTS = {
 def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
     run_dir = out / f"{variant}_seed{seed}"
     sets = [f"output_dir={run_dir}", *VARIANTS[variant], f"seed={seed}"]
-    if not (run_dir / "summary.json").exists():
+    timing = out / f"{variant}_seed{seed}.timing.json"
+    if not (run_dir / "summary.json").exists() or not timing.exists():
         start = time.perf_counter()
         subprocess.run(
             [
@@ -171,7 +172,8 @@ def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
             ],
             check=True,
         )
-        (run_dir / "command_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+        # beside the run, not in its record; atomically
+        write_json(timing, {"command_seconds": round(time.perf_counter() - start, 1)})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["time/step_s"] for r in rows if "time/step_s" in r]
     scores = {
@@ -181,7 +183,7 @@ def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
     mismatch = [r["kl/inference"] for r in rows if "kl/inference" in r]
     masked = [r["rl/masked_fraction"] for r in rows if "rl/masked_fraction" in r]
     return {
-        "command_s": float((run_dir / "command_seconds.txt").read_text()),
+        "command_s": float(json.loads(timing.read_text())["command_seconds"]),
         "median_step_s": statistics.median(steps),
         "kl_inference": statistics.mean(mismatch) if mismatch else float("nan"),
         "rl_masked": statistics.mean(masked) if masked else float("nan"),
