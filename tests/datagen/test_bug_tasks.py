@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.datagen.bug_tasks import innermost_frame, problem_statement
+from composer_replication.datagen.bug_tasks import (
+    bug_prompt,
+    failing_code,
+    innermost_frame,
+    problem_statement,
+)
 from composer_replication.datagen.generation import generate_tasks
 from composer_replication.envs.fd_tasks import FDTask, TaskReference, read_jsonl_records
 from composer_replication.safety.holdout import HeldoutSplit, split_group
@@ -100,6 +105,39 @@ def test_the_problem_statement_is_the_failing_tests_report() -> None:
     assert "Do not modify tests" in text
 
 
+def test_the_statement_shows_the_function_the_failures_point_at(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "tests").mkdir()
+    mod = "def h(x):\n    return [1][x]\n\n\ndef g(y):\n    return h(y)\n\n\ndef add(a, b):\n    return a - b\n"
+    (tmp_path / "pkg" / "mod.py").write_text(mod)
+    (tmp_path / "tests" / "test_x.py").write_text("def add(a, b):\n    return 0\n")  # a test's own
+    targets = ["tests/test_x.py::test_g", "tests/test_x.py::test_add"]
+    # an error raised in the repository: the function of its innermost frame
+    raised = failing_code(tmp_path, targets, {targets[0]: DEEP, targets[1]: SHALLOW})
+    assert raised is not None and raised.raised
+    assert (raised.path, raised.qualname, raised.first_line, raised.last_line) == (
+        "pkg/mod.py",
+        "h",
+        1,
+        2,
+    )
+    assert raised.source == "def h(x):\n    return [1][x]"
+    # a wrong value: the repository function the failing line calls (tests are not code)
+    called = failing_code(tmp_path, targets, {targets[1]: SHALLOW})
+    assert called is not None and not called.raised
+    assert (called.qualname, called.first_line) == ("add", 9)
+    prompt = bug_prompt(tmp_path, None, targets, {targets[1]: SHALLOW})  # type: ignore[arg-type]
+    assert prompt.startswith(problem_statement(targets, {targets[1]: SHALLOW}))
+    assert prompt.endswith(
+        "The failing tests call `add` (pkg/mod.py, lines 9-10):\n\n"
+        "```python\ndef add(a, b):\n    return a - b\n```\n"
+    )
+    # a name defined twice in the code, or a failure naming no function: the report alone
+    (tmp_path / "pkg" / "other.py").write_text("def add(a, b):\n    return a + b\n")
+    assert failing_code(tmp_path, targets, {targets[1]: SHALLOW}) is None
+    assert failing_code(tmp_path, targets, {targets[1]: "E   assert False"}) is None
+
+
 def test_a_bug_and_the_deletion_of_its_function_are_split_together() -> None:
     deletion = "fd:repo:pkg/mod.py:parse"
     bug = f"{deletion}#bug:flip_operator-0123456789"
@@ -155,3 +193,29 @@ def test_bug_tasks_from_a_repository_pass_every_gate(shared_dir: Path) -> None:
         assert (Path(task.workdir) / task.file).read_text(encoding="utf-8") != original
         assert ref.solved_files(task.workdir) == {task.file: original}
     assert json.loads(out.read_text().splitlines()[0])["FAIL_TO_PASS"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bug_tasks_for_an_agent_that_rewrites_functions_show_the_code(shared_dir: Path) -> None:
+    from composer_replication.datagen.generation import AgentBudgets
+
+    repo = shared_dir / "fd_repo"
+    shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    tools = ("replace_function", "run_tests", "finish")
+    report = generate_tasks(
+        repo,
+        shared_dir / "out" / "bugs.jsonl",
+        max_tasks=2,
+        sandbox_factory=_factory,
+        kind="bugs",
+        split=None,
+        environment="system",
+        budgets=AgentBudgets(max_turns=3, tools=tools),
+    )
+    assert report.accepted == 2, report.rejections
+    for task in (FDTask.from_json(r) for r in read_jsonl_records(report.output)):
+        # gate 5 played the episode this agent can: rewrite the function, run, finish
+        assert task.reference_cost["turns"] == 3 and task.reference_cost["tools"] == list(tools)
+        shown = task.prompt.split("```python\n", 1)[1].split("\n```", 1)[0]
+        assert shown in (Path(task.workdir) / task.file).read_text(encoding="utf-8")

@@ -15,6 +15,7 @@ from composer_replication.envs.fd_tools import (
     occurrences,
     read_file,
     replace,
+    replace_function,
     run_tests,
     search,
     shell,
@@ -130,6 +131,31 @@ def test_replace_needs_exactly_one_occurrence_and_says_why_not(repo: Path):
         replace(state, {"path": "pkg/small.py", "old": "B"})
     # every edit that reached the file is logged for the hack monitor, refused ones too
     assert [a["type"] for a in state.actions] == ["replace"] * 4
+
+
+def test_replace_function_rewrites_one_definition_and_refuses_code_that_breaks_the_file(
+    repo: Path,
+):
+    state = attempt(repo)
+    out = replace_function(
+        state, {"path": "pkg/mod.py", "name": "f3", "code": "def f3(x):\n    return 3 + x\n"}
+    )
+    assert out.splitlines() == [
+        "replaced f3 in pkg/mod.py; lines 13-14 now read:",
+        "  13| def f3(x):",
+        "  14|     return 3 + x",
+    ]
+    assert (repo / "pkg" / "mod.py").read_text() == MODULE.replace("x + 3\n", "3 + x\n")
+    with pytest.raises(ToolError) as info:
+        replace_function(state, {"path": "pkg/mod.py", "name": "f", "code": "def f(): pass"})
+    assert info.value.kind == "no_match"
+    assert str(info.value) == "no function 'f' is defined here in pkg/mod.py"
+    with pytest.raises(ToolError, match="the new code does not parse .*; nothing changed"):
+        replace_function(state, {"path": "pkg/mod.py", "name": "f4", "code": "def f4(x:\n"})
+    assert "return x + 4\n" in (repo / "pkg" / "mod.py").read_text()  # untouched
+    with pytest.raises(ToolError, match="missing \\['code'\\]"):
+        replace_function(state, {"path": "pkg/mod.py", "name": "f4"})
+    assert [a["type"] for a in state.actions] == ["replace"] * 3  # seen by the hack monitor
 
 
 def test_create_file_refuses_an_existing_file(repo: Path):

@@ -246,11 +246,21 @@ def test_whole_function_edits_rewrite_the_definition_holding_the_change():
         edit.new == '    @property\n    def size(self):\n        """How big."""\n        return 1\n'
     )
     assert apply(before, [edit]) == after
+    assert edit.function == "Box.size"  # the edit is that one definition, whole
     # a change outside any function, or source that does not parse, stays a line edit
     (top,) = edits_between("m.py", "x = 1\ny = 2\n", "x = 1\ny = 3\n", whole_functions=True)
-    assert (top.old, top.new) == ("y = 2\n", "y = 3\n")
+    assert (top.old, top.new, top.function) == ("y = 2\n", "y = 3\n", None)
     (broken,) = edits_between("m.py", "def (:\nx = 1\n", "def (:\nx = 2\n", whole_functions=True)
     assert (broken.old, broken.new) == ("x = 1\n", "x = 2\n")
+    # the definition written once: replace_function where the edit is one whole definition
+    calls = reference_calls([edit, top], ["tests/test_box.py::test_size"], read=False,
+                            rewrite_functions=True)  # fmt: skip
+    assert calls == [
+        ("replace_function", {"path": "box.py", "name": "Box.size", "code": edit.new[:-1]}),
+        ("replace", {"path": "m.py", "old": "y = 2", "new": "y = 3"}),
+        ("run_tests", {"tests": ["tests/test_box.py"]}),
+        ("finish", {}),
+    ]
 
 
 def test_a_near_miss_is_one_small_mistake_on_the_first_code_line_that_has_one():

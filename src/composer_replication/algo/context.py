@@ -117,7 +117,7 @@ def is_error_site(group: Sequence[Rollout], i: int) -> bool:
 
 
 #: tools whose call changes the repository (a failing test run after one blames it)
-EDIT_TOOLS = frozenset({"replace", "create_file", "write_file", "shell"})
+EDIT_TOOLS = frozenset({"replace", "replace_function", "create_file", "write_file", "shell"})
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,10 @@ solvability gates, like every repository task: it must break tests that passed b
 The problem statement is written from the failing tests alone (:func:`problem_statement`),
 never from the patch: the failing tests' names, what they reported (the ``E`` lines of the
 assertion or exception) and the innermost frame of the traceback inside the repository's
-own code (file, line, function and the line of code there), as a bug report would.
+own code (file, line, function and the line of code there), as a bug report would; below
+it, the function the failures point at as the work tree has it (:func:`failing_code`: the
+innermost frame's function, or the function the failing line calls), so an agent can fix
+it at once.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from composer_replication.safety.holdout import HeldoutSplit
 
 __all__ = [
     "KIND",
+    "FailingCode",
     "Frame",
     "bug_candidates",
     "bug_prompt",
+    "failing_code",
     "innermost_frame",
     "problem_statement",
 ]
@@ -236,10 +241,106 @@ def problem_statement(
     )
 
 
+#: the longest function a problem statement shows (lines); a longer one is only named
+SHOWN_FUNCTION_LINES = 40
+_WHERE_CALL = re.compile(r"where .*? = (?:[\w.]+\.)?(?P<name>[A-Za-z_]\w*)\(")
+_CALL = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w*\.)*(?P<name>[A-Za-z_]\w*)\s*\(")
+_SKIP_DIRS = frozenset({".git", "__pycache__", ".venv", ".tox", "build", "dist", ".eggs"})
+
+
+@dataclass(frozen=True)
+class FailingCode:
+    """The repository function a failure points at: where the error was raised, or the
+    function the failing test line calls; its source as the work tree has it."""
+
+    path: str
+    qualname: str
+    first_line: int
+    last_line: int
+    source: str
+    raised: bool
+
+
+def _code_files(workdir: Path) -> list[str]:
+    found = []
+    for path in sorted(workdir.rglob("*.py")):
+        rel = path.relative_to(workdir).as_posix()
+        if not _SKIP_DIRS.intersection(rel.split("/")) and _repository_code(rel):
+            found.append(rel)
+    return found
+
+
+def _called_names(text: str) -> list[str]:
+    """The functions a failure's report shows the test calling, most telling first: the
+    ``where x = f(...)`` lines pytest adds to an assertion, then the failing line's calls."""
+    names = [m["name"] for line in text.splitlines() for m in _WHERE_CALL.finditer(line)]
+    line = _failing_line(text) or ""
+    names += [m["name"] for m in _CALL.finditer(line)]
+    skip = {"assert", "len", "list", "dict", "set", "tuple", "str", "int", "float", "bool"}
+    return [n for n in dict.fromkeys(names) if n not in skip and not n.startswith("test")]
+
+
+def failing_code(
+    workdir: Path, targets: Sequence[str], failures: Mapping[str, str]
+) -> FailingCode | None:
+    """The function the first failing tests point at in the work tree (``workdir``, the
+    code as the agent finds it): the innermost repository frame's function, else the one
+    repository function the failing line calls (by name, defined once); None when the
+    report points at none, or at one longer than :data:`SHOWN_FUNCTION_LINES`."""
+    from composer_replication.envs.definitions import Definition, definitions
+
+    sources: dict[str, list[Definition]] = {}
+    texts: dict[str, str] = {}
+
+    def defs(rel: str) -> list[Definition]:
+        if rel not in sources:
+            try:
+                texts[rel] = (workdir / rel).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                texts[rel] = ""
+            sources[rel] = definitions(texts[rel])
+        return sources[rel]
+
+    def shown(rel: str, d: Definition, raised: bool) -> FailingCode | None:
+        if d.last_line - d.first_line + 1 > SHOWN_FUNCTION_LINES:
+            return None
+        lines = texts[rel].splitlines()[d.first_line - 1 : d.last_line]
+        return FailingCode(rel, d.qualname, d.first_line, d.last_line, "\n".join(lines), raised)
+
+    ordered = [t for t in targets if t in failures][:SHOWN_FAILURES]
+    for test in ordered:
+        frame = innermost_frame(failures[test])
+        if frame is None or not (workdir / frame.path).is_file():
+            continue
+        holding = [d for d in defs(frame.path) if d.first_line <= frame.line <= d.last_line]
+        if holding:
+            return shown(frame.path, max(holding, key=lambda d: d.first_line), True)
+    names = [n for test in ordered for n in _called_names(failures[test])]
+    if not names:
+        return None
+    files = _code_files(workdir)
+    for name in dict.fromkeys(names):
+        found = [(rel, d) for rel in files for d in defs(rel) if d.name == name]
+        if len(found) == 1:
+            return shown(*found[0], False)
+    return None
+
+
+def _code_section(code: FailingCode) -> str:
+    how = "The error was raised in" if code.raised else "The failing tests call"
+    return (
+        f"{how} `{code.qualname}` ({code.path}, lines {code.first_line}-{code.last_line}):\n\n"
+        f"```python\n{code.source}\n```\n"
+    )
+
+
 def bug_prompt(
     workdir: Path, modification: Modification, targets: Sequence[str], failures: Mapping[str, str]
 ) -> str:
-    """The task of a bug candidate: the problem statement of its failing tests (never the
-    patch; ``workdir`` and the modification are not read)."""
-    del workdir, modification  # the statement comes from the tests alone
-    return problem_statement(targets, failures)
+    """The task of a bug candidate: the problem statement of its failing tests and the code
+    they point at in ``workdir`` (:func:`failing_code`), as a bug report with a traceback
+    shows it; never the patch (the modification is not read)."""
+    del modification  # the statement comes from the tests and the code they point at
+    statement = problem_statement(targets, failures)
+    code = failing_code(workdir, targets, failures)
+    return statement if code is None else f"{statement}\n{_code_section(code)}"

@@ -80,6 +80,7 @@ from composer_replication.envs.fd_tasks import (
     write_tasks,
 )
 from composer_replication.envs.fd_tools import DEFAULT_TOOLS
+from composer_replication.envs.reference_agent import reference_edits_for
 from composer_replication.safety.hack_monitor import is_protected
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 from composer_replication.sandbox.scrub import scrub_tree
@@ -649,6 +650,7 @@ class ReferenceSolver:
             held / "tasks.jsonl",
             sandbox_factory=self.sandbox_factory,
             reference_reads="read_file" in self.budgets.tools,
+            reference_edits=reference_edits_for(self.budgets.tools),
             **self.budgets.environment_options(),
         )
         try:

@@ -78,7 +78,7 @@ class ReferenceEpisodes:
                     "cannot do"
                 )
             edits += edits_between(
-                rel, before, solved, whole_functions=self.reference_edits == "functions"
+                rel, before, solved, whole_functions=self.reference_edits != "lines"
             )
 
         def line_count(rel: str) -> int:
@@ -87,7 +87,8 @@ class ReferenceEpisodes:
 
         # Bug tasks too: the reference reads the lines around the change (the failing frame,
         # where the report names one in the repository) and fixes them with one replace.
-        needed = reference_calls(edits, (), read=self.reference_reads)
+        rewrite = self.reference_edits == "definitions"
+        needed = reference_calls(edits, (), read=self.reference_reads, rewrite_functions=rewrite)
         missing = {name for name, _ in needed} - set(self.tools)
         if missing:
             raise ValueError(
@@ -99,6 +100,7 @@ class ReferenceEpisodes:
             task.target_tests,
             line_counts=line_count,
             read=self.reference_reads,
+            rewrite_functions=rewrite,
         )
 
     def solve_with_reference(

@@ -57,6 +57,7 @@ __all__ = [
     "occurrences",
     "read_file",
     "replace",
+    "replace_function",
     "resolve_in_workdir",
     "run_tests",
     "search",
@@ -101,6 +102,15 @@ TOOL_SPECS: dict[str, ToolSpec] = {
                 ToolParameter("path", "the file"),
                 ToolParameter("old", "the exact text, occurring once", raw=True),
                 ToolParameter("new", "its replacement", raw=True),
+            ),
+        ),
+        ToolSpec(
+            "replace_function",
+            "Replace a whole function (or method) definition in a file by new code.",
+            (
+                ToolParameter("path", "the file"),
+                ToolParameter("name", "the function's name, e.g. parse or Parser.parse"),
+                ToolParameter("code", "the new definition, from its def line on", raw=True),
             ),
         ),
         ToolSpec(
@@ -409,6 +419,47 @@ def replace(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     return f"replaced in {path}; lines {lo}-{hi} now read:\n{numbered(lines[lo - 1 : hi], lo)}"
 
 
+def replace_function(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
+    """Tool: replace one function's whole definition by new code (indented as the old one);
+    code that would leave the file unparsable is refused and nothing changes."""
+    import ast
+
+    from composer_replication.envs.definitions import find_definition, with_definition
+
+    _arguments(arguments, "replace_function", ["path", "name", "code"])
+    path = arguments["path"]
+    name = _string(arguments, "name", empty=False).strip()
+    code = _string(arguments, "code", empty=False)
+    attempt.actions.append({"type": "replace", "path": str(path), "content": code})
+    if len(code) > MAX_WRITE_CHARS:
+        raise ToolError(
+            f"code has {len(code)} characters; at most {MAX_WRITE_CHARS}", "bad_arguments"
+        )
+    target = resolve_in_workdir(attempt.workdir, path)
+    text = _read_text(target, path)
+    try:
+        definition = find_definition(text, name)
+    except LookupError as exc:
+        raise ToolError(f"{exc} in {path}", "no_match") from None
+    updated = with_definition(text, definition, code)
+    try:
+        ast.parse(updated)
+    except SyntaxError as exc:
+        raise ToolError(
+            f"the new code does not parse ({exc.msg}, line {exc.lineno} of {path}); "
+            "nothing changed",
+            "bad_arguments",
+        ) from None
+    _write_text(target, updated)
+    first = definition.first_line
+    last = first + len(code.strip("\n").splitlines()) - 1
+    lines = updated.splitlines()
+    return (
+        f"replaced {definition.qualname} in {path}; lines {first}-{last} now read:\n"
+        f"{numbered(lines[first - 1 : last], first)}"
+    )
+
+
 def create_file(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     """Tool: create a new file."""
     _arguments(arguments, "create_file", ["path", "content"])
@@ -522,6 +573,7 @@ TOOLS: dict[str, Tool] = {
     "read_file": read_file,
     "search": search,
     "replace": replace,
+    "replace_function": replace_function,
     "create_file": create_file,
     "write_file": write_file,
     "run_tests": run_tests,

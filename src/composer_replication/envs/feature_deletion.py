@@ -65,7 +65,9 @@ from composer_replication.envs.fd_tools import (
     write_file,
 )
 from composer_replication.envs.reference_agent import (
+    REFERENCE_EDITS,
     ReferenceCost,
+    reference_edits_for,
 )
 from composer_replication.envs.repository_grading import guard_spec, restore_protected
 from composer_replication.inference.decoding.generate import SamplingSettings, reuse_prompt_states
@@ -199,7 +201,7 @@ def check_options(**options: Any) -> None:
     choices = {
         "tool_format": ("auto", "native", "text"),
         "scheduling": SCHEDULING,
-        "reference_edits": ("lines", "functions"),
+        "reference_edits": ("auto", *REFERENCE_EDITS),
     }
     for name, allowed in choices.items():
         if name in options and options[name] not in allowed:
@@ -235,11 +237,13 @@ class FeatureDeletionEnv(ReferenceEpisodes):
             or "barrier" (turn by turn).
         reference_reads: The reference agent reads the lines around a change before editing
             (False: it edits at once, as a task whose prompt shows the code can; shorter
-            demonstrations to imitate).
-        reference_edits: "lines" (the reference replaces only the changed lines) or
+            demonstrations to imitate). Default: when ``tools`` has ``read_file``.
+        reference_edits: "lines" (the reference replaces only the changed lines),
             "functions" (a change inside a function rewrites the whole definition: the
             demonstration writes a body after its signature and docstring, as code is
-            written).
+            written), "definitions" (the same with ``replace_function``: the new definition
+            written once) or "auto" (the default: "definitions" when ``tools`` has
+            ``replace_function`` and no ``replace``, else "lines").
         reference_recovery: The share of demonstrations (a fixed subset of the tasks) that
             first make a near miss, see the target tests fail and fix it (of the near-miss
             reply only the call and its old text are trained on, its code is not;
@@ -267,8 +271,8 @@ class FeatureDeletionEnv(ReferenceEpisodes):
         max_observation_chars: int = 4000,
         page_lines: int = 100,
         scheduling: str = "async",
-        reference_reads: bool = True,
-        reference_edits: str = "lines",
+        reference_reads: bool | None = None,
+        reference_edits: str = "auto",
         reference_recovery: float = 0.0,
         tool_workers: int = 4,
         generation_batch: int = 16,
@@ -320,8 +324,13 @@ class FeatureDeletionEnv(ReferenceEpisodes):
         self.max_observation_chars = max_observation_chars
         self.page_lines = page_lines
         self.scheduling = scheduling
-        self.reference_reads = bool(reference_reads)
-        self.reference_edits = reference_edits
+        # by default the reference edits with the tools the policy has
+        self.reference_reads = (
+            "read_file" in tools if reference_reads is None else bool(reference_reads)
+        )
+        self.reference_edits = (
+            reference_edits_for(tools) if reference_edits == "auto" else reference_edits
+        )
         self.reference_recovery = float(reference_recovery)
         self.tool_workers = tool_workers
         self.generation_batch = generation_batch

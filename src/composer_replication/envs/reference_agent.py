@@ -26,18 +26,21 @@ from __future__ import annotations
 import difflib
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from composer_replication.envs.definitions import definitions
 from composer_replication.envs.fd_tools import occurrences
 
 __all__ = [
+    "REFERENCE_EDITS",
     "Edit",
     "ReferenceCost",
     "edits_between",
     "near_miss",
     "reference_calls",
     "reference_cost",
+    "reference_edits_for",
     "reply_budget_problem",
     "reply_span",
     "stable_share",
@@ -48,6 +51,16 @@ __all__ = [
 
 #: lines shown around a change when the reference agent reads it first
 READ_CONTEXT = 3
+#: how the reference agent edits: "lines" (``replace`` of the changed lines), "functions"
+#: (``replace`` of the whole definition holding a change) or "definitions" (the whole
+#: definition written once with ``replace_function``)
+REFERENCE_EDITS = ("lines", "functions", "definitions")
+
+
+def reference_edits_for(tools: Sequence[str]) -> str:
+    """The reference edits an agent with ``tools`` can make: "definitions" when it has
+    ``replace_function`` and no ``replace``, else "lines"."""
+    return "definitions" if "replace_function" in tools and "replace" not in tools else "lines"
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,8 @@ class Edit:
     new: str
     first_line: int
     last_line: int
+    #: the qualified name of the one definition ``old`` is, whole (None: any other text)
+    function: str | None = None
 
 
 def _unique_span(lines: Sequence[str], lo: int, hi: int, text: str) -> tuple[int, int]:
@@ -88,7 +103,7 @@ def edits_between(
     if not before:  # nothing to anchor a replacement on: the file is written whole
         return [Edit(path, "", after, 0, 0)] if after else []
     a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
-    functions = _function_spans(before) if whole_functions else []
+    functions = _function_spans(before) if whole_functions else {}
     opcodes = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
     spans: list[tuple[int, int, set[int]]] = []  # (lo, hi, indices of the changed blocks)
     for k, (tag, i1, i2, _j1, _j2) in enumerate(opcodes):
@@ -109,30 +124,19 @@ def edits_between(
         edits = [_edit(path, a, b, opcodes, span) for span in spans]
         ambiguous = _first_ambiguous(before, edits)
         if ambiguous is None:
-            return edits
+            return [
+                replace(e, function=functions.get((e.first_line - 1, e.last_line))) for e in edits
+            ]
         if ambiguous == 0:  # (cannot happen: the first edit's old is unique in before)
             return [Edit(path, before, after, 1, len(a))]
         (plo, phi, pb), (lo, hi, blocks) = spans[ambiguous - 1], spans.pop(ambiguous)
         spans[ambiguous - 1] = (min(lo, plo), max(hi, phi), pb | blocks)
 
 
-def _function_spans(source: str) -> list[tuple[int, int]]:
-    """0-based [first, end) line spans of every function definition (decorators in), or
-    none for source that does not parse."""
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    return [
-        (
-            min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1,
-            node.end_lineno or node.lineno,
-        )
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    ]
+def _function_spans(source: str) -> dict[tuple[int, int], str]:
+    """0-based [first, end) line spans of every function definition (decorators in) -> its
+    qualified name; none for source that does not parse."""
+    return {(d.first_line - 1, d.last_line): d.qualname for d in definitions(source)}
 
 
 def _edit(
@@ -172,10 +176,13 @@ def reference_calls(
     *,
     line_counts: Callable[[str], int] | None = None,
     read: bool = True,
+    rewrite_functions: bool = False,
 ) -> list[tuple[str, dict[str, Any]]]:
     """The reference agent's episode as ``(tool, arguments)`` calls: per edited file, read
     the lines around its changes (unless ``read`` is False: the task's prompt shows them);
-    each ``replace``; ``run_tests`` on the target tests' files; ``finish``."""
+    each ``replace`` (with ``rewrite_functions``, an edit that is one whole definition is
+    ``replace_function`` with the new definition: the code written once, not copied
+    first); ``run_tests`` on the target tests' files; ``finish``."""
     calls: list[tuple[str, dict[str, Any]]] = []
     for path in dict.fromkeys(e.path for e in edits if e.old and read):
         spans = [e for e in edits if e.path == path]
@@ -189,6 +196,11 @@ def reference_calls(
             calls.append(("create_file", {"path": edit.path, "content": edit.new}))
             continue
         old, new = _strip_line_end(edit)
+        if rewrite_functions and edit.function is not None:
+            calls.append(
+                ("replace_function", {"path": edit.path, "name": edit.function, "code": new})
+            )
+            continue
         calls.append(("replace", {"path": edit.path, "old": old, "new": new}))
     tests = list(dict.fromkeys(t.split("::", 1)[0] for t in target_tests))  # their files
     calls.append(("run_tests", {"tests": tests} if tests else {}))
