@@ -150,7 +150,7 @@ def test_replace_function_rewrites_one_definition_and_refuses_code_that_breaks_t
         replace_function(state, {"path": "pkg/mod.py", "name": "f", "code": "def f(): pass"})
     assert info.value.kind == "no_match"
     assert str(info.value) == "no function 'f' is defined here in pkg/mod.py"
-    with pytest.raises(ToolError, match="the new code does not parse .*; nothing changed"):
+    with pytest.raises(ToolError, match=r"the new code does not parse .*; nothing changed"):
         replace_function(state, {"path": "pkg/mod.py", "name": "f4", "code": "def f4(x:\n"})
     assert "return x + 4\n" in (repo / "pkg" / "mod.py").read_text()  # untouched
     with pytest.raises(ToolError, match="missing \\['code'\\]"):
