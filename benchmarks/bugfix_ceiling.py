@@ -33,7 +33,10 @@ _BLOCK = re.compile(r"```(?:python)?\n(.*?)(?:```|$)", re.DOTALL)
 
 def fix_prompt(buggy: str, statement: str) -> str:
     """The question: the buggy function and the failing tests' report."""
-    report = statement.split("\n\n", 1)[-1].rsplit("\n\nAlso failing", 1)[0].strip()
+    report = statement.split("\n\n", 1)[-1]
+    for section in ("\n\nThe error was raised in `", "\n\nThe failing tests call `"):
+        report = report.split(section, 1)[0]  # the task's own copy of the code
+    report = report.rsplit("\n\nAlso failing", 1)[0].strip()
     return (
         f"This function has a bug:\n\n```python\n{buggy.rstrip()}\n```\n\n"
         f"The failing tests report:\n\n{report}\n\n"

@@ -5,6 +5,7 @@ reference agent's episode that runs the tests first."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -219,3 +220,14 @@ def test_bug_tasks_for_an_agent_that_rewrites_functions_show_the_code(shared_dir
         assert task.reference_cost["turns"] == 3 and task.reference_cost["tools"] == list(tools)
         shown = task.prompt.split("```python\n", 1)[1].split("\n```", 1)[0]
         assert shown in (Path(task.workdir) / task.file).read_text(encoding="utf-8")
+    # a statement without code, for an agent that cannot read any: refused at gate 5
+    from composer_replication.datagen.generation import ReferenceSolver
+    from composer_replication.envs.fd_tasks import read_jsonl_records as records
+
+    ref = TaskReference.from_json(records(report.reference_output)[0])
+    blind = dataclasses.replace(task, prompt="Tests fail: fix the bug.")
+    scratch = shared_dir / "scratch"
+    outcome = ReferenceSolver(_factory, AgentBudgets(max_turns=3, tools=tools), None, scratch)
+    refused = outcome.check(blind, ref, scratch / "gone")
+    assert not refused.passed
+    assert refused.reason == "the task shows no code and the tools read none; offer read_file"

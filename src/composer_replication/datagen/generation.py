@@ -79,7 +79,7 @@ from composer_replication.envs.fd_tasks import (
     write_split_record,
     write_tasks,
 )
-from composer_replication.envs.fd_tools import DEFAULT_TOOLS
+from composer_replication.envs.fd_tools import DEFAULT_TOOLS, READING_TOOLS
 from composer_replication.envs.reference_agent import reference_edits_for
 from composer_replication.safety.hack_monitor import is_protected
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
@@ -641,6 +641,14 @@ class ReferenceSolver:
     ) -> tuple[FDTask, TaskReference, Path] | GateOutcome:
         from composer_replication.envs.feature_deletion import FeatureDeletionEnv
 
+        if "```" not in task.prompt and not READING_TOOLS.intersection(self.budgets.tools):
+            # the reference knows the code; an agent that can neither see nor read it cannot
+            shutil.rmtree(task_dir, ignore_errors=True)
+            return GateOutcome(
+                GATE_SOLVABLE,
+                False,
+                "the task shows no code and the tools read none; offer read_file",
+            )
         held = self.scratch / "gate5" / slug(task.task_id)
         shutil.rmtree(held, ignore_errors=True)
         held.mkdir(parents=True)

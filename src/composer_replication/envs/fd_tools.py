@@ -48,6 +48,7 @@ __all__ = [
     "FD_TOOLS",
     "MAX_READ_BYTES",
     "MAX_WRITE_CHARS",
+    "READING_TOOLS",
     "TOOLS",
     "TOOL_SPECS",
     "FDAttempt",
@@ -146,6 +147,8 @@ TOOL_SPECS: dict[str, ToolSpec] = {
         ToolSpec("finish", "End the attempt; the repository is then graded.", ()),
     )
 }
+#: the tools through which an attempt can see the repository's code
+READING_TOOLS = frozenset({"read_file", "search", "shell"})
 #: the tools an attempt has unless configured otherwise
 DEFAULT_TOOLS = ("read_file", "search", "replace", "create_file", "run_tests", "finish")
 
