@@ -101,9 +101,10 @@ def test_warm_start_then_composer_on_a_repository(shared_dir, tiny_dir, monkeypa
 
 
 def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeypatch):
-    """The same recipe on bug-fix tasks (``kind = "bugs"``): the demonstrations read the
-    failing frame, fix it with one replace, run the tests and finish; the held-out tasks are
-    bugs of functions the training never saw."""
+    """The same recipe on bug-fix tasks (``kind = "bugs"``) as agent_bugs.toml runs it: the
+    statement shows the function the failing tests point at, the demonstrations rewrite it
+    with replace_function, run the tests and finish; the held-out tasks are bugs of
+    functions the training never saw."""
     monkeypatch.setenv("COMPOSER_REPLICATION_CACHE", str(shared_dir / "cache"))
     repo = shared_dir / "fd_repo"
     shutil.copytree(FD_REPO, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
@@ -113,7 +114,10 @@ def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeyp
         kind="bugs",
         bugs_per_function=1,
         max_tasks=6,
+        tools=["replace_function", "run_tests", "finish"],
+        max_turns=3,
     )
+    del options["reference_reads"]  # the default follows the tools
     config = _recipe(shared_dir, tiny_dir, options)
     result = train(config)
     rows = {row["step"]: row for row in result.metrics}
@@ -123,12 +127,14 @@ def test_warm_start_on_bug_fix_tasks_then_composer(shared_dir, tiny_dir, monkeyp
     tasks = [json.loads(line) for line in made.read_text().splitlines()]
     assert tasks and all(t["kind"] == "bug" and "#bug:" in t["task_id"] for t in tasks)
     assert all(t["prompt"].startswith("Tests of this repository fail") for t in tasks)
-    # the demonstration's calls: replace, run the tests, finish (no read: the entry's
-    # reference_reads is off; the tasks were made to fit one that reads the failing frame)
+    # the demonstration's calls: rewrite the function the statement shows, run the tests,
+    # finish (the reference edits and reads follow the tools)
     from composer_replication.envs.feature_deletion import FeatureDeletionEnv
 
-    env = FeatureDeletionEnv(made, tools=options["tools"], reference_reads=False)
+    env = FeatureDeletionEnv(made, tools=options["tools"])
     for task in tasks:
+        assert "```python\n" in task["prompt"]
         calls = env.reference_episode(task["task_id"])
-        assert [name for name, _ in calls] == ["replace", "run_tests", "finish"]
+        assert [name for name, _ in calls] == ["replace_function", "run_tests", "finish"]
         assert calls[0][1]["path"] == task["file"]
+        assert calls[0][1]["name"].rsplit(".", 1)[-1] in task["prompt"]
