@@ -224,10 +224,17 @@ def test_bug_tasks_for_an_agent_that_rewrites_functions_show_the_code(shared_dir
     from composer_replication.datagen.generation import ReferenceSolver
     from composer_replication.envs.fd_tasks import read_jsonl_records as records
 
-    ref = TaskReference.from_json(records(report.reference_output)[0])
+    ref = next(
+        TaskReference.from_json(r)
+        for r in records(report.reference_output)
+        if r["task_id"] == task.task_id
+    )
     blind = dataclasses.replace(task, prompt="Tests fail: fix the bug.")
     scratch = shared_dir / "scratch"
     outcome = ReferenceSolver(_factory, AgentBudgets(max_turns=3, tools=tools), None, scratch)
     refused = outcome.check(blind, ref, scratch / "gone")
     assert not refused.passed
-    assert refused.reason == "the task shows no code and the tools read none; offer read_file"
+    assert refused.reason == (
+        f"the task does not show `{task.qualname}` ({task.file}), which its fix changes, and "
+        "the tools read none; offer read_file"
+    )

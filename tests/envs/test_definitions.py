@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from composer_replication.envs.definitions import definitions, find_definition, with_definition
+from composer_replication.envs.definitions import (
+    definitions,
+    docstring_lines,
+    find_definition,
+    with_definition,
+    with_docstring,
+    without_docstring,
+)
 
 SOURCE = """\
 import functools
@@ -44,6 +51,7 @@ def test_a_name_means_one_definition_or_says_which_there_are() -> None:
     assert find_definition(SOURCE, "sides").qualname == "Shape.sides"
     assert find_definition(SOURCE, "area").qualname == "area"  # the exact name wins
     assert find_definition(SOURCE, "Shape.area").first_line == 10
+    assert find_definition(SOURCE, " sides() ").qualname == "Shape.sides"  # as a call
     with pytest.raises(LookupError, match="no function 'Sides' is defined here; did you mean"):
         find_definition(SOURCE, "Sides")
     two = "class A:\n    def f(self): pass\nclass B:\n    def f(self): pass\n"
@@ -68,3 +76,29 @@ def test_new_code_takes_the_old_definitions_place_and_indentation() -> None:
     assert with_definition(last, find_definition(last, "f"), "def f():\n    return 2\n") == (
         "def f():\n    return 2"
     )
+
+
+DOCUMENTED = '''\
+    def f(self, x):
+        """Add one.
+
+    >>> f(1)
+        2
+        """
+        return x + 1'''
+
+
+def test_code_written_without_a_docstring_keeps_the_old_one() -> None:
+    assert docstring_lines(DOCUMENTED) == ['    """Add one.', "", ">>> f(1)", "    2", '    """']
+    assert without_docstring(DOCUMENTED) == "    def f(self, x):\n        return x + 1"
+    # the old docstring goes where the new body starts, at the new body's indentation
+    assert with_docstring("def f(self, x):\n  # why\n  return x + 2", DOCUMENTED) == (
+        'def f(self, x):\n  # why\n  """Add one.\n\n>>> f(1)\n  2\n  """\n  return x + 2'
+    )
+    mine = 'def f(self, x):\n    """Mine."""\n    return 0'
+    assert with_docstring(mine, DOCUMENTED) == mine  # its own docstring wins
+    assert with_docstring("def f(self, x): return 0", DOCUMENTED) == "def f(self, x): return 0"
+    assert with_docstring("def f(x):\n    return 0", "def f(x):\n    return 1") == (
+        "def f(x):\n    return 0"
+    )  # nothing to keep
+    assert docstring_lines("def (:") is None and without_docstring("x = 1") == "x = 1"

@@ -150,12 +150,28 @@ def test_replace_function_rewrites_one_definition_and_refuses_code_that_breaks_t
         replace_function(state, {"path": "pkg/mod.py", "name": "f", "code": "def f(): pass"})
     assert info.value.kind == "no_match"
     assert str(info.value) == "no function 'f' is defined here in pkg/mod.py"
-    with pytest.raises(ToolError, match=r"the new code does not parse .*; nothing changed"):
+    with pytest.raises(ToolError, match=r"the new code does not compile .*; nothing changed"):
         replace_function(state, {"path": "pkg/mod.py", "name": "f4", "code": "def f4(x:\n"})
     assert "return x + 4\n" in (repo / "pkg" / "mod.py").read_text()  # untouched
     with pytest.raises(ToolError, match="missing \\['code'\\]"):
         replace_function(state, {"path": "pkg/mod.py", "name": "f4"})
     assert [a["type"] for a in state.actions] == ["replace"] * 3  # seen by the hack monitor
+    # code that parses but cannot compile (a return outside the function) is refused too
+    with pytest.raises(ToolError, match="'return' outside function"):
+        replace_function(
+            state, {"path": "pkg/mod.py", "name": "f5", "code": "def f5(x):\n    pass\nreturn 1"}
+        )
+    # written without a docstring, a definition keeps the old one
+    (repo / "doc.py").write_text(
+        'def g(x):\n    """Twice x.\n\n    >>> g(2)\n    4\n    """\n    return x\n'
+    )
+    out = replace_function(
+        state, {"path": "doc.py", "name": "g()", "code": "def g(x):\n    return 2 * x"}
+    )
+    assert out.startswith("replaced g in doc.py (its docstring kept); lines 1-7 now read:")
+    assert (repo / "doc.py").read_text() == (
+        'def g(x):\n    """Twice x.\n\n    >>> g(2)\n    4\n    """\n    return 2 * x\n'
+    )
 
 
 def test_create_file_refuses_an_existing_file(repo: Path):

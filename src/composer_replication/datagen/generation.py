@@ -622,6 +622,22 @@ class _Solvers:
         return solver
 
 
+def _unseen_edit(env: Any, task_id: str, prompt: str) -> str | None:
+    """What the reference episode of ``task_id`` changes that ``prompt`` does not show
+    (``replace``'s old text, ``replace_function``'s definition as the workdir has it),
+    named; None when the prompt shows all of it."""
+    from composer_replication.envs.definitions import find_definition, source_of
+
+    for tool, arguments in env.reference_episode(task_id):
+        if tool == "replace" and arguments["old"] not in prompt:
+            return f"the lines of {arguments['path']} its fix replaces"
+        if tool == "replace_function":
+            text = (env.workdirs[task_id] / arguments["path"]).read_text(encoding="utf-8")
+            if source_of(text, find_definition(text, arguments["name"])) not in prompt:
+                return f"`{arguments['name']}` ({arguments['path']})"
+    return None
+
+
 class ReferenceSolver:
     """Gate 5: the reference agent on a candidate task, held exactly as the environment
     will hold it (a one-task file, its reference, its workdir), within the budgets.
@@ -641,14 +657,6 @@ class ReferenceSolver:
     ) -> tuple[FDTask, TaskReference, Path] | GateOutcome:
         from composer_replication.envs.feature_deletion import FeatureDeletionEnv
 
-        if "```" not in task.prompt and not READING_TOOLS.intersection(self.budgets.tools):
-            # the reference knows the code; an agent that can neither see nor read it cannot
-            shutil.rmtree(task_dir, ignore_errors=True)
-            return GateOutcome(
-                GATE_SOLVABLE,
-                False,
-                "the task shows no code and the tools read none; offer read_file",
-            )
         held = self.scratch / "gate5" / slug(task.task_id)
         shutil.rmtree(held, ignore_errors=True)
         held.mkdir(parents=True)
@@ -662,6 +670,18 @@ class ReferenceSolver:
             **self.budgets.environment_options(),
         )
         try:
+            if not READING_TOOLS.intersection(self.budgets.tools):
+                # the reference knows the code; an agent that can neither see nor read it
+                # cannot change it
+                unseen = _unseen_edit(env, task.task_id, task.prompt)
+                if unseen is not None:
+                    shutil.rmtree(task_dir, ignore_errors=True)
+                    return GateOutcome(
+                        GATE_SOLVABLE,
+                        False,
+                        f"the task does not show {unseen}, which its fix changes, and the "
+                        "tools read none; offer read_file",
+                    )
             rollout = env.solve_with_reference(
                 self.tokenizer, task.task_id, max_new_tokens=self.budgets.max_new_tokens
             )

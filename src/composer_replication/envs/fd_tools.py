@@ -111,7 +111,12 @@ TOOL_SPECS: dict[str, ToolSpec] = {
             (
                 ToolParameter("path", "the file"),
                 ToolParameter("name", "the function's name, e.g. parse or Parser.parse"),
-                ToolParameter("code", "the new definition, from its def line on", raw=True),
+                ToolParameter(
+                    "code",
+                    "the new definition, from its def line on (without a docstring, the "
+                    "old one is kept)",
+                    raw=True,
+                ),
             ),
         ),
         ToolSpec(
@@ -423,11 +428,15 @@ def replace(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
 
 
 def replace_function(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
-    """Tool: replace one function's whole definition by new code (indented as the old one);
-    code that would leave the file unparsable is refused and nothing changes."""
-    import ast
-
-    from composer_replication.envs.definitions import find_definition, with_definition
+    """Tool: replace one function's whole definition by new code (indented as the old one;
+    written without a docstring, it keeps the old one); code that would leave the file
+    unable to compile is refused and nothing changes."""
+    from composer_replication.envs.definitions import (
+        find_definition,
+        source_of,
+        with_definition,
+        with_docstring,
+    )
 
     _arguments(arguments, "replace_function", ["path", "name", "code"])
     path = arguments["path"]
@@ -444,21 +453,24 @@ def replace_function(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
         definition = find_definition(text, name)
     except LookupError as exc:
         raise ToolError(f"{exc} in {path}", "no_match") from None
-    updated = with_definition(text, definition, code)
-    try:
-        ast.parse(updated)
-    except SyntaxError as exc:
+    written = with_docstring(code, source_of(text, definition))
+    updated = with_definition(text, definition, written)
+    try:  # compile, not just parse: a `return` outside the function is refused too
+        compile(updated, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as exc:
+        where = f", line {exc.lineno} of {path}" if getattr(exc, "lineno", None) else ""
+        message = getattr(exc, "msg", str(exc))
         raise ToolError(
-            f"the new code does not parse ({exc.msg}, line {exc.lineno} of {path}); "
-            "nothing changed",
+            f"the new code does not compile ({message}{where}); nothing changed",
             "bad_arguments",
         ) from None
     _write_text(target, updated)
     first = definition.first_line
-    last = first + len(code.strip("\n").splitlines()) - 1
+    last = first + len(written.strip("\n").splitlines()) - 1
     lines = updated.splitlines()
+    kept = " (its docstring kept)" if written is not code else ""
     return (
-        f"replaced {definition.qualname} in {path}; lines {first}-{last} now read:\n"
+        f"replaced {definition.qualname} in {path}{kept}; lines {first}-{last} now read:\n"
         f"{numbered(lines[first - 1 : last], first)}"
     )
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from composer_replication.envs.definitions import definitions
+from composer_replication.envs.definitions import definitions, docstring_lines, without_docstring
 from composer_replication.envs.fd_tools import occurrences
 
 __all__ = [
@@ -182,7 +182,8 @@ def reference_calls(
     the lines around its changes (unless ``read`` is False: the task's prompt shows them);
     each ``replace`` (with ``rewrite_functions``, an edit that is one whole definition is
     ``replace_function`` with the new definition: the code written once, not copied
-    first); ``run_tests`` on the target tests' files; ``finish``."""
+    first, and without its docstring where that did not change, which the tool keeps);
+    ``run_tests`` on the target tests' files; ``finish``."""
     calls: list[tuple[str, dict[str, Any]]] = []
     for path in dict.fromkeys(e.path for e in edits if e.old and read):
         spans = [e for e in edits if e.path == path]
@@ -197,8 +198,10 @@ def reference_calls(
             continue
         old, new = _strip_line_end(edit)
         if rewrite_functions and edit.function is not None:
+            kept = docstring_lines(old)
+            code = without_docstring(new) if kept and kept == docstring_lines(new) else new
             calls.append(
-                ("replace_function", {"path": edit.path, "name": edit.function, "code": new})
+                ("replace_function", {"path": edit.path, "name": edit.function, "code": code})
             )
             continue
         calls.append(("replace", {"path": edit.path, "old": old, "new": new}))
