@@ -253,16 +253,24 @@ def test_whole_function_edits_rewrite_the_definition_holding_the_change():
     (broken,) = edits_between("m.py", "def (:\nx = 1\n", "def (:\nx = 2\n", whole_functions=True)
     assert (broken.old, broken.new) == ("x = 1\n", "x = 2\n")
     # the definition written once: replace_function where the edit is one whole definition,
-    # its unchanged docstring left out (the tool keeps it)
+    # with its short docstring; a long unchanged one is left out (the tool keeps it)
     calls = reference_calls([edit, top], ["tests/test_box.py::test_size"], read=False,
                             rewrite_functions=True)  # fmt: skip
-    code = "    @property\n    def size(self):\n        return 1"
     assert calls == [
-        ("replace_function", {"path": "box.py", "name": "Box.size", "code": code}),
+        ("replace_function", {"path": "box.py", "name": "Box.size", "code": edit.new[:-1]}),
         ("replace", {"path": "m.py", "old": "y = 2", "new": "y = 3"}),
         ("run_tests", {"tests": ["tests/test_box.py"]}),
         ("finish", {}),
     ]
+    documented = before.replace(
+        '"""How big."""', '"""How big.\n\n        >>> Box().size\n        1\n        """'
+    )
+    (long_doc,) = edits_between(
+        "box.py", documented, documented.replace('raise NotImplementedError("size")', "return 1"),
+        whole_functions=True,
+    )  # fmt: skip
+    (call, *_) = reference_calls([long_doc], [], read=False, rewrite_functions=True)
+    assert call[1]["code"] == "    @property\n    def size(self):\n        return 1"
 
 
 def test_a_near_miss_is_one_small_mistake_on_the_first_code_line_that_has_one():

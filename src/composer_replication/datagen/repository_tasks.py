@@ -57,7 +57,7 @@ GENERATION_OPTIONS = (
 )
 _MARKER = ".complete.json"
 # bump when generation changes what a task holds: older caches are then made again
-_GENERATION_VERSION = 6
+_GENERATION_VERSION = 7
 _SKIP = frozenset({".git", "__pycache__", ".pytest_cache", ".venv", ".tox"})
 
 

@@ -34,6 +34,7 @@ from composer_replication.envs.fd_tools import occurrences
 
 __all__ = [
     "REFERENCE_EDITS",
+    "SHORT_DOCSTRING_LINES",
     "Edit",
     "ReferenceCost",
     "edits_between",
@@ -55,6 +56,12 @@ READ_CONTEXT = 3
 #: (``replace`` of the whole definition holding a change) or "definitions" (the whole
 #: definition written once with ``replace_function``)
 REFERENCE_EDITS = ("lines", "functions", "definitions")
+
+
+#: docstrings of at most this many lines are written with the code they document (read
+#: just before the body, a summary steers a small model's rewrite: measured in
+#: docs/benchmarks.md); longer ones (doctests, explanations) are left to the tool to keep
+SHORT_DOCSTRING_LINES = 3
 
 
 def reference_edits_for(tools: Sequence[str]) -> str:
@@ -182,7 +189,8 @@ def reference_calls(
     the lines around its changes (unless ``read`` is False: the task's prompt shows them);
     each ``replace`` (with ``rewrite_functions``, an edit that is one whole definition is
     ``replace_function`` with the new definition: the code written once, not copied
-    first, and without its docstring where that did not change, which the tool keeps);
+    first; a docstring of more than :data:`SHORT_DOCSTRING_LINES` lines that did not
+    change is left out, and the tool keeps it);
     ``run_tests`` on the target tests' files; ``finish``."""
     calls: list[tuple[str, dict[str, Any]]] = []
     for path in dict.fromkeys(e.path for e in edits if e.old and read):
@@ -199,7 +207,8 @@ def reference_calls(
         old, new = _strip_line_end(edit)
         if rewrite_functions and edit.function is not None:
             kept = docstring_lines(old)
-            code = without_docstring(new) if kept and kept == docstring_lines(new) else new
+            long_doc = kept is not None and len(kept) > SHORT_DOCSTRING_LINES
+            code = without_docstring(new) if long_doc and kept == docstring_lines(new) else new
             calls.append(
                 ("replace_function", {"path": edit.path, "name": edit.function, "code": code})
             )
