@@ -270,6 +270,13 @@ def test_whole_function_edits_rewrite_the_definition_holding_the_change():
         whole_functions=True,
     )  # fmt: skip
     (call, *_) = reference_calls([long_doc], [], read=False, rewrite_functions=True)
+    # a name defined twice (one definition per branch) cannot say which: a line edit
+    twice = "if X:\n    def f():\n        return 1\nelse:\n    def f():\n        return 2\n"
+    (branch,) = edits_between("m.py", twice, twice.replace("return 2", "return 3"),
+                              whole_functions=True)  # fmt: skip
+    assert branch.function is None and branch.old.startswith("    def f():\n        return 2")
+    (first_call, *_) = reference_calls([branch], [], read=False, rewrite_functions=True)
+    assert first_call[0] == "replace"
     assert call[1]["code"] == "    @property\n    def size(self):\n        return 1"
 
 

@@ -633,7 +633,11 @@ def _unseen_edit(env: Any, task_id: str, prompt: str) -> str | None:
             return f"the lines of {arguments['path']} its fix replaces"
         if tool == "replace_function":
             text = (env.workdirs[task_id] / arguments["path"]).read_text(encoding="utf-8")
-            if source_of(text, find_definition(text, arguments["name"])) not in prompt:
+            try:
+                shown = source_of(text, find_definition(text, arguments["name"])) in prompt
+            except LookupError:  # (the reference names only definitions it can find)
+                shown = False
+            if not shown:
                 return f"`{arguments['name']}` ({arguments['path']})"
     return None
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -142,8 +143,14 @@ def edits_between(
 
 def _function_spans(source: str) -> dict[tuple[int, int], str]:
     """0-based [first, end) line spans of every function definition (decorators in) -> its
-    qualified name; none for source that does not parse."""
-    return {(d.first_line - 1, d.last_line): d.qualname for d in definitions(source)}
+    qualified name (None where another definition has the same one: a name that cannot say
+    which); none for source that does not parse."""
+    found = definitions(source)
+    names = Counter(d.qualname for d in found)
+    return {
+        (d.first_line - 1, d.last_line): d.qualname if names[d.qualname] == 1 else None
+        for d in found
+    }
 
 
 def _edit(
