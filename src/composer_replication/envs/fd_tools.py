@@ -235,6 +235,13 @@ def _string(arguments: dict[str, Any], key: str, *, empty: bool = True) -> str:
     return value
 
 
+def _within_write_limit(key: str, text: str) -> None:
+    if len(text) > MAX_WRITE_CHARS:
+        raise ToolError(
+            f"{key} has {len(text)} characters; at most {MAX_WRITE_CHARS}", "bad_arguments"
+        )
+
+
 def _check_regular(target: Path, path: str) -> None:
     """Only plain files: no FIFOs or devices (a read would block or leak), and no file with
     a second hard link (code run in the sandbox could have linked it to one outside)."""
@@ -401,10 +408,7 @@ def replace(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     old = _string(arguments, "old", empty=False)
     new = _string(arguments, "new")
     attempt.actions.append({"type": "replace", "path": str(path), "content": new})
-    if len(new) > MAX_WRITE_CHARS:
-        raise ToolError(
-            f"new has {len(new)} characters; at most {MAX_WRITE_CHARS}", "bad_arguments"
-        )
+    _within_write_limit("new", new)
     target = resolve_in_workdir(attempt.workdir, path)
     text = _read_text(target, path)
     found = occurrences(text, old)
@@ -443,10 +447,7 @@ def replace_function(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     name = _string(arguments, "name", empty=False).strip()
     code = _string(arguments, "code", empty=False)
     attempt.actions.append({"type": "replace", "path": str(path), "content": code})
-    if len(code) > MAX_WRITE_CHARS:
-        raise ToolError(
-            f"code has {len(code)} characters; at most {MAX_WRITE_CHARS}", "bad_arguments"
-        )
+    _within_write_limit("code", code)
     target = resolve_in_workdir(attempt.workdir, path)
     text = _read_text(target, path)
     try:
@@ -481,10 +482,7 @@ def create_file(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     path = arguments["path"]
     content = _string(arguments, "content")
     attempt.actions.append({"type": "create_file", "path": str(path), "content": content})
-    if len(content) > MAX_WRITE_CHARS:
-        raise ToolError(
-            f"content has {len(content)} characters; at most {MAX_WRITE_CHARS}", "bad_arguments"
-        )
+    _within_write_limit("content", content)
     target = resolve_in_workdir(attempt.workdir, path)
     if target.exists() or target.is_symlink():
         raise ToolError(f"{path} already exists; change it with replace", "path_error")
@@ -499,10 +497,7 @@ def write_file(attempt: FDAttempt, arguments: dict[str, Any]) -> str:
     attempt.actions.append({"type": "write_file", "path": str(path), "content": str(content)})
     if not isinstance(content, str):
         raise ToolError(f"content must be a string, got {type(content).__name__}", "bad_arguments")
-    if len(content) > MAX_WRITE_CHARS:
-        raise ToolError(
-            f"content has {len(content)} characters; at most {MAX_WRITE_CHARS}", "bad_arguments"
-        )
+    _within_write_limit("content", content)
     target = resolve_in_workdir(attempt.workdir, path)
     if target.exists():
         _check_regular(target, path)
