@@ -459,24 +459,6 @@ def test_rows_join_as_others_finish_and_sample_the_same(sharp, temperature):
     assert stats.prefilled == sum(len(p) for p in {tuple(p) for p in prompts})
     with pytest.raises(ValueError, match="max_rows=0"):
         decode_rows(model, prompts, max_rows=0, **settings)
-    # each row is announced, complete, as soon as it ends, while others still decode
-    seen: list[tuple[int, list[int], str, int]] = []
-    counted = DecodeStats()
-    decode_rows(
-        model,
-        prompts,
-        max_rows=2,
-        stats=counted,
-        on_row_done=lambda i, row: seen.append(
-            (i, list(row.tokens), row.finish_reason, counted.forwards)
-        ),
-        **settings,
-    )
-    assert sorted(i for i, *_ in seen) == list(range(len(prompts)))
-    assert {i: (t, r) for i, t, r, _ in seen} == {
-        i: (row.tokens, row.finish_reason) for i, row in enumerate(together)
-    }
-    assert min(f for *_, f in seen) < counted.forwards
 
 
 def test_forward_cost_and_the_drafts_worth_checking():

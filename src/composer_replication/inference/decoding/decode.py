@@ -41,7 +41,7 @@ keep every row's computation that of its own prompt and accepted tokens.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,7 +281,6 @@ def decode_rows(
     max_rows: int | None = None,
     prompt_states: PromptStates | None = None,
     stats: DecodeStats | None = None,
-    on_row_done: Callable[[int, DecodedRow], None] | None = None,
 ) -> list[DecodedRow]:
     """Sample one completion per prompt (see the module docstring); no grad, model as is.
 
@@ -296,8 +295,6 @@ def decode_rows(
     rows finish (:data:`REFILL_FRACTION`).
     ``prompt_states``: prompt states to reuse and to add to (the weights must be those
     they were computed with). ``stats``, when given, receives the call's counters.
-    ``on_row_done(index, row)`` is called as soon as a row has ended, while the others
-    still decode (a grader can start on it at once).
     """
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need the tokenizer to decode the sampled tokens")
@@ -332,12 +329,6 @@ def decode_rows(
 
     def emit(row: int, run: list[int], run_lp: list[float]) -> bool:
         """Append a row's new tokens up to where it ends; True while it goes on."""
-        going = extend(row, run, run_lp)
-        if not going and on_row_done is not None:
-            on_row_done(row, DecodedRow(tokens[row], logprobs[row], reasons[row]))
-        return going
-
-    def extend(row: int, run: list[int], run_lp: list[float]) -> bool:
         for token, lp in zip(run, run_lp):
             tokens[row].append(token)
             logprobs[row].append(lp)

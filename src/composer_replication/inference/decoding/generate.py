@@ -176,8 +176,8 @@ def generate(
 
     ``max_rows``: in process, at most this many rows decode at once and the others join as
     rows finish (None: all at once). ``on_row_done(index, generation)`` is called once per
-    prompt as soon as its completion is known, while the rest of the batch still decodes
-    (a grader can start on it at once).
+    prompt as soon as its completion is known: while the rest of the batch still decodes
+    in the static loop, after the call otherwise (a grader can start on it at once).
     ``loops``: the loop that ran ('static' or 'general') is counted in it."""
     import torch
 
@@ -208,14 +208,15 @@ def generate(
             static = static_loop_applies(model, options)
             if loops is not None:
                 loops["static" if static else "general"] += 1
-            ended = None
-            if on_row_done is not None:
-
-                def ended(index: int, row: Any) -> None:
-                    on_row_done(index, _generation(prompts[index], row, tokenizer))
-
             if static:
-                rows = _static_rows(model, prompts, options, {**common, "on_row_done": ended})
+                done = None
+                if on_row_done is not None:
+
+                    def done(index: int, row: Any) -> None:
+                        on_row_done(index, _generation(prompts[index], row, tokenizer))
+
+                rows = _static_rows(model, prompts, options, {**common, "on_row_done": done})
+                on_row_done = None  # every row was announced as it finished
             else:
                 from composer_replication.inference.decoding.decode import decode_rows
                 from composer_replication.inference.decoding.packed_linear import packed_linears
@@ -235,10 +236,8 @@ def generate(
                         prompts,
                         pad_id=pad_id,
                         prompt_states=_PROMPT_STATES.get(),
-                        on_row_done=ended,
                         **common,
                     )
-            on_row_done = None  # every row was announced as it ended
     finally:
         model.train(was_training)
     return announced(
