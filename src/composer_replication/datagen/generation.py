@@ -80,7 +80,6 @@ from composer_replication.envs.fd_tasks import (
     write_tasks,
 )
 from composer_replication.envs.fd_tools import DEFAULT_TOOLS, READING_TOOLS
-from composer_replication.envs.reference_agent import reference_edits_for
 from composer_replication.safety.hack_monitor import is_protected
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 from composer_replication.sandbox.scrub import scrub_tree
@@ -669,8 +668,7 @@ class ReferenceSolver:
         env = FeatureDeletionEnv(
             held / "tasks.jsonl",
             sandbox_factory=self.sandbox_factory,
-            reference_reads="read_file" in self.budgets.tools,
-            reference_edits=reference_edits_for(self.budgets.tools),
+            # the reference reads and edits with the budgets' tools (the env's defaults)
             **self.budgets.environment_options(),
         )
         try:
