@@ -234,6 +234,20 @@ def test_the_packed_forward_holds_for_eager_attention_and_gives_way_where_it_can
     assert shared_prefix.packed_prefix_trie(model.config, ids, mask) is None
 
 
+def test_a_cpu_takes_the_dense_mask_only_up_to_its_own_bound(monkeypatch):
+    # the rows' trie has 141 distinct tokens (of 6 x 80 padded positions)
+    ids, mask = pad_rows(_rows())
+    config = _model().config
+    trie = shared_prefix.packed_prefix_trie(config, ids, mask)
+    assert trie is not None and len(trie) == 141
+    monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS_CPU", 140)
+    assert shared_prefix.packed_max_tokens("cpu") == 140
+    assert shared_prefix.packed_prefix_trie(config, ids, mask) is None  # a forward per node
+    assert shared_prefix.packed_max_tokens("cuda") == shared_prefix.PACKED_MAX_TOKENS
+    monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 100)  # the general bound holds too
+    assert shared_prefix.packed_max_tokens("cpu") == 100
+
+
 def _composer_samples():
     """A group of four rollouts of one prompt with hinted teacher contexts, and two trace
     pairs of one agent prompt: every stream of the composer step over shared prefixes."""

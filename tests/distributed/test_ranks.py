@@ -90,6 +90,13 @@ def test_two_gloo_ranks_share_gather_agree_and_only_rank_0_writes(tmp_path):
     rows = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert rows == [{"reward/mean": 0.0, "step": 1, "time/total_s": rows[0]["time/total_s"]}]
+    assert rows == [
+        {
+            "memory/peak_rss_gb": rows[0]["memory/peak_rss_gb"],
+            "reward/mean": 0.0,
+            "step": 1,
+            "time/total_s": rows[0]["time/total_s"],
+        }
+    ]
     assert records[1]["rows"][0]["reward/mean"] == 1.0
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json", "metrics.jsonl"]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
+
+import pytest
 
 from composer_replication.common.metrics import MetricsLog
 
@@ -27,3 +30,15 @@ def test_a_torn_row_is_set_aside_with_a_warning_when_the_run_resumes(tmp_path, c
     caplog.clear()
     log.truncate_after(2)  # nothing torn now: nothing said
     assert "not whole rows" not in caplog.text
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_peak_rss_is_the_kernels_high_water_mark():
+    from composer_replication.common.metrics import peak_rss_gb
+
+    block = bytearray(64 * 2**20)  # touched: resident
+    block[::4096] = b"x" * len(block[::4096])
+    status = Path("/proc/self/status").read_text()
+    high_water_kb = int(next(l for l in status.splitlines() if l.startswith("VmHWM:")).split()[1])
+    assert abs(peak_rss_gb() - high_water_kb * 1024 / 1e9) < 0.01
+    assert peak_rss_gb() >= len(block) / 1e9

@@ -18,6 +18,16 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (10^9 bytes): the host side of a
+    run's memory (model, activations on a CPU, decode caches), per step in the metrics."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes / KiB
+
+
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None  # strict JSON

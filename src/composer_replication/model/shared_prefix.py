@@ -22,7 +22,8 @@ holds take neither: they run packed without padding or an (N, N) mask
   see exactly its ancestors. No padding, no cache, one forward: on 2 CPU cores the student
   rows of a composer step ran about 1.3-2x faster than a forward per tree node. It needs
   an attention that takes an explicit mask (SDPA or eager), no sliding window, and N at
-  most :data:`PACKED_MAX_TOKENS` (the mask is materialised);
+  most :func:`packed_max_tokens` (the mask is materialised; fewer on a CPU, where the
+  attention over it costs N squared);
 - a forward per prefix-tree node (:func:`shared_prefix_forward`): rows with the same next
   ``min_prefix`` tokens form a node whose segment is their longest common continuation
   (each row keeps at least one token of its own), recursively; the rows left at a node take
@@ -48,9 +49,11 @@ __all__ = [
     "BATCH_OVERHEAD_TOKENS",
     "DEFAULT_MIN_PREFIX",
     "PACKED_MAX_TOKENS",
+    "PACKED_MAX_TOKENS_CPU",
     "PrefixNode",
     "TokenTrie",
     "length_batches",
+    "packed_max_tokens",
     "packed_prefix_forward",
     "packed_prefix_trie",
     "prefix_sharing",
@@ -302,6 +305,12 @@ def _node_forward(
 #: The packed forward holds an (N, N) attention mask over the N distinct tokens (and the
 #: attention its scores): above this many it gives way to a forward per tree node.
 PACKED_MAX_TOKENS = 4096
+#: The same bound on a CPU, lower: no CPU kernel skips the blocks the mask hides, so the
+#: packed forward's attention is quadratic in N, where a forward per tree node attends within
+#: each node's rows. Measured on 2 cores (embedded model, LoRA, bfloat16 autocast, forward +
+#: backward): N = 950, 2.7 s packed vs 3.1 s per node; N = 1,900, 8.2 vs 7.0 s; N = 3,050
+#: (5 agent episodes of 850 tokens), 19.2 vs 11.0 s.
+PACKED_MAX_TOKENS_CPU = 1536
 #: Attention implementations that take an explicit (B, 1, Q, K) mask: a boolean one
 #: (SDPA) or an additive one (eager).
 _MASKED_ATTENTION = ("sdpa", "eager")
@@ -368,7 +377,7 @@ def packed_prefix_trie(
     """The trie to run :func:`packed_prefix_forward` on, or None where that forward does not
     apply or saves nothing: an attention without explicit masks, a sliding window shorter
     than the rows, rows not right-padded, no fewer distinct tokens than the padded batch,
-    or more than :data:`PACKED_MAX_TOKENS`. ``row_tokens``: as in :func:`prefix_tree`."""
+    or more than :func:`packed_max_tokens`. ``row_tokens``: as in :func:`prefix_tree`."""
     if getattr(model_config, "_attn_implementation", None) not in _MASKED_ATTENTION:
         return None
     window = getattr(model_config, "sliding_window", None)
@@ -378,9 +387,18 @@ def packed_prefix_trie(
         trie = token_trie(input_ids, attention_mask)
     else:
         trie = token_trie_of_rows(row_tokens)
-    if trie is None or not 0 < len(trie) < input_ids.numel() or len(trie) > PACKED_MAX_TOKENS:
+    if trie is None or not 0 < len(trie) < input_ids.numel() or len(trie) > packed_max_tokens(
+        input_ids.device
+    ):
         return None
     return trie
+
+
+def packed_max_tokens(device: Any) -> int:
+    """The most distinct tokens :func:`packed_prefix_forward` takes on ``device``."""
+    if torch.device(device).type == "cpu":
+        return min(PACKED_MAX_TOKENS, PACKED_MAX_TOKENS_CPU)
+    return PACKED_MAX_TOKENS
 
 
 def packed_prefix_forward(

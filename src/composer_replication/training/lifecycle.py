@@ -358,7 +358,10 @@ class RunLifecycle:
     # ------------------------------------------------------------------ metrics and state
 
     def append(self, row: dict[str, Any]) -> None:
+        from composer_replication.common.metrics import peak_rss_gb
+
         row["time/total_s"] = time.perf_counter() - self._start
+        row["memory/peak_rss_gb"] = peak_rss_gb()
         self.metrics.append(row)
 
     def heldout_last(self) -> float | None:
