@@ -21,6 +21,14 @@ three ways: row by row, a forward per shared-prefix tree node, and one packed fo
 the rows' token trie (the default).
 Printed: seconds per step and per rollout token of each, their ratio, and where the
 composer step's extra tokens come from (teacher contexts, pair sequences).
+
+``--episodes ROWS LENGTH PREFIX`` measures the CPU's choice between the two ways of sharing
+a prefix on rows shaped like agent episodes (ROWS rows of about LENGTH tokens, the first
+PREFIX shared): the embedded model with the recipes' LoRA (r 16) under the run's autocast,
+forward and backward of the rows' last hidden states, once as one packed forward with a
+dense (N, N) mask and once as a forward per prefix-tree node, each in a fresh process
+(``model.shared_prefix.packed_max_tokens`` picks the packed one up to its bound). Printed:
+seconds, peak extra memory, their ratios, and the hidden states' difference.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import contextlib
 import json
 import os
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,6 +110,86 @@ def worker(
     first["seconds"] = sorted(times)[len(times) // 2]
     first["tokens"] = n_seq * seq_len
     return first
+
+
+def episode_rows(rows: int, length: int, prefix: int) -> list[list[int]]:
+    """``rows`` token rows of about ``length`` tokens whose first ``prefix`` are shared."""
+    import random
+
+    rng = random.Random(0)
+    shared = [rng.randrange(1000, 40000) for _ in range(prefix)]
+    # lengths differ a little, as episodes' do (7 tokens a row)
+    return [
+        shared + [rng.randrange(1000, 40000) for _ in range(length - prefix - 7 * r)]
+        for r in range(rows)
+    ]
+
+
+def episodes_worker(rows: int, length: int, prefix: int, way: str, repeats: int) -> dict:
+    import torch
+
+    from composer_replication.config.run import ModelConfig
+    from composer_replication.model import shared_prefix
+    from composer_replication.model.devices import resolve_precision
+    from composer_replication.model.parts import last_hidden_states
+    from composer_replication.training.setup import setup_policy
+
+    # the packed forward at any size, or never
+    shared_prefix.PACKED_MAX_TOKENS = shared_prefix.PACKED_MAX_TOKENS_CPU = (
+        1 << 30 if way == "packed" else 0
+    )
+    policy, _ = setup_policy(ModelConfig(source="embedded", lora={"r": 16, "alpha": 32}))
+    autocast = resolve_precision("auto", torch.device("cpu")).compute_dtype
+    token_rows = episode_rows(rows, length, prefix)
+    width = max(map(len, token_rows))
+    ids = torch.zeros(len(token_rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(token_rows):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    kept: dict[str, Any] = {}
+
+    def step() -> dict:
+        policy.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            hidden = last_hidden_states(policy, ids, mask, row_tokens=token_rows)
+            loss = hidden.float()[mask.bool()].pow(2).mean()  # the real positions
+        loss.backward()
+        kept["hidden"] = hidden.detach().float()[mask.bool()]
+        return {"loss": float(loss.detach())}
+
+    first = measure(step)
+    times = [first["seconds"]]
+    for _ in range(repeats - 1):
+        times.append(measure(step, cold=False)["seconds"])
+    first["seconds"] = sorted(times)[len(times) // 2]
+    trie = shared_prefix.token_trie_of_rows(token_rows)
+    first.update(distinct=len(trie), tokens=sum(map(len, token_rows)))
+    first["hidden_sum"] = float(kept["hidden"].abs().sum())
+    return first
+
+
+def episodes_case(rows: int, length: int, prefix: int, repeats: int) -> None:
+    script = os.path.abspath(__file__)
+    args = {"rows": rows, "length": length, "prefix": prefix, "repeats": repeats}
+    print(f"machine: {machine_line()}")
+    results = {
+        way: run_case(script, "episodes", {**args, "way": way}) for way in ("packed", "tree")
+    }
+    packed, tree = results["packed"], results["tree"]
+    print(
+        f"{rows} rows of about {length} tokens, {prefix} shared: {packed['tokens']} tokens, "
+        f"{packed['distinct']} distinct (the packed forward's N)"
+    )
+    for way, r in results.items():
+        print(
+            f"  {way:6s}: {r['seconds']:5.1f} s forward + backward, peak extra "
+            f"{gib(r['peak_extra_bytes'])}, loss {r['loss']:.6f}"
+        )
+    print(
+        f"  tree / packed: time {tree['seconds'] / packed['seconds']:.2f}x, peak memory "
+        f"{tree['peak_extra_bytes'] / max(1, packed['peak_extra_bytes']):.2f}x; |hidden| sums "
+        f"{packed['hidden_sum']:.1f} vs {tree['hidden_sum']:.1f}"
+    )
 
 
 def composer_case(repeats: int) -> None:
@@ -221,6 +310,13 @@ def main() -> None:
     parser.add_argument(
         "--composer", action="store_true", help="time the composer step against plain grpo"
     )
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        nargs=3,
+        metavar=("ROWS", "LENGTH", "PREFIX"),
+        help="the packed forward against a forward per tree node on episode-shaped rows",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
     ns = parser.parse_args()
@@ -232,8 +328,24 @@ def main() -> None:
     if ns.composer:
         composer_case(ns.repeats)
         return
+    if ns.worker == "episodes":
+        print(json.dumps(episodes_worker(**json.loads(ns.args))))
+        return
     if ns.worker:
         print(json.dumps(worker(**json.loads(ns.args))))
+        return
+    if ns.episodes:
+        rows, length, prefix = ns.episodes
+        check_count(rows, "--episodes ROWS", what="rows")
+        check_count(prefix, "--episodes PREFIX", what="shared tokens")
+        check_count(
+            length,
+            "--episodes LENGTH",
+            minimum=prefix + 7 * rows + 1,
+            what="tokens",
+            why="each row keeps tokens of its own past the shared prefix",
+        )
+        episodes_case(rows, length, prefix, ns.repeats)
         return
     from composer_replication.model.cpu_allocator import DEFAULT_MMAP_THRESHOLD
 

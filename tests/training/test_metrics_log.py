@@ -39,6 +39,7 @@ def test_peak_rss_is_the_kernels_high_water_mark():
     block = bytearray(64 * 2**20)  # touched: resident
     block[::4096] = b"x" * len(block[::4096])
     status = Path("/proc/self/status").read_text()
-    high_water_kb = int(next(l for l in status.splitlines() if l.startswith("VmHWM:")).split()[1])
+    line = next(row for row in status.splitlines() if row.startswith("VmHWM:"))
+    high_water_kb = int(line.split()[1])
     assert abs(peak_rss_gb() - high_water_kb * 1024 / 1e9) < 0.01
     assert peak_rss_gb() >= len(block) / 1e9

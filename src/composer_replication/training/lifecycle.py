@@ -236,7 +236,7 @@ class RunLifecycle:
         if not self.config.eval.at_start:
             return
         self.heldout_before = self.evaluate(sampler, tokenizer, tasks, step=0)
-        self.metrics.append(
+        self.append(
             {
                 "step": 0,
                 "heldout/pass@1": self.heldout_before,
