@@ -387,8 +387,10 @@ def packed_prefix_trie(
         trie = token_trie(input_ids, attention_mask)
     else:
         trie = token_trie_of_rows(row_tokens)
-    if trie is None or not 0 < len(trie) < input_ids.numel() or len(trie) > packed_max_tokens(
-        input_ids.device
+    if (
+        trie is None
+        or not 0 < len(trie) < input_ids.numel()
+        or len(trie) > packed_max_tokens(input_ids.device)
     ):
         return None
     return trie
