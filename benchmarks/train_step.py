@@ -28,7 +28,8 @@ PREFIX shared): the embedded model with the recipes' LoRA (r 16) under the run's
 forward and backward of the rows' last hidden states, once as one packed forward with a
 dense (N, N) mask and once as a forward per prefix-tree node, each in a fresh process
 (``model.shared_prefix.packed_max_tokens`` picks the packed one up to its bound). Printed:
-seconds, peak extra memory, their ratios, and the hidden states' difference.
+seconds, peak extra memory, their ratios, and the summed magnitudes of both ways' hidden
+states (equal up to rounding).
 """
 
 from __future__ import annotations
@@ -103,12 +104,18 @@ def worker(
             return naive_step(model, mb, cfg)
         return {"loss": train_step(model, [mb], cfg)["loss"]}
 
+    first = measured_median(step, repeats)
+    first["tokens"] = n_seq * seq_len
+    return first
+
+
+def measured_median(step, repeats: int) -> dict:
+    """The first (cold) run's result and memory, with the median seconds of ``repeats``."""
     first = measure(step)
     times = [first["seconds"]]
     for _ in range(repeats - 1):
         times.append(measure(step, cold=False)["seconds"])
     first["seconds"] = sorted(times)[len(times) // 2]
-    first["tokens"] = n_seq * seq_len
     return first
 
 
@@ -157,11 +164,7 @@ def episodes_worker(rows: int, length: int, prefix: int, way: str, repeats: int)
         kept["hidden"] = hidden.detach().float()[mask.bool()]
         return {"loss": float(loss.detach())}
 
-    first = measure(step)
-    times = [first["seconds"]]
-    for _ in range(repeats - 1):
-        times.append(measure(step, cold=False)["seconds"])
-    first["seconds"] = sorted(times)[len(times) // 2]
+    first = measured_median(step, repeats)
     trie = shared_prefix.token_trie_of_rows(token_rows)
     first.update(distinct=len(trie), tokens=sum(map(len, token_rows)))
     first["hidden_sum"] = float(kept["hidden"].abs().sum())
