@@ -120,7 +120,7 @@ def _resume_step_2(cmd: list[str], env: dict, run: Path, into: Path) -> list[dic
 
 def _steady(rows: list[dict]) -> list[dict]:
     """Metrics rows without their timings (the only values two equal runs may differ in)."""
-    volatile = ("time/", "tokens_per_s/")
+    volatile = ("time/", "memory/", "tokens_per_s/")  # timings, the process's peak memory
     return [{k: v for k, v in row.items() if not k.startswith(volatile)} for row in rows]
 
 

@@ -22,9 +22,9 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from scripted_env import ScriptedEnv  # noqa: E402
 
-# timings, and the positions the forwards computed (they depend on how the work was laid
+# timings, the peak memory, and the positions the forwards computed (they depend on how the work was laid
 # out: which process had a pair's reference log-probs cached, which rows shared a forward)
-VOLATILE = ("time/", "tokens_per_s/", "tokens/forward", "tokens/padding_fraction")
+VOLATILE = ("time/", "memory/", "tokens_per_s/", "tokens/forward", "tokens/padding_fraction")
 
 
 def _config(
