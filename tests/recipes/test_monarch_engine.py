@@ -19,8 +19,9 @@ from composer_replication.recipes.monarch.engine import (
 )
 from composer_replication.training.loop import Trainer
 
-# timings, the peak memory, and the positions the forwards computed (they depend on how the work was laid
-# out: which process had a pair's reference log-probs cached, which rows shared a forward)
+# timings, the process's peak memory, and the positions the forwards computed (they depend
+# on how the work was laid out: which process had a pair's reference log-probs cached, which
+# rows shared a forward)
 VOLATILE = ("time/", "memory/", "tokens_per_s/", "tokens/forward", "tokens/padding_fraction")
 
 

@@ -22,8 +22,9 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from scripted_env import ScriptedEnv  # noqa: E402
 
-# timings, the peak memory, and the positions the forwards computed (they depend on how the work was laid
-# out: which process had a pair's reference log-probs cached, which rows shared a forward)
+# timings, the process's peak memory, and the positions the forwards computed (they depend
+# on how the work was laid out: which process had a pair's reference log-probs cached, which
+# rows shared a forward)
 VOLATILE = ("time/", "memory/", "tokens_per_s/", "tokens/forward", "tokens/padding_fraction")
 
 
