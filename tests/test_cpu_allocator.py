@@ -1,4 +1,5 @@
-"""The glibc mmap threshold: applied, validated, and it returns freed tensor memory."""
+"""The glibc mmap threshold (applied, validated, it returns freed tensor memory) and
+trimming the heap between phases (it returns them too)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ _PROBE = textwrap.dedent(
     """
     import json, os, sys
     import torch
-    from composer_replication.model.cpu_allocator import set_mmap_threshold
+    from composer_replication.model.cpu_allocator import release_free_heap, set_mmap_threshold
 
     def rss():
         with open("/proc/self/statm") as fh:
@@ -37,7 +38,8 @@ _PROBE = textwrap.dedent(
         big.append(torch.empty(2 << 20, dtype=torch.uint8).fill_(1))
         small.append(torch.empty(64 << 10, dtype=torch.uint8).fill_(1))
     del big
-    print(json.dumps({"applied": applied, "kept": rss() - before}))
+    released = release_free_heap() if sys.argv[1] == "trimmed" else False
+    print(json.dumps({"applied": applied, "released": released, "kept": rss() - before}))
     """
 )
 
@@ -58,6 +60,14 @@ def test_fixed_threshold_returns_freed_blocks():
     # the fixed threshold keeps only the small live blocks (64 x 64 KiB = 4 MiB).
     assert dynamic["kept"] > 100 << 20
     assert fixed["kept"] < 16 << 20
+
+
+@glibc
+def test_trimming_the_heap_returns_freed_blocks():
+    dynamic, trimmed = _kept("dynamic"), _kept("trimmed")
+    assert trimmed["released"] and not dynamic["released"]
+    assert dynamic["kept"] > 100 << 20
+    assert trimmed["kept"] < 16 << 20  # the free pages between the live blocks went back
 
 
 def test_threshold_validation_and_user_override(monkeypatch):

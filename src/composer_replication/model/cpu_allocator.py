@@ -12,6 +12,11 @@ system the moment it is freed; the price is a fresh page fault on every page of 
 large allocation (about 3.4 s more per step of the LoRA loop measured in
 ``benchmarks/trl_vs_native.py``), so runs leave it off unless ``malloc_mmap_threshold`` is
 set. Memory benchmarks use it to count live tensors instead of the heap's leftovers.
+
+Between phases of a run (after a learner update, around an evaluation) the loop instead
+hands the heap's free pages back with ``malloc_trim`` (:func:`release_free_heap`): the
+next phase faults its pages in once, not once per allocation, and the leftovers of one
+phase no longer add to the next phase's peak.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ def set_mmap_threshold(threshold_bytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     if libc is None:
         return False
     return bool(libc.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold_bytes)))
+
+
+def release_free_heap() -> bool:
+    """Return the free pages of every glibc heap arena to the system (``malloc_trim(0)``);
+    True when any memory was released. Does nothing (False) off Linux/glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    return bool(libc.malloc_trim(ctypes.c_size_t(0)))
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -40,6 +40,7 @@ from composer_replication.inference.engine import BlamedSampler, build_inference
 from composer_replication.inference.frozen import FrozenEngines, served
 from composer_replication.inference.in_process import InProcessEngine
 from composer_replication.inference.snapshot import PolicySnapshot
+from composer_replication.model.cpu_allocator import release_free_heap
 from composer_replication.model.devices import module_device
 from composer_replication.rollout.agent import episode_metrics
 from composer_replication.safety import HeldoutSplit
@@ -513,6 +514,8 @@ class Trainer:
         self.step += 1
         metrics = self.learner.update(batches, self.step)
         train_s = time.perf_counter() - t0
+        del batches
+        release_free_heap()  # the update's freed activations leave the process (CPU peak)
         if self.rollout_queue is not None:
             self.rollout_queue.wait_idle()  # one policy version per sampled batch
         # the engine samples the next step with these weights
@@ -533,6 +536,7 @@ class Trainer:
         """Evaluate, measure the KL to the initial policy, feed the kill switch."""
         with self.learner.weights.gathered(), self._beat(f"held-out evaluation (step {self.step})"):
             heldout = self.evaluate()
+        release_free_heap()  # the evaluation's KV caches and prompt states
         kl = self.learner.kl_to_initial()
         return self.life.guard_round(self.step, row, heldout, kl_to_init=kl)
 
@@ -549,6 +553,7 @@ class Trainer:
         if not resumed and self.config.eval.at_start:
             with self.learner.weights.gathered(), self._beat("held-out evaluation (start)"):
                 self.life.evaluate_start(self.live_sampler, self.tokenizer, self.heldout_tasks)
+            release_free_heap()
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.async_level:
             self.rollout_queue = RolloutQueue(
