@@ -60,7 +60,7 @@ def test_build_pytest_argv_rejects_option_like_test_ids_and_empty_commands() -> 
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="pytest" errors="1" failures="3" skipped="1" tests="8">
+<testsuites><testsuite name="pytest" errors="1" failures="3" skipped="1" tests="10">
 <testcase classname="tests.test_a" name="test_ok" file="tests/test_a.py" line="1" time="0"/>
 <testcase classname="tests.test_a" name="test_bad" file="tests/test_a.py" line="4" time="0">
   <failure message="assert 0">boom</failure></testcase>
@@ -74,6 +74,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
   line="20" time="0"/>
 <testcase classname="tests.test_ttl.TTLCacheTest" name="test_missing" file="tests/__init__.py"
   line="20" time="0"><failure message="x">x</failure></testcase>
+<testcase classname="docs.use-it.rst" name="use-it.rst" file="docs/use-it.rst" line="0" time="0"/>
+<testcase classname="pkg.mod" name="pkg.mod.f" file="pkg/mod.py" line="1" time="0"/>
 <testcase classname="" name="tests.test_b" file="tests/test_b.py" time="0">
   <error message="collection failure">ImportError</error></testcase>
 </testsuite></testsuites>
@@ -94,9 +96,12 @@ def test_parse_junit_maps_node_ids_and_outcomes(tmp_path: Path) -> None:
         # a test a class inherits from a mixin in another file: the collecting class's id
         "tests/test_lru.py::LRUCacheTest::test_missing": "passed",
         "tests/test_ttl.py::TTLCacheTest::test_missing": "failed",
+        # doctests of a text file (--doctest-glob) and of a module (--doctest-modules)
+        "docs/use-it.rst::use-it.rst": "passed",
+        "pkg/mod.py::pkg.mod.f": "passed",
         "tests/test_b.py": "error",
     }
-    assert (report.passed, report.failed, report.errors, report.skipped) == (3, 3, 1, 1)
+    assert (report.passed, report.failed, report.errors, report.skipped) == (5, 3, 1, 1)
 
 
 def test_parse_junit_refuses_missing_malformed_and_symlinked_reports(tmp_path: Path) -> None:
@@ -221,7 +226,7 @@ def test_the_result_reads_and_removes_the_report(tmp_path: Path) -> None:
     result = result_of_tests(
         entry, _outcome(1, b"out\n"), timeout_s=5, isolated=False, infrastructure_error=None
     )
-    assert (result.passed, result.failed, result.errors, result.skipped) == (3, 3, 1, 1)
+    assert (result.passed, result.failed, result.errors, result.skipped) == (5, 3, 1, 1)
     assert result.exit_code == 1 and result.duration_s == 0.5 and not result.isolated
     assert result.output == "out\n\n[exit code 1]" and result.behaviour_flags == ()
     assert not entry.report.exists()

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from composer_replication.common.python_source import parse_python
 from composer_replication.datagen.source_spans import (
     OperatorSpan,
     SourceText,
@@ -299,7 +300,7 @@ def _parse(source: str, mode: str = "exec", *, compiles: bool = False) -> ast.AS
     string would be reported once per site, or be an error under ``-W error``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tree = ast.parse(source, mode=mode)
+        tree = parse_python(source, mode)
         if compiles:
             compile(tree, "<bug>", mode, dont_inherit=True)
     return tree

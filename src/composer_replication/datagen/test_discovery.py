@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from composer_replication.common.python_source import parse_python
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 needs the tomli backport
@@ -231,7 +233,7 @@ def _module_facts(path: Path) -> tuple[bool, bool]:
     """(defines a ``...TestCase`` subclass, imports pytest) for one module; False, False when
     it does not parse."""
     try:
-        tree = ast.parse(path.read_bytes())
+        tree = parse_python(path.read_bytes())
     except (SyntaxError, ValueError, OSError):
         return False, False
     testcase = imports_pytest = False

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from composer_replication.common.python_source import parse_python
+
 __all__ = [
     "Definition",
     "definitions",
@@ -44,7 +46,7 @@ def definitions(source: str) -> list[Definition]:
     """Every function and method of ``source`` in file order; none for source that does not
     parse."""
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except (SyntaxError, ValueError):
         return []
     lines = source.splitlines()
@@ -115,7 +117,7 @@ def _docstring_span(lines: list[str]) -> tuple[int, int, int] | None:
     at the left margin) and the 0-based line its body starts on; None when it has no
     docstring on lines of its own or the code does not parse."""
     try:
-        tree = ast.parse("\n".join(lines))
+        tree = parse_python("\n".join(lines))
     except (SyntaxError, ValueError):
         return None
     node = next(

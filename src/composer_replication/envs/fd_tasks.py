@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from composer_replication.common.python_source import parse_python
 from composer_replication.safety.hack_monitor import is_protected
 from composer_replication.safety.holdout import DEFAULT_SPLIT, HeldoutSplit
 
@@ -230,7 +231,7 @@ def unparsable_files(
         if is_protected(rel) or rel in exclude:
             continue
         try:
-            ast.parse(path.read_bytes())
+            parse_python(path.read_bytes())
         except SyntaxError as exc:
             found[rel] = f"line {exc.lineno}: {exc.msg}"
         except ValueError as exc:  # a NUL byte
@@ -301,7 +302,7 @@ def find_candidates(
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         try:
-            tree = ast.parse(text)
+            tree = parse_python(text)
         except SyntaxError:
             continue
         lines = text.splitlines(keepends=True)

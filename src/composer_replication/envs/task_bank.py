@@ -44,6 +44,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from composer_replication.common.python_source import parse_python
+
 __all__ = [
     "DIFFICULTIES",
     "SOLUTION_FILE",
@@ -96,7 +98,7 @@ class PythonTask:
     @cached_property
     def test_names(self) -> tuple[str, ...]:
         """Names of the task's test functions, in file order."""
-        return _test_function_names(ast.parse(self.tests))
+        return _test_function_names(parse_python(self.tests))
 
     @property
     def n_tests(self) -> int:
@@ -170,7 +172,7 @@ def _task_from_raw(raw: Mapping[str, Any]) -> PythonTask:
     parsed: dict[str, ast.Module] = {}
     for key, source in sources.items():
         try:
-            parsed[key] = ast.parse(source)
+            parsed[key] = parse_python(source)
         except SyntaxError as exc:
             raise fail(f"{key} does not parse: {exc.msg} (line {exc.lineno})") from None
     if _top_level_function(parsed["prompt"], entry) is None:
@@ -252,7 +254,7 @@ def _try_parse(source: str) -> ast.Module | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SyntaxWarning)
         try:
-            return ast.parse(source)
+            return parse_python(source)
         except (SyntaxError, ValueError):  # ValueError: NUL bytes in the source
             return None
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from composer_replication.common.python_source import parse_python
+
 __all__ = ["N_PROBLEMS", "HumanEvalProblem", "load_problems", "training_overlaps"]
 
 N_PROBLEMS = 164
@@ -69,7 +71,7 @@ def load_problems(limit: int | None = None) -> list[HumanEvalProblem]:
 def _split_prompt(source: str, name: str) -> tuple[str, str]:
     """``(preamble, stub)``: ``source`` without its top-level ``def name`` (decorators,
     docstring and body), and that definition alone."""
-    module = ast.parse(source)
+    module = parse_python(source)
     drop: set[int] = set()
     for node in module.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
@@ -89,7 +91,7 @@ def _flat(text: str) -> str:
 
 def _entry_docstring(source: str, name: str) -> str | None:
     try:
-        module = ast.parse(source)
+        module = parse_python(source)
     except SyntaxError:
         return None
     for node in module.body:

@@ -421,8 +421,10 @@ def _nodeid(case: ET.Element) -> str:
     module = file[:-3].replace("/", ".") if file.endswith(".py") else file
     if not classname and name == module:  # a collection error for the whole file
         return file
-    if classname.startswith(module):
-        rest = classname[len(module) :].lstrip(".")
+    # a text file's doctest (`--doctest-glob`): classname is its path with dots
+    dotted = module if file.endswith(".py") else file.replace("/", ".")
+    if classname.startswith(dotted):
+        rest = classname[len(dotted) :].lstrip(".")
         return "::".join([file, *(rest.split(".") if rest else []), name])
     # A test inherited from a class in another file (a mixin in tests/__init__.py): `file`
     # is where its function is written, `classname` the module and classes that collected
