@@ -357,3 +357,38 @@ def test_generate_tasks_validates_arguments(shared_dir: Path) -> None:
             sandbox_factory=_factory,
             environment="system",
         )
+
+
+def test_a_target_that_needs_the_whole_suite_is_judged_by_the_whole_suite(
+    shared_dir: Path,
+) -> None:
+    """A doctest of a text file that finds its names only because another folder's tests ran
+    first (semver's shape: tests/conftest.py fills the session's doctest namespace): run
+    alone it fails even on the original code, so gate 4 judges it by the whole suite, as
+    grading runs it, instead of rejecting the task."""
+    repo = _copy_repo(shared_dir)
+    pyproject = repo / "pyproject.toml"
+    pyproject.write_text(
+        pyproject.read_text().replace(
+            'testpaths = ["tests"]',
+            'testpaths = ["tests", "docs"]\naddopts = "--doctest-glob=*.rst"',
+        )
+    )
+    (repo / "tests" / "conftest.py").write_text(
+        "import pytest\n\n\n@pytest.fixture(autouse=True)\ndef _names(doctest_namespace):\n"
+        "    from textkit.stats import mean\n\n    doctest_namespace['mean'] = mean\n"
+    )
+    (repo / "docs").mkdir()
+    (repo / "docs" / "guide.rst").write_text("Guide\n=====\n\n>>> mean([1, 3])\n2.0\n")
+    report = generate_tasks(
+        repo,
+        shared_dir / "tasks.jsonl",
+        max_tasks=5,
+        sandbox_factory=_factory,
+        only=["mean"],
+        environment="system",
+        split=None,
+    )
+    assert report.accepted == 1, report.rejections
+    (task,) = _tasks(report.output)
+    assert "docs/guide.rst::guide.rst" in task.target_tests
