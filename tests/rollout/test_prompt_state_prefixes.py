@@ -50,3 +50,46 @@ def test_the_store_keeps_its_byte_budget_dropping_the_least_recent(tiny):
         store.get(model, prompts[0]),
     )
     assert store.longest_prefix(model, prompts[0]) is None  # strictly longer prompts only
+
+
+def test_two_prompts_that_extend_one_kept_prompt_both_extend_it(tiny):
+    """The kept state goes only once the last prompt extending it is extended (sampled rows
+    of one group share their first turn)."""
+    model, _ = tiny
+    first = tuple(range(5, 30))
+    a, b = (*first, 11, 12), (*first, 13)
+    store = PromptStates()
+    prompt_states(model, [first], 0, store)
+    states, forwarded = prompt_states(model, [a, b], 0, store)
+    assert forwarded == 3  # both from the kept state
+    assert store.get(model, first) is None and len(store) == 2
+    whole, _ = prompt_states(model, [a, b], 0, PromptStates())
+    for prompt in (a, b):
+        torch.testing.assert_close(
+            states[prompt].logits, whole[prompt].logits, atol=1e-4, rtol=1e-4
+        )
+
+
+def test_relayout_consumes_the_old_cache_and_keeps_every_row(tiny):
+    """Rows of a running cache and rows joining from prompt states, right-aligned in a new
+    cache; the old cache's layers are let go as they are copied."""
+    from composer_replication.inference.decoding.kv_cache import relayout
+
+    model, _ = tiny
+    prompts = [tuple(range(3, 3 + n)) for n in (6, 9, 4)]
+    states, _ = prompt_states(model, prompts, 0, PromptStates())
+    cache, mask = relayout(model, None, None, [states[p] for p in prompts[:2]], room=4)
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9]
+    old_layers = list(cache.layers)
+    grown, grown_mask = relayout(model, cache, mask, [states[prompts[2]]], room=4)
+    assert all(layer.keys.numel() == 0 for layer in old_layers)  # consumed
+    assert grown_mask.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0] * 5 + [1] * 4]
+    for layer_index, layer in enumerate(grown.layers):
+        for row, prompt in enumerate(prompts):
+            n = len(prompt)
+            torch.testing.assert_close(
+                layer.keys[row, :, 9 - n :], states[prompt].keys[layer_index]
+            )
+            torch.testing.assert_close(
+                layer.values[row, :, 9 - n :], states[prompt].values[layer_index]
+            )

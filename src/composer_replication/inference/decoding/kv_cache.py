@@ -20,6 +20,7 @@ A forward writes into a cache passed with :func:`~composer_replication.common.co
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,9 +140,10 @@ def extend_state(model: Any, state: PromptState, tokens: Sequence[int]) -> Promp
         logits_to_keep=1,
         **cache_kwargs(cache),
     )
+    # each layer's keys are a fresh concatenation the cache alone holds: no copy needed
     return PromptState(
-        keys=[layer.keys[0].clone() for layer in cache.layers],
-        values=[layer.values[0].clone() for layer in cache.layers],
+        keys=[layer.keys[0] for layer in cache.layers],
+        values=[layer.values[0] for layer in cache.layers],
         logits=out.logits[0, -1, :].float().clone(),
     )
 
@@ -158,8 +160,8 @@ def prompt_states(
     device = next(model.parameters()).device
     states: dict[tuple[int, ...], PromptState] = {}
     missing = []
-    extended: list[tuple[int, ...]] = []
     prefilled = 0
+    bases: list[tuple[tuple[int, ...], tuple[int, ...], PromptState]] = []
     for prompt in dict.fromkeys(prompts):
         found = store.get(model, prompt)
         if found is not None:
@@ -168,14 +170,18 @@ def prompt_states(
         base = store.longest_prefix(model, prompt)
         if base is None:
             missing.append(prompt)
-            continue
-        kept, state = base
+        else:
+            bases.append((prompt, *base))
+    # the turn a kept prompt served is over once every prompt extending it is extended:
+    # dropped then, not at the end, so the old and new states of a batch are not all held
+    extenders = Counter(kept for _, kept, _ in bases)
+    for prompt, kept, state in bases:
         states[prompt] = extend_state(model, state, prompt[len(kept) :])
         prefilled += len(prompt) - len(kept)
         store.put(model, prompt, states[prompt])
-        extended.append(kept)
-    for kept in extended:  # after the call: several prompts may extend the same one
-        store.drop(model, kept)
+        extenders[kept] -= 1
+        if not extenders[kept]:
+            store.drop(model, kept)
     missing.sort(key=len)
     for start in range(0, len(missing), PREFILL_ROWS):
         chunk = missing[start : start + PREFILL_ROWS]
@@ -301,46 +307,58 @@ def relayout(
     """A new cache (and its (rows, width) mask) holding the attended positions of the rows
     of ``cache`` (``mask``; none when ``cache`` is None), then one row per state of
     ``new_states``, every row right-aligned; ``room`` positions are left for the forwards
-    to come. Rows keep their order; the new rows come last."""
-    parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # per block: keys, values
+    to come. Rows keep their order; the new rows come last.
+
+    ``cache`` is consumed: each of its layers is emptied as soon as it is copied, so the
+    copy needs one layer more than the larger of the two caches, not both caches whole."""
     lengths: list[int] = []
+    order: torch.Tensor | None = None
     if cache is not None and mask is not None and mask.shape[0]:
         keep = mask.bool()
         counts = keep.sum(-1)
-        width = int(counts.max())
         # each row's attended positions in order, right-aligned; the filler is masked
-        order = torch.argsort(keep.to(torch.uint8), dim=-1, stable=True)[:, -width:]
-        keys, values = [], []
-        for layer in cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            keys.append(layer.keys.gather(2, index))
-            values.append(layer.values.gather(2, index))
-        parts.append((keys, values))
+        order = torch.argsort(keep.to(torch.uint8), dim=-1, stable=True)[:, -int(counts.max()) :]
         lengths += counts.tolist()
-    for state in new_states:
-        parts.append(([k[None] for k in state.keys], [v[None] for v in state.values]))
-        lengths.append(state.length)
-    if not parts:
+    lengths += [state.length for state in new_states]
+    if not lengths:
         raise ValueError("relayout needs at least one row")
     width = max(lengths)
-    device = parts[0][0][0].device
-    rows = len(lengths)
+    old_rows = len(lengths) - len(new_states)
+    first = cache.layers[0].keys if order is not None else new_states[0].keys[0][None]
+    device = first.device
     fresh = new_cache(model, width + room)
-    n_layers = len(parts[0][0])
+    n_layers = len(cache.layers) if order is not None else len(new_states[0].keys)
     for layer_index in range(n_layers):
-        first = parts[0][0][layer_index]
-        key = first.new_zeros((rows, first.shape[1], width, first.shape[3]))
+        if order is not None:
+            layer = cache.layers[layer_index]
+            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+            like = layer.keys
+        else:
+            layer = None
+            heads, dim = new_states[0].keys[layer_index].shape[0], first.shape[3]
+            like = new_states[0].keys[layer_index]
+        key = like.new_zeros((len(lengths), heads, width, dim))
         value = torch.zeros_like(key)
-        row = 0
-        for block_keys, block_values in parts:
-            block_k, block_v = block_keys[layer_index], block_values[layer_index]
-            n, span = block_k.shape[0], block_k.shape[2]
-            key[row : row + n, :, width - span :] = block_k
-            value[row : row + n, :, width - span :] = block_v
-            row += n
+        if layer is not None and order is not None:
+            span = order.shape[1]
+            index = order[:, None, :, None].expand(-1, heads, -1, dim)
+            key[:old_rows, :, width - span :] = layer.keys.gather(2, index)
+            value[:old_rows, :, width - span :] = layer.values.gather(2, index)
+            _empty_layer(layer)
+        for row, state in enumerate(new_states, start=old_rows):
+            span = state.length
+            key[row, :, width - span :] = state.keys[layer_index]
+            value[row, :, width - span :] = state.values[layer_index]
         fresh.update(key, value, layer_index)
+        del key, value
     offsets = torch.arange(width, device=device)[None, :]
     starts = to_device_async(torch.tensor([width - n for n in lengths], device="cpu"), device)[
         :, None
     ]
     return fresh, (offsets >= starts).long()
+
+
+def _empty_layer(layer: Any) -> None:
+    """Let go of a preallocated layer's buffers (its cache is being replaced)."""
+    empty = layer.keys.new_empty((0,))
+    layer._key_buffer = layer._value_buffer = layer.keys = layer.values = empty
