@@ -93,3 +93,32 @@ def test_relayout_consumes_the_old_cache_and_keeps_every_row(tiny):
             torch.testing.assert_close(
                 layer.values[row, :, 9 - n :], states[prompt].values[layer_index]
             )
+
+
+def test_prefill_chunks_bound_rows_and_padded_tokens(monkeypatch):
+    """Long prompts (an agent's late turns) prefill in fewer rows a forward; one prompt over
+    the token bound still goes, alone."""
+    from composer_replication.inference.decoding import kv_cache
+
+    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", 100)
+    monkeypatch.setattr(kv_cache, "PREFILL_ROWS", 3)
+    prompts = [tuple(range(n)) for n in (10, 10, 20, 20, 30, 40, 120)]
+    chunks = kv_cache._prefill_chunks(prompts)
+    assert [[len(p) for p in chunk] for chunk in chunks] == [[10, 10, 20], [20, 30], [40], [120]]
+    assert all(len(c) * max(map(len, c)) <= 100 for c in chunks[:-1])
+
+
+def test_states_prefilled_in_token_bounded_chunks_equal_one_forward_each(tiny, monkeypatch):
+    from composer_replication.inference.decoding import kv_cache
+
+    model, _ = tiny
+    prompts = [tuple(range(2, 2 + n)) for n in (7, 12, 30)]
+    alone = {p: prompt_states(model, [p], 0, PromptStates())[0][p] for p in prompts}
+    monkeypatch.setattr(kv_cache, "PREFILL_TOKENS", 40)  # chunks [7, 12], [30]
+    states, forwarded = prompt_states(model, prompts, 0, PromptStates())
+    assert forwarded == sum(map(len, prompts))
+    for p in prompts:
+        assert states[p].length == len(p)
+        for a, b in zip([*states[p].keys, *states[p].values], [*alone[p].keys, *alone[p].values]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[p].logits, alone[p].logits, atol=1e-4, rtol=1e-4)

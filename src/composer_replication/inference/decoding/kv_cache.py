@@ -33,6 +33,7 @@ from composer_replication.inference.decoding.uploads import to_device_async
 
 __all__ = [
     "PREFILL_ROWS",
+    "PREFILL_TOKENS",
     "PromptState",
     "PromptStates",
     "cache_capacity",
@@ -45,6 +46,10 @@ __all__ = [
 
 #: Prompts prefilled per forward: sorted by length, so a chunk carries little padding.
 PREFILL_ROWS = 16
+#: Padded prompt tokens per prefill forward at most (one longer prompt still goes alone):
+#: a chunk's keys, values and attention grow with it (an agent's late turns: thousands of
+#: tokens a prompt).
+PREFILL_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,7 @@ def prompt_states(
         if not extenders[kept]:
             store.drop(model, kept)
     missing.sort(key=len)
-    for start in range(0, len(missing), PREFILL_ROWS):
-        chunk = missing[start : start + PREFILL_ROWS]
+    for chunk in _prefill_chunks(missing):
         ids, mask = left_pad(chunk, pad_id, device=device)
         width = ids.shape[1]
         cache = DynamicCache()
@@ -206,16 +210,38 @@ def prompt_states(
             )
         prefilled += int(mask.sum())
         last = out.logits[:, -1, :].float()
+        keys: list[list[torch.Tensor]] = [[] for _ in chunk]
+        values: list[list[torch.Tensor]] = [[] for _ in chunk]
+        for layer in cache.layers:  # each chunk layer goes once its rows are copied out
+            for i, prompt in enumerate(chunk):
+                begin = width - len(prompt)
+                keys[i].append(layer.keys[i, :, begin:].clone())
+                values[i].append(layer.values[i, :, begin:].clone())
+            layer.keys = layer.values = None
+        del cache, out
         for i, prompt in enumerate(chunk):
-            begin = width - len(prompt)
-            state = PromptState(
-                keys=[layer.keys[i, :, begin:].clone() for layer in cache.layers],
-                values=[layer.values[i, :, begin:].clone() for layer in cache.layers],
-                logits=last[i].clone(),
-            )
+            state = PromptState(keys=keys[i], values=values[i], logits=last[i].clone())
             states[prompt] = state
             store.put(model, prompt, state)
     return states, prefilled
+
+
+def _prefill_chunks(prompts: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Length-sorted ``prompts`` in consecutive chunks of at most :data:`PREFILL_ROWS`
+    prompts and :data:`PREFILL_TOKENS` padded tokens (a longer prompt alone)."""
+    chunks: list[list[tuple[int, ...]]] = []
+    for prompt in prompts:
+        chunk = chunks[-1] if chunks else None
+        # sorted: this prompt is the chunk's longest, so it sets the padded width
+        if (
+            chunk is None
+            or len(chunk) >= PREFILL_ROWS
+            or (len(chunk) + 1) * len(prompt) > PREFILL_TOKENS
+        ):
+            chunks.append([prompt])
+        else:
+            chunk.append(prompt)
+    return chunks
 
 
 class _PreallocatedLayer:
