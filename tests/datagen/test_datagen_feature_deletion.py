@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,20 @@ def _copy_repo(parent: Path) -> Path:
     dest = parent / "fd_repo"
     shutil.copytree(FD_REPO, dest, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
     return dest
+
+
+def _generate(repo: Path, output: Path, only: list[str], **options: Any) -> GenerationReport:
+    """``generate_tasks`` on a copy of the fixture as these tests run it: up to 5 tasks of
+    the functions ``only`` names, in the system's environment, graded in the local sandbox."""
+    return generate_tasks(
+        repo,
+        output,
+        max_tasks=5,
+        sandbox_factory=_factory,
+        only=only,
+        environment="system",
+        **options,
+    )
 
 
 def _pick_subset() -> list[str]:
@@ -196,15 +211,7 @@ def test_failing_and_flaky_tests_are_excluded_from_grading_not_fatal(shared_dir:
     repo = _copy_repo(shared_dir)
     with open(repo / "tests" / "test_stats.py", "a") as fh:
         fh.write("\n\ndef test_broken_on_purpose():\n    assert 0 == 1\n" + FLAKY_TEST)
-    report = generate_tasks(
-        repo,
-        shared_dir / "tasks.jsonl",
-        max_tasks=5,
-        sandbox_factory=_factory,
-        only=["mean"],
-        environment="system",
-        split=None,
-    )
+    report = _generate(repo, shared_dir / "tasks.jsonl", ["mean"], split=None)
     assert report.accepted == 1
     assert report.excluded == {"failed": 1, "flaky": 1}
     assert report.baseline_passing == 14
@@ -229,14 +236,7 @@ def test_gate1_rejects_a_repo_where_no_test_passes(shared_dir: Path) -> None:
     repo = _copy_repo(shared_dir)
     with open(repo / "textkit" / "__init__.py", "a") as fh:
         fh.write("\nraise RuntimeError('broken_on_purpose')\n")
-    report = generate_tasks(
-        repo,
-        shared_dir / "tasks.jsonl",
-        max_tasks=5,
-        sandbox_factory=_factory,
-        only=["mean"],
-        environment="system",
-    )
+    report = _generate(repo, shared_dir / "tasks.jsonl", ["mean"])
     assert report.accepted == 0
     assert report.rejected["gate1_original_green"] == 1
     reason = report.rejections[0][2]
@@ -246,15 +246,7 @@ def test_gate1_rejects_a_repo_where_no_test_passes(shared_dir: Path) -> None:
 
 def test_gate2_rejects_deleting_an_uncovered_function(shared_dir: Path) -> None:
     repo = _copy_repo(shared_dir)
-    report = generate_tasks(
-        repo,
-        shared_dir / "tasks.jsonl",
-        max_tasks=5,
-        sandbox_factory=_factory,
-        only=["reverse_words"],
-        static_preselect=False,
-        environment="system",
-    )
+    report = _generate(repo, shared_dir / "tasks.jsonl", ["reverse_words"], static_preselect=False)
     assert report.rejected["gate2_targets_red"] == 1
     assert report.rejections == (
         (
@@ -267,15 +259,7 @@ def test_gate2_rejects_deleting_an_uncovered_function(shared_dir: Path) -> None:
 
 def test_preselection_skips_what_no_test_runs_without_a_gate_run(shared_dir: Path) -> None:
     repo = _copy_repo(shared_dir)
-    report = generate_tasks(
-        repo,
-        shared_dir / "t.jsonl",
-        max_tasks=5,
-        sandbox_factory=_factory,
-        only=["reverse_words", "mean"],
-        environment="system",
-        split=None,
-    )
+    report = _generate(repo, shared_dir / "t.jsonl", ["reverse_words", "mean"], split=None)
     # the suite's coverage (one traced run) shows no test runs reverse_words
     assert report.uncovered == 1 and report.candidates == 1 and report.accepted == 1
     assert sum(report.rejected.values()) == 0
@@ -287,14 +271,7 @@ def test_without_coverage_the_names_tests_mention_preselect(
     # a sandbox that cannot run the tracer (a container image without it): no coverage
     monkeypatch.setattr(SolvabilityValidator, "covered_lines", lambda self, repo_dir: None)
     repo = _copy_repo(shared_dir)
-    report = generate_tasks(
-        repo,
-        shared_dir / "t.jsonl",
-        max_tasks=5,
-        sandbox_factory=_factory,
-        only=["reverse_words"],
-        environment="system",
-    )
+    report = _generate(repo, shared_dir / "t.jsonl", ["reverse_words"])
     assert report.uncovered is None
     assert report.rejected["not_referenced"] == 1
     assert sum(report.rejected[g] for g in GATES) == 0
@@ -331,15 +308,7 @@ def test_the_traced_run_turns_pytest_cov_off() -> None:
 
 def test_gate3_rejects_a_deletion_that_breaks_collection(shared_dir: Path) -> None:
     repo = _copy_repo(shared_dir)  # `register` runs at import time as a decorator factory
-    report = generate_tasks(
-        repo,
-        shared_dir / "tasks.jsonl",
-        max_tasks=5,
-        sandbox_factory=_factory,
-        only=["register"],
-        static_preselect=False,
-        environment="system",
-    )
+    report = _generate(repo, shared_dir / "tasks.jsonl", ["register"], static_preselect=False)
     assert report.rejected["gate3_collection_ok"] == 1
     qualname, gate, reason = report.rejections[0]
     assert (qualname, gate) == ("register", "gate3_collection_ok")
@@ -380,15 +349,7 @@ def test_a_target_that_needs_the_whole_suite_is_judged_by_the_whole_suite(
     )
     (repo / "docs").mkdir()
     (repo / "docs" / "guide.rst").write_text("Guide\n=====\n\n>>> mean([1, 3])\n2.0\n")
-    report = generate_tasks(
-        repo,
-        shared_dir / "tasks.jsonl",
-        max_tasks=5,
-        sandbox_factory=_factory,
-        only=["mean"],
-        environment="system",
-        split=None,
-    )
+    report = _generate(repo, shared_dir / "tasks.jsonl", ["mean"], split=None)
     assert report.accepted == 1, report.rejections
     (task,) = _tasks(report.output)
     assert "docs/guide.rst::guide.rst" in task.target_tests
