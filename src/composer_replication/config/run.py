@@ -289,6 +289,12 @@ class EvalConfig(_Strict):
         "is always evaluated.",
     )
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
+    reuse_start: bool = Field(
+        True,
+        description="Reuse the start evaluation of a run that started from the same weights "
+        "with the same held-out tasks, evaluation settings and code (kept in the project's "
+        "cache; single-process runs): the same numbers without sampling them again.",
+    )
     samples_per_task: int = Field(
         4, ge=1, le=1_000_000, description="Samples per held-out task for pass@1."
     )

@@ -366,6 +366,15 @@ class FeatureDeletionEnv(ReferenceEpisodes):
     def task_ids(self) -> list[str]:
         return list(self.tasks)
 
+    def evaluation_digest(self, task_ids: Sequence[str]) -> str:
+        """Digest of what evaluating ``task_ids`` reads: their records and the bytes of
+        their workdirs' files (:mod:`~composer_replication.evals.start_reuse`)."""
+        from composer_replication.evals.start_reuse import digest_of_records
+
+        tasks = [self.tasks[tid] for tid in task_ids]
+        files = [self.workdirs[t.task_id] / name for t in tasks for name in t.files]
+        return digest_of_records(tasks, files)
+
     def monitor_for(self, task: FDTask) -> HackMonitor:
         """The hack monitor of ``task``: its discovered test modules are protected too."""
         if not task.test_files:

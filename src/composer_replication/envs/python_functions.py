@@ -156,6 +156,13 @@ class PythonFunctionsEnv:
     def task_ids(self) -> list[str]:
         return list(self.tasks)
 
+    def evaluation_digest(self, task_ids: Sequence[str]) -> str:
+        """Digest of what evaluating ``task_ids`` reads: their records
+        (:mod:`~composer_replication.evals.start_reuse`)."""
+        from composer_replication.evals.start_reuse import digest_of_records
+
+        return digest_of_records([self.tasks[t] for t in task_ids])
+
     def messages(self, task: PythonTask) -> list[dict[str, str]]:
         return [
             {"role": "system", "content": SYSTEM_PROMPT},

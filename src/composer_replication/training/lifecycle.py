@@ -193,8 +193,9 @@ class RunLifecycle:
             return None
         from composer_replication.samples.rollout_log import write_rollouts
 
-        path = self.run_dir / "rollouts" / f"{kind}_step_{step:04d}.jsonl"
-        return write_rollouts(path, [r for group in groups for r in group], tokenizer)
+        return write_rollouts(
+            self._rollouts_path(kind, step), [r for group in groups for r in group], tokenizer
+        )
 
     def exclusive(self) -> contextlib.AbstractContextManager[Any]:
         """Hold the run directory for this run alone (rank 0; ``training.run_lock``): entered
@@ -230,12 +231,30 @@ class RunLifecycle:
         return moved
 
     def evaluate_start(
-        self, sampler: Sampler, tokenizer: Any, tasks: Sequence[HeldoutTasks]
+        self,
+        sampler: Sampler,
+        tokenizer: Any,
+        tasks: Sequence[HeldoutTasks],
+        *,
+        policy: Any = None,
     ) -> None:
-        """The initial policy's held-out pass@1 (when ``eval.at_start``), as step 0."""
+        """The initial policy's held-out pass@1 (when ``eval.at_start``), as step 0.
+
+        With ``policy`` (the model ``sampler`` samples) and ``eval.reuse_start``, a single
+        process reads back the same evaluation kept by an earlier run instead of sampling it
+        again, and keeps the one it measures (:mod:`~composer_replication.evals.start_reuse`).
+        """
         if not self.config.eval.at_start:
             return
-        self.heldout_before = self.evaluate(sampler, tokenizer, tasks, step=0)
+        key = None
+        if policy is not None and self.config.eval.reuse_start and not self.ranks.distributed:
+            from composer_replication.evals.start_reuse import start_evaluation_key
+
+            key = start_evaluation_key(self.config, policy, tokenizer, tasks)
+        if key is None or not self._reuse_start(key):
+            self.heldout_before = self.evaluate(sampler, tokenizer, tasks, step=0)
+            if key is not None:
+                self._keep_start(key)
         self.append(
             {
                 "step": 0,
@@ -244,6 +263,50 @@ class RunLifecycle:
                 "heldout/hack_flagged_fraction": self.heldout_hack_fraction,
             }
         )
+
+    def _reuse_start(self, key: str) -> bool:
+        """Take the start evaluation kept under ``key``; False when there is none to take
+        (or it lacks the rollouts this run saves)."""
+        from composer_replication.evals.start_reuse import load_start_evaluation
+
+        kept = load_start_evaluation(key)
+        rollouts = self._start_rollouts_path()
+        if kept is None or (rollouts is not None and kept.rollouts is None):
+            return False
+        if rollouts is not None and kept.rollouts is not None:
+            rollouts.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(rollouts, kept.rollouts.read_text())
+        self.heldout_before = kept.pass_at_1
+        self.heldout_scores = dict(kept.scores)
+        self.heldout_hack_fraction = kept.hack_fraction
+        log.info(
+            "held-out evaluation (start): the same weights, tasks and settings were evaluated "
+            "on %s; its numbers are reused (eval.reuse_start = false measures them again)",
+            kept.created,
+        )
+        return True
+
+    def _keep_start(self, key: str) -> None:
+        from composer_replication.evals.start_reuse import store_start_evaluation
+
+        assert self.heldout_before is not None
+        rollouts = self._start_rollouts_path()
+        store_start_evaluation(
+            key,
+            self.heldout_before,
+            self.heldout_scores,
+            self.heldout_hack_fraction,
+            rollouts if rollouts is not None and rollouts.is_file() else None,
+        )
+
+    def _start_rollouts_path(self) -> Path | None:
+        """Where the start evaluation's rollouts go (None: this run does not save them)."""
+        if self.config.save_rollouts == "none" or not self.ranks.is_writer:
+            return None
+        return self._rollouts_path("eval", 0)
+
+    def _rollouts_path(self, kind: str, step: int) -> Path:
+        return self.run_dir / "rollouts" / f"{kind}_step_{step:04d}.jsonl"
 
     def is_eval_step(self, step: int) -> bool:
         return step % self.config.eval.every == 0 or self.is_last_step(step)

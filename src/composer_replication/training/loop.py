@@ -552,7 +552,9 @@ class Trainer:
         self.engine.start(self.policy, self.step)
         if not resumed and self.config.eval.at_start:
             with self.learner.weights.gathered(), self._beat("held-out evaluation (start)"):
-                self.life.evaluate_start(self.live_sampler, self.tokenizer, self.heldout_tasks)
+                self.life.evaluate_start(
+                    self.live_sampler, self.tokenizer, self.heldout_tasks, policy=self.policy
+                )
             release_free_heap()
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.async_level:

@@ -385,7 +385,7 @@ def train_with_trl(run_config: RunConfig, *, console: Any | None = None) -> RunR
     )
     with life.exclusive():  # the run directory is this run's alone
         life.begin(resumed=False)
-        life.evaluate_start(InProcessSampler(policy), tokenizer, heldout)
+        life.evaluate_start(InProcessSampler(policy), tokenizer, heldout, policy=policy)
         callback = _LifecycleCallback(
             life,
             policy,
