@@ -1,5 +1,5 @@
 """Shared fixtures: the tiny model and the tokenizer, world-traversable temp dirs for
-sandboxes, the FD fixture repo."""
+sandboxes, the FD fixture repo, a folder of kept start evaluations per test."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ from composer_replication.sandbox.local import LocalSubprocessSandbox  # noqa: E
 from composer_replication.sandbox.workdir import make_shared_tempdir  # noqa: E402
 
 FD_REPO = Path(__file__).resolve().parent / "fixtures" / "fd_repo"
+
+
+@pytest.fixture(autouse=True)
+def own_kept_evaluations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test keeps the start evaluations its runs measure to itself (``eval.reuse_start``):
+    a test's run never reads one that another test's run kept."""
+    from composer_replication.evals import start_reuse
+
+    folder = tmp_path / "kept-evaluations"
+    monkeypatch.setattr(start_reuse, "evaluations_dir", lambda: folder)
+    return folder
 
 
 @pytest.fixture

@@ -376,3 +376,22 @@ def test_recovery_demonstrations_show_the_near_miss_and_train_the_fix(generated,
     assert trained.count("<old>\n    raise NotImplementedError") == 1
     plain = FeatureDeletionEnv(generated).demonstrations(tokenizer, [TASK_ID])[0][0]
     assert "recovery" not in plain.metadata
+
+
+def test_the_evaluation_digest_reads_the_task_workdirs(generated):
+    """What a kept start evaluation is keyed by: a task's workdir files and its grader."""
+    env = FeatureDeletionEnv(generated)
+    before = env.evaluation_digest([TASK_ID])
+    assert before is not None and before == FeatureDeletionEnv(generated).evaluation_digest(
+        [TASK_ID]
+    )
+    edited = env.workdirs[TASK_ID] / env.tasks[TASK_ID].file
+    text = edited.read_text()
+    try:
+        edited.write_text(text + "\n# edited\n")
+        assert env.evaluation_digest([TASK_ID]) != before
+    finally:
+        edited.write_text(text)
+    assert env.evaluation_digest([TASK_ID]) == before
+    closure = FeatureDeletionEnv(generated, sandbox_factory=lambda path: None)
+    assert closure.evaluation_digest([TASK_ID]) is None

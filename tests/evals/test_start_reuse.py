@@ -9,22 +9,11 @@ import json
 import pytest
 import torch
 
-from composer_replication.common.project_cache import CACHE_ENV_VAR
 from composer_replication.config import RunConfig
 from composer_replication.envs.python_functions import PythonFunctionsEnv
-from composer_replication.evals.start_reuse import (
-    evaluations_dir,
-    start_evaluation_key,
-    weights_digest,
-)
+from composer_replication.evals.start_reuse import start_evaluation_key, weights_digest
 from composer_replication.training.lifecycle import HeldoutTasks
 from composer_replication.training.loop import Trainer
-
-
-@pytest.fixture
-def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def _config(tmp_path, tiny_dir, name="run", **top):
@@ -93,11 +82,14 @@ def test_the_key_names_what_the_start_evaluation_reads(tmp_path, tiny_dir):
     assert weights_digest(policy) != before
     assert start_evaluation_key(base, policy, tokenizer, tasks) != key
 
-    # an environment that cannot digest its tasks is never reused
+    # an environment that cannot digest its tasks, or grades in sandboxes a closure makes,
+    # is never reused
     class Opaque:
         pass
 
     assert start_evaluation_key(base, policy, tokenizer, [HeldoutTasks(Opaque(), ids, 8)]) is None
+    closure = PythonFunctionsEnv(sandbox_factory=lambda path: None)
+    assert start_evaluation_key(base, policy, tokenizer, [HeldoutTasks(closure, ids, 8)]) is None
 
 
 def _run(config):
@@ -118,11 +110,11 @@ def _run(config):
 
 @pytest.mark.integration
 def test_a_second_run_from_the_same_weights_reads_its_start_evaluation_back(
-    tmp_path, tiny_dir, own_cache
+    tmp_path, tiny_dir, own_kept_evaluations
 ):
     first, first_calls = _run(_config(tmp_path, tiny_dir, name="first"))
     assert first_calls.count(0) == 2  # sampled, then greedy
-    (record,) = evaluations_dir().glob("*[0-9a-f].json")
+    (record,) = own_kept_evaluations.glob("*[0-9a-f].json")
     second, second_calls = _run(_config(tmp_path, tiny_dir, name="second", seed=1))
     assert second_calls.count(0) == 0  # nothing sampled for step 0
 
@@ -133,7 +125,9 @@ def test_a_second_run_from_the_same_weights_reads_its_start_evaluation_back(
     assert measured(second) == measured(first)
     assert "heldout/greedy_pass@1" in measured(first)
     rollouts = "rollouts/eval_step_0000.jsonl"
-    assert (tmp_path / "second" / rollouts).read_text() == (tmp_path / "first" / rollouts).read_text()
+    assert (tmp_path / "second" / rollouts).read_text() == (
+        tmp_path / "first" / rollouts
+    ).read_text()
 
     # reuse off: measured again
     off = _config(tmp_path, tiny_dir, name="third")

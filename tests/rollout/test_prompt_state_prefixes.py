@@ -122,3 +122,51 @@ def test_states_prefilled_in_token_bounded_chunks_equal_one_forward_each(tiny, m
         for a, b in zip([*states[p].keys, *states[p].values], [*alone[p].keys, *alone[p].values]):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(states[p].logits, alone[p].logits, atol=1e-4, rtol=1e-4)
+
+
+def test_an_episode_keeps_one_copy_of_its_state_and_its_next_turn_extends_the_finished_row(
+    tiny,
+):
+    """With ``keep_finished`` (agent episodes) a prompt's kept state goes once its row is in
+    the batch, a finished row's state (prompt and tokens but the last) is kept instead, and
+    the next turn forwards only the last token and what follows it; every turn samples what
+    it samples without that."""
+    from composer_replication.inference.decoding.decode import DecodeStats, decode_rows
+
+    model, _ = tiny
+    first_turn = [tuple(range(3, 3 + n)) for n in (9, 14, 6)]
+    observation = (401, 402, 403)
+
+    def two_turns(store: PromptStates) -> tuple[list, DecodeStats, list]:
+        def turn(prompts: list) -> tuple[list, DecodeStats]:
+            stats = DecodeStats()
+            rows = decode_rows(
+                model,
+                prompts,
+                max_new_tokens=6,
+                temperature=1.0,
+                eos_ids=[],
+                pad_id=0,
+                row_seeds=[11, 12, 13],
+                max_rows=2,  # the third row joins as one finishes
+                prompt_states=store,
+                stats=stats,
+            )
+            return rows, stats
+
+        rows, _ = turn(first_turn)
+        kept = sorted(len(prompt) for _, prompt in store._states)
+        second_turn = [(*p, *r.tokens, *observation) for p, r in zip(first_turn, rows)]
+        later, stats = turn(second_turn)
+        return [r.tokens for r in (*rows, *later)], stats, kept
+
+    plain, plain_stats, _ = two_turns(PromptStates())
+    one_copy = PromptStates(keep_finished=True)
+    tokens, stats, kept = two_turns(one_copy)
+    assert tokens == plain
+    # after the first turn: only the finished rows' states, each its prompt + 5 tokens
+    assert kept == sorted(len(p) + 5 for p in first_turn)
+    # the second turn forwards the last sampled token and the observation of each row
+    assert stats.prefilled == 3 * (1 + len(observation))
+    assert plain_stats.prefilled == 3 * (6 + len(observation))
+    assert all(state.logits is None for state in one_copy._states.values())

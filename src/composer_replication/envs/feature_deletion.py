@@ -366,14 +366,18 @@ class FeatureDeletionEnv(ReferenceEpisodes):
     def task_ids(self) -> list[str]:
         return list(self.tasks)
 
-    def evaluation_digest(self, task_ids: Sequence[str]) -> str:
-        """Digest of what evaluating ``task_ids`` reads: their records and the bytes of
-        their workdirs' files (:mod:`~composer_replication.evals.start_reuse`)."""
-        from composer_replication.evals.start_reuse import digest_of_records
+    def evaluation_digest(self, task_ids: Sequence[str]) -> str | None:
+        """Digest of what evaluating ``task_ids`` reads: their records, the bytes of their
+        workdirs' files and the sandbox factory's name (None for an unnamed factory;
+        :mod:`~composer_replication.evals.start_reuse`)."""
+        from composer_replication.evals.start_reuse import digest_of_records, grader_name
 
+        grader = grader_name(self.sandbox_factory)
+        if grader is None:
+            return None
         tasks = [self.tasks[tid] for tid in task_ids]
         files = [self.workdirs[t.task_id] / name for t in tasks for name in t.files]
-        return digest_of_records(tasks, files)
+        return digest_of_records([grader, *tasks], files)
 
     def monitor_for(self, task: FDTask) -> HackMonitor:
         """The hack monitor of ``task``: its discovered test modules are protected too."""
@@ -489,7 +493,7 @@ class FeatureDeletionEnv(ReferenceEpisodes):
 
                 # the weights hold still through the collection: each turn prefills only
                 # what its episode's last prompt did not have (a sampler in this process)
-                with reuse_prompt_states(outer=True):
+                with reuse_prompt_states(outer=True, keep_finished=True):
                     rollouts = run_agent_rollouts(
                         None,
                         tokenizer,

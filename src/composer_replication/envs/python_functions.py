@@ -156,12 +156,16 @@ class PythonFunctionsEnv:
     def task_ids(self) -> list[str]:
         return list(self.tasks)
 
-    def evaluation_digest(self, task_ids: Sequence[str]) -> str:
-        """Digest of what evaluating ``task_ids`` reads: their records
-        (:mod:`~composer_replication.evals.start_reuse`)."""
-        from composer_replication.evals.start_reuse import digest_of_records
+    def evaluation_digest(self, task_ids: Sequence[str]) -> str | None:
+        """Digest of what evaluating ``task_ids`` reads: their records and the sandbox
+        factory's name (None for an unnamed factory;
+        :mod:`~composer_replication.evals.start_reuse`)."""
+        from composer_replication.evals.start_reuse import digest_of_records, grader_name
 
-        return digest_of_records([self.tasks[t] for t in task_ids])
+        grader = grader_name(self.sandbox_factory)
+        if grader is None:
+            return None
+        return digest_of_records([grader, *(self.tasks[t] for t in task_ids)])
 
     def messages(self, task: PythonTask) -> list[dict[str, str]]:
         return [

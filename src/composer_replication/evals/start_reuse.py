@@ -13,8 +13,10 @@ The key is a digest of everything the evaluation's numbers depend on:
 - the weights the sampler computes with (LoRA folded in: adapters that start at zero add
   nothing), and the tokenizer's vocabulary and chat template;
 - each environment's held-out tasks as the environment itself digests them
-  (``evaluation_digest(task_ids)``: the task records and what grading reads, such as a
-  repository task's files); an environment without that method is never reused;
+  (``evaluation_digest(task_ids)``: the task records, what grading reads, such as a
+  repository task's files, and the function that builds its sandboxes); an environment
+  without that method, or whose sandboxes come from a closure (:func:`grader_name`), is
+  never reused;
 - the run configuration without the fields only training reads (:data:`TRAINING_ONLY`);
 - the code: this package's files, the versions of Python, torch and transformers, torch's
   thread count (it sets the summation order of the CPU kernels), and the sampling device.
@@ -44,6 +46,7 @@ __all__ = [
     "TRAINING_ONLY",
     "StartEvaluation",
     "digest_of_records",
+    "grader_name",
     "load_start_evaluation",
     "start_evaluation_key",
     "store_start_evaluation",
@@ -126,6 +129,19 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
 
 
+def grader_name(factory: Any) -> str | None:
+    """``module.name`` of a module-level function that builds an environment's sandboxes, or
+    None for anything whose behaviour its name does not fix (a closure, a lambda, a bound
+    or partial object): such an environment's evaluations are not reused."""
+    qualname = getattr(factory, "__qualname__", None)
+    module = getattr(factory, "__module__", None)
+    if not isinstance(qualname, str) or not isinstance(module, str) or "<" in qualname:
+        return None
+    if not hasattr(factory, "__code__"):
+        return None
+    return f"{module}.{qualname}"
+
+
 def digest_of_records(records: Sequence[Any], files: Sequence[Path] = ()) -> str:
     """Digest of task records (dataclasses or JSON values) and of the bytes of ``files``
     (missing files digest as missing): what an environment's ``evaluation_digest`` returns."""
@@ -181,10 +197,12 @@ def start_evaluation_key(
     config: Any, policy: Any, tokenizer: Any, tasks: Sequence[Any]
 ) -> str | None:
     """The digest naming this start evaluation (see the module docstring), or None when it
-    cannot be named (an environment without ``evaluation_digest``)."""
+    cannot be named (an environment without ``evaluation_digest``, or one that returns
+    None)."""
     environments = []
     for item in tasks:
-        digest = getattr(item.env, "evaluation_digest", None)
+        digest_of = getattr(item.env, "evaluation_digest", None)
+        digest = None if digest_of is None else digest_of(list(item.task_ids))
         if digest is None:
             return None
         environments.append(
@@ -192,7 +210,7 @@ def start_evaluation_key(
                 "env": f"{type(item.env).__module__}.{type(item.env).__qualname__}",
                 "task_ids": list(item.task_ids),
                 "max_new_tokens": item.max_new_tokens,
-                "tasks": digest(list(item.task_ids)),
+                "tasks": digest,
             }
         )
     device = next(iter(policy.parameters())).device

@@ -52,6 +52,7 @@ from composer_replication.inference.decoding.kv_cache import (
     PromptStates,
     cache_capacity,
     can_relayout,
+    finished_row_state,
     new_cache,
     relayout,
 )
@@ -377,6 +378,11 @@ def decode_rows(
                     cache, mask = relayout(
                         model, cache, mask, [states[keys[b]] for b in going], room=room
                     )
+                    if store.keep_finished:  # the batch holds these states now
+                        needed = {tuple(int(t) for t in prompts[r]) for r in waiting}
+                        for key in {keys[b] for b in going} - needed:
+                            store.drop(model, key)
+                    del states
                     active += [joining[b] for b in going]
                     pending += [runs[b][-1] for b in going]
                     joined = torch.as_tensor(
@@ -438,6 +444,11 @@ def decode_rows(
                 + torch.as_tensor([len(run) for run in runs], device=device)[:, None]
             )
             keep = [b for b, row in enumerate(active) if emit(row, runs[b], run_lps[b])]
+            if store.keep_finished:  # a finished row's state, for the turn that extends it
+                for b in sorted(set(range(len(active))) - set(keep)):
+                    row = active[b]
+                    done = (*(int(t) for t in prompts[row]), *tokens[row][:-1])
+                    store.put(model, done, finished_row_state(cache, mask, b, len(done)))
             if len(keep) != len(active):  # finished rows leave the batch
                 index = torch.as_tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)

@@ -116,20 +116,27 @@ def static_loop_applies(model: Any, options: DecodeOptions) -> bool:
 
 
 @contextlib.contextmanager
-def reuse_prompt_states(*, outer: bool = False) -> Iterator[Any]:
+def reuse_prompt_states(*, outer: bool = False, keep_finished: bool = False) -> Iterator[Any]:
     """In-process sampling in the block prefills each distinct prompt once: its state is
     kept and later calls start from it, and a prompt that extends a kept one (an agent's
     next turn) prefills only its new tokens. Only while the policy's weights stay as they
     are (an evaluation, one collection of episodes); yields the
     :class:`~composer_replication.inference.decoding.kv_cache.PromptStates`. ``outer``: inside another
-    such block, keep using its store."""
+    such block, keep using its store. ``keep_finished``: the store keeps finished rows'
+    states for the next turns and no second copy of the rows decoding (agent episodes;
+    ``PromptStates.keep_finished``), for the length of the block."""
     from composer_replication.inference.decoding.kv_cache import PromptStates
 
     current = _PROMPT_STATES.get()
     if outer and current is not None:
-        yield current
+        before = current.keep_finished
+        current.keep_finished = before or keep_finished
+        try:
+            yield current
+        finally:
+            current.keep_finished = before
         return
-    states = PromptStates()
+    states = PromptStates(keep_finished=keep_finished)
     token = _PROMPT_STATES.set(states)
     try:
         yield states

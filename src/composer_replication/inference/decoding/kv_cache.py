@@ -39,6 +39,7 @@ __all__ = [
     "cache_capacity",
     "can_relayout",
     "extend_state",
+    "finished_row_state",
     "new_cache",
     "prompt_states",
     "relayout",
@@ -55,11 +56,12 @@ PREFILL_TOKENS = 8192
 @dataclass(frozen=True)
 class PromptState:
     """The model's state after one prompt: per layer its keys and values (heads, length,
-    dim), and the float32 logits (vocab,) of its last position."""
+    dim), and the float32 logits (vocab,) of its last position (None for a state taken
+    from a finished row, which only later prompts extend)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    logits: torch.Tensor
+    logits: torch.Tensor | None
 
     @property
     def length(self) -> int:
@@ -73,10 +75,17 @@ class PromptStates:
 
     ``max_bytes`` bounds what it holds: a new state makes room by dropping the states used
     least recently.
+
+    ``keep_finished`` (an agent's episodes: each turn's prompt extends its episode's last
+    one and is sampled once): the decode loop keeps each finished row's state (its prompt
+    and its tokens but the last, keys and values only) for the next turn to extend, and
+    drops a prompt's kept state once its row is in the batch and no waiting row needs it;
+    an episode's keys and values then exist once, in the batch or here, not in both.
     """
 
-    def __init__(self, max_bytes: int = 4 << 30) -> None:
+    def __init__(self, max_bytes: int = 4 << 30, *, keep_finished: bool = False) -> None:
         self.max_bytes = int(max_bytes)
+        self.keep_finished = keep_finished
         self._states: dict[tuple[int, tuple[int, ...]], PromptState] = {}  # oldest first
         self._bytes = 0
 
@@ -89,11 +98,13 @@ class PromptStates:
         return self._bytes
 
     def get(self, model: Any, prompt: tuple[int, ...]) -> PromptState | None:
+        """The state of exactly ``prompt`` with its logits (a finished row's state has none:
+        only a longer prompt can start from it)."""
         key = (id(model), prompt)
         state = self._states.pop(key, None)
         if state is not None:
             self._states[key] = state  # used: now the newest
-        return state
+        return state if state is not None and state.logits is not None else None
 
     def longest_prefix(
         self, model: Any, prompt: tuple[int, ...]
@@ -224,6 +235,20 @@ def prompt_states(
             states[prompt] = state
             store.put(model, prompt, state)
     return states, prefilled
+
+
+def finished_row_state(cache: Any, mask: torch.Tensor, row: int, length: int) -> PromptState:
+    """Row ``row``'s keys and values at its first ``length`` attended positions (``mask``),
+    copied out of a decode batch's ``cache``: the state of its prompt and the tokens it
+    forwarded (logits None)."""
+    positions = mask[row].nonzero().squeeze(-1)[:length]
+    if positions.numel() != length:
+        raise ValueError(f"row {row} attends to {positions.numel()} positions, not {length}")
+    return PromptState(
+        keys=[layer.keys[row].index_select(1, positions) for layer in cache.layers],
+        values=[layer.values[row].index_select(1, positions) for layer in cache.layers],
+        logits=None,
+    )
 
 
 def _prefill_chunks(prompts: Sequence[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
