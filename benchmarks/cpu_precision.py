@@ -13,10 +13,12 @@ precision (``[inference] sampling_dtype``, float32 on a CPU unless asked). Three
   and with ``sampling_dtype = "bfloat16"``; tokens/s of each, and how many greedy answers
   are the same;
 - ``job`` (``--job``): the whole ``composer-replication train`` (the embedded default) with
-  ``model.dtype = "float32"`` and with ``"auto"``, for each ``--seeds`` (about 9 minutes a
-  run): wall time, median step, held-out greedy / sampled pass@1 before and after, and the
-  sampler/trainer mismatch the bfloat16 learner adds (``kl/inference``, the share of rl
-  tokens the trust region masks).
+  ``model.dtype = "float32"`` and with ``"auto"`` (both measuring their start evaluation:
+  ``eval.reuse_start = false``), and as a user runs it (``default``: no setting changed; its
+  first run measures the start evaluation, the later seeds reuse it), for each ``--seeds``
+  (about 9 minutes a run): wall time, median step, held-out greedy / sampled pass@1 before
+  and after, and the sampler/trainer mismatch the bfloat16 learner adds (``kl/inference``,
+  the share of rl tokens the trust region masks).
 
 Run: ``python benchmarks/cpu_precision.py`` (step and decode, a few minutes);
 ``--job --seeds 0 1 2 --out DIR`` adds the whole job (``--bf16-sampling``: a third variant
@@ -150,9 +152,15 @@ def decode_study(n_tasks: int) -> dict[str, Any]:
 
 #: the job's variants: their run-directory name -> the ``--set`` overrides
 VARIANTS = {
-    "float32": ["model.dtype=float32"],
-    "auto": ["model.dtype=auto"],
-    "auto_bf16_sampling": ["model.dtype=auto", "inference.sampling_dtype=bfloat16"],
+    "float32": ["model.dtype=float32", "eval.reuse_start=false"],
+    "auto": ["model.dtype=auto", "eval.reuse_start=false"],
+    # the command as a user runs it: a start evaluation kept by an earlier run is reused
+    "default": [],
+    "auto_bf16_sampling": [
+        "model.dtype=auto",
+        "inference.sampling_dtype=bfloat16",
+        "eval.reuse_start=false",
+    ],
 }
 
 
@@ -180,6 +188,7 @@ def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
         key: [r[key] for r in rows if key in r]
         for key in ("heldout/greedy_pass@1", "heldout/pass@1")
     }
+    summary = json.loads((run_dir / "summary.json").read_text())
     mismatch = [r["kl/inference"] for r in rows if "kl/inference" in r]
     masked = [r["rl/masked_fraction"] for r in rows if "rl/masked_fraction" in r]
     return {
@@ -189,6 +198,7 @@ def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
         "rl_masked": statistics.mean(masked) if masked else float("nan"),
         "greedy": (scores["heldout/greedy_pass@1"][0], scores["heldout/greedy_pass@1"][-1]),
         "sampled": (scores["heldout/pass@1"][0], scores["heldout/pass@1"][-1]),
+        "start_evaluation": summary.get("start_evaluation") or "measured",
     }
 
 
@@ -200,7 +210,8 @@ def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any
         for name in variants:
             r = results[f"{name}/{s}"]
             print(
-                f"  seed {s} {name:18s}: {r['command_s']:6.1f} s, step {r['median_step_s']:5.1f} s, "
+                f"  seed {s} {name:18s}: {r['command_s']:6.1f} s (start evaluation "
+                f"{r['start_evaluation']}), step {r['median_step_s']:5.1f} s, "
                 f"greedy {r['greedy'][0]:.3f} -> {r['greedy'][1]:.3f}, "
                 f"sampled {r['sampled'][0]:.3f} -> {r['sampled'][1]:.3f}, "
                 f"KL sampler||trainer {r['kl_inference']:.2e}, rl masked {r['rl_masked']:.3f}"
@@ -241,7 +252,12 @@ def main() -> None:
         step_study(args.repeats)
         decode_study(args.tasks)
     if out is not None:
-        variants = ["float32", "auto", *(["auto_bf16_sampling"] if args.bf16_sampling else [])]
+        variants = [
+            "float32",
+            "auto",
+            "default",
+            *(["auto_bf16_sampling"] if args.bf16_sampling else []),
+        ]
         job_study(Path(out), args.seeds, variants)
 
 

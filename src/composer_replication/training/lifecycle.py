@@ -109,6 +109,8 @@ class RunLifecycle:
             self.metrics = MemoryMetricsLog()
         self.guard = HeldOutGuard(**config.guard.guard_kwargs())
         self.heldout_before: float | None = None
+        # how the start evaluation was had: "measured", "reused" (eval.reuse_start), None
+        self.start_evaluation: str | None = None
         self.heldout_hack_fraction = 0.0
         # the last evaluation's other scores (pass@k, greedy pass@1), written beside pass@1
         self.heldout_scores: dict[str, float] = {}
@@ -251,7 +253,9 @@ class RunLifecycle:
             from composer_replication.evals.start_reuse import start_evaluation_key
 
             key = start_evaluation_key(self.config, policy, tokenizer, tasks)
+        self.start_evaluation = "reused"
         if key is None or not self._reuse_start(key):
+            self.start_evaluation = "measured"
             self.heldout_before = self.evaluate(sampler, tokenizer, tasks, step=0)
             if key is not None:
                 self._keep_start(key)
@@ -279,11 +283,7 @@ class RunLifecycle:
         self.heldout_before = kept.pass_at_1
         self.heldout_scores = dict(kept.scores)
         self.heldout_hack_fraction = kept.hack_fraction
-        log.info(
-            "held-out evaluation (start): the same weights, tasks and settings were evaluated "
-            "on %s; its numbers are reused (eval.reuse_start = false measures them again)",
-            kept.created,
-        )
+        log.info("held-out evaluation (start): reused the one measured on %s", kept.created)
         return True
 
     def _keep_start(self, key: str) -> None:
@@ -441,12 +441,14 @@ class RunLifecycle:
         return {
             "guard": self.guard.state_dict(),
             "heldout_before": self.heldout_before,
+            "start_evaluation": self.start_evaluation,
             "hack_streak": self.hack_streak,
         }
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         self.guard.load_state_dict(state["guard"])
         self.heldout_before = state["heldout_before"]
+        self.start_evaluation = state.get("start_evaluation")
         self.hack_streak = int(state.get("hack_streak", 0))
         self.metrics.truncate_after(step)
 
@@ -474,6 +476,7 @@ class RunLifecycle:
                 "backend": self.backend,
                 "steps": steps,
                 "heldout_before": self.heldout_before,
+                "start_evaluation": self.start_evaluation,
                 "heldout_after": heldout_after,
                 "final_model": str(final_dir),
                 "stopped_by_guard": stopped,

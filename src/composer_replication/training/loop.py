@@ -555,6 +555,11 @@ class Trainer:
                 self.life.evaluate_start(
                     self.live_sampler, self.tokenizer, self.heldout_tasks, policy=self.policy
                 )
+            if self.life.start_evaluation == "reused":
+                self._say(
+                    "held-out evaluation (start): reused, the same weights, tasks and settings "
+                    "were evaluated before (eval.reuse_start = false measures them again)"
+                )
             release_free_heap()
         progress = ProgressBar(self.console, self.config.steps, self.step)
         if self.async_level:
