@@ -26,7 +26,11 @@ from composer_replication.envs.feature_deletion import (
     resolve_in_workdir,
     write_file,
 )
-from composer_replication.inference.decoding.generate import InProcessSampler, SamplingSettings
+from composer_replication.inference.decoding.generate import (
+    InProcessSampler,
+    SamplingSettings,
+    reuse_prompt_states,
+)
 from composer_replication.model.loading import tiny_policy
 from composer_replication.rollout.agent import ScriptedSampler
 from composer_replication.rollout.tool_calls import ToolError, format_tool_call
@@ -283,13 +287,16 @@ def test_tiny_policy_attempts_are_scored_zero_as_data(generated: Path):
             InProcessSampler(model), tok, [TASK_ID], group_size=2,
             sampling=SamplingSettings(max_new_tokens=8),
         )  # fmt: skip
-    (group,) = env.rollouts(
-        InProcessSampler(model),
-        tok,
-        [TASK_ID],
-        group_size=2,
-        sampling=SamplingSettings(max_new_tokens=160),
-    )
+    with reuse_prompt_states() as kept:  # an evaluation's store, outside the episodes
+        (group,) = env.rollouts(
+            InProcessSampler(model),
+            tok,
+            [TASK_ID],
+            group_size=2,
+            sampling=SamplingSettings(max_new_tokens=160),
+        )
+        # the episodes ended: no state of theirs is left, and the store is back as it was
+        assert len(kept) == 0 and kept.bytes == 0 and not kept.keep_finished
     assert len(group) == 2
     for r in group:
         assert (r.reward, r.error) == (0.0, None)

@@ -117,7 +117,9 @@ def test_a_second_run_from_the_same_weights_reads_its_start_evaluation_back(
     (record,) = own_kept_evaluations.glob("*[0-9a-f].json")
     second, second_calls = _run(_config(tmp_path, tiny_dir, name="second", seed=1))
     assert second_calls.count(0) == 0  # nothing sampled for step 0
-    summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("first", "second")]
+    summaries = [
+        json.loads((tmp_path / n / "summary.json").read_text()) for n in ("first", "second")
+    ]
     assert [s["start_evaluation"] for s in summaries] == ["measured", "reused"]
 
     def measured(trainer):

@@ -170,3 +170,33 @@ def test_an_episode_keeps_one_copy_of_its_state_and_its_next_turn_extends_the_fi
     assert stats.prefilled == 3 * (1 + len(observation))
     assert plain_stats.prefilled == 3 * (6 + len(observation))
     assert all(state.logits is None for state in one_copy._states.values())
+
+
+def test_relayout_consumes_the_states_it_is_told_nothing_else_reads(tiny):
+    from composer_replication.inference.decoding.kv_cache import relayout
+
+    model, _ = tiny
+    prompts = [tuple(range(3, 3 + n)) for n in (6, 9)]
+    states, _ = prompt_states(model, prompts, 0, PromptStates())
+    copies = {p: [t.clone() for t in states[p].keys] for p in prompts}
+    cache, _ = relayout(
+        model, None, None, [states[p] for p in prompts], room=2, consumed=[True, False]
+    )
+    assert all(t.numel() == 0 for t in [*states[prompts[0]].keys, *states[prompts[0]].values])
+    assert all(t.numel() for t in states[prompts[1]].keys)  # not consumed: intact
+    for layer_index, layer in enumerate(cache.layers):
+        for row, prompt in enumerate(prompts):
+            n = len(prompt)
+            torch.testing.assert_close(layer.keys[row, :, 9 - n :], copies[prompt][layer_index])
+
+
+def test_an_ended_episode_drops_every_state_its_tokens_begin_with(tiny):
+    model, _ = tiny
+    store = PromptStates()
+    kept = [(1, 2, 3), (1, 2, 3, 4, 5), (1, 9)]
+    states, _ = prompt_states(model, kept, 0, PromptStates())
+    for prompt in kept:
+        store.put(model, prompt, states[prompt])
+    assert store.drop_prefixes([1, 2, 3, 4, 5, 6]) == 2
+    assert len(store) == 1 and store.get(model, (1, 9)) is not None
+    assert store.bytes == sum(t.numel() * 4 for t in [*states[(1, 9)].keys, *states[(1, 9)].values])

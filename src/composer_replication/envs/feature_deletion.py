@@ -486,14 +486,16 @@ class FeatureDeletionEnv(ReferenceEpisodes):
                 for _ in range(group_size):
                     attempts.append(self._materialise(tid, scratch / f"{len(attempts):04d}"))
             with ThreadPoolExecutor(self.grading_workers) as graders:
-
-                def grade(index: int, rollout: Rollout) -> None:
-                    if scored:  # as soon as the episode ends, while the others run
-                        graded[index] = graders.submit(self.score, attempts[index], rollout)
-
                 # the weights hold still through the collection: each turn prefills only
                 # what its episode's last prompt did not have (a sampler in this process)
-                with reuse_prompt_states(outer=True, keep_finished=True):
+                with reuse_prompt_states(outer=True, keep_finished=True) as states:
+
+                    def grade(index: int, rollout: Rollout) -> None:
+                        # no later turn extends an ended episode's states
+                        states.drop_prefixes([*rollout.prompt_ids, *rollout.completion_ids])
+                        if scored:  # as soon as the episode ends, while the others run
+                            graded[index] = graders.submit(self.score, attempts[index], rollout)
+
                     rollouts = run_agent_rollouts(
                         None,
                         tokenizer,

@@ -41,6 +41,7 @@ keep every row's computation that of its own prompt and accepted tokens.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -375,13 +376,21 @@ def decode_rows(
                 )
                 going = [b for b, row in enumerate(joining) if emit(row, runs[b], run_lps[b])]
                 if going:
-                    cache, mask = relayout(
-                        model, cache, mask, [states[keys[b]] for b in going], room=room
-                    )
-                    if store.keep_finished:  # the batch holds these states now
+                    consumed = []
+                    if store.keep_finished:  # the batch will hold these states' only copy
                         needed = {tuple(int(t) for t in prompts[r]) for r in waiting}
-                        for key in {keys[b] for b in going} - needed:
+                        uses = Counter(keys[b] for b in going)
+                        for key in set(uses) - needed:
                             store.drop(model, key)
+                        consumed = [uses[keys[b]] == 1 and keys[b] not in needed for b in going]
+                    cache, mask = relayout(
+                        model,
+                        cache,
+                        mask,
+                        [states[keys[b]] for b in going],
+                        room=room,
+                        consumed=consumed,
+                    )
                     del states
                     active += [joining[b] for b in going]
                     pending += [runs[b][-1] for b in going]

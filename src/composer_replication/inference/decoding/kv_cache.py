@@ -132,6 +132,19 @@ class PromptStates:
         if state is not None:
             self._bytes -= _state_bytes(state)
 
+    def drop_prefixes(self, tokens: Sequence[int]) -> int:
+        """Drop every kept state whose prompt ``tokens`` begins with (an agent episode that
+        ended: no later turn extends them); how many went."""
+        tokens = tuple(int(t) for t in tokens)
+        ended = [
+            key
+            for key in self._states
+            if len(key[1]) <= len(tokens) and tokens[: len(key[1])] == key[1]
+        ]
+        for key in ended:
+            self._bytes -= _state_bytes(self._states.pop(key))
+        return len(ended)
+
 
 def _state_bytes(state: PromptState) -> int:
     return sum(t.numel() * t.element_size() for t in (*state.keys, *state.values))
@@ -354,6 +367,7 @@ def relayout(
     new_states: Sequence[PromptState],
     *,
     room: int,
+    consumed: Sequence[bool] = (),
 ) -> tuple[Any, torch.Tensor]:
     """A new cache (and its (rows, width) mask) holding the attended positions of the rows
     of ``cache`` (``mask``; none when ``cache`` is None), then one row per state of
@@ -361,7 +375,9 @@ def relayout(
     to come. Rows keep their order; the new rows come last.
 
     ``cache`` is consumed: each of its layers is emptied as soon as it is copied, so the
-    copy needs one layer more than the larger of the two caches, not both caches whole."""
+    copy needs one layer more than the larger of the two caches, not both caches whole.
+    So is each new state whose ``consumed`` flag is True (a state nothing else will read:
+    its layers are let go as they are copied)."""
     lengths: list[int] = []
     order: torch.Tensor | None = None
     if cache is not None and mask is not None and mask.shape[0]:
@@ -397,9 +413,11 @@ def relayout(
             value[:old_rows, :, width - span :] = layer.values.gather(2, index)
             _empty_layer(layer)
         for row, state in enumerate(new_states, start=old_rows):
-            span = state.length
+            span = int(state.keys[layer_index].shape[1])
             key[row, :, width - span :] = state.keys[layer_index]
             value[row, :, width - span :] = state.values[layer_index]
+            if row - old_rows < len(consumed) and consumed[row - old_rows]:
+                state.keys[layer_index] = state.values[layer_index] = _EMPTY
         fresh.update(key, value, layer_index)
         del key, value
     offsets = torch.arange(width, device=device)[None, :]
@@ -407,6 +425,9 @@ def relayout(
         :, None
     ]
     return fresh, (offsets >= starts).long()
+
+
+_EMPTY = torch.empty(0, 0, 0)
 
 
 def _empty_layer(layer: Any) -> None:
