@@ -222,6 +222,11 @@ def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any
         for name in variants[1:]:
             ratio = results[f"{name}/{s}"]["command_s"] / f32["command_s"]
             print(f"  seed {s} {name} / float32 wall time: {ratio:.2f}x")
+        if {"default", "default_again"} <= set(variants):
+            again = (
+                results[f"default_again/{s}"]["command_s"] / results[f"default/{s}"]["command_s"]
+            )
+            print(f"  seed {s} default_again / default wall time: {again:.2f}x")
     return results
 
 
@@ -238,6 +243,13 @@ def main() -> None:
         help="--job also runs auto with inference.sampling_dtype = bfloat16",
     )
     parser.add_argument("--job-only", action="store_true", help="skip the step and decode studies")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=sorted(VARIANTS),
+        help="the job variants to run, in order (default: float32 auto default default_again, "
+        "and auto_bf16_sampling with --bf16-sampling); float32 is always first",
+    )
     args = parser.parse_args()
     check_count(args.repeats, "--repeats")
     check_count(args.tasks, "--tasks")
@@ -255,13 +267,13 @@ def main() -> None:
         step_study(args.repeats)
         decode_study(args.tasks)
     if out is not None:
-        variants = [
-            "float32",
+        variants = args.variants or [
             "auto",
             "default",
             "default_again",
             *(["auto_bf16_sampling"] if args.bf16_sampling else []),
         ]
+        variants = ["float32", *(v for v in variants if v != "float32")]
         job_study(Path(out), args.seeds, variants)
 
 
