@@ -370,7 +370,7 @@ class FeatureDeletionEnv(ReferenceEpisodes):
         """Digest of what evaluating ``task_ids`` reads: their records, the bytes of their
         workdirs' files and the sandbox factory's name (None for an unnamed factory;
         :mod:`~composer_replication.evals.start_reuse`)."""
-        from composer_replication.evals.start_reuse import digest_of_records, grader_name
+        from composer_replication.common.digests import digest_of_records, grader_name
 
         grader = grader_name(self.sandbox_factory)
         if grader is None:

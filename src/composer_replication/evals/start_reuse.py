@@ -15,7 +15,7 @@ The key is a digest of everything the evaluation's numbers depend on:
 - each environment's held-out tasks as the environment itself digests them
   (``evaluation_digest(task_ids)``: the task records, what grading reads, such as a
   repository task's files, and the function that builds its sandboxes); an environment
-  without that method, or whose sandboxes come from a closure (:func:`grader_name`), is
+  without that method, or whose sandboxes come from a closure (:func:`~composer_replication.common.digests.grader_name`), is
   never reused;
 - the run configuration without the fields only training reads (:data:`TRAINING_ONLY`);
 - the code: this package's files, the versions of Python, torch and transformers, torch's
@@ -27,7 +27,6 @@ single-process run reuses (ranks on several machines could disagree about a hit)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -45,8 +44,6 @@ from composer_replication.common.project_cache import cache_dir
 __all__ = [
     "TRAINING_ONLY",
     "StartEvaluation",
-    "digest_of_records",
-    "grader_name",
     "load_start_evaluation",
     "start_evaluation_key",
     "store_start_evaluation",
@@ -127,32 +124,6 @@ def tokenizer_digest(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     text = json.dumps([vocab, list(special), template], default=str)
     return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
-
-
-def grader_name(factory: Any) -> str | None:
-    """``module.name`` of a module-level function that builds an environment's sandboxes, or
-    None for anything whose behaviour its name does not fix (a closure, a lambda, a bound
-    or partial object): such an environment's evaluations are not reused."""
-    qualname = getattr(factory, "__qualname__", None)
-    module = getattr(factory, "__module__", None)
-    if not isinstance(qualname, str) or not isinstance(module, str) or "<" in qualname:
-        return None
-    if not hasattr(factory, "__code__"):
-        return None
-    return f"{module}.{qualname}"
-
-
-def digest_of_records(records: Sequence[Any], files: Sequence[Path] = ()) -> str:
-    """Digest of task records (dataclasses or JSON values) and of the bytes of ``files``
-    (missing files digest as missing): what an environment's ``evaluation_digest`` returns."""
-    h = hashlib.blake2b(digest_size=20)
-    for record in records:
-        value = dataclasses.asdict(record) if dataclasses.is_dataclass(record) else record
-        h.update(json.dumps(value, sort_keys=True, default=str).encode())
-    for path in files:
-        h.update(str(path).encode())
-        h.update(path.read_bytes() if path.is_file() else b"\0missing")
-    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
