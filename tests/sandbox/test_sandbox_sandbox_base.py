@@ -287,3 +287,53 @@ def test_quota_fitting_is_the_tree_in_whole_mib_plus_headroom(tmp_path) -> None:
     (tmp_path / "data.bin").write_bytes(b"\1" * (3 * 1024 * 1024 + 1))
     assert quota_fitting(tmp_path) == 4 + 512  # 3 MiB and a block, rounded up to 4
     assert quota_fitting(tmp_path, headroom_mb=8) == 12
+
+
+@pytest.mark.integration
+def test_a_confined_child_applies_its_limits_itself_and_never_copies_the_parent(tmp_path) -> None:
+    """rlimits (and uid, cgroups, namespace) are applied by the launcher the child execs, so
+    the child starts with vfork: the parent's pages are not made copy-on-write (a fork from
+    a process holding 256 MiB would make each of its 65,536 pages fault on the next write)."""
+    import resource
+
+    held = bytearray(256 << 20)
+    held[:: 4096] = b"\1" * len(held[:: 4096])  # touched: every page is resident
+    limits = ResourceLimits(mem_mb=512, cpu_s=7, open_files=99, processes=50)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    outcome = run_bounded(
+        ["/bin/sh", "-c", "ulimit -n; ulimit -t; ulimit -v"],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout_s=30,
+        max_output_bytes=1000,
+        limits=limits,
+    )
+    held[:: 4096] = b"\2" * len(held[:: 4096])  # the parent writes every page again
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert outcome.exit_code == 0, outcome.output
+    assert outcome.output.split() == [b"99", b"7", str(512 * 1024).encode()]
+    assert faults < 65536 // 4, faults
+
+
+@pytest.mark.integration
+def test_a_child_that_cannot_be_confined_or_started_says_so(tmp_path) -> None:
+    confined = run_bounded(
+        ["/bin/true"],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout_s=30,
+        max_output_bytes=1000,
+        cgroup_procs=[str(tmp_path / "no-such-cgroup" / "cgroup.procs")],
+    )
+    assert confined.exit_code == 126
+    assert b"sandbox error: could not confine the command" in confined.output
+    started = run_bounded(
+        [str(tmp_path / "no-such-program")],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout_s=30,
+        max_output_bytes=1000,
+        limits=ResourceLimits(),
+    )
+    assert started.exit_code == 127
+    assert b"sandbox error: could not start" in started.output

@@ -376,7 +376,7 @@ class LocalSubprocessSandbox(CommandLog):
                 gid=gid,
                 cgroup_procs=group.procs_files if group is not None else (),
                 watch=(lambda: over_quota(measured, quota)) if quota is not None else None,
-                enter=volume.join_namespace if volume is not None else None,
+                namespace=volume.mount_namespace() if volume is not None else None,
             )
         except OSError as exc:  # e.g. the interpreter does not exist: data, not a crash
             return self._not_started(inner, exc)

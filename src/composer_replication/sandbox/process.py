@@ -1,8 +1,8 @@
 """Run one child process with resource limits, a wall-clock limit and bounded output capture.
 
 The building block under `LocalSubprocessSandbox`: the child gets its own session (so the
-whole process group can be killed), per-process rlimits set between fork and exec, an
-optional unprivileged uid/gid, and its combined stdout/stderr is read in chunks of which at
+whole process group can be killed), per-process rlimits, an optional unprivileged uid/gid
+(both applied by the child itself before it execs the command), and its combined stdout/stderr is read in chunks of which at
 most `max_output_bytes` are kept (head and tail); the rest is counted and dropped, so a
 command printing gigabytes never makes the host hold them.
 """
@@ -14,8 +14,10 @@ import dataclasses
 import os
 import resource
 import selectors
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "START_MARKER",
+    "MountNamespace",
     "OutputCapture",
     "ProcessOutcome",
     "ResourceLimits",
@@ -85,36 +88,38 @@ class ResourceLimits:
         ]
 
 
-def _child_preexec(
+@dataclass(frozen=True)
+class MountNamespace:
+    """A mount namespace for the child to join: an open ``/proc/<pid>/ns/mnt`` descriptor
+    of this process, and the directory the child then works in."""
+
+    fd: int
+    cwd: str
+
+
+def _launched(
+    argv: Sequence[str],
     pairs: list[tuple[int, int]],
     cgroup_procs: Sequence[str],
     uid: int | None,
     gid: int | None,
-    enter: Callable[[], None] | None = None,
-) -> Callable[[], None]:
-    # Runs in the forked child: only C-level calls on precomputed values (no imports, no
-    # allocation-heavy work), which keeps it safe even if the parent has other threads.
-    # Order: join the cgroups and the mount namespace (``enter``) while still privileged,
-    # set the rlimits, then drop to uid/gid.
-    own_pid = b"0"  # writing 0 to cgroup.procs moves the writing process itself
+    namespace: MountNamespace | None,
+) -> list[str]:
+    """``argv`` behind :mod:`~composer_replication.sandbox.exec_launcher`, which applies the
+    confinement in the child itself: no Python runs between fork and exec, so the child is
+    started with vfork instead of copying this (possibly very large) process."""
+    from composer_replication.sandbox import exec_launcher
 
-    def apply() -> None:
-        for procs in cgroup_procs:
-            fd = os.open(procs, os.O_WRONLY)
-            try:
-                os.write(fd, own_pid)
-            finally:
-                os.close(fd)
-        if enter is not None:
-            enter()
-        for res, value in pairs:
-            resource.setrlimit(res, (value, value))
-        if uid is not None:
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
-
-    return apply
+    spec = exec_launcher.launch_spec(
+        cgroup_procs=list(cgroup_procs),
+        namespace_fd=namespace.fd if namespace is not None else None,
+        namespace_cwd=namespace.cwd if namespace is not None else None,
+        rlimits=pairs,
+        uid=uid,
+        gid=gid,
+    )
+    python = sys.executable or shutil.which("python3") or "python3"
+    return [python, "-I", "-S", exec_launcher.__file__, spec, "--", *argv]
 
 
 @dataclass(frozen=True)
@@ -195,7 +200,7 @@ def run_bounded(
     cgroup_procs: Sequence[str] = (),
     watch: Callable[[], str | None] | None = None,
     watch_interval_s: float = 0.1,
-    enter: Callable[[], None] | None = None,
+    namespace: MountNamespace | None = None,
 ) -> ProcessOutcome:
     """Run `argv` to completion or until `timeout_s`, whichever comes first.
 
@@ -206,8 +211,10 @@ def run_bounded(
     files the child joins before it drops privileges (whole-tree memory / pids limits).
     ``watch`` is called every ``watch_interval_s`` while the child runs; a reason it returns
     kills the group and comes back as ``stopped`` (e.g. a workdir over its quota).
-    ``enter`` runs in the child before the rlimits and the uid drop (e.g. joining the mount
-    namespace of a quota volume).
+    ``namespace``: a mount namespace the child joins before the rlimits and the uid drop
+    (a quota volume's). The confinement is applied by the child itself
+    (:mod:`~composer_replication.sandbox.exec_launcher`), so starting it never copies this
+    process.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -218,7 +225,9 @@ def run_bounded(
     capture = OutputCapture(max_output_bytes)
     pairs = limits.as_rlimits() if limits is not None else []
     group = gid if gid is not None else uid
-    needs_preexec = bool(pairs or cgroup_procs or uid is not None or enter is not None)
+    confined = bool(pairs or cgroup_procs or uid is not None or namespace is not None)
+    if confined:
+        argv = _launched(argv, pairs, cgroup_procs, uid, group, namespace)
     proc = subprocess.Popen(
         list(argv),
         cwd=cwd,
@@ -228,9 +237,7 @@ def run_bounded(
         stderr=subprocess.STDOUT,
         start_new_session=True,
         close_fds=True,
-        preexec_fn=(
-            _child_preexec(pairs, list(cgroup_procs), uid, group, enter) if needs_preexec else None
-        ),
+        pass_fds=(namespace.fd,) if namespace is not None else (),
     )
     assert proc.stdout is not None
     fd = proc.stdout.fileno()

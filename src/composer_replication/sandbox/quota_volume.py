@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from composer_replication.sandbox.files import mode_kind
+from composer_replication.sandbox.process import MountNamespace
 
 __all__ = [
     "QuotaVolume",
@@ -48,7 +49,6 @@ __all__ = [
     "volume_support",
 ]
 
-_CLONE_NEWNS = 0x00020000
 _COPY_CHUNK = 1 << 20
 _SETID = stat.S_ISUID | stat.S_ISGID
 _READY = b"ready\n"
@@ -135,7 +135,7 @@ def _stop_holder(holder: subprocess.Popen[bytes]) -> None:
 class QuotaVolume:
     """A tmpfs of ``quota_bytes`` over ``workdir``'s path, in a mount namespace of its own.
 
-    ``namespace_fd`` is what a command's child joins (``join_namespace``); ``path`` is the
+    ``namespace_fd`` is what a command's child joins (``mount_namespace()``); ``path`` is the
     volume as the host sees it. ``load``/``store`` copy between it and the host directory.
     """
 
@@ -177,12 +177,10 @@ class QuotaVolume:
             ) from exc
         self._synced = {rel: (host, vol) for rel, (vol, host) in stored.items()}
 
-    def join_namespace(self) -> None:
-        """Enter the volume's mount namespace and its workdir (call in a forked child: it
-        changes the calling process's root and working directory)."""
-        if _setns(self.namespace_fd, _CLONE_NEWNS) != 0:
-            os._exit(126)
-        os.chdir(self.workdir)
+    def mount_namespace(self) -> MountNamespace:
+        """The volume's mount namespace and workdir, for a command's child to join
+        (``run_bounded(namespace=...)``)."""
+        return MountNamespace(self.namespace_fd, str(self.workdir))
 
     @property
     def alive(self) -> bool:
@@ -191,9 +189,6 @@ class QuotaVolume:
     def close(self) -> None:
         """End the holder (the tmpfs and whatever was left on it go with it)."""
         self._finalizer()
-
-
-_setns = getattr(ctypes.CDLL(None, use_errno=True), "setns", None)
 
 
 def _close(holder: subprocess.Popen[bytes], namespace_fd: int) -> None:
