@@ -1,8 +1,9 @@
 """The CPU path in bfloat16 against float32, side by side in one run (ratios printed).
 
 On a CPU that computes bfloat16 matrix products (AMX or AVX512-BF16) ``model.dtype = "auto"``
-trains under bfloat16 autocast over float32 master weights, while sampling keeps its own
-precision (``[inference] sampling_dtype``, float32 on a CPU unless asked). Three studies:
+trains under bfloat16 autocast over float32 master weights; its rollouts are sampled on a
+bfloat16 copy of the weights (``[inference] sampling_dtype = "auto"``) and held-out answers
+in float32 (``[eval] sampling_dtype``, float32 on a CPU unless asked). Three studies:
 
 - ``step``: one real step of the embedded default job (2 tasks x 4 rollouts on
   ``python_functions``, the composer recipe: rl, SDPO jsd, replay DPO), its samples
@@ -22,8 +23,8 @@ precision (``[inference] sampling_dtype``, float32 on a CPU unless asked). Three
   the share of rl tokens the trust region masks).
 
 Run: ``python benchmarks/cpu_precision.py`` (step and decode, a few minutes);
-``--job --seeds 0 1 2 --out DIR`` adds the whole job (``--bf16-sampling``: a third variant
-that also samples in bfloat16; ``--job-only``: the job alone; finished runs are read back).
+``--job --seeds 0 1 2 --out DIR`` adds the whole job (``--bf16-evaluation``: the default
+command with its held-out answers sampled in bfloat16 too; ``--job-only``: the job alone; finished runs are read back).
 """
 
 from __future__ import annotations
@@ -159,11 +160,8 @@ VARIANTS = {
     # then again: the second run reads back the start evaluation the first one kept
     "default": [],
     "default_again": [],
-    "auto_bf16_sampling": [
-        "model.dtype=auto",
-        "inference.sampling_dtype=bfloat16",
-        "eval.reuse_start=false",
-    ],
+    # the default command with held-out answers sampled in bfloat16 too
+    "bf16_evaluation": ["eval.sampling_dtype=bfloat16"],
 }
 
 
@@ -195,6 +193,7 @@ def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
     mismatch = [r["kl/inference"] for r in rows if "kl/inference" in r]
     masked = [r["rl/masked_fraction"] for r in rows if "rl/masked_fraction" in r]
     return {
+        "greedy_solved": _greedy_solved(run_dir),
         "command_s": float(json.loads(timing.read_text())["command_seconds"]),
         "median_step_s": statistics.median(steps),
         "kl_inference": statistics.mean(mismatch) if mismatch else float("nan"),
@@ -203,6 +202,14 @@ def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
         "sampled": (scores["heldout/pass@1"][0], scores["heldout/pass@1"][-1]),
         "start_evaluation": summary.get("start_evaluation") or "measured",
     }
+
+
+def _greedy_solved(run_dir: Path) -> tuple[int, int]:
+    """(solved, tasks) of the last evaluation's greedy answers, from its saved rollouts."""
+    last = sorted((run_dir / "rollouts").glob("eval_step_*.jsonl"))[-1]
+    rows = [json.loads(line) for line in last.read_text().splitlines()]
+    greedy = [r for r in rows if r["metadata"].get("greedy")]
+    return sum(r["reward"] == 1.0 for r in greedy), len(greedy)
 
 
 def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any]:
@@ -220,8 +227,14 @@ def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any
                 f"KL sampler||trainer {r['kl_inference']:.2e}, rl masked {r['rl_masked']:.3f}"
             )
         for name in variants[1:]:
-            ratio = results[f"{name}/{s}"]["command_s"] / f32["command_s"]
-            print(f"  seed {s} {name} / float32 wall time: {ratio:.2f}x")
+            r = results[f"{name}/{s}"]
+            ratio = r["command_s"] / f32["command_s"]
+            solved, tasks = r["greedy_solved"]
+            print(
+                f"  seed {s} {name} / float32 wall time: {ratio:.2f}x; greedy answers solved "
+                f"after: {solved} of {tasks} (float32 {f32['greedy_solved'][0]}, difference "
+                f"{solved - f32['greedy_solved'][0]:+d})"
+            )
         if {"default", "default_again"} <= set(variants):
             again = (
                 results[f"default_again/{s}"]["command_s"] / results[f"default/{s}"]["command_s"]
@@ -238,9 +251,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", default="runs/cpu_precision", help="where --job runs go")
     parser.add_argument(
-        "--bf16-sampling",
+        "--bf16-evaluation",
         action="store_true",
-        help="--job also runs auto with inference.sampling_dtype = bfloat16",
+        help="--job also runs the default command with eval.sampling_dtype = bfloat16",
     )
     parser.add_argument("--job-only", action="store_true", help="skip the step and decode studies")
     parser.add_argument(
@@ -248,7 +261,7 @@ def main() -> None:
         nargs="+",
         choices=sorted(VARIANTS),
         help="the job variants to run, in order (default: float32 auto default default_again, "
-        "and auto_bf16_sampling with --bf16-sampling); float32 is always first",
+        "and bf16_evaluation with --bf16-evaluation); float32 is always first",
     )
     args = parser.parse_args()
     check_count(args.repeats, "--repeats")
@@ -271,7 +284,7 @@ def main() -> None:
             "auto",
             "default",
             "default_again",
-            *(["auto_bf16_sampling"] if args.bf16_sampling else []),
+            *(["bf16_evaluation"] if args.bf16_evaluation else []),
         ]
         variants = ["float32", *(v for v in variants if v != "float32")]
         job_study(Path(out), args.seeds, variants)

@@ -155,10 +155,16 @@ def test_the_cpu_reports_its_bfloat16_instructions_as_torch_does():
     assert cpu_bfloat16_kernels() == expected
 
 
-def test_cpu_sampling_keeps_float32_under_the_learners_autocast(tiny):
-    """The learner's bfloat16 autocast does not reach the sampler on a CPU: the same
-    completions and the same log-probs as without it (float32 is the instrument)."""
-    from composer_replication.inference.decoding.generate import generate
+def test_cpu_evaluation_keeps_float32_under_the_learners_autocast(tiny):
+    """Held-out answers (``evaluation_precision("auto")``) do not follow the learner's
+    bfloat16 autocast on a CPU: the same completions and log-probs as without it (float32
+    is the instrument); rollouts follow it, like ``sampling_dtype = "bfloat16"``."""
+    from composer_replication.inference.decoding.generate import (
+        DecodeOptions,
+        evaluation_precision,
+        generate,
+    )
+    from composer_replication.model.devices import cpu_bfloat16_kernels
     from composer_replication.samples.generation import SamplingSettings
 
     model, tokenizer = tiny
@@ -166,15 +172,22 @@ def test_cpu_sampling_keeps_float32_under_the_learners_autocast(tiny):
     settings = SamplingSettings(max_new_tokens=6, temperature=0.0)
     plain = generate(model, tokenizer, prompts, settings)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = generate(model, tokenizer, prompts, settings)
-    assert [g.completion_ids for g in under] == [g.completion_ids for g in plain]
+        with evaluation_precision("auto"):
+            held_out = generate(model, tokenizer, prompts, settings)
+        rollouts = generate(model, tokenizer, prompts, settings)
+    bf16 = generate(model, tokenizer, prompts, settings, decode=DecodeOptions(dtype="bfloat16"))
+    assert [g.completion_ids for g in held_out] == [g.completion_ids for g in plain]
     flat = [lp for g in plain for lp in g.logprobs]
-    assert [lp for g in under for lp in g.logprobs] == pytest.approx(flat, abs=1e-5)
+    assert [lp for g in held_out for lp in g.logprobs] == pytest.approx(flat, abs=1e-5)
+    assert [g.logprobs for g in rollouts] == [g.logprobs for g in bf16]
+    if cpu_bfloat16_kernels() is not None:  # bfloat16 products: log-probs move
+        assert [lp for g in rollouts for lp in g.logprobs] != pytest.approx(flat, abs=1e-5)
 
 
 def test_bfloat16_sampling_runs_its_products_in_bfloat16(tiny):
     from composer_replication.inference.decoding.generate import (
         DecodeOptions,
+        evaluation_precision,
         sampling_compute_dtype,
     )
     from composer_replication.inference.decoding.packed_linear import (
@@ -185,9 +198,21 @@ def test_bfloat16_sampling_runs_its_products_in_bfloat16(tiny):
 
     cpu = torch.device("cpu")
     assert sampling_compute_dtype(DecodeOptions(), cpu) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert sampling_compute_dtype(DecodeOptions(), cpu) is None  # a CPU stays float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # rollouts follow the learner
+        assert sampling_compute_dtype(DecodeOptions(), cpu) == torch.bfloat16
+        assert sampling_compute_dtype(DecodeOptions(dtype="float32"), cpu) is None
+        with evaluation_precision("auto"):  # held-out answers: float32 on a CPU
+            assert sampling_compute_dtype(DecodeOptions(dtype="bfloat16"), cpu) is None
+        with evaluation_precision("bfloat16"):
+            assert sampling_compute_dtype(DecodeOptions(), cpu) == torch.bfloat16
     assert sampling_compute_dtype(DecodeOptions(dtype="bfloat16"), cpu) == torch.bfloat16
+    with evaluation_precision("auto"):  # on a GPU: the rollouts' precision
+        assert sampling_compute_dtype(DecodeOptions(), torch.device("cuda")) is None
+    with (
+        pytest.raises(ValueError, match="use auto, float32 or bfloat16"),
+        evaluation_precision("fp16"),
+    ):
+        pass
     model = copy.deepcopy(tiny[0])
     if cpu_bfloat16_kernels() is None:
         assert not packed_linear_available(model, torch.bfloat16)

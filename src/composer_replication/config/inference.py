@@ -140,11 +140,12 @@ class InProcessInferenceConfig(_SharedInferenceConfig):
     )
     sampling_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="Precision of the matrix products while sampling, independent of the "
-        "learner's: 'auto' follows the learner's autocast on a GPU and stays float32 on a "
-        "CPU (the evaluation's instrument); 'float32'; 'bfloat16' (a bfloat16 copy of the "
-        "weights made once per sampling call; on a CPU it needs bfloat16 instructions). The "
-        "sampler's log-probs are what the loss's importance ratio compares against.",
+        description="Precision of the matrix products while sampling rollouts, independent "
+        "of the learner's: 'auto' follows the learner's autocast (bfloat16 on a GPU and on "
+        "a CPU that computes it, float32 otherwise); 'float32'; 'bfloat16' (a bfloat16 copy "
+        "of the weights made once per sampling call; on a CPU it needs bfloat16 "
+        "instructions). The sampler's log-probs are what the loss's importance ratio "
+        "compares against. Held-out answers have their own: [eval] sampling_dtype.",
     )
 
 

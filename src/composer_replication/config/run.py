@@ -312,6 +312,13 @@ class EvalConfig(_Strict):
         description="Also report greedy pass@1 (heldout/greedy_pass@1): one more generation "
         "pass per evaluation, at temperature 0 (false saves that pass).",
     )
+    sampling_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Precision of the matrix products while the policy in this process "
+        "samples held-out answers: 'auto' is float32 on a CPU (the instrument stays the same "
+        "whatever the learner computes in) and [inference] sampling_dtype's on a GPU; "
+        "'float32'; 'bfloat16' (on a CPU it needs bfloat16 instructions).",
+    )
 
 
 class GuardConfig(_Strict):

@@ -7,8 +7,9 @@ and matrix products are bfloat16, reductions that autocast keeps in float32 stay
 Under FSDP2 the same choice is expressed as ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)`` (see :mod:`composer_replication.distributed`). On a CPU without those instructions ``auto`` is
 plain float32 (bfloat16 would be emulated, slower than float32); a sharded run on CPUs
-stays float32 too. Sampling has its own precision (``[inference] sampling_dtype``): on a
-CPU it stays float32 under the learner's autocast unless asked otherwise. An explicit dtype name (``"float32"``, ``"bfloat16"``, ...) casts the
+stays float32 too. Sampling has its own precision (``[inference] sampling_dtype``: rollouts
+follow the learner's autocast, on a bfloat16 copy of the weights) and so does held-out
+evaluation (``[eval] sampling_dtype``: float32 on a CPU unless asked otherwise). An explicit dtype name (``"float32"``, ``"bfloat16"``, ...) casts the
 parameters themselves and uses no autocast.
 
 TF32 (``model.tf32``, on by default) lets the float32 matmuls and convolutions that remain on

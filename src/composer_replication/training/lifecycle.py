@@ -131,7 +131,8 @@ class RunLifecycle:
         step: int | None = None,
     ) -> float:
         """Held-out pass@1 of ``sampler`` over every environment's held-out tasks, as
-        ``eval`` asks (the :class:`~composer_replication.roles.Evaluator` role).
+        ``eval`` asks (the :class:`~composer_replication.roles.Evaluator` role), sampled in
+        ``eval.sampling_dtype`` when the policy samples in this process.
 
         The sampled pass@1 is returned (the kill switch's signal); pass@k for the other k
         of ``reported_ks(eval.samples_per_task)``, with ``eval.greedy`` greedy pass@1, and
@@ -147,6 +148,7 @@ class RunLifecycle:
             groups_pass_at_k,
         )
         from composer_replication.evals.pass_at_k import reported_ks
+        from composer_replication.inference.decoding.generate import evaluation_precision
 
         ev = self.config.eval
         groups: list[Any] = []
@@ -154,14 +156,15 @@ class RunLifecycle:
         for item in tasks:
             # each rank samples its share of the (capped) tasks; all get every group back
             task_ids = item.task_ids[: ev.max_tasks] if ev.max_tasks else list(item.task_ids)
-            sampled, greedy = configured_evaluation_rollouts(
-                item.env,
-                sampler,
-                tokenizer,
-                self.ranks.share(task_ids),
-                ev,
-                max_new_tokens=item.max_new_tokens,
-            )
+            with evaluation_precision(ev.sampling_dtype):
+                sampled, greedy = configured_evaluation_rollouts(
+                    item.env,
+                    sampler,
+                    tokenizer,
+                    self.ranks.share(task_ids),
+                    ev,
+                    max_new_tokens=item.max_new_tokens,
+                )
             groups += self.ranks.gather_shares(sampled, len(task_ids))
             if greedy is not None:
                 greedy_groups += self.ranks.gather_shares(greedy, len(task_ids))

@@ -70,19 +70,42 @@ class DecodeOptions:
 
 def sampling_compute_dtype(options: DecodeOptions, device: Any) -> Any:
     """The dtype of the matrix products while sampling on ``device`` (None: the weights'
-    own). ``"float32"``: the weights' own; ``"bfloat16"``: bfloat16; ``"auto"``: on a GPU
-    the caller's autocast dtype (the trainer's forward and the sampler compute alike), on a
-    CPU the weights' own (float32 sampling is the evaluation's instrument, and the packed
-    float32 kernels are the fastest decode here whatever the learner's autocast)."""
+    own). Inside :func:`evaluation_precision` its setting decides; otherwise ``options.dtype``:
+    ``"float32"``: the weights' own; ``"bfloat16"``: bfloat16; ``"auto"``: the caller's
+    autocast dtype (the trainer's forward and the sampler compute alike: bfloat16 on a GPU
+    and on a CPU that computes it), the weights' own outside autocast."""
     import torch
 
-    if options.dtype == "bfloat16":
+    chosen = _EVALUATION_DTYPE.get()
+    if chosen == "auto":  # held-out answers: float32 on a CPU, the rollouts' precision else
+        chosen = "float32" if device.type == "cpu" else None
+    dtype = chosen or options.dtype
+    if dtype == "bfloat16":
         return torch.bfloat16
-    if options.dtype == "float32" or device.type == "cpu":
+    if dtype == "float32":
         return None
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
+
+
+_EVALUATION_DTYPE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "evaluation_dtype", default=None
+)
+
+
+@contextlib.contextmanager
+def evaluation_precision(dtype: str) -> Iterator[None]:
+    """In-process sampling in the block computes in ``dtype`` (``[eval] sampling_dtype``:
+    'auto', 'float32' or 'bfloat16'; see :func:`sampling_compute_dtype`), whatever the
+    sampler's own decode options say: held-out answers are measured with one instrument."""
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"evaluation sampling dtype {dtype!r}: use auto, float32 or bfloat16")
+    token = _EVALUATION_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _EVALUATION_DTYPE.reset(token)
 
 
 _ROW_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("row_seed", default=None)
