@@ -114,3 +114,49 @@ def test_lora_policy_samples_merged_and_keeps_its_base_weights_exact(tiny):
     assert not any(getattr(m, "merged", False) for m in policy.modules())
     with lora_merged(model) as same:  # a model without adapters passes through
         assert same is model
+
+
+def test_packed_sampling_folds_lora_adapters_into_its_own_copy(tiny):
+    """On the CPU's packed path the adapters are folded into the packed copy (no merge of
+    the live weights, no saved copy of them): the same tokens and log-probs, bit for bit,
+    as sampling the merged model, and the live layers are never merged."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from composer_replication.inference.decoding.generate import DecodeOptions
+    from composer_replication.inference.decoding.packed_linear import (
+        folded_lora_weight,
+        packed_linear_available,
+    )
+
+    model, tok = tiny
+    if not packed_linear_available(model):
+        pytest.skip("no oneDNN packed linear in this torch build")
+    policy = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+    )
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    merged = copy.deepcopy(policy).merge_and_unload()
+    layer = next(m for m in policy.modules() if hasattr(m, "lora_A") and m.lora_A)
+    merged_weight = copy.deepcopy(layer)
+    merged_weight.merge()
+    weight, _ = folded_lora_weight(layer)
+    assert torch.equal(weight, merged_weight.get_base_layer().weight)
+    assert folded_lora_weight(layer.get_base_layer()) is None  # not a LoRA layer
+
+    merges = []
+    for module in policy.modules():
+        if hasattr(module, "merge") and hasattr(module, "lora_A"):
+            module.merge = lambda *a, _m=merges, **k: _m.append(1)
+    prompts = [tok("def add(a, b):")["input_ids"], tok("def sub(a, b):")["input_ids"]]
+    settings = SamplingSettings(max_new_tokens=8, temperature=1.0)
+    general = DecodeOptions(loop="general")
+    folded = generate(policy, tok, prompts, settings, decode=general, generator_seed=3)
+    reference = generate(merged, tok, prompts, settings, decode=general, generator_seed=3)
+    assert [g.completion_ids for g in folded] == [g.completion_ids for g in reference]
+    assert [g.logprobs for g in folded] == [g.logprobs for g in reference]
+    assert merges == []  # the live layers were never merged

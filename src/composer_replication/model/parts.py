@@ -45,7 +45,7 @@ def lora_merged(model: Any) -> Iterator[Any]:
     """
     import torch
 
-    layers = [m for m in model.modules() if _is_unmerged_lora(m)]
+    layers = [m for m in model.modules() if is_unmerged_lora(m)]
     if not layers:
         yield model
         return
@@ -63,7 +63,8 @@ def lora_merged(model: Any) -> Iterator[Any]:
                 layer.get_base_layer().weight.copy_(weight)
 
 
-def _is_unmerged_lora(module: Any) -> bool:
+def is_unmerged_lora(module: Any) -> bool:
+    """Whether ``module`` is a LoRA layer whose adapters are not folded into its base."""
     return (
         hasattr(module, "merge")
         and hasattr(module, "get_base_layer")

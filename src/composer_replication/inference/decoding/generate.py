@@ -233,7 +233,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), lora_merged(model):
+        with torch.no_grad():
             options = decode or DecodeOptions()
             static = static_loop_applies(model, options)
             if loops is not None:
@@ -245,11 +245,15 @@ def generate(
                     def done(index: int, row: Any) -> None:
                         on_row_done(index, _generation(prompts[index], row, tokenizer))
 
-                rows = _static_rows(model, prompts, options, {**common, "on_row_done": done})
+                with lora_merged(model):
+                    rows = _static_rows(model, prompts, options, {**common, "on_row_done": done})
                 on_row_done = None  # every row was announced as it finished
             else:
                 from composer_replication.inference.decoding.decode import decode_rows
-                from composer_replication.inference.decoding.packed_linear import packed_linears
+                from composer_replication.inference.decoding.packed_linear import (
+                    packed_linear_available,
+                    packed_linears,
+                )
 
                 hint = min(len(prompts), max_rows or len(prompts))
                 device = next(model.parameters()).device
@@ -260,7 +264,13 @@ def generate(
                     if device.type == "cpu"
                     else contextlib.nullcontext()
                 )
-                with cpu_own_precision, packed_linears(model, batch_hint=hint, dtype=compute_dtype):
+                # packed weights fold LoRA adapters in themselves: no merge, no saved copy
+                packed = packed_linear_available(model, compute_dtype)
+                with (
+                    contextlib.nullcontext() if packed else lora_merged(model),
+                    cpu_own_precision,
+                    packed_linears(model, batch_hint=hint, dtype=compute_dtype, fold_lora=True),
+                ):
                     rows = decode_rows(
                         model,
                         prompts,

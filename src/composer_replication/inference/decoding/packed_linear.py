@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["packed_linear_available", "packed_linears"]
+__all__ = ["folded_lora_weight", "packed_linear_available", "packed_linears"]
 
 
 def packed_linear_available(model: Any, dtype: torch.dtype | None = None) -> bool:
@@ -70,34 +70,69 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
     return forward_cast
 
 
+def folded_lora_weight(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(base weight + the active adapters' deltas, base bias) of an unmerged plain LoRA
+    linear layer: the weight ``merge()`` would leave, without touching the module; None for
+    anything else (no LoRA, a variant such as DoRA, a LoRA bias)."""
+    from composer_replication.model.parts import is_unmerged_lora
+
+    if not is_unmerged_lora(module):
+        return None
+    base = module.get_base_layer()
+    if type(base) is not torch.nn.Linear:
+        return None
+    variants = getattr(module, "lora_variant", {})
+    lora_bias = getattr(module, "lora_bias", {})
+    adapters = [a for a in module.active_adapters if a in module.lora_A]
+    if any(a in variants or lora_bias.get(a) for a in adapters):
+        return None
+    weight = base.weight.detach()
+    if not getattr(module, "disable_adapters", False):
+        for adapter in adapters:  # as merge(): base += delta, in the base weight's dtype
+            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+    return weight, None if base.bias is None else base.bias.detach()
+
+
 @contextlib.contextmanager
 def packed_linears(
-    model: Any, *, batch_hint: int = 8, dtype: torch.dtype | None = None
+    model: Any, *, batch_hint: int = 8, dtype: torch.dtype | None = None, fold_lora: bool = False
 ) -> Iterator[bool]:
     """Run the model's ``nn.Linear`` layers on packed weights inside the block.
 
     Yields whether the packed path is in use. ``batch_hint`` is the expected number of rows
     per call (oneDNN picks its blocking for it; any row count works). ``dtype``: the packed
-    copy's dtype (None: float32, the weights' own; ``torch.bfloat16``). Only for inference:
-    the packed weights are a copy, so gradients would not reach the parameters.
+    copy's dtype (None: float32, the weights' own; ``torch.bfloat16``). ``fold_lora``: an
+    unmerged LoRA layer computes with one packed copy of its base weight plus its adapters
+    (:func:`folded_lora_weight`: the same bits as merging first), so sampling needs neither
+    a merge nor a saved copy of the base weights. Only for inference: the packed weights
+    are a copy, so gradients would not reach the parameters.
     """
     if not packed_linear_available(model, dtype):
         yield False
         return
     patched: list[torch.nn.Module] = []
+    folded_bases: set[int] = set()
     try:
         with torch.no_grad():
             for module in model.modules():
-                if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
+                if "forward" in module.__dict__ or id(module) in folded_bases:
                     continue
-                if module.weight.dtype != torch.float32:
+                folded = folded_lora_weight(module) if fold_lora else None
+                if folded is not None:
+                    folded_bases.add(id(module.get_base_layer()))
+                    weight, bias = folded
+                elif type(module) is torch.nn.Linear:
+                    weight = module.weight.detach()
+                    bias = None if module.bias is None else module.bias.detach()
+                else:
                     continue
-                weight = module.weight.detach()
-                bias = None if module.bias is None else module.bias.detach()
+                if weight.dtype != torch.float32:
+                    continue
                 if dtype is not None and dtype != weight.dtype:
                     weight = weight.to(dtype)
                     bias = None if bias is None else bias.to(dtype)
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, int(batch_hint)))
+                del weight  # a folded weight's temporary goes before the next layer's
                 module.forward = _packed_forward(packed, bias)
                 patched.append(module)
         yield True
