@@ -22,6 +22,10 @@ in float32 (``[eval] sampling_dtype``, float32 on a CPU unless asked). Three stu
   and after, and the sampler/trainer mismatch the bfloat16 learner adds (``kl/inference``,
   the share of rl tokens the trust region masks).
 
+- ``agent`` (``--agent``; ``--agent-only``: it alone): ``train configs/runs/agent.toml``
+  in float32 with reuse off, then the default command twice: wall time, the training
+  process's peak RSS, median step, held-out resolved rate before and after.
+
 Run: ``python benchmarks/cpu_precision.py`` (step and decode, a few minutes);
 ``--job --seeds 0 1 2 --out DIR`` adds the whole job (``--bf16-evaluation``: the default
 command with its held-out answers sampled in bfloat16 too; ``--job-only``: the job alone; finished runs are read back).
@@ -165,36 +169,46 @@ VARIANTS = {
 }
 
 
-def _job(out: Path, variant: str, seed: int) -> dict[str, Any]:
-    run_dir = out / f"{variant}_seed{seed}"
+def _job(out: Path, variant: str, seed: int, config: Path | None = None) -> dict[str, Any]:
+    """One ``train`` command (the default job, or ``config``) as ``variant`` sets it: its
+    wall time, peak RSS (the training process's own, as ``/usr/bin/time`` reports it),
+    steps and held-out scores."""
+    name = f"{'' if config is None else config.stem + '_'}{variant}_seed{seed}"
+    run_dir = out / name
     sets = [f"output_dir={run_dir}", *VARIANTS[variant], f"seed={seed}"]
-    timing = out / f"{variant}_seed{seed}.timing.json"
+    timing = out / f"{name}.timing.json"
     if not (run_dir / "summary.json").exists() or not timing.exists():
         start = time.perf_counter()
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "composer_replication",
-                "train",
-                *(arg for value in sets for arg in ("--set", value)),
-            ],
-            check=True,
-        )
+        command = [sys.executable, "-m", "composer_replication", "train"]
+        command += [] if config is None else [str(config)]
+        proc = subprocess.Popen([*command, *(arg for value in sets for arg in ("--set", value))])
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, command)
         # beside the run, not in its record; atomically
-        write_json(timing, {"command_seconds": round(time.perf_counter() - start, 1)})
+        write_json(
+            timing,
+            {
+                "command_seconds": round(time.perf_counter() - start, 1),
+                "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2),  # ru_maxrss is KiB
+            },
+        )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["time/step_s"] for r in rows if "time/step_s" in r]
     scores = {
         key: [r[key] for r in rows if key in r]
         for key in ("heldout/greedy_pass@1", "heldout/pass@1")
     }
+    if not scores["heldout/greedy_pass@1"]:  # greedy-only evaluations (temperature 0)
+        scores["heldout/greedy_pass@1"] = scores["heldout/pass@1"]
     summary = json.loads((run_dir / "summary.json").read_text())
     mismatch = [r["kl/inference"] for r in rows if "kl/inference" in r]
     masked = [r["rl/masked_fraction"] for r in rows if "rl/masked_fraction" in r]
     return {
         "greedy_solved": _greedy_solved(run_dir),
         "command_s": float(json.loads(timing.read_text())["command_seconds"]),
+        "peak_rss_gb": json.loads(timing.read_text()).get("peak_rss_gb", float("nan")),
         "median_step_s": statistics.median(steps),
         "kl_inference": statistics.mean(mismatch) if mismatch else float("nan"),
         "rl_masked": statistics.mean(masked) if masked else float("nan"),
@@ -208,7 +222,8 @@ def _greedy_solved(run_dir: Path) -> tuple[int, int]:
     """(solved, tasks) of the last evaluation's greedy answers, from its saved rollouts."""
     last = sorted((run_dir / "rollouts").glob("eval_step_*.jsonl"))[-1]
     rows = [json.loads(line) for line in last.read_text().splitlines()]
-    greedy = [r for r in rows if r["metadata"].get("greedy")]
+    # greedy answers are marked, unless the evaluation sampled at temperature 0 only
+    greedy = [r for r in rows if r["metadata"].get("greedy")] or rows
     return sum(r["reward"] == 1.0 for r in greedy), len(greedy)
 
 
@@ -243,6 +258,27 @@ def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any
     return results
 
 
+AGENT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "runs" / "agent.toml"
+
+
+def agent_study(out: Path) -> dict[str, Any]:
+    """``train configs/runs/agent.toml`` (seed 0; its tasks made by an earlier run or the
+    first one here) in float32 with reuse off (the command before this work), then as a
+    user runs it twice."""
+    variants = ["float32", "default", "default_again"]
+    results = {v: _job(out, v, 0, AGENT_CONFIG) for v in variants}
+    print("the agentic recipe (composer-replication train configs/runs/agent.toml):")
+    for name in variants:
+        r = results[name]
+        print(
+            f"  {name:14s}: {r['command_s']:6.1f} s ({r['command_s'] / results['float32']['command_s']:.2f}x), "
+            f"peak RSS {r['peak_rss_gb']:.2f} GB, start evaluation {r['start_evaluation']}, "
+            f"median step {r['median_step_s']:5.1f} s, held-out resolved "
+            f"{r['greedy'][0]:.3f} -> {r['greedy'][1]:.3f}"
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -257,6 +293,13 @@ def main() -> None:
     )
     parser.add_argument("--job-only", action="store_true", help="skip the step and decode studies")
     parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="also run configs/runs/agent.toml: float32, then the default command twice "
+        "(about 12 minutes a run)",
+    )
+    parser.add_argument("--agent-only", action="store_true", help="agent.toml's runs alone")
+    parser.add_argument(
         "--variants",
         nargs="+",
         choices=sorted(VARIANTS),
@@ -269,14 +312,15 @@ def main() -> None:
     for seed in args.seeds:
         if seed < 0:
             refuse("--seeds", seed, "give seeds >= 0")
-    args.job = args.job or args.job_only
+    args.job = (args.job or args.job_only) and not args.agent_only
+    args.agent = args.agent or args.agent_only
     out = checked_output(args.out, "--out", directory=True) if args.job else None
     from composer_replication.model.cpu_threads import limit_thread_spinning
 
     limit_thread_spinning()
     kernels = _bf16_cpu_or_exit()
     print(f"machine: {machine_line()} (bfloat16: {kernels})")
-    if not args.job_only:
+    if not (args.job_only or args.agent_only):
         step_study(args.repeats)
         decode_study(args.tasks)
     if out is not None:
@@ -288,6 +332,8 @@ def main() -> None:
         ]
         variants = ["float32", *(v for v in variants if v != "float32")]
         job_study(Path(out), args.seeds, variants)
+    if args.agent:
+        agent_study(Path(checked_output(args.out, "--out", directory=True)))
 
 
 if __name__ == "__main__":
