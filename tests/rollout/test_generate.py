@@ -79,14 +79,12 @@ def test_left_pad_and_bad_settings():
         SamplingSettings(temperature=-1)
 
 
-def test_lora_policy_samples_merged_and_keeps_its_base_weights_exact(tiny):
+def _lora_policy(model):
+    """A copy of ``model`` with r=4 adapters on q_proj and up_proj that change its outputs."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
-    from composer_replication.model.parts import lora_merged
-
-    model, tok = tiny
     policy = get_peft_model(
         copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
     )
@@ -94,6 +92,14 @@ def test_lora_policy_samples_merged_and_keeps_its_base_weights_exact(tiny):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
+    return policy
+
+
+def test_lora_policy_samples_merged_and_keeps_its_base_weights_exact(tiny):
+    from composer_replication.model.parts import lora_merged
+
+    model, tok = tiny
+    policy = _lora_policy(model)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     prompt = tok("def add(a, b):")["input_ids"]
@@ -122,8 +128,6 @@ def test_packed_sampling_folds_lora_adapters_into_its_own_copy(tiny):
     as sampling the merged model, and the live layers are never merged."""
     import copy
 
-    from peft import LoraConfig, get_peft_model
-
     from composer_replication.inference.decoding.generate import DecodeOptions
     from composer_replication.inference.decoding.packed_linear import (
         folded_lora_weight,
@@ -133,13 +137,7 @@ def test_packed_sampling_folds_lora_adapters_into_its_own_copy(tiny):
     model, tok = tiny
     if not packed_linear_available(model):
         pytest.skip("no oneDNN packed linear in this torch build")
-    policy = get_peft_model(
-        copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
-    )
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
+    policy = _lora_policy(model)
     merged = copy.deepcopy(policy).merge_and_unload()
     layer = next(m for m in policy.modules() if hasattr(m, "lora_A") and m.lora_A)
     merged_weight = copy.deepcopy(layer)
