@@ -233,9 +233,14 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            options = decode or DecodeOptions()
-            static = static_loop_applies(model, options)
+        options = decode or DecodeOptions()
+        device = next(model.parameters()).device
+        # the static loop decodes merged LoRA weights; the CPU's packed path folds them itself
+        maybe_static = options.loop == "static" or (
+            options.loop == "auto" and device.type == "cuda"
+        )
+        with torch.no_grad(), lora_merged(model) if maybe_static else contextlib.nullcontext():
+            static = maybe_static and static_loop_applies(model, options)
             if loops is not None:
                 loops["static" if static else "general"] += 1
             if static:
@@ -245,8 +250,7 @@ def generate(
                     def done(index: int, row: Any) -> None:
                         on_row_done(index, _generation(prompts[index], row, tokenizer))
 
-                with lora_merged(model):
-                    rows = _static_rows(model, prompts, options, {**common, "on_row_done": done})
+                rows = _static_rows(model, prompts, options, {**common, "on_row_done": done})
                 on_row_done = None  # every row was announced as it finished
             else:
                 from composer_replication.inference.decoding.decode import decode_rows
@@ -256,7 +260,6 @@ def generate(
                 )
 
                 hint = min(len(prompts), max_rows or len(prompts))
-                device = next(model.parameters()).device
                 compute_dtype = sampling_compute_dtype(options, device)
                 # on a CPU the sampler computes in its own precision, never the learner's
                 cpu_own_precision = (
@@ -265,9 +268,9 @@ def generate(
                     else contextlib.nullcontext()
                 )
                 # packed weights fold LoRA adapters in themselves: no merge, no saved copy
-                packed = packed_linear_available(model, compute_dtype)
+                adapters_in = maybe_static or packed_linear_available(model, compute_dtype)
                 with (
-                    contextlib.nullcontext() if packed else lora_merged(model),
+                    contextlib.nullcontext() if adapters_in else lora_merged(model),
                     cpu_own_precision,
                     packed_linears(model, batch_hint=hint, dtype=compute_dtype, fold_lora=True),
                 ):
