@@ -26,6 +26,11 @@ in float32 (``[eval] sampling_dtype``, float32 on a CPU unless asked). Three stu
   in float32 with reuse off, then the default command twice: wall time, the training
   process's peak RSS, median step, held-out resolved rate before and after.
 
+``--variants`` chooses the job's and agent.toml's variants, the first being the one the
+others are compared with; ``before`` is the code this work started from
+(:data:`BEFORE_COMMIT`, run from a git worktree on the same interpreter): ``--job-only
+--agent --variants before default default_again`` measures the goals' ratios in one run.
+
 Run: ``python benchmarks/cpu_precision.py`` (step and decode, a few minutes);
 ``--job --seeds 0 1 2 --out DIR`` adds the whole job (``--bf16-evaluation``: the default
 command with its held-out answers sampled in bfloat16 too; ``--job-only``: the job alone; finished runs are read back).
@@ -156,8 +161,16 @@ def decode_study(n_tasks: int) -> dict[str, Any]:
     return result
 
 
+#: The commit this work started from: the CPU path in float32, sandboxed children started
+#: by fork, every start evaluation measured. The ``before`` variant runs its code (a git
+#: worktree beside the runs, on the same interpreter and packages): the wall time the
+#: goals were set against, measured in the same run as the others.
+BEFORE_COMMIT = "f92fff97a0d5711ddfac1f7cb85c0c414b2dd28a"
+
 #: the job's variants: their run-directory name -> the ``--set`` overrides
 VARIANTS = {
+    # the code before this work, as a user ran it (no setting changed)
+    "before": [],
     "float32": ["model.dtype=float32", "eval.reuse_start=false"],
     "auto": ["model.dtype=auto", "eval.reuse_start=false"],
     # the command as a user runs it (a start evaluation kept by an earlier run is reused),
@@ -178,10 +191,15 @@ def _job(out: Path, variant: str, seed: int, config: Path | None = None) -> dict
     sets = [f"output_dir={run_dir}", *VARIANTS[variant], f"seed={seed}"]
     timing = out / f"{name}.timing.json"
     if not (run_dir / "summary.json").exists() or not timing.exists():
+        env = dict(os.environ)
+        if variant == "before":  # its own code first on the path
+            env["PYTHONPATH"] = str(_code_before(out) / "src")
         start = time.perf_counter()
         command = [sys.executable, "-m", "composer_replication", "train"]
         command += [] if config is None else [str(config)]
-        proc = subprocess.Popen([*command, *(arg for value in sets for arg in ("--set", value))])
+        proc = subprocess.Popen(
+            [*command, *(arg for value in sets for arg in ("--set", value))], env=env
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode:
@@ -218,6 +236,25 @@ def _job(out: Path, variant: str, seed: int, config: Path | None = None) -> dict
     }
 
 
+def _code_before(out: Path) -> Path:
+    """A worktree of :data:`BEFORE_COMMIT` under ``out`` (made once)."""
+    tree = out / f"code-{BEFORE_COMMIT[:12]}"
+    if not (tree / "src" / "composer_replication").is_dir():
+        repo = Path(__file__).resolve().parents[1]
+        made = subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), BEFORE_COMMIT],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode:
+            refuse(
+                "the before variant",
+                f"no worktree of {BEFORE_COMMIT[:12]} ({made.stderr.strip()[-200:]})",
+                "run it from a git clone of the project with its history",
+            )
+    return tree
+
+
 def _greedy_solved(run_dir: Path) -> tuple[int, int]:
     """(solved, tasks) of the last evaluation's greedy answers, from its saved rollouts."""
     last = sorted((run_dir / "rollouts").glob("eval_step_*.jsonl"))[-1]
@@ -228,10 +265,13 @@ def _greedy_solved(run_dir: Path) -> tuple[int, int]:
 
 
 def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any]:
+    """The default job's ``variants`` per seed; the first is the one the others are
+    compared with (wall time, greedy answers solved)."""
     results = {f"{v}/{s}": _job(out, v, s) for s in seeds for v in variants}
+    base = variants[0]
     print("the whole default job (composer-replication train):")
     for s in seeds:
-        f32 = results[f"float32/{s}"]
+        reference = results[f"{base}/{s}"]
         for name in variants:
             r = results[f"{name}/{s}"]
             print(
@@ -243,12 +283,12 @@ def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any
             )
         for name in variants[1:]:
             r = results[f"{name}/{s}"]
-            ratio = r["command_s"] / f32["command_s"]
+            ratio = r["command_s"] / reference["command_s"]
             solved, tasks = r["greedy_solved"]
             print(
-                f"  seed {s} {name} / float32 wall time: {ratio:.2f}x; greedy answers solved "
-                f"after: {solved} of {tasks} (float32 {f32['greedy_solved'][0]}, difference "
-                f"{solved - f32['greedy_solved'][0]:+d})"
+                f"  seed {s} {name} / {base} wall time: {ratio:.2f}x; greedy answers solved "
+                f"after: {solved} of {tasks} ({base} {reference['greedy_solved'][0]}, "
+                f"difference {solved - reference['greedy_solved'][0]:+d})"
             )
         if {"default", "default_again"} <= set(variants):
             again = (
@@ -261,17 +301,17 @@ def job_study(out: Path, seeds: list[int], variants: list[str]) -> dict[str, Any
 AGENT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "runs" / "agent.toml"
 
 
-def agent_study(out: Path) -> dict[str, Any]:
+def agent_study(out: Path, variants: list[str]) -> dict[str, Any]:
     """``train configs/runs/agent.toml`` (seed 0; its tasks made by an earlier run or the
-    first one here) in float32 with reuse off (the command before this work), then as a
-    user runs it twice."""
-    variants = ["float32", "default", "default_again"]
+    first one here) as each of ``variants`` runs it; the first is the one the others are
+    compared with."""
     results = {v: _job(out, v, 0, AGENT_CONFIG) for v in variants}
+    base = results[variants[0]]["command_s"]
     print("the agentic recipe (composer-replication train configs/runs/agent.toml):")
     for name in variants:
         r = results[name]
         print(
-            f"  {name:14s}: {r['command_s']:6.1f} s ({r['command_s'] / results['float32']['command_s']:.2f}x), "
+            f"  {name:14s}: {r['command_s']:6.1f} s ({r['command_s'] / base:.2f}x), "
             f"peak RSS {r['peak_rss_gb']:.2f} GB, start evaluation {r['start_evaluation']}, "
             f"median step {r['median_step_s']:5.1f} s, held-out resolved "
             f"{r['greedy'][0]:.3f} -> {r['greedy'][1]:.3f}"
@@ -303,8 +343,10 @@ def main() -> None:
         "--variants",
         nargs="+",
         choices=sorted(VARIANTS),
-        help="the job variants to run, in order (default: float32 auto default default_again, "
-        "and bf16_evaluation with --bf16-evaluation); float32 is always first",
+        help="the variants to run, in order, the first being the one the others are compared "
+        "with (the job's default: float32 auto default default_again, and bf16_evaluation with "
+        "--bf16-evaluation; agent.toml's: float32 default default_again); before: the code "
+        f"this work started from ({BEFORE_COMMIT[:12]})",
     )
     args = parser.parse_args()
     check_count(args.repeats, "--repeats")
@@ -325,15 +367,16 @@ def main() -> None:
         decode_study(args.tasks)
     if out is not None:
         variants = args.variants or [
+            "float32",
             "auto",
             "default",
             "default_again",
             *(["bf16_evaluation"] if args.bf16_evaluation else []),
         ]
-        variants = ["float32", *(v for v in variants if v != "float32")]
         job_study(Path(out), args.seeds, variants)
     if args.agent:
-        agent_study(Path(checked_output(args.out, "--out", directory=True)))
+        variants = args.variants or ["float32", "default", "default_again"]
+        agent_study(Path(checked_output(args.out, "--out", directory=True)), variants)
 
 
 if __name__ == "__main__":

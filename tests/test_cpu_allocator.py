@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -24,7 +25,10 @@ _PROBE = textwrap.dedent(
     """
     import json, os, sys
     import torch
-    from composer_replication.model.cpu_allocator import release_free_heap, set_mmap_threshold
+    import time
+    from composer_replication.model.cpu_allocator import (
+        release_free_heap, set_mmap_threshold, trimming_heap
+    )
 
     def rss():
         with open("/proc/self/statm") as fh:
@@ -39,6 +43,10 @@ _PROBE = textwrap.dedent(
         small.append(torch.empty(64 << 10, dtype=torch.uint8).fill_(1))
     del big
     released = release_free_heap() if sys.argv[1] == "trimmed" else False
+    if sys.argv[1] == "background":  # the trimmer thread runs while the block waits
+        with trimming_heap(0.05):
+            time.sleep(0.5)
+            released = True
     print(json.dumps({"applied": applied, "released": released, "kept": rss() - before}))
     """
 )
@@ -68,6 +76,28 @@ def test_trimming_the_heap_returns_freed_blocks():
     assert trimmed["released"] and not dynamic["released"]
     assert dynamic["kept"] > 100 << 20
     assert trimmed["kept"] < 16 << 20  # the free pages between the live blocks went back
+
+
+@glibc
+def test_a_background_trimmer_returns_freed_blocks_while_a_block_runs():
+    dynamic, background = _kept("dynamic"), _kept("background")
+    assert dynamic["kept"] > 100 << 20
+    assert background["kept"] < 16 << 20
+
+
+@glibc
+def test_trimming_heap_validation_and_off():
+    from composer_replication.model.cpu_allocator import trimming_heap
+
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match=f"every_s={bad}"), trimming_heap(bad):
+            pass
+    before = threading.active_count()
+    with trimming_heap(None):  # off: no thread
+        assert threading.active_count() == before
+    with trimming_heap(10.0):  # on: one thread, gone when the block ends (not after 10 s)
+        assert any(t.name == "heap-trimmer" for t in threading.enumerate())
+    assert not any(t.name == "heap-trimmer" for t in threading.enumerate())
 
 
 def test_threshold_validation_and_user_override(monkeypatch):

@@ -453,6 +453,14 @@ class RunConfig(_Strict):
         "return to the system (see cpu_allocator): lower peak RSS, but every large "
         "allocation then page-faults afresh (slower steps); null keeps glibc's dynamic one.",
     )
+    malloc_trim_every_s: float | None = Field(
+        3.0,
+        gt=0,
+        description="A CPU run hands the heap's free pages back to the system every this many "
+        "seconds (glibc's malloc_trim, from a background thread), so that its resident "
+        "memory follows its tensors inside a phase too (see cpu_allocator); null: only "
+        "between phases.",
+    )
     heldout_fraction: float = Field(
         0.25, gt=0, lt=1, description="Share of tasks held out for evaluation (never trained on)."
     )

@@ -230,17 +230,22 @@ def evaluate_model(
     train_ids, heldout_ids = splitter.split(env.task_ids())
     ids = {"heldout": heldout_ids, "train": train_ids, "all": env.task_ids()}[split]
     ids = ids[:limit] if limit is not None else ids
-    groups, greedy_groups = evaluation_rollouts(
-        env,
-        InProcessSampler(policy),
-        tokenizer,
-        ids,
-        samples_per_task=samples_per_task,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        greedy=greedy,
-    )
+    from composer_replication.model.cpu_allocator import TRIM_EVERY_S, trimming_heap
+    from composer_replication.model.devices import module_device
+
+    on_cpu = module_device(policy).type == "cpu"
+    with trimming_heap(TRIM_EVERY_S if on_cpu else None):  # an agent's kept states: see there
+        groups, greedy_groups = evaluation_rollouts(
+            env,
+            InProcessSampler(policy),
+            tokenizer,
+            ids,
+            samples_per_task=samples_per_task,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            greedy=greedy,
+        )
     rewards = [r.reward for g in groups for r in g]
     more_ks = [k for k in reported_ks(samples_per_task) if k > 1]
     result: dict[str, Any] = {

@@ -66,6 +66,7 @@ TRAINING_ONLY = (
     "ema_decay",
     "micro_batch_tokens",
     "malloc_mmap_threshold",
+    "malloc_trim_every_s",
     "pairs_file",
     "guard",
     "checkpoint",

@@ -17,19 +17,34 @@ Between phases of a run (after a learner update, around an evaluation) the loop 
 hands the heap's free pages back with ``malloc_trim`` (:func:`release_free_heap`): the
 next phase faults its pages in once, not once per allocation, and the leftovers of one
 phase no longer add to the next phase's peak.
+
+Inside a phase the heap still fills with holes: an agent's episodes keep each row's keys
+and values (blocks of 0.3-1 MiB per layer) between turns while the decode allocates and
+frees larger blocks around them, so the holes cannot go back to the system and the
+process grows past what its tensors hold. :func:`trimming_heap` hands the free pages back
+every few seconds from a background thread while a block runs (measured on an agent's
+held-out evaluation: peak RSS 5.0-5.7 GB with glibc's defaults, 4.1 GB trimmed every
+3 s, for the same answers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
+import threading
+from collections.abc import Iterator
 
 # glibc's mallopt parameter number (malloc.h).
 _M_MMAP_THRESHOLD = -3
 ENV_VARIABLE = "MALLOC_MMAP_THRESHOLD_"
 DEFAULT_MMAP_THRESHOLD = 256 * 1024
+#: Seconds between two trims of :func:`trimming_heap` in a CPU run (``malloc_trim_every_s``)
+#: and a CPU evaluation: a trim of a multi-GB heap takes milliseconds.
+TRIM_EVERY_S = 3.0
 
 
 def set_mmap_threshold(threshold_bytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
@@ -65,7 +80,39 @@ def release_free_heap() -> bool:
     return bool(libc.malloc_trim(ctypes.c_size_t(0)))
 
 
+@contextlib.contextmanager
+def trimming_heap(every_s: float | None) -> Iterator[None]:
+    """While the block runs, a daemon thread hands the heap's free pages back to the system
+    every ``every_s`` seconds (:func:`release_free_heap`; glibc locks each arena while it
+    trims, so it is safe beside the allocating threads). None: nothing is started, as off
+    Linux/glibc.
+
+    Raises:
+        ValueError: for ``every_s`` <= 0.
+    """
+    if every_s is not None and not every_s > 0:
+        raise ValueError(f"every_s={every_s} must be > 0 seconds (or None: no trimming)")
+    if every_s is None or not sys.platform.startswith("linux") or _glibc() is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def trim() -> None:
+        while not stop.wait(every_s):
+            release_free_heap()
+
+    thread = threading.Thread(target=trim, name="heap-trimmer", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (looked up once: ``find_library`` runs ``ldconfig``)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None

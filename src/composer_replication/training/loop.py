@@ -40,7 +40,7 @@ from composer_replication.inference.engine import BlamedSampler, build_inference
 from composer_replication.inference.frozen import FrozenEngines, served
 from composer_replication.inference.in_process import InProcessEngine
 from composer_replication.inference.snapshot import PolicySnapshot
-from composer_replication.model.cpu_allocator import release_free_heap
+from composer_replication.model.cpu_allocator import release_free_heap, trimming_heap
 from composer_replication.model.devices import module_device
 from composer_replication.rollout.agent import episode_metrics
 from composer_replication.safety import HeldoutSplit
@@ -543,7 +543,11 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def run(self, *, resume: bool = False) -> RunResult:
-        with self.life.exclusive():
+        # a CPU run's heap gives its holes back while phases run, not only between them
+        every = (
+            self.config.malloc_trim_every_s if module_device(self.policy).type == "cpu" else None
+        )
+        with self.life.exclusive(), trimming_heap(every):
             return self._run(resume=resume)
 
     def _run(self, *, resume: bool) -> RunResult:
