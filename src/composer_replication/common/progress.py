@@ -8,10 +8,11 @@ plain line at least every ``HEARTBEAT_S`` seconds while its block runs.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from composer_replication.common.periodic import periodically
 
 __all__ = ["HEARTBEAT_S", "heartbeat"]
 
@@ -32,24 +33,19 @@ def heartbeat(
         yield
         return
     started = time.monotonic()
-    done = threading.Event()
     beats = []
 
     def beat() -> None:
-        while not done.wait(every):
-            elapsed = time.monotonic() - started
-            console.print(f"{what}: {elapsed:.0f} s so far", markup=False, highlight=False)
-            beats.append(elapsed)
+        elapsed = time.monotonic() - started
+        console.print(f"{what}: {elapsed:.0f} s so far", markup=False, highlight=False)
+        beats.append(elapsed)
 
     if announce:
         console.print(f"{what} ...", markup=False, highlight=False)
-    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
-    thread.start()
     try:
-        yield
+        with periodically(every, beat, name="heartbeat"):
+            yield
     finally:
-        done.set()
-        thread.join()
         if announce or beats:
             elapsed = time.monotonic() - started
             console.print(f"{what}: done in {elapsed:.0f} s", markup=False, highlight=False)

@@ -35,8 +35,9 @@ import ctypes.util
 import functools
 import os
 import sys
-import threading
 from collections.abc import Iterator
+
+from composer_replication.common.periodic import periodically
 
 # glibc's mallopt parameter number (malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -95,19 +96,8 @@ def trimming_heap(every_s: float | None) -> Iterator[None]:
     if every_s is None or not sys.platform.startswith("linux") or _glibc() is None:
         yield
         return
-    stop = threading.Event()
-
-    def trim() -> None:
-        while not stop.wait(every_s):
-            release_free_heap()
-
-    thread = threading.Thread(target=trim, name="heap-trimmer", daemon=True)
-    thread.start()
-    try:
+    with periodically(every_s, release_free_heap, name="heap-trimmer"):
         yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 @functools.cache
