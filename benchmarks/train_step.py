@@ -17,19 +17,20 @@ embedded default recipe (2 tasks x 4 rollouts on ``python_functions``: rl, the S
 error sites with the hinted teacher contexts, and the trace-replay DPO pairs), timed
 through ``train_step`` once as the recipe trains them and once as plain grpo (the same
 rollouts with the jsd weights, teacher contexts and pairs taken out), in one process, each
-three ways: row by row, a forward per shared-prefix tree node, and one packed forward of
-the rows' token trie (the default).
+three ways: row by row, a forward per shared-prefix tree node, one packed forward of
+the rows' token trie under a dense mask, and packed under the block mask in query tiles
+(the default).
 Printed: seconds per step and per rollout token of each, their ratio, and where the
 composer step's extra tokens come from (teacher contexts, pair sequences).
 
-``--episodes ROWS LENGTH PREFIX`` measures the CPU's choice between the two ways of sharing
-a prefix on rows shaped like agent episodes (ROWS rows of about LENGTH tokens, the first
-PREFIX shared): the embedded model with the recipes' LoRA (r 16) under the run's autocast,
-forward and backward of the rows' last hidden states, once as one packed forward with a
-dense (N, N) mask and once as a forward per prefix-tree node, each in a fresh process
-(``model.shared_prefix.packed_max_tokens`` picks the packed one up to its bound). Printed:
-seconds, peak extra memory, their ratios, and the summed magnitudes of both ways' hidden
-states (equal up to rounding).
+``--episodes ROWS LENGTH PREFIX`` measures the CPU's ways of sharing a prefix on rows shaped
+like agent episodes (ROWS rows of about LENGTH tokens, the first PREFIX shared): the
+embedded model with the recipes' LoRA (r 16) under the run's autocast, forward and backward
+of the rows' last hidden states, each way in a fresh process: packed without padding under
+the block mask, attention in query tiles over the key tiles each sees (the default,
+``model.packed_attention.tiled_attention``); one packed forward with a dense (N, N) mask;
+a forward per prefix-tree node. Printed: seconds, peak extra memory, their ratios, and the
+summed magnitudes of the ways' hidden states (equal up to rounding).
 """
 
 from __future__ import annotations
@@ -136,15 +137,16 @@ def episodes_worker(rows: int, length: int, prefix: int, way: str, repeats: int)
     import torch
 
     from composer_replication.config.run import ModelConfig
-    from composer_replication.model import shared_prefix
+    from composer_replication.model import packed_attention, shared_prefix
     from composer_replication.model.devices import resolve_precision
     from composer_replication.model.parts import last_hidden_states
     from composer_replication.training.setup import setup_policy
 
-    # the packed forward at any size, or never
-    shared_prefix.PACKED_MAX_TOKENS = shared_prefix.PACKED_MAX_TOKENS_CPU = (
-        1 << 30 if way == "packed" else 0
-    )
+    if way != "tiled":  # the dense-mask packed forward at any size, or never
+        packed_attention.PACKING_DEVICES = ()
+        shared_prefix.PACKED_MAX_TOKENS = shared_prefix.PACKED_MAX_TOKENS_CPU = (
+            1 << 30 if way == "packed" else 0
+        )
     policy, _ = setup_policy(ModelConfig(source="embedded", lora={"r": 16, "alpha": 32}))
     autocast = resolve_precision("auto", torch.device("cpu")).compute_dtype
     token_rows = episode_rows(rows, length, prefix)
@@ -176,23 +178,26 @@ def episodes_case(rows: int, length: int, prefix: int, repeats: int) -> None:
     args = {"rows": rows, "length": length, "prefix": prefix, "repeats": repeats}
     print(f"machine: {machine_line()}")
     results = {
-        way: run_case(script, "episodes", {**args, "way": way}) for way in ("packed", "tree")
+        way: run_case(script, "episodes", {**args, "way": way})
+        for way in ("tiled", "packed", "tree")
     }
-    packed, tree = results["packed"], results["tree"]
+    tiled = results["tiled"]
     print(
-        f"{rows} rows of about {length} tokens, {prefix} shared: {packed['tokens']} tokens, "
-        f"{packed['distinct']} distinct (the packed forward's N)"
+        f"{rows} rows of about {length} tokens, {prefix} shared: {tiled['tokens']} tokens, "
+        f"{tiled['distinct']} distinct (the packed forward's N)"
     )
     for way, r in results.items():
         print(
             f"  {way:6s}: {r['seconds']:5.1f} s forward + backward, peak extra "
-            f"{gib(r['peak_extra_bytes'])}, loss {r['loss']:.6f}"
+            f"{gib(r['peak_extra_bytes'])}, loss {r['loss']:.6f}, |hidden| sum "
+            f"{r['hidden_sum']:.1f}"
         )
-    print(
-        f"  tree / packed: time {tree['seconds'] / packed['seconds']:.2f}x, peak memory "
-        f"{tree['peak_extra_bytes'] / max(1, packed['peak_extra_bytes']):.2f}x; |hidden| sums "
-        f"{packed['hidden_sum']:.1f} vs {tree['hidden_sum']:.1f}"
-    )
+    for way in ("packed", "tree"):
+        r = results[way]
+        print(
+            f"  {way} / tiled: time {r['seconds'] / tiled['seconds']:.2f}x, peak memory "
+            f"{r['peak_extra_bytes'] / max(1, tiled['peak_extra_bytes']):.2f}x"
+        )
 
 
 def composer_case(repeats: int) -> None:
@@ -247,10 +252,16 @@ def composer_case(repeats: int) -> None:
     torch.manual_seed(0)
     teacher = trainer.learner.teachers.teacher(policy)
     results = {}
-    # row by row; a forward per prefix-tree node; one packed forward of the token trie
-    ways = {"row by row": (False, 0), "tree nodes": (True, 0), "packed": (True, None)}
-    for way, (sharing, packed_limit) in ways.items():
-        with prefix_sharing(sharing), _packed_limit(packed_limit):
+    # row by row; a forward per prefix-tree node; one packed forward of the token trie under
+    # a dense mask; packed under the block mask, attention in query tiles (the default)
+    ways = {
+        "row by row": (False, 0, False),
+        "tree nodes": (True, 0, False),
+        "dense trie": (True, None, False),
+        "packed": (True, None, True),
+    }
+    for way, (sharing, packed_limit, packing) in ways.items():
+        with prefix_sharing(sharing), _packed_limit(packed_limit), _packing(packing):
             results["composer", way] = timed(samples, teacher)
             results["grpo", way] = timed(grpo_samples, None)
     print(f"machine: {machine_line()}")
@@ -272,7 +283,7 @@ def composer_case(repeats: int) -> None:
         f"  composer / grpo time per rollout token (row by row): "
         f"{row_by_row / results['grpo', 'row by row'][0]:.2f}x"
     )
-    for way in ("tree nodes", "packed"):
+    for way in ("tree nodes", "dense trie", "packed"):
         seconds = results["composer", way][0]
         print(f"  composer, {way} vs row by row: {row_by_row / seconds:.2f}x faster")
     print(
@@ -293,6 +304,19 @@ def _packed_limit(limit: int | None):
         yield
     finally:
         shared_prefix.PACKED_MAX_TOKENS = saved
+
+
+@contextlib.contextmanager
+def _packing(on: bool):
+    """Within the block, rows go packed under the block mask on this CPU (True) or never."""
+    from composer_replication.model import packed_attention
+
+    saved = packed_attention.PACKING_DEVICES
+    packed_attention.PACKING_DEVICES = saved if on else ()
+    try:
+        yield
+    finally:
+        packed_attention.PACKING_DEVICES = saved
 
 
 def main() -> None:

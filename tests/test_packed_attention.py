@@ -114,6 +114,52 @@ def test_the_block_mask_builds_nothing_quadratic():
     assert created.largest < n * n // 4, (created.largest, n)
 
 
+@pytest.mark.parametrize("tile", [4, 16, 256])
+def test_the_cpu_tiles_equal_the_dense_attention_and_see_only_their_key_tiles(tile):
+    layout = _random_layout()
+    n = len(layout)
+    ends = torch.tensor(layout.subtree_end)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, n, 16, generator=gen, requires_grad=True)
+    k, v = torch.randn(2, 1, 2, n, 16, generator=gen).unbind(0)  # GQA: 2 key/value heads
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    up = torch.randn(1, 4, n, 16, generator=gen)
+
+    def outputs_and_grads(attend):
+        q.grad = k.grad = v.grad = None
+        out = attend()
+        (out * up).sum().backward()
+        return [out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+
+    index = torch.arange(n)
+    dense = visible(ends)(None, None, index[:, None], index[None, :])
+    reference = outputs_and_grads(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense, scale=0.25, enable_gqa=True
+        )
+    )
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, attn_mask=None, **kwargs):
+        masks.append(tuple(attn_mask.shape))
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    block_mask = packed_block_mask(ends, tile, host_ends=layout.subtree_end)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        tiled = outputs_and_grads(
+            lambda: packed_attention.tiled_attention(q, k, v, block_mask, scale=0.25)
+        )
+    for mine, ref in zip(tiled, reference):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    assert len(masks) == -(-n // tile) and all(rows <= tile for rows, _ in masks)
+    seen = sum(rows * keys for rows, keys in masks)  # the (query, key) pairs computed
+    if tile <= 16:  # key tiles no query of a tile sees (later ones, other branches) are skipped
+        assert seen < n * n // 2, (seen, n)
+
+
 def test_the_flex_kernel_equals_the_math_reference(monkeypatch):
     layout = _random_layout()
     n = len(layout)
@@ -204,7 +250,7 @@ def test_on_meta_the_packed_path_builds_everything_on_the_models_device(packing_
     assert all(p.grad.device.type == "meta" for p in model.parameters() if p.grad is not None)
 
 
-def test_the_padding_fraction_is_padded_over_computed_positions():
+def test_the_padding_fraction_is_padded_over_computed_positions(monkeypatch):
     from composer_replication.samples.wire import TrainingSample, pack_samples
     from composer_replication.training.step import train_step
 
@@ -216,6 +262,10 @@ def test_the_padding_fraction_is_padded_over_computed_positions():
     samples = [sample(4, 6, 100), sample(3, 3, 200), sample(2, 2, 300)]  # 10, 6, 4 tokens
     batches = pack_samples(samples, max_tokens=4096, split=None)
     model = tiny_model(seed=0)
+    with prefix_sharing(False):  # packed: the 20 tokens side by side, no padding
+        metrics = train_step(model, batches)
+    assert (metrics["tokens/forward"], metrics["tokens/padding_fraction"]) == (20.0, 0.0)
+    monkeypatch.setattr(packed_attention, "PACKING_DEVICES", ())
     with prefix_sharing(False):  # padded to 10: 30 positions, 4 + 6 of them padding
         metrics = train_step(model, batches)
     assert metrics["tokens/forward"] == 30.0

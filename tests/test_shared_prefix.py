@@ -106,16 +106,20 @@ def _hidden_and_grads(model, ids, mask, share: bool):
     return hidden.detach(), grads
 
 
-@pytest.fixture(params=["packed", "tree", "flex"])
+@pytest.fixture(params=["packed", "tree", "flex", "tiled"])
 def sharing_path(request, monkeypatch):
-    """Run the test on the packed forward (the CPU default), on a forward per tree node, and
-    on packed sequences of at most 64 tokens under a block mask (a GPU's default; here its
-    attention is the dense math reference, and ``share=False`` packs the rows unshared)."""
+    """Run the test on the dense-mask packed forward (rows the host does not hold), on a
+    forward per tree node, on packed sequences of at most 64 tokens under a block mask
+    (``share=False`` packs the rows unshared), and on one packed sequence whose attention
+    runs in tiles of 16 queries (the CPU kernel: many tiles, gathered key runs)."""
+    if request.param in ("packed", "tree"):
+        monkeypatch.setattr(packed_attention, "PACKING_DEVICES", ())
     if request.param == "tree":
         monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)
     if request.param == "flex":
-        monkeypatch.setattr(packed_attention, "PACKING_DEVICES", ("cpu",))
         monkeypatch.setattr(packed_attention, "PACKED_SEQUENCE_TOKENS", 64)
+    if request.param == "tiled":
+        monkeypatch.setattr(packed_attention, "CPU_BLOCK_SIZE", 16)
     return request.param
 
 
@@ -163,6 +167,7 @@ def _embedded_tokens(model, ids, mask, **kwargs) -> list[int]:
 
 
 def test_the_shared_forward_computes_fewer_tokens(monkeypatch):
+    monkeypatch.setattr(packed_attention, "PACKING_DEVICES", ())  # the paths packing replaces
     model = _model()
     ids, mask = pad_rows(_rows())
     width = ids.shape[1]
@@ -193,6 +198,7 @@ def test_a_gpu_takes_one_forward_where_the_packed_one_does_not_apply(monkeypatch
     cannot take run in one padded forward: one launch of the layers, not one per segment."""
     import composer_replication.model.parts as model_parts
 
+    monkeypatch.setattr(packed_attention, "PACKING_DEVICES", ())  # rows the host does not hold
     model = _model()
     ids, mask = pad_rows(_rows())
     monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 0)

@@ -148,6 +148,8 @@ def test_hidden_states_planned_from_host_tokens_equal_the_read_ones(tiny, path, 
     prompt = list(range(10, 30))  # a shared 20-token prompt
     rows = [[*prompt, 40, 41, 42], [*prompt, 50], list(range(60, 67)), [*prompt, 70, 71]]
     ids, attention = pad_rows(rows)
+    # the paths a device that does not pack takes (packing has its own equivalence tests)
+    monkeypatch.setattr("composer_replication.model.packed_attention.PACKING_DEVICES", ())
     if path == "tree":  # the packed forward gives way to a forward per shared segment
         monkeypatch.setattr("composer_replication.model.shared_prefix.PACKED_MAX_TOKENS", 0)
     share = path != "plain"

@@ -11,9 +11,12 @@ each token's position id is its depth (it restarts at every row that shares noth
 
 The block-sparse mask (:func:`packed_block_mask`) is built on the device from that vector
 alone, O(N + (N / block)^2): no (N, N) or (B, 1, T, T) mask exists on that path. Attention
-runs through :data:`FLEX_KERNEL_DEVICES`' compiled FlexAttention kernel; elsewhere (a CPU,
-where torch 2.13's FlexAttention has no backward, and the ``meta`` device) through SDPA with
-the same ``mask_mod`` evaluated densely per packed sequence, a math reference.
+runs through :data:`FLEX_KERNEL_DEVICES`' compiled FlexAttention kernel; on a CPU (where
+torch 2.13's FlexAttention has no backward) one query tile at a time through SDPA over only
+the key tiles the block mask lists for it, with the ``mask_mod`` evaluated on that tile
+alone (:func:`tiled_attention`: the CPU kernel skips nothing a mask hides, so this is what
+spares it the hidden work); on the ``meta`` device through SDPA with the ``mask_mod``
+evaluated densely per packed sequence, a math reference.
 
 The Hugging Face model is not forked: the body gets the :class:`BlockMask` as its
 ``attention_mask`` (transformers passes a 4-D mask through untouched) and the ``sdpa``
@@ -51,13 +54,13 @@ __all__ = [
     "packed_layout",
     "packing_applies",
     "sequence_ranges",
+    "tile_key_runs",
+    "tiled_attention",
     "visible",
 ]
 
-#: Devices where learner forwards run packed by default (the CPU keeps the dense-mask
-#: trie of :mod:`composer_replication.model.shared_prefix`: its math-reference attention here
-#: would materialise the same (N, N) mask per layer, for no gain).
-PACKING_DEVICES: tuple[str, ...] = ("cuda",)
+#: Devices where learner forwards run packed by default.
+PACKING_DEVICES: tuple[str, ...] = ("cuda", "cpu")
 #: Devices whose FlexAttention kernel has a backward: attention runs compiled there, and
 #: through the dense math reference everywhere else.
 FLEX_KERNEL_DEVICES: tuple[str, ...] = ("cuda", "xpu", "hpu")
@@ -66,6 +69,10 @@ FLEX_KERNEL_DEVICES: tuple[str, ...] = ("cuda", "xpu", "hpu")
 PACKED_SEQUENCE_TOKENS = 32768
 #: FlexAttention's tile: the block mask classifies (query block, key block) pairs of it.
 BLOCK_SIZE = 128
+#: The tile of :func:`tiled_attention` on a CPU: fewer, larger SDPA calls than FlexAttention's
+#: tile pay there (2 cores, bfloat16, forward + backward of agent-sized tries: 256 about 10%
+#: faster than 128, 512 slower again).
+CPU_BLOCK_SIZE = 256
 #: Attention implementations that take the BlockMask (``sdpa`` through the wrapper).
 _PACKED_ATTENTION = ("sdpa", "flex_attention")
 
@@ -156,7 +163,9 @@ def visible(subtree_end: Tensor) -> Callable[[Any, Any, Tensor, Tensor], Tensor]
     return mask_mod
 
 
-def packed_block_mask(subtree_end: Tensor, block_size: int = BLOCK_SIZE) -> BlockMask:
+def packed_block_mask(
+    subtree_end: Tensor, block_size: int = BLOCK_SIZE, *, host_ends: Sequence[int] | None = None
+) -> BlockMask:
     """The FlexAttention :class:`BlockMask` of one packed sequence, on ``subtree_end``'s device.
 
     ``subtree_end``: (n,) as in :class:`PackedLayout`, relative to the sequence's start.
@@ -165,9 +174,11 @@ def packed_block_mask(subtree_end: Tensor, block_size: int = BLOCK_SIZE) -> Bloc
     query block starting at or after b's last key and ending at or before the least end in
     b: that classifies each (query block, key block) pair as empty, full or partial from
     per-block maxima and minima, without an (n, n) tensor.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
 
+    ``host_ends``: the same ends as a host list; given, the mask is a
+    :class:`TiledBlockMask` that also holds each query tile's key ranges
+    (:func:`tile_key_runs`), for :func:`tiled_attention`.
+    """
     n = subtree_end.shape[0]
     n_blocks = -(-n // block_size)
     ends = subtree_end.new_zeros(n_blocks * block_size)
@@ -189,7 +200,8 @@ def packed_block_mask(subtree_end: Tensor, block_size: int = BLOCK_SIZE) -> Bloc
 
     kv_num, kv_index = ordered(partial)
     full_num, full_index = ordered(full)
-    return BlockMask.from_kv_blocks(
+    kind = _block_mask_class() if host_ends is None else _tiled_block_mask_class()
+    mask = kind.from_kv_blocks(
         kv_num,
         kv_index,
         full_num,
@@ -198,6 +210,52 @@ def packed_block_mask(subtree_end: Tensor, block_size: int = BLOCK_SIZE) -> Bloc
         mask_mod=visible(ends),
         seq_lengths=(n, n),
     )
+    if host_ends is not None:
+        mask.key_runs = tile_key_runs(host_ends, block_size)
+    return mask
+
+
+def tile_key_runs(subtree_end: Sequence[int], tile: int) -> list[list[tuple[int, int]]]:
+    """Per query tile of a packed sequence, the ``[start, stop)`` key ranges holding every
+    key it sees (adjacent key tiles joined), from the host's subtree ends: key tile b is seen
+    by the query tile starting at q0 iff ``q0 + tile > b * tile`` and q0 is below the
+    largest end in b, as :func:`packed_block_mask` classifies its blocks."""
+    n = len(subtree_end)
+    n_tiles = -(-n // tile)
+    reach = [max(subtree_end[b * tile : (b + 1) * tile]) for b in range(n_tiles)]
+    plan: list[list[tuple[int, int]]] = []
+    for q_start in range(0, n, tile):
+        runs: list[tuple[int, int]] = []
+        for b in range(n_tiles):
+            start, stop = b * tile, min(n, (b + 1) * tile)
+            if not (q_start + tile > start and q_start < reach[b]):
+                continue
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], stop)
+            else:
+                runs.append((start, stop))
+        plan.append(runs)
+    return plan
+
+
+def _block_mask_class() -> type:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask
+
+
+@functools.cache
+def _tiled_block_mask_class() -> type:
+    """:class:`TiledBlockMask`, made on first use (flex_attention is imported lazily)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    class TiledBlockMask(BlockMask):
+        """A :class:`BlockMask` that also holds, per query tile, the key ranges the tile sees
+        (``key_runs``, planned on the host): what :func:`tiled_attention` slices."""
+
+        key_runs: list[list[tuple[int, int]]]
+
+    return TiledBlockMask
 
 
 def packed_attention(
@@ -229,6 +287,8 @@ def packed_attention(
         out = _flex_kernel(query.device.type)(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa
         )
+    elif hasattr(attention_mask, "key_runs"):
+        out = tiled_attention(query, key, value, attention_mask, scale=scaling)
     else:
         n = query.shape[-2]
         index = torch.arange(n, device=query.device)
@@ -237,6 +297,60 @@ def packed_attention(
             query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=gqa
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def tiled_attention(
+    query: Tensor, key: Tensor, value: Tensor, block_mask: BlockMask, *, scale: float | None
+) -> Tensor:
+    """Attention of one packed sequence, one query tile at a time (a CPU's packed kernel).
+
+    Each tile of ``block_mask.BLOCK_SIZE`` queries attends through SDPA to the keys of its
+    ``block_mask.key_runs`` (a :class:`TiledBlockMask` from :func:`packed_block_mask` with
+    ``host_ends``; one run sliced, several gathered), under the ``mask_mod`` evaluated on
+    those keys only: a (tile, keys seen) mask, never (n, n), and none of the work of the
+    key tiles the tile cannot see (other rows' branches of the trie, the upper triangle).
+
+    Args:
+        query: (1, Hq, n, D); key / value: (1, Hkv, n, D), Hq a multiple of Hkv.
+
+    Returns:
+        (1, Hq, n, D), equal to the dense masked attention up to float rounding (each
+        query's keys summed in another grouping), gradients included.
+    """
+    n = query.shape[-2]
+    tile = block_mask.BLOCK_SIZE[0]
+    positions = torch.arange(n, device=query.device)
+    gqa = query.shape[1] != key.shape[1]
+    out = []
+    for q_block, runs in enumerate(block_mask.key_runs):
+        if len(runs) == 1:
+            keys = positions[runs[0][0] : runs[0][1]]
+            k, v = key[:, :, runs[0][0] : runs[0][1]], value[:, :, runs[0][0] : runs[0][1]]
+        else:
+            keys = torch.cat([positions[start:stop] for start, stop in runs])
+            k, v = key.index_select(2, keys), value.index_select(2, keys)
+        start, stop = q_block * tile, min(n, (q_block + 1) * tile)
+        queries = positions[start:stop]
+        allowed = block_mask.mask_mod(None, None, queries[:, None], keys[None, :])
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start:stop],
+                k,
+                v,
+                attn_mask=allowed,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(out, dim=-2)
+
+
+def _sequence_mask(ends: Tensor, host_ends: Sequence[int], start: int) -> BlockMask:
+    """The block mask of one packed sequence (``ends`` relative to its ``start``): on a CPU
+    in tiles of :data:`CPU_BLOCK_SIZE`, with their key ranges planned from ``host_ends``."""
+    if ends.device.type != "cpu":
+        return packed_block_mask(ends)
+    return packed_block_mask(ends, CPU_BLOCK_SIZE, host_ends=[end - start for end in host_ends])
 
 
 @functools.cache
@@ -327,7 +441,7 @@ def packed_forward(
         tokens, positions, ends = columns[:, start:stop]
         out = body(
             input_ids=tokens[None],
-            attention_mask=packed_block_mask(ends - start),
+            attention_mask=_sequence_mask(ends - start, layout.subtree_end[start:stop], start),
             position_ids=positions[None],
             use_cache=False,
         )
