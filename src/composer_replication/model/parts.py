@@ -119,9 +119,9 @@ def last_hidden_states(
     """(B, T, H) final hidden states of a Hugging Face causal LM, without computing logits.
 
     Given ``row_tokens`` on a device of
-    :data:`~composer_replication.model.packed_attention.PACKING_DEVICES` (a GPU), the rows run
-    packed end to end without padding, rows that share a prefix (a group's prompt, a pair's
-    agent prompt) holding it once, under a block-sparse FlexAttention mask
+    :data:`~composer_replication.model.packed_attention.PACKING_DEVICES` (a GPU, the CPU), the
+    rows run packed end to end without padding, rows that share a prefix (a group's prompt, a
+    pair's agent prompt) holding it once, under a block-sparse mask
     (:mod:`composer_replication.model.packed_attention`). Elsewhere, shared prefixes are computed
     once in one packed forward of the distinct tokens with a dense mask where the model
     allows it, else (on the devices of :data:`SEGMENT_SHARING_DEVICES`) in a forward per
