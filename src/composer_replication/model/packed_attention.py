@@ -61,8 +61,8 @@ __all__ = [
 
 #: Devices where learner forwards run packed by default.
 PACKING_DEVICES: tuple[str, ...] = ("cuda", "cpu")
-#: Devices whose FlexAttention kernel has a backward: attention runs compiled there, and
-#: through the dense math reference everywhere else.
+#: Devices whose FlexAttention kernel has a backward: attention runs compiled there, in
+#: query tiles on a CPU (:func:`tiled_attention`), through the dense math reference elsewhere.
 FLEX_KERNEL_DEVICES: tuple[str, ...] = ("cuda", "xpu", "hpu")
 #: A packed sequence holds at most this many tokens (bounds one forward's activations and
 #: its block mask); longer layouts take several forwards.
@@ -179,6 +179,8 @@ def packed_block_mask(
     :class:`TiledBlockMask` that also holds each query tile's key ranges
     (:func:`tile_key_runs`), for :func:`tiled_attention`.
     """
+    from torch.nn.attention.flex_attention import BlockMask
+
     n = subtree_end.shape[0]
     n_blocks = -(-n // block_size)
     ends = subtree_end.new_zeros(n_blocks * block_size)
@@ -200,7 +202,7 @@ def packed_block_mask(
 
     kv_num, kv_index = ordered(partial)
     full_num, full_index = ordered(full)
-    kind = _block_mask_class() if host_ends is None else _tiled_block_mask_class()
+    kind = BlockMask if host_ends is None else _tiled_block_mask_class()
     mask = kind.from_kv_blocks(
         kv_num,
         kv_index,
@@ -236,12 +238,6 @@ def tile_key_runs(subtree_end: Sequence[int], tile: int) -> list[list[tuple[int,
                 runs.append((start, stop))
         plan.append(runs)
     return plan
-
-
-def _block_mask_class() -> type:
-    from torch.nn.attention.flex_attention import BlockMask
-
-    return BlockMask
 
 
 @functools.cache
