@@ -17,7 +17,7 @@ embedded default recipe (2 tasks x 4 rollouts on ``python_functions``: rl, the S
 error sites with the hinted teacher contexts, and the trace-replay DPO pairs), timed
 through ``train_step`` once as the recipe trains them and once as plain grpo (the same
 rollouts with the jsd weights, teacher contexts and pairs taken out), in one process, each
-three ways: row by row, a forward per shared-prefix tree node, one packed forward of
+four ways: row by row, a forward per shared-prefix tree node, one packed forward of
 the rows' token trie under a dense mask, and packed under the block mask in query tiles
 (the default).
 Printed: seconds per step and per rollout token of each, their ratio, and where the
