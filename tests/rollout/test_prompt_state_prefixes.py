@@ -3,6 +3,7 @@ only its new tokens, with the state a whole prefill gives; the store keeps a byt
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from composer_replication.inference.decoding.kv_cache import (
@@ -93,6 +94,45 @@ def test_relayout_consumes_the_old_cache_and_keeps_every_row(tiny):
             torch.testing.assert_close(
                 layer.values[row, :, 9 - n :], states[prompt].values[layer_index]
             )
+
+
+def test_relayout_writes_into_the_new_caches_own_buffers(tiny):
+    """The rows go straight into buffers of the whole capacity (no second copy of the
+    cache), the filler before a row's positions is zero."""
+    from composer_replication.inference.decoding.kv_cache import cache_capacity, relayout
+
+    model, _ = tiny
+    prompts = [tuple(range(3, 3 + n)) for n in (6, 9)]
+    states, _ = prompt_states(model, prompts, 0, PromptStates())
+    cache, _mask = relayout(model, None, None, [states[p] for p in prompts], room=5)
+    assert cache_capacity(cache) == 14 and cache.get_seq_length() == 9
+    for layer in cache.layers:
+        assert layer._key_buffer.shape[2] == 14
+        assert layer.keys.data_ptr() == layer._key_buffer.data_ptr()  # a view, not a copy
+        assert not layer.keys[0, :, :3].any() and not layer.values[0, :, :3].any()
+
+
+def test_compacting_rows_in_place_equals_selecting_them(tiny):
+    """Rows that stay move down inside the same buffers (no new allocation), with what
+    selecting them gives; the next forward writes after them as before."""
+    from composer_replication.inference.decoding.kv_cache import compact_rows, relayout
+
+    model, _ = tiny
+    prompts = [tuple(range(3, 3 + n)) for n in (6, 9, 4, 7, 8)]
+    states, _ = prompt_states(model, prompts, 0, PromptStates())
+    cache, _mask = relayout(model, None, None, [states[p] for p in prompts], room=3)
+    keep = [1, 3, 4]
+    want = [(layer.keys[keep].clone(), layer.values[keep].clone()) for layer in cache.layers]
+    buffers = [layer._key_buffer.data_ptr() for layer in cache.layers]
+    compact_rows(cache, keep)
+    assert [layer._key_buffer.data_ptr() for layer in cache.layers] == buffers
+    for layer, (keys, values) in zip(cache.layers, want):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    step = torch.randn(3, *cache.layers[0].keys.shape[1:2], 1, cache.layers[0].keys.shape[3])
+    keys, _ = cache.layers[0].update(step, step)
+    assert keys.shape[0] == 3 and torch.equal(keys[:, :, -1:], step)
+    with pytest.raises(ValueError, match="ascending"):
+        compact_rows(cache, [2, 0])
 
 
 def test_prefill_chunks_bound_rows_and_padded_tokens(monkeypatch):

@@ -53,6 +53,7 @@ from composer_replication.inference.decoding.kv_cache import (
     PromptStates,
     cache_capacity,
     can_relayout,
+    compact_rows,
     finished_row_state,
     new_cache,
     relayout,
@@ -460,7 +461,7 @@ def decode_rows(
                     store.put(model, done, finished_row_state(cache, mask, b, len(done)))
             if len(keep) != len(active):  # finished rows leave the batch
                 index = torch.as_tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(index)
+                compact_rows(cache, keep)
                 mask, pending_position = mask[index], pending_position[index]
             pending = [runs[b][-1] for b in keep]
             active = [active[b] for b in keep]

@@ -20,6 +20,7 @@ A forward writes into a cache passed with :func:`~composer_replication.common.co
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "PromptStates",
     "cache_capacity",
     "can_relayout",
+    "compact_rows",
     "extend_state",
     "finished_row_state",
     "new_cache",
@@ -287,7 +289,10 @@ class _PreallocatedLayer:
 
     The default cache grows by concatenation, copying the whole cache of every layer at
     every step; here each step writes its new positions in place and attention reads a
-    view of the filled part.
+    view of the filled part. :func:`relayout` hands a layer buffers it filled itself
+    (``adopt``), and :func:`compact_rows` moves the rows that stay down in place: neither
+    allocates a second cache beside the first (on a CPU the freed blocks would stay
+    resident as holes in the heap).
     """
 
     @staticmethod
@@ -299,12 +304,24 @@ class _PreallocatedLayer:
             positions = capacity
 
             def lazy_initialization(self, key_states: torch.Tensor, value_states: Any) -> None:
-                self.device = key_states.device
                 rows, heads, _, dim = key_states.shape
                 shape = (rows, heads, capacity, value_states.shape[-1])
-                self._key_buffer = key_states.new_empty((rows, heads, capacity, dim))
-                self._value_buffer = value_states.new_empty(shape)
-                self.length = 0
+                self.adopt(
+                    key_states.new_empty((rows, heads, capacity, dim)),
+                    value_states.new_empty(shape),
+                    0,
+                )
+
+            def adopt(
+                self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int
+            ) -> None:
+                """Take (rows, heads, capacity, dim) buffers whose first ``length``
+                positions are written."""
+                self.device, self.dtype = key_buffer.device, key_buffer.dtype
+                self._key_buffer, self._value_buffer = key_buffer, value_buffer
+                self.length = length
+                self.keys = key_buffer[:, :, :length]
+                self.values = value_buffer[:, :, :length]
                 self.is_initialized = True
 
             def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
@@ -323,12 +340,21 @@ class _PreallocatedLayer:
             def get_seq_length(self) -> int:
                 return self.length if self.is_initialized else 0
 
+            def keep_rows(self, rows: Sequence[int]) -> None:
+                """Keep the rows ``rows`` (ascending), in that order, moved down in place."""
+                if not self.is_initialized:
+                    return
+                for buffer in (self._key_buffer, self._value_buffer):
+                    for target, source in enumerate(rows):
+                        # ascending: a source row is never a row an earlier move wrote
+                        if target != source:
+                            buffer[target, :, : self.length].copy_(buffer[source, :, : self.length])
+                n = len(rows)
+                self.adopt(self._key_buffer[:n], self._value_buffer[:n], self.length)
+
             def batch_select_indices(self, indices: torch.Tensor) -> None:
                 if self.is_initialized:
-                    self._key_buffer = self._key_buffer[indices]
-                    self._value_buffer = self._value_buffer[indices]
-                    self.keys = self._key_buffer[:, :, : self.length]
-                    self.values = self._value_buffer[:, :, : self.length]
+                    self.adopt(self._key_buffer[indices], self._value_buffer[indices], self.length)
 
         return PreallocatedLayer()
 
@@ -360,6 +386,23 @@ def can_relayout(cache: Any) -> bool:
     return bool(layers) and all(getattr(layer, "preallocated", False) for layer in layers)
 
 
+def compact_rows(cache: Any, rows: Sequence[int]) -> None:
+    """Keep only the batch rows ``rows`` (ascending) of ``cache``: a preallocated cache
+    moves them down in place (only the rows that move, only their written positions);
+    another cache selects them."""
+    rows = list(rows)
+    if any(b <= a for a, b in itertools.pairwise(rows)):
+        raise ValueError(f"rows {rows} must be ascending and distinct")
+    if can_relayout(cache):
+        for layer in cache.layers:
+            layer.keep_rows(rows)
+        return
+    first = cache.layers[0].keys if getattr(cache, "layers", None) else None
+    device = first.device if first is not None else "cpu"
+    cache.batch_select_indices(torch.as_tensor(rows, dtype=torch.long, device=device))
+
+
+@torch.no_grad()  # a decode's state: nothing to differentiate
 def relayout(
     model: Any,
     cache: Any | None,
@@ -404,21 +447,28 @@ def relayout(
             layer = None
             heads, dim = new_states[0].keys[layer_index].shape[0], first.shape[3]
             like = new_states[0].keys[layer_index]
-        key = like.new_zeros((len(lengths), heads, width, dim))
-        value = torch.zeros_like(key)
+        # written in place: the room after ``width`` is filled by the forwards to come, the
+        # filler before each row's positions is zero (masked, but read by the attention)
+        key = like.new_empty((len(lengths), heads, width + room, dim))
+        value = torch.empty_like(key)
+        for buffer in (key, value):
+            buffer[:, :, :width].zero_()
         if layer is not None and order is not None:
             span = order.shape[1]
             index = order[:, None, :, None].expand(-1, heads, -1, dim)
-            key[:old_rows, :, width - span :] = layer.keys.gather(2, index)
-            value[:old_rows, :, width - span :] = layer.values.gather(2, index)
+            torch.gather(layer.keys, 2, index, out=key[:old_rows, :, width - span : width])
+            torch.gather(layer.values, 2, index, out=value[:old_rows, :, width - span : width])
             _empty_layer(layer)
         for row, state in enumerate(new_states, start=old_rows):
             span = int(state.keys[layer_index].shape[1])
-            key[row, :, width - span :] = state.keys[layer_index]
-            value[row, :, width - span :] = state.values[layer_index]
+            key[row, :, width - span : width] = state.keys[layer_index]
+            value[row, :, width - span : width] = state.values[layer_index]
             if row - old_rows < len(consumed) and consumed[row - old_rows]:
                 state.keys[layer_index] = state.values[layer_index] = _EMPTY
-        fresh.update(key, value, layer_index)
+        if getattr(fresh.layers[layer_index], "preallocated", False):
+            fresh.layers[layer_index].adopt(key, value, width)
+        else:
+            fresh.update(key[:, :, :width], value[:, :, :width], layer_index)
         del key, value
     offsets = torch.arange(width, device=device)[None, :]
     starts = to_device_async(torch.tensor([width - n for n in lengths], device="cpu"), device)[
