@@ -101,3 +101,44 @@ def test_the_training_loop_kl_to_init_is_token_mean_kl(tiny, monkeypatch):
     assert calls == [(total, count)] and got == token_mean_kl(total, count) > 0
     # the learner's (data-parallel) path calls the same function on the gathered sums
     assert learner_module.token_mean_kl is token_mean_kl
+
+
+def test_spread_micro_batches_picks_whole_ones_from_all_over_the_step():
+    """As many micro-batches as fit the token bound, at the middles of equal intervals of
+    the step's, at least one; all of them without a bound or when they fit."""
+    from types import SimpleNamespace
+
+    from composer_replication.training.setup import spread_micro_batches
+
+    batches = [SimpleNamespace(input_ids=torch.zeros(1, 100), n=i) for i in range(10)]
+    assert spread_micro_batches(batches, None) == batches
+    assert spread_micro_batches(batches, 1000) == batches
+    assert [b.n for b in spread_micro_batches(batches, 400)] == [1, 3, 6, 8]
+    assert [b.n for b in spread_micro_batches(batches, 250)] == [2, 7]
+    assert [b.n for b in spread_micro_batches(batches, 1)] == [5]  # one even if over
+
+
+def test_kl_to_initial_on_a_token_bound_measures_the_picked_micro_batches(tiny):
+    """A bound measures exactly the micro-batches it picks: the same sum and count as
+    measuring those alone, fewer positions than the whole step."""
+    sys.path.insert(0, str(Path(__file__).parent / "training"))
+    from test_step import _rl_sample
+
+    from composer_replication.samples.wire import pack_samples
+    from composer_replication.training.setup import kl_to_initial_sum, spread_micro_batches
+
+    policy, initial = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    samples = [_rl_sample(90 + k, n_completion=3 + k) for k in range(6)]
+    batches = pack_samples(samples, max_tokens=16)
+    assert len(batches) >= 3
+    bound = batches[0].input_ids.numel() + batches[1].input_ids.numel()
+    picked = spread_micro_batches(batches, bound)
+    assert 1 <= len(picked) < len(batches)
+    total, count = kl_to_initial_sum(policy, initial, batches, 1.0, max_tokens=bound)
+    want_total, want_count = kl_to_initial_sum(policy, initial, picked, 1.0)
+    _, all_count = kl_to_initial_sum(policy, initial, batches, 1.0)
+    assert count == want_count < all_count
+    assert total == pytest.approx(want_total, rel=1e-6) and total > 0

@@ -332,6 +332,14 @@ class GuardConfig(_Strict):
         allow_inf_nan=False,
         description="Token-mean KL to the initial policy (nats/token) that stops the run.",
     )
+    kl_max_tokens: int | None = Field(
+        4096,
+        ge=1,
+        description="Tokens of the last step's micro-batches that the KL to the initial "
+        "policy is measured on at each evaluation, at most: whole micro-batches evenly "
+        "spread over the step's (at least one); null: all of them. Each measured token "
+        "costs a forward of the policy and one of the initial model.",
+    )
     max_proxy_real_gap: float = Field(
         0.10,
         allow_inf_nan=False,
@@ -373,7 +381,13 @@ class GuardConfig(_Strict):
         """The ``HeldOutGuard`` settings (the hack tripwire and the numeric guard are the run
         lifecycle's)."""
         return self.model_dump(
-            exclude={"enabled", "hack_fraction_stop", "hack_patience", "non_finite"}
+            exclude={
+                "enabled",
+                "hack_fraction_stop",
+                "hack_patience",
+                "kl_max_tokens",
+                "non_finite",
+            }
         )
 
 

@@ -70,7 +70,8 @@ class Learner:
 
     It reads its own config sections (``model``: precision and sharding, ``optim``,
     ``loss``) and two facts of the run: ``steps`` (the schedules' length) and
-    ``teacher_mode`` (``(mode, ema_decay)`` of the jsd teacher, ``RunConfig.teacher_mode``).
+    ``teacher_mode`` (``(mode, ema_decay)`` of the jsd teacher, ``RunConfig.teacher_mode``);
+    ``kl_max_tokens`` bounds the tokens :meth:`kl_to_initial` measures on (``[guard]``).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Learner:
         steps: int,
         teacher_mode: tuple[str, float] = ("policy", 0.99),
         ranks: RankGroup | None = None,
+        kl_max_tokens: int | None = None,
     ) -> None:
         self.optim_config = optim
         self.loss_config = loss
@@ -93,6 +95,7 @@ class Learner:
         self.count_reducer = None
         self.metric_reducer = None
         self.ranks = ranks
+        self.kl_max_tokens = kl_max_tokens
         #: gathers a sharded policy for sampling / accumulates its gradients (else no-op)
         self.weights: Any = NoSharding()
         if ranks is not None and ranks.distributed:  # after the teachers' frozen copies
@@ -166,13 +169,15 @@ class Learner:
         return float(self.scheduler.get_last_lr()[0])
 
     def kl_to_initial(self) -> float:
-        """Token-mean KL to the initial policy on the last step's batches (every rank's)."""
+        """Token-mean KL to the initial policy on the last step's batches (every rank's; of
+        each rank's, at most ``kl_max_tokens`` tokens)."""
         with self.weights.gathered():
             total, count = kl_to_initial_sum(
                 self.policy,
                 self.teachers.initial,
                 self.last_batches,
                 self.loss_config.log_temperature,
+                max_tokens=self.kl_max_tokens,
             )
         if self.ranks is not None and self.ranks.distributed:
             parts = self.ranks.gather_shares([(total, count)], self.ranks.world_size)

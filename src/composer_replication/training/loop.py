@@ -81,6 +81,7 @@ def run_learner(config: RunConfig, policy: Any, *, ranks: Any = None) -> Learner
         steps=config.steps,
         teacher_mode=config.teacher_mode,
         ranks=ranks,
+        kl_max_tokens=config.guard.kl_max_tokens,
     )
 
 

@@ -81,8 +81,16 @@ def make_scheduler(optimizer: Any, optim: OptimConfig, steps: int) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: float) -> float:
-    """Token-mean KL(policy || initial) in nats/token at the batches' trainable positions.
+def kl_to_initial(
+    policy: Any,
+    initial: Any,
+    batches: list[Any],
+    temperature: float,
+    *,
+    max_tokens: int | None = None,
+) -> float:
+    """Token-mean KL(policy || initial) in nats/token at the batches' trainable positions
+    (of at most ``max_tokens`` tokens of them: :func:`spread_micro_batches`).
 
     Exact over the vocabulary at each position (not a sampled estimate): the batches were
     sampled before the last optimizer step, and a k1/k3 estimate on tokens the current
@@ -92,23 +100,45 @@ def kl_to_initial(policy: Any, initial: Any, batches: list[Any], temperature: fl
     """
     from composer_replication.integrations.altered_minds.kl_logging import token_mean_kl
 
-    total, count = kl_to_initial_sum(policy, initial, batches, temperature)
+    total, count = kl_to_initial_sum(policy, initial, batches, temperature, max_tokens=max_tokens)
     return token_mean_kl(total, count)
+
+
+def spread_micro_batches(batches: list[Any], max_tokens: int | None) -> list[Any]:
+    """Whole micro-batches of ``batches`` evenly spread over them, as many as fit in
+    ``max_tokens`` (B x T) tokens and at least one; every one when ``max_tokens`` is None
+    or all fit. A measurement on a long step costs a fraction of its forwards, on rows
+    from all over the step (packing orders them by length)."""
+    sizes = [int(mb.input_ids.numel()) for mb in batches]
+    if max_tokens is None or sum(sizes) <= max_tokens:
+        return list(batches)
+    for count in range(len(batches) - 1, 0, -1):
+        # the middles of ``count`` equal intervals of the micro-batches
+        picked = [int((i + 0.5) * len(batches) / count) for i in range(count)]
+        if count == 1 or sum(sizes[i] for i in picked) <= max_tokens:
+            return [batches[i] for i in picked]
+    raise AssertionError("unreachable: one micro-batch is always picked")
 
 
 @torch.no_grad()  # a measurement: no graph to build
 def kl_to_initial_sum(
-    policy: Any, initial: Any, batches: list[Any], temperature: float
+    policy: Any,
+    initial: Any,
+    batches: list[Any],
+    temperature: float,
+    *,
+    max_tokens: int | None = None,
 ) -> tuple[float, int]:
     """:func:`kl_to_initial`'s sum over the trainable positions and their number (what
-    data-parallel ranks add up)."""
+    data-parallel ranks add up); ``max_tokens``: of :func:`spread_micro_batches`' share of
+    ``batches`` only."""
     from composer_replication.integrations.altered_minds.kl_logging import token_kl_sum
     from composer_replication.model.parts import last_hidden_states, lm_head_weight
     from composer_replication.ops.jsd import jsd_from_hidden
 
     total, count = None, 0
     device = lm_head_weight(policy).device
-    for mb in batches:
+    for mb in spread_micro_batches(batches, max_tokens):
         n_trainable = mb.trainable_rows.numel()  # found when packing: no device read
         if mb.n_rows == 0 or n_trainable == 0:
             continue

@@ -474,7 +474,11 @@ class _LifecycleCallback:
         self.policy.eval()
         try:
             total, count = kl_to_initial_sum(
-                self.policy, self.initial, batches, config.loss.log_temperature
+                self.policy,
+                self.initial,
+                batches,
+                config.loss.log_temperature,
+                max_tokens=config.guard.kl_max_tokens,
             )
         finally:
             self.policy.train(was_training)
