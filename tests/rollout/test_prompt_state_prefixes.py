@@ -240,3 +240,18 @@ def test_an_ended_episode_drops_every_state_its_tokens_begin_with(tiny):
     assert store.drop_prefixes([1, 2, 3, 4, 5, 6]) == 2
     assert len(store) == 1 and store.get(model, (1, 9)) is not None
     assert store.bytes == sum(t.numel() * 4 for t in [*states[(1, 9)].keys, *states[(1, 9)].values])
+
+
+def test_compacting_rows_off_the_host_follows_the_cache_device():
+    """On an accelerator the rows that stay are gathered on the cache's device (the meta
+    device here: shapes and devices only, no host tensor mixed in)."""
+    from composer_replication.inference.decoding.kv_cache import _PreallocatedLayer
+
+    layer = _PreallocatedLayer.make(10)
+    states = torch.empty(5, 3, 4, 8, device="meta")
+    layer.update(states, states)
+    layer.keep_rows([1, 3, 4])
+    assert layer.keys.shape == (3, 3, 4, 8) and layer.keys.device.type == "meta"
+    assert layer._key_buffer.shape == (3, 3, 10, 8)
+    keys, _ = layer.update(states[:3, :, :1], states[:3, :, :1])
+    assert keys.shape == (3, 3, 5, 8)

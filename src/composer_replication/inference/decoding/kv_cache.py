@@ -344,12 +344,17 @@ class _PreallocatedLayer:
                 """Keep the rows ``rows`` (ascending), in that order, moved down in place."""
                 if not self.is_initialized:
                     return
+                n, end = len(rows), self.length
+                on_host = self._key_buffer.device.type == "cpu"
+                index = None if on_host else to_device_async(torch.tensor(rows), self.device)
                 for buffer in (self._key_buffer, self._value_buffer):
-                    for target, source in enumerate(rows):
-                        # ascending: a source row is never a row an earlier move wrote
-                        if target != source:
-                            buffer[target, :, : self.length].copy_(buffer[source, :, : self.length])
-                n = len(rows)
+                    if on_host:  # row by row: no block allocated (a CPU heap keeps holes)
+                        for target, source in enumerate(rows):
+                            # ascending: a source row is never a row an earlier move wrote
+                            if target != source:
+                                buffer[target, :, :end].copy_(buffer[source, :, :end])
+                    else:  # two kernels, the written positions only
+                        buffer[:n, :, :end] = buffer[index, :, :end]
                 self.adopt(self._key_buffer[:n], self._value_buffer[:n], self.length)
 
             def batch_select_indices(self, indices: torch.Tensor) -> None:
