@@ -200,6 +200,8 @@ def _build_on_rank(rank: int, store_path: str, model_dir: str, out_dir: str) -> 
 
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    # both ranks connected before either can fail fast and close its end of the mesh
+    dist.barrier()
     try:
         cfg = inference_config(engine="vllm")
         build_policy_engine(cfg, model_source=model_dir, run_dir=out_dir)
@@ -207,6 +209,7 @@ def _build_on_rank(rank: int, store_path: str, model_dir: str, out_dir: str) -> 
     except ValueError as err:
         message = str(err)
     finally:
+        dist.barrier()
         dist.destroy_process_group()
     with open(f"{out_dir}/rank{rank}.txt", "w") as fh:
         fh.write(message)

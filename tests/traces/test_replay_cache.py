@@ -50,6 +50,33 @@ async def test_partial_last_line_is_cut_and_appends_stay_readable(tmp_path):
         ReplayCache(path)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("yields_before_cancel", [0, 1, 2, 5])
+async def test_a_charge_and_its_row_land_together_whenever_the_run_is_cancelled(
+    tmp_path, yields_before_cancel
+):
+    row = {"state_id": "s0", "teacher_slug": "t", "response_text": "ok", "error": None}
+    cache = ReplayCache(tmp_path)
+    await cache.journal_sent("k", 1000)
+    settling = asyncio.create_task(cache.journal_spent("k", 900, row))
+    for _ in range(yields_before_cancel):
+        await asyncio.sleep(0)
+    settling.cancel()
+    try:
+        await settling
+    except asyncio.CancelledError:
+        pass
+    cache.close()
+    reopened = ReplayCache(tmp_path)
+    # both on disk (the answer is kept) or neither (the call is in flight: charged at its
+    # reservation, never resent by default); never a charge without its row
+    if reopened.get("k") is None:
+        assert reopened.unknown_keys == {"k"} and reopened.prior_spend_nanos == 1000
+    else:
+        assert reopened.unknown_keys == set() and reopened.prior_spend_nanos == 900
+    reopened.close()
+
+
 @pytest.mark.integration
 @pytest.mark.asyncio
 async def test_second_run_is_served_from_the_cache(server, tmp_path):
@@ -101,6 +128,10 @@ async def test_resume_after_cancelling_midway_pays_only_for_unfinished_rows(tmp_
             e["spent"] for e in entries if "spent" in e
         }
         assert 20 <= len(finished) < 80 and 1 <= len(in_flight) <= 4
+        # every call charged as answered (all succeed here) has its row: none is lost to
+        # a cancel between the charge and the row, to be paid for again
+        charged = {e["spent"] for e in entries if "spent" in e}
+        assert charged == {e["key"] for e in entries if "row" in e}
         server.reset_counts()
         rows = await replay_trace(states, teachers, cache_dir=tmp_path, concurrency=4)
         asked = [(state_of(r), r.model) for r in server.requests]

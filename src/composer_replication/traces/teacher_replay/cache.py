@@ -140,10 +140,21 @@ class ReplayCache:
         await self._write({"sent": key, "nanos": int(nanos)})
         self._sent[key] = int(nanos)
 
-    async def journal_spent(self, key: str, nanos: int) -> None:
-        """Record (durably) what the call ``key`` was charged when it ended."""
-        await self._write({"spent": key, "nanos": int(nanos)})
+    async def journal_spent(self, key: str, nanos: int, row: TeacherCallResult | None = None) -> None:
+        """Record (durably) what the call ``key`` was charged when it ended, and its row.
+
+        A successful ``row`` goes out in the same write as the charge, so a run cancelled
+        at any point leaves either both on disk or neither (then the call counts as in
+        flight): a charged answer is never lost and paid for again.
+        """
+        lines = json.dumps({"spent": key, "nanos": int(nanos)}) + "\n"
+        if row is not None:
+            lines += json.dumps({"key": key, "row": row}, ensure_ascii=False) + "\n"
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._writer, self._append, lines.encode("utf-8"))
         self._journal_entry({"spent": key, "nanos": int(nanos)})
+        if row is not None:
+            self._rows[key] = row
 
     async def _write(self, entry: dict[str, Any]) -> None:
         line = json.dumps(entry, ensure_ascii=False) + "\n"

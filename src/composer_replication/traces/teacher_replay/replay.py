@@ -386,10 +386,9 @@ async def _run_pending(
                     rng=rng,
                     stats=run.stats,
                 )
-                if cache is not None:
-                    await cache.journal_spent(key, _nanos(row["cost_usd"]))
-                if cache is not None and row["error"] is None:
-                    await cache.put(key, row)  # durable before it counts as finished
+                if cache is not None:  # charge and row in one write, durable before it counts
+                    kept = row if row["error"] is None else None
+                    await cache.journal_spent(key, _nanos(row["cost_usd"]), kept)
                 finished(index, row)
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(pending)))))
