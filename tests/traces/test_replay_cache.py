@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -62,10 +63,8 @@ async def test_a_charge_and_its_row_land_together_whenever_the_run_is_cancelled(
     for _ in range(yields_before_cancel):
         await asyncio.sleep(0)
     settling.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await settling
-    except asyncio.CancelledError:
-        pass
     cache.close()
     reopened = ReplayCache(tmp_path)
     # both on disk (the answer is kept) or neither (the call is in flight: charged at its

@@ -140,7 +140,9 @@ class ReplayCache:
         await self._write({"sent": key, "nanos": int(nanos)})
         self._sent[key] = int(nanos)
 
-    async def journal_spent(self, key: str, nanos: int, row: TeacherCallResult | None = None) -> None:
+    async def journal_spent(
+        self, key: str, nanos: int, row: TeacherCallResult | None = None
+    ) -> None:
         """Record (durably) what the call ``key`` was charged when it ended, and its row.
 
         A successful ``row`` goes out in the same write as the charge, so a run cancelled
