@@ -50,7 +50,8 @@ def run(replica: int, replicas: int, shard: int, shards: int, port: int, store: 
     }
     if shard == 0:
         torch.save(whole, out)
-    if shards > 1:
+    if shards > 1:  # both ranks done with the group before either tears its end down
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
