@@ -14,7 +14,7 @@ that neither had finished.
 
 Journal and ledger: a call is journaled (``{"sent": key, "nanos": reservation}``) before its
 request goes out and its charge recorded (``{"spent": key, "nanos": charged}``) when it ends,
-whatever the outcome. Opening the cache reads the ledger, the cumulative spend of every run
+whatever the outcome; a successful row goes out in that same write. Opening the cache reads the ledger, the cumulative spend of every run
 that used it (``prior_spend_nanos``), so a spend cap holds across runs. A call journaled
 but never ended was in flight when a run was killed: the provider may have billed it, so it
 is charged at its reservation (written down as ``{"spent": ..., "unknown": true}``) and
