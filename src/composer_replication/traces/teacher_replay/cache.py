@@ -14,8 +14,9 @@ that neither had finished.
 
 Journal and ledger: a call is journaled (``{"sent": key, "nanos": reservation}``) before its
 request goes out and its charge recorded (``{"spent": key, "nanos": charged}``) when it ends,
-whatever the outcome; a successful row goes out in that same write. Opening the cache reads the ledger, the cumulative spend of every run
-that used it (``prior_spend_nanos``), so a spend cap holds across runs. A call journaled
+whatever the outcome; a successful row goes out in that same write. Opening the cache reads
+the ledger, the cumulative spend of every run that used it (``prior_spend_nanos``), so a
+spend cap holds across runs. A call journaled
 but never ended was in flight when a run was killed: the provider may have billed it, so it
 is charged at its reservation (written down as ``{"spent": ..., "unknown": true}``) and
 listed in ``unknown_keys``; the replay does not send it again unless asked to.
@@ -149,19 +150,17 @@ class ReplayCache:
         at any point leaves either both on disk or neither (then the call counts as in
         flight): a charged answer is never lost and paid for again.
         """
-        lines = json.dumps({"spent": key, "nanos": int(nanos)}) + "\n"
-        if row is not None:
-            lines += json.dumps({"key": key, "row": row}, ensure_ascii=False) + "\n"
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._writer, self._append, lines.encode("utf-8"))
+        charge = {"spent": key, "nanos": int(nanos)}
+        await self._write(charge, *([] if row is None else [{"key": key, "row": row}]))
         self._journal_entry({"spent": key, "nanos": int(nanos)})
         if row is not None:
             self._rows[key] = row
 
-    async def _write(self, entry: dict[str, Any]) -> None:
-        line = json.dumps(entry, ensure_ascii=False) + "\n"
+    async def _write(self, *entries: dict[str, Any]) -> None:
+        """Append ``entries`` as lines in one write (all on disk after a cancel, or none)."""
+        lines = "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in entries)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._writer, self._append, line.encode("utf-8"))
+        await loop.run_in_executor(self._writer, self._append, lines.encode("utf-8"))
 
     def _cut_partial_tail(self) -> None:
         """Drop an unterminated last line (a write cut by a crash)."""
@@ -197,9 +196,7 @@ class ReplayCache:
 
     async def put(self, key: str, row: TeacherCallResult) -> None:
         """Store `row` durably (returns after fsync)."""
-        line = json.dumps({"key": key, "row": row}, ensure_ascii=False) + "\n"
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._writer, self._append, line.encode("utf-8"))
+        await self._write({"key": key, "row": row})
         self._rows[key] = row
 
     def close(self) -> None:
